@@ -1,0 +1,137 @@
+"""Step time and peak memory of dstrain strategies next to plain PyTorch, in one run.
+
+    python benchmarks/bench_training.py --systems ddp,fsdp2,dstrain-z0 --steps 20
+
+Workload (shared/reference/baselines.md): GPT with 6 layers, d_model 512, 8 heads, seq 128, vocab
+12,000, tied embeddings (25.12M parameters), micro-batch 8 per rank, AdamW, fp32, 2 ranks x 1 thread,
+gloo over loopback. Reports the median step time of steps 2..N-1 and peak RSS per rank, and the
+ratio of each system to the first one listed. These machines are noisy: read the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.gpt import BENCH_CONFIG, GPT, RandomTokens  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
+
+MICRO = 8
+LR = 1e-4
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _batches(steps: int, rank: int):
+    data = RandomTokens(steps * MICRO, BENCH_CONFIG.seq_len, BENCH_CONFIG.vocab_size, seed=rank)
+    return [data[i * MICRO:(i + 1) * MICRO] for i in range(steps)]
+
+
+def _timed_loop(step_fn, batches) -> list[float]:
+    times = []
+    for x, y in batches:
+        t0 = time.perf_counter()
+        step_fn(x, y)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _torch_step(model, opt):
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _run_ddp(steps: int, fused: bool):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(GPT(BENCH_CONFIG), gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused, foreach=None if fused else True)
+    return _timed_loop(_torch_step(model, opt), _batches(steps, dist.get_rank()))
+
+
+def _run_fsdp2(steps: int, fused: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = GPT(BENCH_CONFIG)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    return _timed_loop(_torch_step(model, opt), _batches(steps, dist.get_rank()))
+
+
+def _dstrain_config(stage: int, fused: bool, extra: dict | None = None) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+           "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "fused": fused}},
+           "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 5e6}}
+    cfg.update(extra or {})
+    return cfg
+
+
+def _run_dstrain(steps: int, fused: bool, stage: int = 0, extra: dict | None = None):
+    import engine
+    eng, _, _, _ = engine.initialize(model=GPT(BENCH_CONFIG), config=_dstrain_config(stage, fused, extra))
+
+    def step(x, y):
+        eng.backward(eng(x, y))
+        eng.step()
+    return _timed_loop(step, _batches(steps, dist.get_rank()))
+
+
+SYSTEMS = {
+    "ddp": _run_ddp,
+    "fsdp2": _run_fsdp2,
+    "dstrain-z0": lambda steps, fused: _run_dstrain(steps, fused, stage=0),
+}
+
+
+def _rank_entry(system: str, steps: int, fused: bool):
+    torch.manual_seed(0)
+    times = SYSTEMS[system](steps, fused)
+    return {"step_ms": statistics.median(times[2:-1] if len(times) > 4 else times), "rss_mb": _peak_rss_mb()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="ddp,dstrain-z0")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--foreach", action="store_true", help="AdamW foreach instead of fused (baselines.md used foreach)")
+    args = p.parse_args(argv)
+    systems = args.systems.split(",")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        p.error(f"unknown systems {unknown}; choose from {sorted(SYSTEMS)}")
+    rows = []
+    for name in systems:
+        per_rank = run_distributed(_rank_entry, args.world, args=(name, args.steps, not args.foreach), timeout=1800)
+        step = max(r["step_ms"] for r in per_rank)
+        rss = max(r["rss_mb"] for r in per_rank)
+        rows.append((name, step, rss))
+        print(f"{name:>14}: {step:8.1f} ms/step  peak RSS/rank {rss:7.0f} MB", flush=True)
+    base_step, base_rss = rows[0][1], rows[0][2]
+    print(f"\n| system | ms/step | ratio vs {rows[0][0]} | peak RSS/rank MB | RSS ratio |")
+    print("|---|---|---|---|---|")
+    for name, step, rss in rows:
+        print(f"| {name} | {step:.0f} | {step / base_step:.3f} | {rss:.0f} | {rss / base_rss:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""One door for every collective: `Communicator` wraps `torch.distributed` and counts bytes per op.
+
+[Note: what is counted] `stats.bytes[op]` is the payload handed to the op on this rank: the whole
+buffer for all_reduce and broadcast, the full (unsharded) input for reduce_scatter, the full output
+for all_gather, the input for all_to_all. `stats.volume()` converts that to the ZeRO paper's units
+(an all-reduce of Ψ bytes moves 2Ψ: a reduce-scatter plus an all-gather), so stage 0 and stages 1/2
+can be compared directly. Compression and overlap show up in tests and benchmarks through these counts.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# Units of the ZeRO paper (arXiv:1910.02054 §7): per-rank volume relative to the payload size.
+_VOLUME_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0,
+                  "all_to_all": 1.0, "all_gather_object": 0.0, "barrier": 0.0}
+
+
+@dataclass
+class CommStats:
+    """Bytes and calls per collective on this rank since the last `reset()`."""
+
+    bytes: Counter = field(default_factory=Counter)
+    calls: Counter = field(default_factory=Counter)
+
+    def record(self, op: str, nbytes: int) -> None:
+        self.bytes[op] += int(nbytes)
+        self.calls[op] += 1
+
+    def volume(self) -> float:
+        return sum(_VOLUME_FACTOR.get(op, 1.0) * n for op, n in self.bytes.items())
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict:
+        return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# torch 2.13 renames the tensor forms of reduce-scatter/all-gather; use the new names when present.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Communicator:
+    """Collectives over one process group, with byte accounting. A world of one skips the wire."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.stats = CommStats()
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        self.stats.record("all_reduce", _nbytes(tensor))
+        if self.world_size == 1:
+            return None
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
+                       async_op: bool = False):
+        """`input` holds world_size equal chunks; this rank's reduced chunk lands in `output`."""
+        self.stats.record("reduce_scatter", _nbytes(input))
+        if self.world_size == 1:
+            output.copy_(input)
+            return None
+        return _reduce_scatter(output, input, op=op, group=self.group, async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Concatenate every rank's `input` (equal sizes) into `output`."""
+        self.stats.record("all_gather", _nbytes(output))
+        if self.world_size == 1:
+            output.copy_(input.reshape(output.shape))
+            return None
+        return _all_gather(output, input, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """`src` is a rank of this communicator's group."""
+        self.stats.record("broadcast", _nbytes(tensor))
+        if self.world_size == 1:
+            return None
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        self.stats.record("all_to_all", _nbytes(input))
+        if self.world_size == 1:
+            output.copy_(input)
+            return None
+        return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+
+    def all_gather_object(self, obj) -> list:
+        self.stats.record("all_gather_object", 0)
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        self.stats.record("barrier", 0)
+        if self.world_size > 1:
+            dist.barrier(group=self.group)

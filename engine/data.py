@@ -1,0 +1,53 @@
+"""The training data loader `initialize()` builds from `training_data`.
+
+Each data-parallel rank reads a disjoint shard of every epoch (DistributedSampler, shuffled with the
+config's `seed`, identical on all ranks), `train_micro_batch_size_per_gpu` samples at a time. The loader
+counts the batches it has handed out so a checkpoint can resume mid-epoch.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class DistributedDataLoader:
+    """Iterable over micro-batches of this rank's shard; a new `iter()` starts the next epoch."""
+
+    def __init__(self, dataset: Dataset, micro_batch_size: int, dp_rank: int, dp_world_size: int,
+                 seed: int, drop_last: bool = False, collate_fn: Callable | None = None,
+                 num_workers: int = 0, shuffle: bool = True):
+        self.dataset = dataset
+        self.sampler = DistributedSampler(dataset, num_replicas=dp_world_size, rank=dp_rank,
+                                          shuffle=shuffle, seed=seed, drop_last=drop_last)
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
+                                 collate_fn=collate_fn, drop_last=drop_last, num_workers=num_workers,
+                                 generator=generator)
+        self.epoch = 0
+        self.batches_in_epoch = 0  # handed out in the current epoch
+        self._skip = 0  # batches to skip after a resume
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        self.sampler.set_epoch(self.epoch)
+        skip, self._skip = self._skip, 0
+        self.batches_in_epoch = 0
+        for i, batch in enumerate(self.loader):
+            if i < skip:
+                continue
+            self.batches_in_epoch = i + 1
+            yield batch
+        self.epoch += 1
+        self.batches_in_epoch = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self._skip = int(state["batches_in_epoch"])

@@ -1,0 +1,131 @@
+"""Process-group set-up and the parallel topology.
+
+`init_distributed()` reads the environment the way the launchers write it:
+- dslaunch / torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
+- SLURM (`srun python train.py`): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, first host of
+  SLURM_JOB_NODELIST as the master;
+- Open MPI (`mpirun`): OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK;
+- nothing at all: a single process (world size 1, no network).
+Backend: nccl when CUDA is present, gloo otherwise. The timeout defaults to 300 s (env
+DSTRAIN_TIMEOUT, seconds) rather than torch's 30 minutes, so a hung collective fails while someone
+is still watching.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300
+DEFAULT_PORT = 29500
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist such as 'node[03-05,09],gpu1' → 'node03'."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        return nodelist
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def discover_env() -> dict[str, str] | None:
+    """RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* from whichever launcher started us, or None."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k in env}
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
+                "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+                "MASTER_ADDR": env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+                "MASTER_PORT": env.get("MASTER_PORT", str(DEFAULT_PORT))}
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return {"RANK": env["OMPI_COMM_WORLD_RANK"], "WORLD_SIZE": env["OMPI_COMM_WORLD_SIZE"],
+                "LOCAL_RANK": env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+                "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
+                "MASTER_PORT": env.get("MASTER_PORT", str(DEFAULT_PORT))}
+    return None
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(dist_backend: str | None = None, timeout: timedelta | float | None = None,
+                     init_method: str | None = None, rank: int = -1, world_size: int = -1,
+                     verbose: bool = False) -> None:
+    """Initialise the default process group once; later calls are no-ops (like DeepSpeed's)."""
+    if dist.is_initialized():
+        return
+    if timeout is None:
+        timeout = float(os.environ.get("DSTRAIN_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    backend = dist_backend or default_backend()
+    found = discover_env()
+    if rank >= 0 and world_size > 0:
+        found = {**(found or {}), "RANK": str(rank), "WORLD_SIZE": str(world_size)}
+    if found is None or int(found["WORLD_SIZE"]) == 1 and init_method is None and "MASTER_ADDR" not in found:
+        # A lone process: an in-memory store, no port to pick or collide on.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        for key in ("MASTER_ADDR", "MASTER_PORT"):
+            os.environ.setdefault(key, found.get(key, "127.0.0.1" if key == "MASTER_ADDR" else str(DEFAULT_PORT)))
+        os.environ.setdefault("LOCAL_RANK", found.get("LOCAL_RANK", "0"))
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=int(found["RANK"]),
+                                world_size=int(found["WORLD_SIZE"]), timeout=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank())
+    if verbose and dist.get_rank() == 0:
+        print(f"[dstrain] initialised {backend} with world size {dist.get_world_size()}")
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The grid of ranks: `arange(world).view(pipe, data, model)`, as in picotron and DeepSpeed's
+    PipeModelDataParallelTopology. Only the data axis is populated until pipeline and tensor
+    parallelism land; the shape is here so they slot in without changing callers."""
+
+    data: int
+    pipe: int = 1
+    model: int = 1
+
+    @classmethod
+    def from_world(cls) -> "Topology":
+        return cls(data=dist.get_world_size() if dist.is_initialized() else 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.data * self.pipe * self.model
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pipe, data, model) coordinates of a global rank."""
+        pipe, rest = divmod(rank, self.data * self.model)
+        data, model = divmod(rest, self.model)
+        return pipe, data, model
+
+    def data_parallel_ranks(self, rank: int) -> list[int]:
+        pipe, _, model = self.coords(rank)
+        return [pipe * self.data * self.model + d * self.model + model for d in range(self.data)]
+
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """None means the default (world) group, which is what a pure data-parallel job uses."""
+        if self.world_size == self.data:
+            return None
+        raise NotImplementedError("pipeline/tensor parallel process groups are not built yet")

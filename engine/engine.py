@@ -1,0 +1,167 @@
+"""`Engine`: the object a training loop talks to. It runs forward, backward and step, and delegates:
+gradient reduction, precision and the optimizer step to the ZeRO optimizer of the configured stage,
+schedules to the LR scheduler, logging to `monitor`. It holds no config accessors: components get
+their typed config sections when `initialize()` builds them.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import heartbeat
+from .monitor import StepLogger, Timers
+
+
+class Engine(torch.nn.Module):
+    """Wraps the user's module; `initialize()` builds it. Public names follow DeepSpeed's engine."""
+
+    def __init__(self, module: torch.nn.Module, zero_optimizer, lr_scheduler, dataloader, config, comm):
+        super().__init__()
+        self.module = module
+        self.zero_optimizer = zero_optimizer
+        self.optimizer = zero_optimizer.optimizer if zero_optimizer is not None else None
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = dataloader
+        self.config = config
+        self.comm = comm
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._boundary_override: bool | None = None
+        self._in_no_sync = False
+        self._last_loss: torch.Tensor | None = None
+        # fp16.auto_cast (DeepSpeed): floating-point inputs are cast to the fp16 weights' dtype.
+        self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
+        self.timers = Timers(config.wall_clock_breakdown)
+        self.logger = StepLogger(config.steps_per_print, comm.rank, config.train_batch_size)
+
+    # -- the training loop -------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self.timers.start("forward")
+        if self._cast_inputs is not None:
+            args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
+        out = self.module(*args, **kwargs)
+        self.timers.stop("forward")
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagate `loss / gradient_accumulation_steps`; at the boundary, reduce gradients."""
+        self._require_optimizer("backward")
+        boundary = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        self.zero_optimizer.before_backward(boundary)
+        gas = self.config.gradient_accumulation_steps
+        scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
+        self.timers.start("backward")
+        self.zero_optimizer.backward(scaled, retain_graph=retain_graph)
+        self.timers.stop("backward")
+        if boundary:
+            self.timers.start("allreduce")
+            self.zero_optimizer.after_backward()
+            self.timers.stop("allreduce")
+        self._last_loss = loss.detach()
+        return loss
+
+    def step(self) -> None:
+        """Call after every micro-batch; acts only at the gradient-accumulation boundary."""
+        self._require_optimizer("step")
+        if self._in_no_sync:
+            raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first")
+        if self.is_gradient_accumulation_boundary():
+            self.timers.start("step")
+            self._step_applied = self.zero_optimizer.step(self.global_steps + 1)
+            self.timers.stop("step")
+            if self._step_applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+            self.global_steps += 1
+            self.global_samples += self.config.train_batch_size
+            heartbeat.beat(self.global_steps)
+            self._maybe_log()
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def _maybe_log(self) -> None:
+        if not self.logger.due(self.global_steps):
+            return
+        loss = float(self._last_loss) if self._last_loss is not None else None
+        breakdown = self.timers.means_and_reset() if self.timers.enabled else None
+        self.logger.log(self.global_steps, loss, self.get_lr(), self.skipped_steps, breakdown,
+                        self.zero_optimizer.log_suffix())
+
+    def _require_optimizer(self, what: str) -> None:
+        if self.zero_optimizer is None:
+            raise RuntimeError(f"engine.{what}() needs an optimizer: set \"optimizer\" in the config "
+                               "or pass optimizer= to engine.initialize()")
+
+    # -- accumulation ---------------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary for the current micro-step (DeepSpeed's name and meaning)."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside skip gradient reduction; step() inside is an error."""
+        previous, self._in_no_sync = self._in_no_sync, True
+        try:
+            yield
+        finally:
+            self._in_no_sync = previous
+
+    # -- queries --------------------------------------------------------------------------------
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.zero_optimizer.last_grad_norm if self.zero_optimizer is not None else None
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    # -- state ----------------------------------------------------------------------------------
+    def training_state_dict(self) -> dict:
+        """Everything a resumed run needs besides the data: module, optimizer wrapper, schedule, counters."""
+        return {
+            "module": self.module.state_dict(),
+            "zero_optimizer": self.zero_optimizer.state_dict() if self.zero_optimizer else None,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "counters": {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                         "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps},
+        }
+
+    def load_training_state_dict(self, state: dict, strict: bool = True) -> None:
+        self.module.load_state_dict(state["module"], strict=strict)
+        if self.zero_optimizer is not None and state.get("zero_optimizer") is not None:
+            self.zero_optimizer.load_state_dict(state["zero_optimizer"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        for key, value in state["counters"].items():
+            setattr(self, key, value)
+
+
+def _cast_floating(obj, dtype: torch.dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,121 @@
+"""`initialize()`: config + model → a ready `Engine` (DeepSpeed's `deepspeed.initialize`).
+
+Order of construction, each step a small function: process group → config (batch arithmetic needs
+the data-parallel world size) → seed → model on its device, identical on every rank → optimizer →
+ZeRO optimizer of the configured stage → LR schedule → data loader → Engine.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+import schemas
+
+from .comm import Communicator
+from .data import DistributedDataLoader
+from .dist import Topology, device, init_distributed
+from .engine import Engine
+from .precision import model_dtype
+from .optimizers import build_optimizer
+from .schedules import build_scheduler
+from .zero import build_zero_optimizer
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's `--deepspeed` and `--deepspeed_config` flags (and the old `--deepscale*`)."""
+    group = parser.add_argument_group("dstrain", "dstrain configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable dstrain (kept for DeepSpeed script compatibility)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="dstrain/DeepSpeed JSON or YAML config")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def _config_source(args, config, config_params) -> Any:
+    given = [c for c in (config, config_params) if c is not None]
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None:
+        given.append(from_args)
+    if len(given) > 1:
+        raise schemas.ConfigError(["config given twice: pass either config= (or config_params=) "
+                                   "or --deepspeed_config, not both"])
+    if not given:
+        raise schemas.ConfigError(["no config: pass config= to engine.initialize() or --deepspeed_config FILE"])
+    return given[0]
+
+
+def _param_groups(model: torch.nn.Module, model_parameters) -> list:
+    if model_parameters is None:
+        return [p for p in model.parameters()]
+    return list(model_parameters)
+
+
+def _broadcast_model(model: torch.nn.Module, comm: Communicator) -> None:
+    """Make every rank start from rank 0's weights and buffers, one broadcast per dtype."""
+    if comm.world_size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            comm.broadcast(flat, src=0)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _make_optimizer(optimizer, params, cfg):
+    if optimizer is None:
+        return build_optimizer(params, cfg.optimizer) if cfg.optimizer is not None else None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        return optimizer(params)
+    raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable f(params), got {type(optimizer).__name__}")
+
+
+def _make_scheduler(lr_scheduler, optimizer, cfg):
+    if lr_scheduler is None:
+        if cfg.scheduler is None or optimizer is None:
+            return None
+        return build_scheduler(optimizer, cfg.scheduler)
+    if hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict"):
+        return lr_scheduler
+    if callable(lr_scheduler):
+        return lr_scheduler(optimizer)
+    raise TypeError("lr_scheduler= must be a scheduler object or a callable f(optimizer)")
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int | None = None, mpu=None,
+               dist_init_required: bool | None = None, collate_fn=None, config=None, config_params=None):
+    """Build an `Engine` for `model` as `config` says. Returns (engine, optimizer, dataloader, scheduler),
+    with None for what was not configured — the same tuple as `deepspeed.initialize`."""
+    if model is None:
+        raise ValueError("engine.initialize() needs model=")
+    if mpu is not None:
+        raise NotImplementedError("mpu= (Megatron-style model parallelism) is not built yet in dstrain")
+    source = _config_source(args, config, config_params)
+    init_distributed()
+    topology = Topology.from_world()
+    comm = Communicator(topology.data_parallel_group())
+    cfg = schemas.load_config(source, world_size=topology.data)
+    torch.manual_seed(cfg.seed + comm.rank)
+    model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
+    _broadcast_model(model, comm)
+    base_optimizer = _make_optimizer(optimizer, _param_groups(model, model_parameters), cfg)
+    zero_optimizer = build_zero_optimizer(base_optimizer, comm, cfg) if base_optimizer is not None else None
+    scheduler = _make_scheduler(lr_scheduler, base_optimizer, cfg)
+    loader = None
+    if training_data is not None:
+        loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu, comm.rank,
+                                       comm.world_size, cfg.seed, cfg.dataloader_drop_last, collate_fn)
+    comm.stats.reset()
+    eng = Engine(model, zero_optimizer, scheduler, loader, cfg, comm)
+    return eng, eng.optimizer, loader, scheduler

@@ -1,0 +1,134 @@
+"""ZeRO stage 0: plain data parallelism. Every rank holds all parameters, gradients and optimizer
+state; gradients are all-reduced in buckets as backward produces them (or right after it).
+With fp16/bf16 the optimizer steps fp32 master copies (`MasterWeights`)."""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Communicator
+from ..precision import DTYPES, NonFiniteGuard
+from .buckets import Bucket, GradientBuckets
+from .master import MasterWeights
+
+
+class GradientScaling:
+    """DeepSpeed's pre/post division around the all-reduce (`engine.allreduce_bucket`).
+
+    postscale (default): grad *= 1/predivide before, *= predivide/world after — keeps fp16 sums in range
+    while dividing once. prescale_gradients: grad *= 1/world before, nothing after.
+    """
+
+    def __init__(self, world_size: int, prescale: bool, predivide: float):
+        if prescale:
+            self.before, self.after = 1.0 / world_size, 1.0
+        else:
+            self.before, self.after = 1.0 / predivide, predivide / world_size
+
+
+def global_norm(buffers: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over flat fp32 buffers: one reduction per buffer, one host sync for the caller."""
+    norms = [torch.linalg.vector_norm(b, dtype=torch.float32) for b in buffers if b.numel()]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def clip_(buffers: list[torch.Tensor], total_norm: float, max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm/(norm+1e-6) when that is below 1."""
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0:
+        for b in buffers:
+            b.mul_(coef)
+
+
+class DataParallelOptimizer:
+    """Owns the gradients of `optimizer`'s parameters and the boundary step for stage 0."""
+
+    stage = 0
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, guard: NonFiniteGuard, *,
+                 bucket_numel: int, overlap_comm: bool, gradient_clipping: float,
+                 prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
+                 communication_data_type: str | None = None, grad_accum_dtype: str | None = None):
+        self.optimizer = optimizer
+        self.comm = comm
+        self.guard = guard
+        self.clip = float(gradient_clipping or 0.0)
+        self.scaling = GradientScaling(comm.world_size, prescale_gradients, gradient_predivide_factor)
+        self.comm_dtype = DTYPES[communication_data_type] if communication_data_type else None
+        self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self.buckets = GradientBuckets(self.params, bucket_numel, self._all_reduce_bucket, overlap=overlap_comm,
+                                       grad_dtype=DTYPES[grad_accum_dtype] if grad_accum_dtype else None)
+        needs_master = any(p.dtype != torch.float32 for p in self.params)
+        self.master = MasterWeights(optimizer, self.buckets) if needs_master else None
+        self.last_grad_norm: float | None = None
+
+    def _all_reduce_bucket(self, bucket: Bucket):
+        buf = bucket.buffer
+        send = buf if self.comm_dtype in (None, buf.dtype) else buf.to(self.comm_dtype)
+        if self.scaling.before != 1.0:
+            send.mul_(self.scaling.before)
+        work = self.comm.all_reduce(send, async_op=True)
+
+        def finish() -> None:
+            if send is not buf:
+                buf.copy_(send)
+            if self.scaling.after != 1.0:
+                buf.mul_(self.scaling.after)
+        return work, finish
+
+    # -- backward ------------------------------------------------------------------------------
+    def before_backward(self, boundary: bool) -> None:
+        if boundary:
+            self.buckets.arm()
+        else:
+            self.buckets.attach()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        scale = self.guard.scaler.loss_scale
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+
+    def after_backward(self) -> None:
+        self.buckets.flush_and_wait()
+
+    # -- the boundary step ---------------------------------------------------------------------
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        if self.master is not None:
+            self.master.load_grads(1.0 / self.guard.scaler.loss_scale)
+            return self.master.grad_buffers()
+        return list(self.buckets.flat.values())
+
+    def step(self, step_number: int = 0) -> bool:
+        """Unscale, check, clip and apply the optimizer. Returns whether the step was applied."""
+        buffers = self._grad_buffers()
+        norm = float(global_norm(buffers))
+        self.last_grad_norm = norm
+        applied = self.guard.check(norm, step_number)
+        if applied:
+            if self.clip > 0:
+                clip_(buffers, norm, self.clip)
+            self.optimizer.step()
+            if self.master is not None:
+                self.master.copy_to_model()
+        self.zero_grad()
+        return applied
+
+    def zero_grad(self) -> None:
+        self.buckets.zero()
+        if self.master is not None:
+            for g in self.master.grad_buffers():
+                g.zero_()
+
+    def log_suffix(self) -> str:
+        return f" | loss scale {self.guard.scaler.loss_scale:g}" if self.guard.precision == "fp16" else ""
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "guard": self.guard.state_dict(),
+                "master": [m.detach().clone() for m in self.master.master_params] if self.master else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.guard.load_state_dict(state["guard"])
+        if self.master is not None and state.get("master") is not None:
+            with torch.no_grad():
+                for m, saved in zip(self.master.master_params, state["master"]):
+                    m.copy_(saved)
+            self.master.copy_to_model()
