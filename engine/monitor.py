@@ -65,7 +65,8 @@ class StepLogger:
         self._print(line)
 
     def _print(self, line: str) -> None:
+        from rich.markup import escape
         if self._console is None:
             from rich.console import Console
-            self._console = Console(highlight=False)
-        self._console.print(f"[bold cyan][dstrain][/] {line}", markup=True)
+            self._console = Console(highlight=False, soft_wrap=True)
+        self._console.print(f"[bold cyan]\\[dstrain][/] {escape(line)}", markup=True)
