@@ -1,0 +1,245 @@
+"""The `optimizer` section: `{"type": ..., "params": {...}}`, with params typed per optimizer type.
+
+Type names are matched case-insensitively, as DeepSpeed does, and stored in their canonical spelling
+("adamw" -> "AdamW"). Each type has its own params model, so a typo inside `optimizer.params` is an
+error naming `optimizer.params.<key>` with a did-you-mean.
+
+[Note: Adam is AdamW] DeepSpeed 0.19.8 runs `"type": "Adam"` with decoupled weight decay (AdamW) unless
+`adam_w_mode: false`. dstrain keeps that: `Adam` + `adam_w_mode: false` is classic Adam with L2 decay.
+
+To switch on an optimizer that is listed in `NOT_BUILT_OPTIMIZERS`: write its params model here, add it
+to `PARAMS_MODELS`, remove the name from `NOT_BUILT_OPTIMIZERS`, and add a builder in
+`engine/optimizers.py`.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Annotated, Any, ClassVar, Optional, Tuple, Union
+
+from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from schemas.base import StrictModel
+
+# Hints for keys that other tools put in optimizer params but that live elsewhere in the config.
+_KEY_HINTS = {
+    "max_grad_norm": "gradient clipping is the top-level 'gradient_clipping' key, not an optimizer param",
+}
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if not close:
+        lowered = {c.lower(): c for c in choices}
+        close = [lowered[word.lower()]] if word.lower() in lowered else []
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
+def list_to_tuple(value: Any) -> Any:
+    """JSON has no tuples; the models are strict, so a list becomes a tuple before validation."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+Betas = Annotated[Tuple[float, float], BeforeValidator(list_to_tuple)]
+
+
+def _custom(loc: tuple, message: str, value: Any) -> InitErrorDetails:
+    # The message goes through ctx so that braces in user input cannot break the template.
+    return {"type": PydanticCustomError("invalid_param", "{message}", {"message": message}),
+            "loc": loc, "input": value}
+
+
+def _unknown_key(key: str, value: Any, allowed: list[str], owner: str) -> InitErrorDetails:
+    # Error type "unknown_key" (not pydantic's extra_forbidden): the hint depends on `type`, which a
+    # formatter walking the params union could not know. ctx["hint"] is the hint alone.
+    close = _did_you_mean(key, allowed).strip()
+    hint = _KEY_HINTS.get(key) or close or f"valid keys: {', '.join(allowed)}"
+    return {"type": PydanticCustomError("unknown_key", "unknown key for {owner}; {hint}",
+                                        {"owner": owner, "hint": hint}),
+            "loc": (key,), "input": value}
+
+
+def raise_param_errors(title: str, errors: list[InitErrorDetails]) -> None:
+    """Raise `errors` as one ValidationError; pydantic prefixes each `loc` with the caller's field."""
+    raise ValidationError.from_exception_data(title, errors)
+
+
+def validate_params(model: type[StrictModel], value: Any, owner: str) -> StrictModel:
+    """Validate `value` (a section's `params` dict) against `model`.
+
+    Every problem keeps its own key path; an unknown key says what was probably meant and which keys
+    `owner` (e.g. "optimizer 'Adam'") accepts.
+    """
+    try:
+        return model.model_validate({} if value is None else value)
+    except ValidationError as exc:
+        allowed = list(model.model_fields)
+        details: list[InitErrorDetails] = []
+        for err in exc.errors():
+            if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+                details.append(_unknown_key(str(err["loc"][0]), err["input"], allowed, owner))
+                continue
+            detail: InitErrorDetails = {"type": err["type"], "loc": err["loc"], "input": err["input"]}
+            if "ctx" in err:
+                detail["ctx"] = err["ctx"]
+            details.append(detail)
+        raise_param_errors(exc.title, details)
+        raise  # unreachable: raise_param_errors always raises
+
+
+def resolve_type_name(value: Any, built: list[str], not_built: list[str], other_hint: dict[str, str],
+                      section: str) -> str:
+    """Canonical spelling of a `type` value, or a ValueError saying what is allowed."""
+    if not isinstance(value, str):
+        raise ValueError(f"must be a string naming the {section} type, one of: {', '.join(built)}")
+    by_lower = {name.lower(): name for name in built + not_built}
+    canonical = by_lower.get(value.lower())
+    if canonical in built:
+        return canonical
+    if canonical is not None:
+        raise ValueError(f"'{canonical}' is not built yet in dstrain (built: {', '.join(built)})")
+    if value.lower() in other_hint:
+        raise ValueError(other_hint[value.lower()])
+    later = f" (not built yet: {', '.join(not_built)})" if not_built else ""
+    raise ValueError(f"'{value}' is not a known {section} type; {_did_you_mean(value, built + not_built)}"
+                     f"valid types: {', '.join(built)}{later}")
+
+
+class TypedSection(StrictModel):
+    """A `{"type": ..., "params": {...}}` section whose params model depends on `type`. Subclasses set
+    the class variables and declare `params` as the union of their params models."""
+
+    section: ClassVar[str]
+    params_models: ClassVar[dict[str, type[StrictModel]]]
+    not_built: ClassVar[list[str]] = []
+    other_hints: ClassVar[dict[str, str]] = {}
+
+    type: str
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> str:
+        return resolve_type_name(value, list(cls.params_models), cls.not_built, cls.other_hints, cls.section)
+
+    @field_validator("params", mode="before", check_fields=False)
+    @classmethod
+    def _typed_params(cls, value: Any, info: ValidationInfo) -> StrictModel:
+        kind = info.data.get("type")
+        if kind is None:
+            # `type` already failed; its error is the one to read. A placeholder keeps params quiet.
+            return next(iter(cls.params_models.values())).model_construct()
+        params = validate_params(cls.params_models[kind], value, f"{cls.section} '{kind}'")
+        cls._check_params(kind, params)
+        return params
+
+    @classmethod
+    def _check_params(cls, kind: str, params: StrictModel) -> None:
+        """Checks across `type` and `params`; raise through `raise_param_errors`."""
+
+
+class AdamParams(StrictModel):
+    """Params of `Adam` and `AdamW` (torch's Adam/AdamW kernels; fused on CPU and GPU by default)."""
+
+    lr: float = Field(1e-3, ge=0.0)
+    """Learning rate. `"auto"` keeps this default, 1e-3 (DeepSpeed's FusedAdam default); a scheduler
+    may overwrite it."""
+    betas: Betas = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square, each in [0, 1)."""
+    eps: float = Field(1e-8, ge=0.0)
+    """Added to the denominator for numerical stability."""
+    weight_decay: Optional[float] = Field(None, ge=0.0)
+    """Decoupled (AdamW) or L2 (`Adam` with `adam_w_mode: false`) weight decay. Unset: 0.0, as
+    DeepSpeed's FusedAdam; with `torch_adam: true`, torch's own default (0.01 for AdamW)."""
+    amsgrad: bool = False
+    """Use the AMSGrad variant (torch's kernels support it; DeepSpeed's FusedAdam does not)."""
+    bias_correction: bool = True
+    """Only `true` is supported: torch's Adam kernels always correct the moment estimates' bias."""
+    adam_w_mode: bool = True
+    """`Adam` only: true (default, as DeepSpeed 0.19.8) = decoupled weight decay (AdamW); false =
+    classic Adam with L2 decay. `AdamW` is always decoupled."""
+    torch_adam: bool = False
+    """Accepted for DeepSpeed compatibility: dstrain always runs torch's kernels. Only effect: an unset
+    `weight_decay` takes torch's default instead of 0.0."""
+    fused: Optional[bool] = None
+    """dstrain: torch's fused kernel (true), torch's default kernel, foreach on GPU and a for-loop on
+    CPU (false), or fused whenever all parameters are floating point on a device torch has fused
+    kernels for (unset; on CPU ~5-10x faster than foreach)."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: Tuple[float, float]) -> Tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+        return betas
+
+    @field_validator("bias_correction")
+    @classmethod
+    def _only_bias_correction(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("only true is supported: torch's Adam/AdamW kernels always apply bias "
+                             "correction; remove the key")
+        return value
+
+
+class SGDParams(StrictModel):
+    """Params of `SGD` (torch.optim.SGD)."""
+
+    lr: float = Field(1e-3, ge=0.0)
+    """Learning rate. `"auto"` keeps this default, 1e-3 (torch's default)."""
+    momentum: float = Field(0.0, ge=0.0)
+    """Momentum factor; 0 disables momentum."""
+    dampening: float = Field(0.0, ge=0.0)
+    """Dampening for momentum."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """L2 penalty added to the gradient."""
+    nesterov: bool = False
+    """Nesterov momentum; needs `momentum > 0` and `dampening == 0`."""
+    fused: Optional[bool] = None
+    """dstrain: torch's fused SGD kernel (true), torch's default kernel (false), or fused where
+    supported (unset)."""
+
+    @field_validator("nesterov")
+    @classmethod
+    def _nesterov_needs_momentum(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and (info.data.get("momentum", 0.0) <= 0.0 or info.data.get("dampening", 0.0) != 0.0):
+            raise ValueError("nesterov needs momentum > 0 and dampening == 0")
+        return value
+
+
+OptimizerParams = Union[AdamParams, SGDParams]
+
+# Canonical type name -> its params model. The order is the order of error messages.
+PARAMS_MODELS: dict[str, type[StrictModel]] = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+
+# DeepSpeed optimizer types that dstrain will build later; naming one is a clear error until then.
+NOT_BUILT_OPTIMIZERS = ["Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "Lion", "MuAdam",
+                        "MuAdamW", "MuSGD", "Muon"]
+
+# DeepSpeed also looks names up in torch.optim; say how to use those instead of "unknown type".
+_TORCH_OPTIMIZERS = ["Adadelta", "Adafactor", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop",
+                     "Rprop", "SparseAdam"]
+_TORCH_HINTS = {name.lower(): f"'{name}' (a torch.optim class) is not built yet as a config type in dstrain; "
+                f"pass the optimizer object or a callable f(params) as initialize(optimizer=...)"
+                for name in _TORCH_OPTIMIZERS}
+
+
+class OptimizerConfig(TypedSection):
+    """`optimizer`: which optimizer the engine builds, and its hyperparameters. An optimizer passed to
+    `initialize(optimizer=...)` overrides this section."""
+
+    section: ClassVar[str] = "optimizer"
+    params_models: ClassVar[dict[str, type[StrictModel]]] = PARAMS_MODELS
+    not_built: ClassVar[list[str]] = NOT_BUILT_OPTIMIZERS
+    other_hints: ClassVar[dict[str, str]] = _TORCH_HINTS
+
+    type: str
+    """Adam, AdamW or SGD (case-insensitive; stored canonically)."""
+    params: OptimizerParams = Field(default_factory=dict)
+    """Hyperparameters of `type`; see AdamParams and SGDParams. Missing keys take their defaults."""
+
+    @classmethod
+    def _check_params(cls, kind: str, params: StrictModel) -> None:
+        if kind == "AdamW" and "adam_w_mode" in params.model_fields_set and not params.adam_w_mode:
+            raise_param_errors("params", [_custom(
+                ("adam_w_mode",), "false contradicts type AdamW (always decoupled weight decay); for "
+                "L2 weight decay use type Adam with adam_w_mode false", False)])
