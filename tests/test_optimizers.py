@@ -1,0 +1,177 @@
+"""Optimizers: config -> torch class and hyperparameters, DeepSpeed's Adam/AdamW semantics checked
+numerically, user-supplied optimizers, and bad configs rejected with the key's path."""
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from engine.optimizers import (ZERO_SUPPORTED_OPTIMIZERS, build_optimizer, is_zero_supported_optimizer,
+                               resolve_optimizer)
+from schemas.optimizer import NOT_BUILT_OPTIMIZERS, OptimizerConfig
+
+
+def config(kind: str, **params) -> OptimizerConfig:
+    return OptimizerConfig.model_validate({"type": kind, "params": params})
+
+
+def params(n=2, seed=0):
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(n)]
+
+
+def train(optimizer, tensors, grads, steps=3):
+    for _ in range(steps):
+        for p, g in zip(tensors, grads):
+            p.grad = g.clone()
+        optimizer.step()
+    return [p.detach().clone() for p in tensors]
+
+
+def test_adam_defaults_are_deepspeeds():
+    opt = build_optimizer(params(), config("Adam"))
+    assert type(opt) is torch.optim.AdamW  # 0.19.8: "Adam" means decoupled weight decay
+    d = opt.defaults
+    assert (d["lr"], d["betas"], d["eps"], d["weight_decay"], d["amsgrad"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0, False)
+    assert d["fused"] is True  # CPU float parameters: torch's fused kernel
+
+
+def test_adam_with_adam_w_mode_false_is_classic_adam():
+    opt = build_optimizer(params(), config("adam", adam_w_mode=False, weight_decay=0.1, lr=0.01))
+    assert type(opt) is torch.optim.Adam and opt.defaults["weight_decay"] == 0.1
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_decoupled_weight_decay_numerically(kind):
+    # With zero gradients Adam's moments stay 0, so the only update is the decay itself:
+    # decoupled (AdamW) shrinks p by lr * wd; L2 decay would instead move p by lr * sign(p).
+    lr, wd = 0.1, 0.5
+    ps = params()
+    start = [p.detach().clone() for p in ps]
+    after = train(build_optimizer(ps, config(kind, lr=lr, weight_decay=wd)), ps,
+                  [torch.zeros_like(p) for p in ps], steps=1)
+    for p0, p1 in zip(start, after):
+        torch.testing.assert_close(p1, p0 * (1 - lr * wd))
+
+
+def test_l2_weight_decay_numerically():
+    lr, wd = 0.1, 0.5
+    ps = params()
+    start = [p.detach().clone() for p in ps]
+    after = train(build_optimizer(ps, config("Adam", lr=lr, weight_decay=wd, adam_w_mode=False)), ps,
+                  [torch.zeros_like(p) for p in ps], steps=1)
+    for p0, p1 in zip(start, after):
+        # The gradient becomes wd * p; Adam's first bias-corrected step is lr * sign(gradient).
+        torch.testing.assert_close(p1, p0 - lr * torch.sign(p0), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("adam_w_mode, reference", [(True, torch.optim.AdamW), (False, torch.optim.Adam)])
+def test_adam_matches_torch_reference(adam_w_mode, reference):
+    grads = [torch.randn(4, 3) for _ in range(2)]
+    ps = params()
+    ours = train(build_optimizer(ps, config("Adam", lr=0.05, weight_decay=0.1, betas=[0.8, 0.99],
+                                            adam_w_mode=adam_w_mode)), ps, grads)
+    ref_params = params()
+    ref = train(reference(ref_params, lr=0.05, weight_decay=0.1, betas=(0.8, 0.99), foreach=False), ref_params, grads)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_torch_adam_takes_torchs_weight_decay_default():
+    assert build_optimizer(params(), config("AdamW", torch_adam=True)).defaults["weight_decay"] == 0.01
+    assert build_optimizer(params(), config("AdamW")).defaults["weight_decay"] == 0.0
+
+
+def test_fused_can_be_turned_off_and_amsgrad_on():
+    opt = build_optimizer(params(), config("AdamW", fused=False, amsgrad=True))
+    assert not opt.defaults["fused"] and opt.defaults["amsgrad"]
+
+
+def test_sgd_matches_torch():
+    cfg = config("sgd", lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True)
+    assert cfg.type == "SGD"
+    grads = [torch.randn(4, 3) for _ in range(2)]
+    opt = build_optimizer(params(), cfg)
+    assert type(opt) is torch.optim.SGD and opt.defaults["nesterov"] and opt.defaults["momentum"] == 0.9
+    ours = train(opt, opt.param_groups[0]["params"], grads)
+    ref_params = params()
+    ref = train(torch.optim.SGD(ref_params, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
+                ref_params, grads)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_param_groups_keep_their_overrides_and_generators_work():
+    a, b = params()
+    opt = build_optimizer(({"params": iter([a]), "lr": 0.5}, {"params": b}), config("AdamW", lr=0.1))
+    assert [g["lr"] for g in opt.param_groups] == [0.5, 0.1]
+    assert build_optimizer((p for p in params()), config("SGD")).param_groups[0]["params"]
+
+
+def test_auto_lr_keeps_the_documented_default():
+    assert config("AdamW", lr="auto", weight_decay="auto").params.lr == 1e-3
+
+
+def test_zero_supported_optimizers_are_deepspeeds_torch_classes():
+    assert set(ZERO_SUPPORTED_OPTIMIZERS) == {torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad}
+    assert is_zero_supported_optimizer(build_optimizer(params(), config("Adam")))
+    assert not is_zero_supported_optimizer(build_optimizer(params(), config("SGD")))
+
+
+def test_resolve_optimizer_accepts_objects_callables_and_config():
+    ps = params()
+    own = torch.optim.SGD([{"params": ps}, {"params": []}], lr=0.1)
+    assert resolve_optimizer(own, ps, config("Adam")) is own  # a passed optimizer wins over the config
+    assert len(own.param_groups) == 1  # empty groups dropped, as DeepSpeed does
+    made = resolve_optimizer(lambda p: torch.optim.Adam(p, lr=0.2), ps, None)
+    assert type(made) is torch.optim.Adam and made.defaults["lr"] == 0.2
+    assert type(resolve_optimizer(None, ps, config("AdamW"))) is torch.optim.AdamW
+    assert resolve_optimizer(None, ps, None) is None
+    with pytest.raises(TypeError, match="not an optimizer"):
+        resolve_optimizer(lambda p: 42, ps, None)
+
+
+def errors(cfg: dict) -> dict[str, str]:
+    with pytest.raises(ValidationError) as info:
+        OptimizerConfig.model_validate(cfg)
+    return {".".join(map(str, e["loc"])): e["msg"] for e in info.value.errors()}
+
+
+def test_typo_in_params_names_the_key_and_suggests():
+    found = errors({"type": "AdamW", "params": {"lr": 1e-3, "weight_decai": 0.1, "zzz": 1}})
+    assert "did you mean 'weight_decay'?" in found["params.weight_decai"]
+    assert "valid keys: lr, betas" in found["params.zzz"]
+
+
+def test_sgd_params_are_not_adam_params():
+    assert "params.betas" in errors({"type": "SGD", "params": {"betas": [0.9, 0.99]}})
+
+
+@pytest.mark.parametrize("name", NOT_BUILT_OPTIMIZERS)
+def test_unbuilt_deepspeed_types_say_so(name):
+    assert f"'{name}' is not built yet in dstrain" in errors({"type": name.lower()})["type"]
+
+
+def test_unknown_type_lists_valid_names():
+    msg = errors({"type": "AdamX"})["type"]
+    assert "did you mean 'Adam" in msg and "Adam, AdamW, SGD" in msg
+    assert "initialize(optimizer=...)" in errors({"type": "RMSprop"})["type"]
+
+
+@pytest.mark.parametrize("params, key, text", [
+    ({"bias_correction": False}, "params.bias_correction", "only true is supported"),
+    ({"max_grad_norm": 1.0}, "params.max_grad_norm", "gradient_clipping"),
+    ({"betas": [0.9, 1.5]}, "params.betas", "[0, 1)"),
+    ({"lr": -1}, "params.lr", "greater than or equal to 0"),
+    ({"lr": "0.1"}, "params.lr", "valid number"),
+])
+def test_bad_adam_params_are_rejected(params, key, text):
+    assert text in errors({"type": "Adam", "params": params})[key]
+
+
+def test_adamw_with_adam_w_mode_false_is_a_contradiction():
+    assert "contradicts" in errors({"type": "AdamW", "params": {"adam_w_mode": False}})["params.adam_w_mode"]
+
+
+def test_nesterov_needs_momentum():
+    assert "params.nesterov" in errors({"type": "SGD", "params": {"nesterov": True}})
