@@ -59,9 +59,10 @@ def _unknown_key(key: str, value: Any, allowed: list[str], owner: str) -> InitEr
             "loc": (key,), "input": value}
 
 
-def raise_param_errors(title: str, errors: list[InitErrorDetails]) -> None:
-    """Raise `errors` as one ValidationError; pydantic prefixes each `loc` with the caller's field."""
-    raise ValidationError.from_exception_data(title, errors)
+def param_errors(title: str, errors: list[InitErrorDetails]) -> ValidationError:
+    """`errors` as one ValidationError; raised in a field validator, pydantic prefixes each `loc` with
+    that field's path, so every problem keeps its full key path."""
+    return ValidationError.from_exception_data(title, errors)
 
 
 def validate_params(model: type[StrictModel], value: Any, owner: str) -> StrictModel:
@@ -83,8 +84,7 @@ def validate_params(model: type[StrictModel], value: Any, owner: str) -> StrictM
             if "ctx" in err:
                 detail["ctx"] = err["ctx"]
             details.append(detail)
-        raise_param_errors(exc.title, details)
-        raise  # unreachable: raise_param_errors always raises
+        raise param_errors(exc.title, details) from None
 
 
 def resolve_type_name(value: Any, built: list[str], not_built: list[str], other_hint: dict[str, str],
@@ -134,7 +134,7 @@ class TypedSection(StrictModel):
 
     @classmethod
     def _check_params(cls, kind: str, params: StrictModel) -> None:
-        """Checks across `type` and `params`; raise through `raise_param_errors`."""
+        """Checks across `type` and `params`; raise `param_errors(...)` to keep the key paths."""
 
 
 class AdamParams(StrictModel):
@@ -240,6 +240,6 @@ class OptimizerConfig(TypedSection):
     @classmethod
     def _check_params(cls, kind: str, params: StrictModel) -> None:
         if kind == "AdamW" and "adam_w_mode" in params.model_fields_set and not params.adam_w_mode:
-            raise_param_errors("params", [_custom(
+            raise param_errors("params", [_custom(
                 ("adam_w_mode",), "false contradicts type AdamW (always decoupled weight decay); for "
                 "L2 weight decay use type Adam with adam_w_mode false", False)])
