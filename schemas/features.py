@@ -1,0 +1,122 @@
+"""Sections for features that sit beside the core loop: `aio`, `activation_checkpointing`,
+`sparse_attention`, `pipeline`, `elasticity`.
+
+Defaults are DeepSpeed 0.19.8's. DeepSpeed reads these sections as plain dicts and ignores unknown
+keys; here they are strict like every other section (see `schemas/base.py`).
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import Field
+
+from schemas.base import Size, StrictModel
+
+
+class AioConfig(StrictModel):
+    """`aio`: asynchronous file I/O used by NVMe offload."""
+
+    block_size: Size = Field(1_048_576, ge=1)
+    """Bytes per I/O request."""
+    queue_depth: int = Field(8, ge=1)
+    """I/O requests in flight per submission queue."""
+    intra_op_parallelism: int = Field(1, ge=1)
+    """Threads that split one read or write (formerly `thread_count`)."""
+    single_submit: bool = False
+    """Submit requests one at a time instead of in batches."""
+    overlap_events: bool = True
+    """Overlap submitting new requests with waiting for completed ones."""
+    use_gds: bool = False
+    """Use NVIDIA GPUDirect Storage."""
+
+
+class ActivationCheckpointingConfig(StrictModel):
+    """`activation_checkpointing`: options for `engine.checkpointing.checkpoint`."""
+
+    partition_activations: bool = False
+    """Partition checkpointed activations across model-parallel ranks."""
+    cpu_checkpointing: bool = False
+    """Move checkpointed activations to CPU memory (needs partition_activations)."""
+    contiguous_memory_optimization: bool = False
+    """Copy checkpointed activations into one contiguous buffer."""
+    number_checkpoints: Optional[int] = Field(None, ge=1)
+    """Checkpoints in the model, used to size the contiguous buffer."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronise the device at each checkpoint boundary (for profiling)."""
+    profile: bool = False
+    """Time the forward and recompute of each checkpoint."""
+
+
+class SparseAttentionConfig(StrictModel):
+    """`sparse_attention`: block-sparse attention layout for `ops.sparse_attention`."""
+
+    mode: Literal["dense", "fixed", "variable", "bigbird", "bslongformer"] = "fixed"
+    """Sparsity pattern family."""
+    block: int = Field(16, ge=1)
+    """Block size (tokens) of the block-sparse layout."""
+    different_layout_per_head: bool = False
+    """Give every attention head its own layout."""
+    num_local_blocks: int = Field(4, ge=0)
+    """fixed/variable/bigbird: blocks in each local window."""
+    num_global_blocks: int = Field(1, ge=0)
+    """fixed/bigbird: global blocks per window."""
+    attention: Literal["bidirectional", "unidirectional"] = "bidirectional"
+    """Whether tokens attend to later tokens (bidirectional) or only earlier ones."""
+    horizontal_global_attention: bool = False
+    """Global blocks also attend to all other blocks (bidirectional only)."""
+    num_different_global_patterns: int = Field(1, ge=1)
+    """fixed: distinct global patterns across heads."""
+    num_random_blocks: int = Field(0, ge=0)
+    """variable/bigbird: random blocks per row."""
+    local_window_blocks: list[int] = [4]
+    """variable: blocks in each successive local window."""
+    global_block_indices: list[int] = [0]
+    """variable/bslongformer: indices of global blocks."""
+    global_block_end_indices: Optional[list[int]] = None
+    """variable/bslongformer: end indices of global block ranges."""
+    num_sliding_window_blocks: int = Field(3, ge=1)
+    """bigbird/bslongformer: blocks in the sliding window."""
+
+
+class PipelineConfig(StrictModel):
+    """`pipeline`: pipeline-parallel options for `engine.pipe.PipelineModule`."""
+
+    stages: Union[int, Literal["auto"]] = "auto"
+    """Pipeline stages; "auto" takes them from the model."""
+    partition: str = "best"
+    """How layers are assigned to stages."""
+    seed_layers: bool = False
+    """Seed each layer's RNG from its index so stage assignment does not change init."""
+    activation_checkpoint_interval: int = Field(0, ge=0)
+    """Checkpoint every N layers' activations; 0 off."""
+    pipe_partitioned: bool = True
+    """Partition activations sent between stages across tensor-parallel ranks."""
+    grad_partitioned: bool = True
+    """Partition gradients sent between stages across tensor-parallel ranks."""
+
+
+class ElasticityConfig(StrictModel):
+    """`elasticity`: choose batch sizes that stay valid across a range of GPU counts."""
+
+    enabled: bool = False
+    """Compute the batch keys from the elastic settings below."""
+    max_train_batch_size: int = Field(2000, ge=1)
+    """Largest acceptable global batch size."""
+    micro_batch_sizes: list[int] = [2, 4, 6]
+    """Acceptable micro-batch sizes per GPU."""
+    min_gpus: int = Field(1, ge=1)
+    """Fewest GPUs the job may run on."""
+    max_gpus: int = Field(10000, ge=1)
+    """Most GPUs the job may run on."""
+    min_time: int = Field(0, ge=0)
+    """Minimum minutes between scaling events."""
+    prefer_large_batch: bool = True
+    """Prefer the largest valid batch size."""
+    version: float = 0.2
+    """Elasticity algorithm version."""
+    ignore_non_elastic_batch_info: bool = False
+    """Ignore batch keys given beside elasticity instead of failing."""
+    num_gpus_per_node: int = Field(1, ge=1)
+    """GPUs per node (version 0.2)."""
+    model_parallel_size: int = Field(1, ge=1)
+    """Model-parallel degree (version 0.2)."""
