@@ -1,0 +1,89 @@
+"""Rules that relate several keys, checked on a config whose sections each validated on their own.
+
+Each rule is a small function returning problem lines; `CROSS_FIELD_RULES` lists them in the order
+their lines are reported.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from schemas.config import Config
+from schemas.zero import OffloadOptimizerConfig, OffloadParamConfig
+
+
+def _fp16_and_bf16(config: Config) -> list[str]:
+    if config.fp16.enabled and config.bf16.enabled:
+        return ["fp16.enabled: true together with bf16.enabled: true; enable at most one of them"]
+    return []
+
+
+def _min_loss_scale(config: Config) -> list[str]:
+    fp16 = config.fp16
+    initial = 2.0 ** fp16.initial_scale_power
+    if fp16.dynamic and fp16.min_loss_scale > initial:
+        return [f"fp16.min_loss_scale: {fp16.min_loss_scale:g} is above the initial dynamic loss scale "
+                f"2**fp16.initial_scale_power = {initial:g}; lower it or raise initial_scale_power"]
+    return []
+
+
+def _fp16_master_weights(config: Config) -> list[str]:
+    if config.fp16.fp16_master_weights_and_grads and config.zero_optimization.stage != 2:
+        return [f"fp16.fp16_master_weights_and_grads: true needs zero_optimization.stage 2 "
+                f"(stage is {config.zero_optimization.stage})"]
+    return []
+
+
+def _nvme_path(name: str, section: Optional[OffloadParamConfig | OffloadOptimizerConfig]) -> list[str]:
+    if section is not None and section.device == "nvme" and not section.nvme_path:
+        return [f"zero_optimization.{name}.nvme_path: required when zero_optimization.{name}.device is \"nvme\""]
+    return []
+
+
+def _offload(config: Config) -> list[str]:
+    zero = config.zero_optimization
+    problems = _nvme_path("offload_param", zero.offload_param) + _nvme_path("offload_optimizer", zero.offload_optimizer)
+    if zero.offload_param is not None and zero.offload_param.device != "none" and zero.stage < 3:
+        problems.append(f"zero_optimization.offload_param.device: \"{zero.offload_param.device}\" needs "
+                        f"zero_optimization.stage 3 (stage is {zero.stage}); parameters are only partitioned at stage 3")
+    optimizer = zero.offload_optimizer
+    if optimizer is not None and optimizer.device == "nvme" and zero.stage < 3:
+        problems.append(f"zero_optimization.offload_optimizer.device: \"nvme\" needs zero_optimization.stage 3 "
+                        f"(stage is {zero.stage}); use \"cpu\" for stages 1 and 2")
+    if optimizer is not None and optimizer.ratio < 1.0 and zero.stage < 3:
+        problems.append(f"zero_optimization.offload_optimizer.ratio: {optimizer.ratio:g} (partial offload) needs "
+                        f"zero_optimization.stage 3 (stage is {zero.stage})")
+    if optimizer is not None and optimizer.device != "none" and zero.stage == 0:
+        problems.append(f"zero_optimization.offload_optimizer.device: \"{optimizer.device}\" needs "
+                        f"zero_optimization.stage 1, 2 or 3 (stage is 0)")
+    return problems
+
+
+def _checkpoint(config: Config) -> list[str]:
+    checkpoint = config.checkpoint
+    problems = []
+    if checkpoint.save_interval > 0 and not checkpoint.save_dir:
+        problems.append(f"checkpoint.save_interval: {checkpoint.save_interval} needs checkpoint.save_dir")
+    if checkpoint.auto_resume and not checkpoint.save_dir:
+        problems.append("checkpoint.auto_resume: true needs checkpoint.save_dir")
+    return problems
+
+
+def _amp_with_mixed_precision(config: Config) -> list[str]:
+    if config.amp.enabled and (config.fp16.enabled or config.bf16.enabled):
+        return ["amp.enabled: true cannot be combined with fp16.enabled or bf16.enabled"]
+    return []
+
+
+CROSS_FIELD_RULES: tuple[Callable[[Config], list[str]], ...] = (
+    _fp16_and_bf16,
+    _min_loss_scale,
+    _fp16_master_weights,
+    _offload,
+    _checkpoint,
+    _amp_with_mixed_precision,
+)
+
+
+def cross_field_problems(config: Config) -> list[str]:
+    """Every cross-field rule's problem lines, in rule order."""
+    return [line for rule in CROSS_FIELD_RULES for line in rule(config)]
