@@ -28,6 +28,7 @@ class StrictModel(BaseModel):
         populate_by_name=True,
         validate_default=True,
         use_attribute_docstrings=True,
+        allow_inf_nan=False,  # JSON's NaN/Infinity extensions are never a meaningful setting
     )
 
     @model_validator(mode="before")

@@ -115,6 +115,14 @@ def test_config_is_frozen_and_records_its_world_size():
     assert (resized.world_size, resized.train_micro_batch_size_per_gpu) == (2, 8)
 
 
+def test_resolved_config_round_trips():
+    config = load_config({"train_batch_size": 16, "bfloat16": {"immediate_grad_update": True},
+                          "zero_optimization": {"stage3_max_reuse_distance": 1e3},
+                          "optimizer": {"type": "adam", "params": {"betas": [0.8, 0.9]}}}, world_size=2)
+    again = load_config(json.loads(json.dumps(config.to_dict())), world_size=2)
+    assert again.to_dict() == config.to_dict() and again.optimizer.type == "Adam"
+
+
 def write(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
     return path
