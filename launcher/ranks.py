@@ -1,0 +1,141 @@
+"""Starting, watching and stopping the rank processes of one node (used by the agent).
+
+Each rank runs in its own session (process group), so stopping a rank also stops whatever it
+started (data-loader workers, compilers), and a Ctrl-C typed into the launching terminal reaches
+only `dslaunch`, which then stops everything in order.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+from launcher.world import RankPlacement, WorldInfo
+
+# Engines of other launchers read these before RANK; a rank started by an agent under mpirun must
+# not look like MPI rank <node rank>.
+_PR_SET_PDEATHSIG = 1
+_HIDDEN_PREFIXES = ("OMPI_COMM_WORLD_", "PMI_RANK", "PMIX_RANK", "PMI_SIZE")
+
+
+@dataclass
+class RankProcess:
+    placement: RankPlacement
+    popen: subprocess.Popen
+    started: float = field(default_factory=time.monotonic)
+    returncode: int | None = None
+    exited_at: float | None = None  # set by the waiter thread the moment the process ends
+
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
+
+    def watch(self):
+        """Waits in a thread, so that the order in which ranks died is exact, not per poll tick."""
+        def wait():
+            self.popen.wait()
+            self.exited_at = time.monotonic()
+
+        threading.Thread(target=wait, name=f"wait-rank{self.rank}", daemon=True).start()
+
+    def poll(self) -> bool:
+        """True when the process has just been found to have exited."""
+        if self.returncode is None and self.exited_at is not None:
+            self.returncode = self.popen.returncode
+            return True
+        return False
+
+
+def describe_returncode(returncode: int) -> tuple[int, str | None, str]:
+    """(shell exit status, signal name or None, words) for a Popen return code."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return 128 - returncode, name, f"was killed by signal {-returncode} ({name})"
+    return returncode, None, f"exited with code {returncode}"
+
+
+def rank_environment(base: dict[str, str], placement: RankPlacement, world: WorldInfo,
+                     master_addr: str, master_port: int, extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if not k.startswith(_HIDDEN_PREFIXES)}
+    node_slots = world.nodes[placement.node_rank][1]
+    env.update({
+        "RANK": str(placement.rank),
+        "LOCAL_RANK": str(placement.local_rank),
+        "WORLD_SIZE": str(world.world_size),
+        "LOCAL_WORLD_SIZE": str(len(node_slots)),
+        "NODE_RANK": str(placement.node_rank),
+        "GROUP_RANK": str(placement.node_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        # As DeepSpeed does: every rank of the node sees the node's chosen devices, in slot order,
+        # and picks its own with LOCAL_RANK. Harmless on CPU-only machines.
+        "CUDA_VISIBLE_DEVICES": ",".join(node_slots),
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(extra)
+    return env
+
+
+def core_sets(local_world_size: int) -> list[list[int]]:
+    """Disjoint CPU sets per local rank (round robin when there are fewer cores than ranks)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per_rank = len(cpus) // local_world_size
+    if per_rank == 0:
+        return [[cpus[i % len(cpus)]] for i in range(local_world_size)]
+    return [cpus[i * per_rank:(i + 1) * per_rank] for i in range(local_world_size)]
+
+
+def _die_with_parent():
+    """Linux: the kernel SIGKILLs the rank if its agent dies, even by SIGKILL (no orphans)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    except (OSError, AttributeError):
+        pass
+
+
+def spawn_rank(command: list[str], env: dict[str, str], placement: RankPlacement,
+               cores: list[int] | None) -> RankProcess:
+    def prepare_child():  # runs in the child between fork and exec; the agent is single-threaded
+        _die_with_parent()
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    if cores:
+        env = dict(env, OMP_NUM_THREADS=str(len(cores)))
+    popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True, preexec_fn=prepare_child)
+    return RankProcess(placement, popen)
+
+
+def signal_rank_groups(ranks: list[RankProcess], sig: int):
+    """Sends `sig` to each rank's whole process group, including children of exited ranks."""
+    for proc in ranks:
+        try:
+            os.killpg(proc.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_ranks(ranks: list[RankProcess], grace_s: float, pump) -> None:
+    """SIGTERM every group, wait up to `grace_s` (relaying output with `pump`), then SIGKILL."""
+    signal_rank_groups(ranks, signal.SIGTERM)
+    signal_rank_groups(ranks, signal.SIGCONT)  # a SIGSTOPped rank must wake up to die
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        for proc in ranks:
+            proc.poll()
+        if all(proc.returncode is not None for proc in ranks):
+            break
+        pump(0.05)
+    signal_rank_groups(ranks, signal.SIGKILL)
+    for proc in ranks:
+        proc.popen.wait()
+        proc.exited_at = proc.exited_at or time.monotonic()
+        proc.poll()

@@ -1,0 +1,1 @@
+"""Small programs and helpers the launcher tests start as real processes."""

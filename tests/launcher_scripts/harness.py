@@ -1,0 +1,75 @@
+"""Helpers for the launcher tests: run dslaunch as a real process, find leftover processes."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(REPO, "tests", "launcher_scripts", "train_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=REPO, NO_COLOR="1")
+    env.update(extra)
+    return env
+
+
+def dslaunch_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launcher.cli", *args]
+
+
+def run_dslaunch(*args: str, timeout: float = 60, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """Runs dslaunch to completion; a hang fails the test after `timeout` seconds."""
+    return subprocess.run(dslaunch_argv(*args), env=env or launch_env(), cwd=cwd or REPO, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def start_dslaunch(*args: str, env=None, cwd=None) -> subprocess.Popen:
+    return subprocess.Popen(dslaunch_argv(*args), env=env or launch_env(), cwd=cwd or REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def rank_record(out_dir: str, rank: int, attempt: int = 0) -> dict:
+    with open(os.path.join(out_dir, f"env_rank{rank}_attempt{attempt}.json")) as handle:
+        return json.load(handle)
+
+
+def processes_mentioning(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line contains `marker` (a test's unique directory)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(proc.info["cmdline"] or []):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def kill_leftovers(marker: str):
+    for proc in processes_mentioning(marker):
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass

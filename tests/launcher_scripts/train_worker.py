@@ -1,0 +1,86 @@
+"""A tiny data-parallel training job over gloo, used by the launcher tests and benchmark.
+
+Usage: python train_worker.py --out DIR [--steps N] [--step_time S] [--fail_rank R --fail_step K
+       --fail_attempts A] [--heartbeat] [--echo ARG ...]
+
+Each rank writes DIR/env_rank<R>_attempt<A>.json (its launcher environment and argv), DIR/
+first_step_rank<R> (time.time() at its first step) and, on rank 0, DIR/final_loss. With --fail_rank
+the rank exits with code 3 at --fail_step while DSTRAIN_RESTART_COUNT < --fail_attempts (so a job
+with restarts fails once and then succeeds); DIR/attempts counts the starts.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "DSTRAIN_RESTART_COUNT", "DSTRAIN_HEARTBEAT_ADDR",
+               "DSTRAIN_TEST_VALUE", "OMP_NUM_THREADS", "PYTHONPATH")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--step_time", type=float, default=0.0)
+    parser.add_argument("--fail_rank", type=int, default=-1)
+    parser.add_argument("--fail_step", type=int, default=0)
+    parser.add_argument("--fail_attempts", type=int, default=1)
+    parser.add_argument("--heartbeat", action="store_true")
+    parser.add_argument("--echo", nargs="*", default=[])
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(1)
+    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("DSTRAIN_RESTART_COUNT", "0"))
+    os.makedirs(args.out, exist_ok=True)
+    record = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    record.update(argv=sys.argv[1:], echo=args.echo, pid=os.getpid(), affinity=sorted(os.sched_getaffinity(0)))
+    with open(os.path.join(args.out, f"env_rank{rank}_attempt{attempt}.json"), "w") as handle:
+        json.dump(record, handle)
+    if rank == 0:
+        with open(os.path.join(args.out, "attempts"), "a") as handle:
+            handle.write(f"{attempt}\n")
+    if args.heartbeat:
+        from engine import heartbeat
+        heartbeat.install_stack_dump()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    target = data.sum(dim=1, keepdim=True)
+    for step in range(args.steps):
+        if step == 0:
+            with open(os.path.join(args.out, f"first_step_rank{rank}"), "w") as handle:
+                handle.write(repr(time.time()))
+        if rank == args.fail_rank and step == args.fail_step and attempt < args.fail_attempts:
+            print(f"rank {rank} failing on purpose at step {step}", flush=True)
+            sys.exit(3)
+        shard = data[rank::dist.get_world_size()]
+        loss = torch.nn.functional.mse_loss(model(shard), target[rank::dist.get_world_size()])
+        optimizer.zero_grad()
+        loss.backward()
+        for param in model.parameters():
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
+        optimizer.step()
+        if args.heartbeat:
+            from engine import heartbeat
+            heartbeat.beat(step)
+        print(f"step {step} loss {loss.item():.6f}", flush=True)
+        time.sleep(args.step_time)
+    if rank == 0:
+        with open(os.path.join(args.out, "final_loss"), "w") as handle:
+            handle.write(repr(loss.item()))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
