@@ -9,8 +9,18 @@
 
 Also: `init_distributed()` (env from dslaunch, torchrun, SLURM or MPI), `add_config_arguments(parser)`.
 """
-from .dist import init_distributed
-from .engine import Engine
-from .initialize import add_config_arguments, initialize
+from __future__ import annotations
 
-__all__ = ["Engine", "add_config_arguments", "init_distributed", "initialize"]
+import importlib
+
+# Loaded on first use, so `dstrain check-config` and other tools need not import torch.
+_LAZY = {"Engine": ".engine", "add_config_arguments": ".build", "initialize": ".build",
+         "init_distributed": ".dist"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

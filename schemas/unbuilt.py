@@ -26,11 +26,7 @@ class Unbuilt:
 
 
 UNBUILT: tuple[Unbuilt, ...] = (
-    Unbuilt("fp16.enabled", "train in fp32 for now"),
-    Unbuilt("fp16.auto_cast"),
-    Unbuilt("bf16.enabled", "train in fp32 for now"),
-    Unbuilt("data_types.grad_accum_dtype"),
-    Unbuilt("zero_optimization.stage", "use 0 (data parallel)"),
+    Unbuilt("zero_optimization.stage", "use 0, 1 or 2", built=lambda stage: stage <= 2),
     Unbuilt("zero_optimization.offload_param.device", 'use "none"'),
     Unbuilt("zero_optimization.offload_optimizer.device", 'use "none"'),
     Unbuilt("aio"),
@@ -46,7 +42,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("elasticity.enabled"),
     Unbuilt("amp.enabled", "use fp16 or bf16", permanent=True),
     Unbuilt("sparse_gradients"),
-    Unbuilt("fault_tolerance"),
     Unbuilt("checkpoint"),
     Unbuilt("gradient_compression", "remove the section"),
 )

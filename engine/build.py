@@ -18,8 +18,8 @@ from .data import DistributedDataLoader
 from .dist import Topology, device, init_distributed
 from .engine import Engine
 from .precision import model_dtype
-from .optimizers import build_optimizer
-from .schedules import build_scheduler
+from .optimizers import resolve_optimizer
+from .schedules import resolve_scheduler
 from .zero import build_zero_optimizer
 
 
@@ -70,28 +70,6 @@ def _broadcast_model(model: torch.nn.Module, comm: Communicator) -> None:
                 offset += t.numel()
 
 
-def _make_optimizer(optimizer, params, cfg):
-    if optimizer is None:
-        return build_optimizer(params, cfg.optimizer) if cfg.optimizer is not None else None
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    if callable(optimizer):
-        return optimizer(params)
-    raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable f(params), got {type(optimizer).__name__}")
-
-
-def _make_scheduler(lr_scheduler, optimizer, cfg):
-    if lr_scheduler is None:
-        if cfg.scheduler is None or optimizer is None:
-            return None
-        return build_scheduler(optimizer, cfg.scheduler)
-    if hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict"):
-        return lr_scheduler
-    if callable(lr_scheduler):
-        return lr_scheduler(optimizer)
-    raise TypeError("lr_scheduler= must be a scheduler object or a callable f(optimizer)")
-
-
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int | None = None, mpu=None,
                dist_init_required: bool | None = None, collate_fn=None, config=None, config_params=None):
@@ -109,9 +87,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     torch.manual_seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
     _broadcast_model(model, comm)
-    base_optimizer = _make_optimizer(optimizer, _param_groups(model, model_parameters), cfg)
+    base_optimizer = resolve_optimizer(optimizer, _param_groups(model, model_parameters), cfg.optimizer)
     zero_optimizer = build_zero_optimizer(base_optimizer, comm, cfg) if base_optimizer is not None else None
-    scheduler = _make_scheduler(lr_scheduler, base_optimizer, cfg)
+    scheduler = resolve_scheduler(lr_scheduler, base_optimizer, cfg.scheduler)
     loader = None
     if training_data is not None:
         loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu, comm.rank,
