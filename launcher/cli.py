@@ -55,9 +55,10 @@ Failures, restarts and hangs
     --max_restarts N then restarts the whole job up to N times (ranks see DSTRAIN_RESTART_COUNT;
     resuming from the latest checkpoint is the training script's or the engine's job).
     --hang_timeout S: ranks report progress with `engine.heartbeat.beat(step)` (the engine calls it
-    every step); when no rank of a node progressed for S seconds (counted from the rank's start),
-    each rank's Python stack is dumped into its output (faulthandler, SIGUSR1) and the job is
-    stopped, then restarted or failed like any other failure.
+    every step); when no rank of a node progressed for S seconds (counted from the node's first
+    heartbeat, so slow start-up and checkpoint loading are not timed), each rank's Python stack is
+    dumped into its output (faulthandler, SIGUSR1) and the job is stopped, then restarted or failed
+    like any other failure.
     SIGINT/SIGTERM/SIGHUP to dslaunch stops every rank on every node; a second Ctrl-C kills at once.
     If dslaunch itself is killed, the agents notice the lost connection and stop their ranks.
 

@@ -3,8 +3,9 @@
 With `--hang_timeout`, the agent hosts a `torch.distributed.TCPStore` on 127.0.0.1 and tells its
 ranks where (DSTRAIN_HEARTBEAT_ADDR). `engine.heartbeat.beat(step)` sets `heartbeat/<RANK>` to a
 new value on every call. A hang is declared when no local rank's key changed for `timeout`
-seconds; the clock of a rank starts when it is spawned, so a rank stuck before its first step (in
-rendezvous, say) is caught too. A rank whose key exists has registered faulthandler on SIGUSR1
+seconds. The clock starts at the node's first heartbeat: start-up (imports, rendezvous, loading a
+checkpoint) can take far longer than a step and is bounded by torch.distributed's own timeouts, so
+a timeout sized for steps must not kill a job that is still loading. A rank whose key exists has registered faulthandler on SIGUSR1
 (beat() does that first), so the agent may ask it for a stack dump without killing it.
 
 [Note: start-up cost] The listening socket is bound before the ranks start (so its port can go in
@@ -23,12 +24,13 @@ class HeartbeatWatch:
         self._listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._store = None
+        self._ranks: list[int] = []
         self._last_value: dict[int, bytes] = {}
         self._last_change: dict[int, float] = {}
         self._next_check = 0.0
 
     def start(self, ranks: list[int]):
-        """Opens the store (imports torch) and starts every rank's clock now."""
+        """Opens the store (imports torch); the clock starts at the first heartbeat."""
         from datetime import timedelta
 
         from torch.distributed import TCPStore
@@ -36,11 +38,10 @@ class HeartbeatWatch:
         port = int(self.address.rsplit(":", 1)[1])
         self._store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=30), master_listen_fd=self._listener.detach())
-        now = time.monotonic()
-        self._last_change = {rank: now for rank in ranks}
+        self._ranks = list(ranks)
 
     def _refresh(self, now: float):
-        for rank in self._last_change:
+        for rank in self._ranks:
             key = f"heartbeat/{rank}"
             if not self._store.check([key]):
                 continue
@@ -56,7 +57,7 @@ class HeartbeatWatch:
             return False
         self._next_check = now + min(0.5, self.timeout_s / 10)
         self._refresh(now)
-        return now - max(self._last_change.values()) > self.timeout_s
+        return bool(self._last_change) and now - max(self._last_change.values()) > self.timeout_s
 
     def stalled_for(self) -> float:
         return time.monotonic() - max(self._last_change.values(), default=time.monotonic())

@@ -1,0 +1,91 @@
+"""dslaunch under faults: a killed rank, a stopped (hung) rank, Ctrl-C, a killed launcher.
+
+Each test starts a real job, waits until every rank trained a step, injects the fault, and checks
+that the whole job is gone from the process table within the bound the issue sets.
+"""
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from launcher_scripts.harness import (WORKER, free_port, kill_leftovers, processes_mentioning, rank_record,
+                                      start_dslaunch, wait_for)
+
+GONE_WITHIN_S = 10
+
+
+@pytest.fixture
+def job(tmp_path):
+    """Starts a 2-rank job that trains slowly until told otherwise; cleans up whatever remains."""
+    out = str(tmp_path / "out")
+    started = []
+
+    def start(*extra_args, worker_args=()):
+        proc = start_dslaunch("--nproc_per_node", "2", "--master_port", str(free_port()), *extra_args,
+                              WORKER, "--out", out, "--steps", "100000", "--step_time", "0.05", *worker_args)
+        started.append(proc)
+        for rank in range(2):
+            wait_for(lambda r=rank: os.path.exists(os.path.join(out, f"first_step_rank{r}")), 60,
+                     f"rank {rank}'s first step")
+        return proc, [rank_record(out, rank)["pid"] for rank in range(2)]
+
+    yield start, out
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+    kill_leftovers(out)
+
+
+def wait_gone(proc, marker, timeout):
+    stdout, stderr = proc.communicate(timeout=timeout)
+    wait_for(lambda: not processes_mentioning(marker), 5, "every process of the job to be gone")
+    return stdout, stderr
+
+
+def test_kill_9_of_one_rank_stops_every_rank(job):
+    start, out = job
+    launcher, pids = start()
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    _, stderr = wait_gone(launcher, out, GONE_WITHIN_S)
+    assert time.monotonic() - killed_at < GONE_WITHIN_S
+    assert launcher.returncode == 128 + signal.SIGKILL
+    assert ("dslaunch: job failed: rank 1 on host localhost (node 0, local rank 1) was killed by signal 9 "
+            "(SIGKILL)") in stderr
+
+
+def test_sigstop_of_one_rank_is_detected_as_a_hang_with_stacks(job):
+    start, out = job
+    launcher, pids = start("--hang_timeout", "4", worker_args=("--heartbeat",))
+    os.kill(pids[1], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    _, stderr = wait_gone(launcher, out, 4 + GONE_WITHIN_S)
+    assert time.monotonic() - stopped_at < 4 + GONE_WITHIN_S
+    assert launcher.returncode == 124
+    assert "hang detected on host localhost (node 0): no rank made progress for" in stderr
+    for rank in range(2):  # faulthandler's dump, relayed with the rank prefix
+        assert f"[rank{rank}]: " in stderr and "train_worker.py\", line" in stderr
+    assert "most recent call first" in stderr
+
+
+def test_sigint_to_dslaunch_leaves_no_process(job):
+    start, out = job
+    launcher, pids = start()
+    agent = [p for p in processes_mentioning(out) if "launcher.agent" in " ".join(p.cmdline())]
+    assert len(agent) == 1
+    launcher.send_signal(signal.SIGINT)
+    _, stderr = wait_gone(launcher, out, GONE_WITHIN_S)
+    assert launcher.returncode == 128 + signal.SIGINT
+    assert "dslaunch: stopped by SIGINT" in stderr
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in pids + [agent[0].pid])
+
+
+def test_killing_dslaunch_itself_stops_agents_and_ranks(job):
+    start, out = job
+    launcher, _ = start()
+    launcher.kill()  # SIGKILL: no chance to clean up; the agents see the control connection close
+    launcher.wait(timeout=5)
+    wait_for(lambda: not processes_mentioning(out), GONE_WITHIN_S, "agents and ranks to stop by themselves")

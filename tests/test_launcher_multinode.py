@@ -1,0 +1,113 @@
+"""dslaunch across two (simulated) nodes with real ssh, pdsh and mpirun.
+
+Needs root (network namespaces) and Debian's openssh-server, pdsh and openmpi-bin, which the
+session fixture installs with apt-get when they are missing.
+"""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from launcher_scripts.harness import (WORKER, dslaunch_argv, free_port, kill_leftovers, launch_env,
+                                      processes_mentioning, rank_record, run_dslaunch, wait_for)
+from launcher_scripts.netns_cluster import INTERFACE, Cluster, install_missing_packages
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces for the two simulated nodes need root")
+    reason = install_missing_packages()
+    if reason:
+        pytest.skip(reason)
+    nodes = Cluster()
+    try:
+        nodes.create()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as err:
+        nodes.destroy()
+        pytest.skip(f"cannot create network namespaces with sshd: {err}")
+    try:
+        yield nodes
+    finally:
+        nodes.destroy()
+
+
+def run_across_nodes(cluster, tmp_path, runner_args, worker_args=(), timeout=150, extra_env=None):
+    env = launch_env(GLOO_SOCKET_IFNAME=INTERFACE, PDSH_SSH_ARGS_APPEND=f"-F {cluster.ssh_config}", **(extra_env or {}))
+    argv = cluster.in_first_node(*dslaunch_argv(
+        "--hostfile", cluster.hostfile(), "--master_port", str(free_port()), *runner_args, WORKER,
+        "--out", str(tmp_path / "out"), *worker_args))
+    try:
+        return subprocess.run(argv, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=timeout)
+    finally:
+        kill_leftovers(str(tmp_path))
+
+
+def check_four_ranks_on_two_nodes(cluster, out):
+    for rank in range(4):
+        seen = rank_record(out, rank)
+        assert (seen["RANK"], seen["WORLD_SIZE"], seen["LOCAL_WORLD_SIZE"]) == (str(rank), "4", "2")
+        assert (seen["NODE_RANK"], seen["LOCAL_RANK"]) == (str(rank // 2), str(rank % 2))
+        assert seen["MASTER_ADDR"] == cluster.hosts[0]
+    assert os.path.exists(os.path.join(out, "final_loss"))
+
+
+def test_ssh_runner_trains_four_ranks_across_two_nodes(cluster, tmp_path):
+    (tmp_path / ".dsenv").write_text("DSTRAIN_TEST_VALUE=$(touch pwned1) `touch pwned2`\n")
+    nasty = ["; touch pwned3 #", "$(touch pwned4)", "50%"]
+    result = run_across_nodes(cluster, tmp_path, ["--launcher", "ssh", "--launcher_args", f"-F {cluster.ssh_config}"],
+                              ["--steps", "3", "--echo", *nasty])
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = str(tmp_path / "out")
+    check_four_ranks_on_two_nodes(cluster, out)
+    for rank in range(4):
+        assert rank_record(out, rank)["echo"] == nasty
+        assert rank_record(out, rank)["DSTRAIN_TEST_VALUE"] == "$(touch pwned1) `touch pwned2`"
+    assert not any(name.startswith("pwned") for name in os.listdir(tmp_path))
+    assert f"[rank3@{cluster.hosts[1]}]: step 2 loss" in result.stdout
+
+
+def test_pdsh_runner_trains_four_ranks_across_two_nodes(cluster, tmp_path):
+    result = run_across_nodes(cluster, tmp_path, ["--launcher", "pdsh"], ["--steps", "3"])
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_four_ranks_on_two_nodes(cluster, str(tmp_path / "out"))
+
+
+def test_a_rank_killed_on_the_second_node_stops_both_nodes(cluster, tmp_path):
+    out = str(tmp_path / "out")
+    env = launch_env(GLOO_SOCKET_IFNAME=INTERFACE)
+    argv = cluster.in_first_node(*dslaunch_argv(
+        "--hostfile", cluster.hostfile(), "--master_port", str(free_port()), "--launcher", "ssh",
+        "--launcher_args", f"-F {cluster.ssh_config}", WORKER, "--out", out, "--steps", "100000",
+        "--step_time", "0.05"))
+    launcher = subprocess.Popen(argv, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        for rank in range(4):
+            wait_for(lambda r=rank: os.path.exists(os.path.join(out, f"first_step_rank{r}")), 90, f"rank {rank}")
+        killed_at = time.monotonic()
+        os.kill(rank_record(out, 3)["pid"], signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=10)
+        wait_for(lambda: not processes_mentioning(out), 10 - (time.monotonic() - killed_at), "all ranks gone")
+        assert launcher.returncode == 128 + signal.SIGKILL
+        assert (f"rank 3 on host {cluster.hosts[1]} (node 1, local rank 1) was killed by signal 9 (SIGKILL)"
+                in stderr)
+    finally:
+        launcher.kill()
+        kill_leftovers(out)
+
+
+def test_openmpi_runner_with_real_mpirun_on_localhost(tmp_path):
+    if os.geteuid() == 0 and install_missing_packages():
+        pytest.skip("openmpi-bin is not installed and cannot be installed")
+    out = str(tmp_path / "out")
+    result = run_dslaunch("--launcher", "openmpi", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                          WORKER, "--out", out, "--steps", "2", timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in range(2):
+        seen = rank_record(out, rank)
+        assert (seen["RANK"], seen["LOCAL_RANK"], seen["WORLD_SIZE"]) == (str(rank), str(rank), "2")
