@@ -144,3 +144,18 @@ def test_clipping_is_active_in_the_parity_tests():
     model(x, y).backward()
     norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
     assert norm > 0.5
+
+
+def _breakdown():
+    eng, _, _, _ = engine.initialize(model=OddMLP(), config=_cfg(wall_clock_breakdown=True,
+                                                                  gradient_accumulation_steps=1))
+    x, y = make_batches(1, 2)[0]
+    eng.backward(eng(x, y))
+    eng.step()
+    return dict(eng.timers.count), {k: v > 0 for k, v in eng.timers.total_ms.items()}
+
+
+def test_wall_clock_breakdown_times_each_phase():
+    counts, positive = run_distributed(_breakdown, 1)[0]
+    assert counts == {"forward": 1, "backward": 1, "allreduce": 1, "step": 1}
+    assert all(positive.values())
