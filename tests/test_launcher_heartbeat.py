@@ -1,6 +1,4 @@
 """engine.heartbeat: the engine-side half of dslaunch's hang detection."""
-import os
-import signal
 import subprocess
 import sys
 from datetime import timedelta

@@ -4,7 +4,7 @@ Usage: python train_worker.py --out DIR [--steps N] [--step_time S] [--fail_rank
        --fail_attempts A] [--heartbeat] [--echo ARG ...]
 
 Each rank writes DIR/env_rank<R>_attempt<A>.json (its launcher environment and argv), DIR/
-first_step_rank<R> (time.time() at its first step) and, on rank 0, DIR/final_loss. With --fail_rank
+first_step_rank<R> (time.time() at its first step), DIR/failed_at (when it fails) and, on rank 0, DIR/final_loss. With --fail_rank
 the rank exits with code 3 at --fail_step while DSTRAIN_RESTART_COUNT < --fail_attempts (so a job
 with restarts fails once and then succeeds); DIR/attempts counts the starts.
 """
@@ -62,6 +62,8 @@ def main():
                 handle.write(repr(time.time()))
         if rank == args.fail_rank and step == args.fail_step and attempt < args.fail_attempts:
             print(f"rank {rank} failing on purpose at step {step}", flush=True)
+            with open(os.path.join(args.out, "failed_at"), "w") as handle:
+                handle.write(repr(time.time()))
             sys.exit(3)
         shard = data[rank::dist.get_world_size()]
         loss = torch.nn.functional.mse_loss(model(shard), target[rank::dist.get_world_size()])
