@@ -157,3 +157,11 @@ def test_dsenv_error_is_reported_with_file_and_line(tmp_path):
     result = run_dslaunch("--dry_run", "train.py", cwd=str(tmp_path), env=launch_env(HOME=str(tmp_path)),
                           timeout=30)
     assert result.returncode == 2 and f"{tmp_path}/.dsenv:2: expected KEY=VALUE" in result.stderr
+
+
+def test_rank_prefix_is_coloured_only_when_asked():
+    from launcher.output import rank_prefix
+    assert rank_prefix(3, None, color=False) == b"[rank3]: "
+    assert rank_prefix(3, "w2", color=False) == b"[rank3@w2]: "
+    coloured = rank_prefix(1, None, color=True)
+    assert coloured.startswith(b"\x1b[") and b"[rank1]:" in coloured and coloured != rank_prefix(2, None, True)
