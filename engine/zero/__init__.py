@@ -1,23 +1,59 @@
 """ZeRO: where parameters, gradients and optimizer state live across data-parallel ranks.
 
 One module per stage behind one interface (`before_backward`, `backward`, `after_backward`, `step`,
-`zero_grad`, `state_dict`, `load_state_dict`, `last_grad_norm`): stage 0 is plain data parallelism.
-`build_zero_optimizer` picks the stage from `zero_optimization.stage`.
+`zero_grad`, `state_dict`, `load_state_dict`, `last_grad_norm`): stage 0 is plain data parallelism,
+stage 1 partitions optimizer state and fp32 master weights, stage 2 also gradients (`partition.py`
+holds the layout they share). `build_zero_optimizer` picks the stage from `zero_optimization.stage`.
 """
 from __future__ import annotations
 
+import schemas
+
+from ..optimizers import is_zero_supported_optimizer
 from ..precision import build_guard
+from ..utils import tag_parameters
 from .stage0 import DataParallelOptimizer
+from .stage1 import ZeroStage1Optimizer
+from .stage2 import ZeroStage2Optimizer
+
+PARTITIONED_STAGES = {1: ZeroStage1Optimizer, 2: ZeroStage2Optimizer}
+
+
+def _partitioned_problems(optimizer, cfg) -> list[str]:
+    """Settings stages 1/2 cannot honour, one line each, naming the key."""
+    zero, problems = cfg.zero_optimization, []
+    if not is_zero_supported_optimizer(optimizer) and not cfg.zero_allow_untested_optimizer:
+        problems.append(f"zero_optimization.stage: {zero.stage} with optimizer {type(optimizer).__name__}, which "
+                        "ZeRO has not been tested with (supported: Adam, AdamW, Adagrad); set "
+                        '"zero_allow_untested_optimizer": true to use it anyway')
+    if not zero.contiguous_gradients:
+        problems.append("zero_optimization.contiguous_gradients: false is not supported: dstrain always keeps "
+                        "gradient partitions in one contiguous flat buffer; remove the key or set it true")
+    if zero.round_robin_gradients:
+        problems.append("zero_optimization.round_robin_gradients: true only applies to CPU optimizer offload, "
+                        "which is not built yet in dstrain; remove the key or set it false")
+    return problems
 
 
 def build_zero_optimizer(optimizer, comm, cfg):
     zero = cfg.zero_optimization
     guard = build_guard(cfg, comm.rank)
+    common = dict(overlap_comm=zero.overlap_comm, grad_accum_dtype=cfg.data_types.grad_accum_dtype,
+                  gradient_clipping=cfg.gradient_clipping, prescale_gradients=cfg.prescale_gradients,
+                  gradient_predivide_factor=cfg.gradient_predivide_factor,
+                  communication_data_type=cfg.communication_data_type)
     if zero.stage == 0:
-        return DataParallelOptimizer(
-            optimizer, comm, guard, bucket_numel=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
-            grad_accum_dtype=cfg.data_types.grad_accum_dtype,
-            gradient_clipping=cfg.gradient_clipping, prescale_gradients=cfg.prescale_gradients,
-            gradient_predivide_factor=cfg.gradient_predivide_factor,
-            communication_data_type=cfg.communication_data_type)
+        zopt = DataParallelOptimizer(optimizer, comm, guard, bucket_numel=zero.reduce_bucket_size, **common)
+        tag_parameters(zopt, zopt.params)
+        return zopt
+    if zero.stage in PARTITIONED_STAGES:
+        problems = _partitioned_problems(optimizer, cfg)
+        if problems:
+            raise schemas.ConfigError(problems)
+        zopt = PARTITIONED_STAGES[zero.stage](
+            optimizer, comm, guard, reduce_bucket_numel=zero.reduce_bucket_size,
+            allgather_bucket_numel=zero.allgather_bucket_size, reduce_scatter=zero.reduce_scatter,
+            allgather_partitions=zero.allgather_partitions, **common)
+        tag_parameters(zopt, zopt.params)
+        return zopt
     raise NotImplementedError(f"zero_optimization.stage: {zero.stage} is not built yet in dstrain")
