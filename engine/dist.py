@@ -63,6 +63,10 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | float
     """Initialise the default process group once; later calls are no-ops (like DeepSpeed's)."""
     if dist.is_initialized():
         return
+    if os.environ.get("DSTRAIN_HEARTBEAT_ADDR"):
+        # Under dslaunch: let the agent ask for our Python stack even if rendezvous itself hangs.
+        from .heartbeat import install_stack_dump
+        install_stack_dump()
     if timeout is None:
         timeout = float(os.environ.get("DSTRAIN_TIMEOUT", DEFAULT_TIMEOUT_S))
     if not isinstance(timeout, timedelta):
