@@ -1,16 +1,25 @@
 """Step time and peak memory of dstrain strategies next to plain PyTorch, in one run.
 
     python benchmarks/bench_training.py --systems ddp,fsdp2,dstrain-z0 --steps 20
+    python benchmarks/bench_training.py --systems ddp,dstrain-z1,deepspeed-z1 --deepspeed-venv /tmp/ds-venv
 
 Workload (shared/reference/baselines.md): GPT with 6 layers, d_model 512, 8 heads, seq 128, vocab
 12,000, tied embeddings (25.12M parameters), micro-batch 8 per rank, AdamW, fp32, 2 ranks x 1 thread,
 gloo over loopback. Reports the median step time of steps 2..N-1 and peak RSS per rank, and the
 ratio of each system to the first one listed. These machines are noisy: read the ratios.
+
+`deepspeed-z1`/`deepspeed-z2` run DeepSpeed itself (benchmarks/deepspeed_peer.py) with the python of
+a separate virtual environment, `--deepspeed-venv PATH`. If PATH has no python yet and lies under /tmp,
+the venv is created there (torch of this version, then `DS_BUILD_OPS=0 pip install deepspeed`); a venv
+never goes into the repository.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import resource
+import subprocess
 import statistics
 import sys
 import time
@@ -100,7 +109,35 @@ SYSTEMS = {
     "dstrain-z0": lambda steps, fused: _run_dstrain(steps, fused, stage=0),
     "dstrain-z0-fp16": lambda steps, fused: _run_dstrain(steps, fused, stage=0, extra={"fp16": {"enabled": True}}),
     "dstrain-z0-bf16": lambda steps, fused: _run_dstrain(steps, fused, stage=0, extra={"bf16": {"enabled": True}}),
+    "dstrain-z1": lambda steps, fused: _run_dstrain(steps, fused, stage=1),
+    "dstrain-z2": lambda steps, fused: _run_dstrain(steps, fused, stage=2),
 }
+
+
+DEEPSPEED_SYSTEMS = {"deepspeed-z1": 1, "deepspeed-z2": 2}
+PEER = Path(__file__).resolve().parent / "deepspeed_peer.py"
+
+
+def _deepspeed_python(venv: Path) -> Path:
+    """The venv's python, creating the venv first when it is missing and under /tmp."""
+    python = venv / "bin" / "python"
+    if python.exists():
+        return python
+    if not str(venv.resolve()).startswith("/tmp/"):
+        raise SystemExit(f"--deepspeed-venv {venv}: no bin/python there; give an existing venv or a path under /tmp "
+                         "to create one")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + [f"torch=={torch.__version__.split('+')[0]}", "numpy"], check=True)
+    subprocess.run(pip + ["deepspeed"], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+    return python
+
+
+def _run_deepspeed(python: Path, stage: int, steps: int, world: int) -> tuple[float, float]:
+    out = subprocess.run([str(python), str(PEER), "--stage", str(stage), "--steps", str(steps),
+                          "--world", str(world)], check=True, capture_output=True, text=True, timeout=1800)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    return row["step_ms"], row["rss_mb"]
 
 
 def _rank_entry(system: str, steps: int, fused: bool):
@@ -117,18 +154,27 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the systems this many times, interleaved, and keep each one's best round")
     p.add_argument("--foreach", action="store_true", help="AdamW foreach instead of fused (baselines.md used foreach)")
+    p.add_argument("--deepspeed-venv", type=Path, default=None,
+                   help="virtual environment with deepspeed for the deepspeed-z* systems (created if under /tmp)")
     args = p.parse_args(argv)
     systems = args.systems.split(",")
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in systems if s not in SYSTEMS and s not in DEEPSPEED_SYSTEMS]
     if unknown:
-        p.error(f"unknown systems {unknown}; choose from {sorted(SYSTEMS)}")
+        p.error(f"unknown systems {unknown}; choose from {sorted(SYSTEMS) + sorted(DEEPSPEED_SYSTEMS)}")
+    if any(s in DEEPSPEED_SYSTEMS for s in systems):
+        if args.deepspeed_venv is None:
+            p.error("the deepspeed-z* systems need --deepspeed-venv PATH")
+        ds_python = _deepspeed_python(args.deepspeed_venv)
     best: dict[str, tuple[float, float]] = {}
     for _ in range(args.rounds):  # interleaved rounds: a noisy neighbour hurts every system alike
         for name in systems:
-            per_rank = run_distributed(_rank_entry, args.world, args=(name, args.steps, not args.foreach),
-                                       timeout=1800)
-            step = max(r["step_ms"] for r in per_rank)
-            rss = max(r["rss_mb"] for r in per_rank)
+            if name in DEEPSPEED_SYSTEMS:
+                step, rss = _run_deepspeed(ds_python, DEEPSPEED_SYSTEMS[name], args.steps, args.world)
+            else:
+                per_rank = run_distributed(_rank_entry, args.world, args=(name, args.steps, not args.foreach),
+                                           timeout=1800)
+                step = max(r["step_ms"] for r in per_rank)
+                rss = max(r["rss_mb"] for r in per_rank)
             print(f"{name:>16}: {step:8.1f} ms/step  peak RSS/rank {rss:7.0f} MB", flush=True)
             if name not in best or step < best[name][0]:
                 best[name] = (step, rss)

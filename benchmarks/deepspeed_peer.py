@@ -1,0 +1,72 @@
+"""DeepSpeed itself on the benchmark workload, run by bench_training.py inside DeepSpeed's own venv.
+
+    VENV/bin/python benchmarks/deepspeed_peer.py --stage 2 --steps 20 --world 2
+
+Imports only torch, deepspeed and examples/gpt.py (not dstrain: the venv does not have its
+dependencies). Prints one JSON line: the slowest rank's median step time and the largest peak RSS.
+Settings match bench_training.py's dstrain runs: fp32, torch's AdamW (DeepSpeed's FusedAdam differs
+numerically, baselines.md), gradient_clipping 1.0, overlap_comm, reduce_bucket_size 5e6.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.gpt import BENCH_CONFIG, GPT, RandomTokens  # noqa: E402
+
+MICRO, LR = 8, 1e-4
+
+
+def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+           "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 5e6}}
+    model = GPT(BENCH_CONFIG)
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    data = RandomTokens(steps * MICRO, BENCH_CONFIG.seq_len, BENCH_CONFIG.vocab_size, seed=rank)
+    times = []
+    for i in range(steps):
+        x, y = data[i * MICRO:(i + 1) * MICRO]
+        t0 = time.perf_counter()
+        eng.backward(eng(x, y))
+        eng.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(outdir, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(times[2:-1]), "rss_mb": rss}))
+    deepspeed.comm.destroy_process_group()  # or a rank may abort at teardown (baselines.md)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--port", type=int, default=29533)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_rank, args=(args.world, args.port, args.stage, args.steps, outdir), nprocs=args.world)
+        rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
+    print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
