@@ -96,4 +96,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                        comm.world_size, cfg.seed, cfg.dataloader_drop_last, collate_fn)
     comm.stats.reset()
     eng = Engine(model, zero_optimizer, scheduler, loader, cfg, comm)
+    if cfg.checkpoint.auto_resume:  # a restarted job continues from <save_dir>/latest (engine/checkpoint)
+        eng.checkpointing.auto_resume()
     return eng, eng.optimizer, loader, scheduler

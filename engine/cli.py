@@ -1,12 +1,16 @@
 """`dstrain`: command-line tools around a dstrain/DeepSpeed config and its checkpoints.
 
     dstrain check-config ds_config.json [--world-size N]
+    dstrain ckpt consolidate CKPT_DIR [--tag TAG] --out FILE [--safetensors] [--dtype fp32|fp16|bf16]
+    dstrain ckpt info CKPT_DIR [--no-verify]
 
 `check-config` prints the resolved config as JSON (batch keys derived for the given data-parallel
 world size) and exits 0, or prints one line per problem and exits 2. Deprecated keys are reported as
-warnings on stderr. Later subcommands (`ckpt consolidate`, `ckpt info`, `report`) register here too.
+warnings on stderr. `ckpt consolidate` writes one plain state dict (fp32 by default; safetensors or
+torch format) that `model.load_state_dict` takes without dstrain; `ckpt info` lists the tags of a
+checkpoint directory with world size, ZeRO stage, size and checksum status (docs/checkpoints.md).
 
-Exit codes: 0 ok, 2 invalid config or usage. This module imports no torch at import time, so that
+Exit codes: 0 ok, 1 bad or corrupted checkpoint, 2 invalid config or usage. This module imports no torch at import time, so that
 checking a config stays fast; subcommands that need torch import it inside their handler.
 """
 from __future__ import annotations
@@ -17,7 +21,7 @@ import sys
 import warnings
 from typing import Callable, Optional, Sequence
 
-EXIT_OK, EXIT_INVALID = 0, 2
+EXIT_OK, EXIT_BAD_CHECKPOINT, EXIT_INVALID = 0, 1, 2
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -62,8 +66,44 @@ def _add_check_config(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_check_config)
 
 
-# Each entry adds one subcommand; later issues append theirs (ckpt consolidate, ckpt info, report).
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_check_config]
+def _ckpt(args: argparse.Namespace) -> int:
+    from engine.checkpoint import CheckpointError
+    from engine.checkpoint.consolidate import consolidate, info
+
+    try:
+        if args.ckpt_command == "info":
+            report, healthy = info(args.dir, verify=not args.no_verify)
+            print(report)
+            return EXIT_OK if healthy else EXIT_BAD_CHECKPOINT
+        out = consolidate(args.dir, args.out, tag=args.tag, safetensors=args.safetensors, dtype=args.dtype)
+        print(f"wrote {out}")
+        return EXIT_OK
+    except (CheckpointError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CHECKPOINT
+
+
+def _add_ckpt(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("ckpt", help="inspect or consolidate dstrain checkpoints",
+                                   description="Tools for dstrain checkpoint directories.")
+    sub = parser.add_subparsers(dest="ckpt_command", metavar="COMMAND", required=True)
+    cons = sub.add_parser("consolidate", help="write one plain state dict loadable without dstrain",
+                          description="Join the fragments of every parameter into one state dict that "
+                                      "model.load_state_dict() takes (zero_to_fp32's job, for any stage).")
+    cons.add_argument("dir", help="checkpoint directory (the save_dir holding `latest` and tags)")
+    cons.add_argument("--tag", default=None, help="tag to consolidate (default: the one `latest` names)")
+    cons.add_argument("--out", required=True, help="output file")
+    cons.add_argument("--safetensors", action="store_true", help="write safetensors instead of torch.save")
+    cons.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
+                      help="dtype of floating-point tensors in the output (default fp32)")
+    inf = sub.add_parser("info", help="list tags with world size, stage, size and checksum status")
+    inf.add_argument("dir", help="checkpoint directory")
+    inf.add_argument("--no-verify", action="store_true", help="skip re-hashing the files")
+    parser.set_defaults(handler=_ckpt)
+
+
+# Each entry adds one subcommand; later issues append theirs (report).
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_check_config, _add_ckpt]
 
 
 def build_parser() -> argparse.ArgumentParser:

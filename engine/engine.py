@@ -82,6 +82,8 @@ class Engine(torch.nn.Module):
             self.global_samples += self.config.train_batch_size
             heartbeat.beat(self.global_steps)
             self._maybe_log()
+            if self.config.checkpoint.save_interval:  # periodic saving (engine/checkpoint)
+                self.checkpointing.after_step()
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -135,6 +137,33 @@ class Engine(torch.nn.Module):
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
+
+    # -- checkpoints (engine/checkpoint; docs/checkpoints.md) ------------------------------------
+    @property
+    def checkpointing(self):
+        """The engine's `Checkpointing` (built on first use: it owns the checkpoint process group)."""
+        if getattr(self, "_checkpointing", None) is None:
+            from .checkpoint import Checkpointing
+            self._checkpointing = Checkpointing(self)
+        return self._checkpointing
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+        """Call on every rank. Each rank writes its shards; the tag (default `global_step{N}`) becomes
+        visible, and `latest` names it, only once every rank finished. Returns True."""
+        return self.checkpointing.save(save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Call on every rank, at any world size and ZeRO stage. Returns (path, client_state), or
+        (None, None) with a warning when there is no checkpoint to load."""
+        return self.checkpointing.load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                       load_lr_scheduler_states, load_module_only)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an async save (`checkpoint.async_save`) is committed; re-raise its error."""
+        if getattr(self, "_checkpointing", None) is not None:
+            self._checkpointing.wait()
 
     # -- state ----------------------------------------------------------------------------------
     def training_state_dict(self) -> dict:

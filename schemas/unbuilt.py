@@ -42,7 +42,8 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("elasticity.enabled"),
     Unbuilt("amp.enabled", "use fp16 or bf16", permanent=True),
     Unbuilt("sparse_gradients"),
-    Unbuilt("checkpoint"),
+    Unbuilt("checkpoint.use_node_local_storage", "use a shared file system (the default)"),
+    Unbuilt("checkpoint.parallel_write"),
     Unbuilt("gradient_compression", "remove the section"),
 )
 

@@ -1,0 +1,177 @@
+"""The on-disk layout of a dstrain checkpoint, its metadata, and the checksums that guard it.
+
+    <save_dir>/latest                      the committed tag (text, replaced atomically)
+    <save_dir>/<tag>/metadata.json         rank 0: world size, stage, precision, counters, config,
+                                           and per parameter: shape, dtype, kinds, fragments
+    <save_dir>/<tag>/engine_state.pt       rank 0: scheduler, loss scaler, optimizer hyperparameters,
+                                           sampler position, client_state
+    <save_dir>/<tag>/rank_00003.pt         rank 3: its fragments (below) and its RNG states
+    <save_dir>/<tag>/manifest.json         sha256 and size of every file above
+    <save_dir>/.<tag>.tmp-<nonce>/         a save in progress (never loaded, removed by the next save)
+
+[Note: fragments] The unit on disk is the per-parameter fragment: rows [start, stop) of dim 0 of one
+parameter (torch.chunk semantics, as ZeRO partitions; a 0-d parameter counts as one row), for every
+kind of tensor the parameter has: "fp32" (master weights, or the weights themselves without masters),
+each optimizer state tensor shaped like the parameter ("exp_avg", ...), and scalar state ("step"),
+which every fragment repeats. Frozen parameters and buffers are kind "module", written whole by rank
+0. A rank file maps "<name>::<kind>" to its fragment; metadata.json lists which rank holds which rows,
+so a reader at any world size and stage reads just the rows it needs.
+[Note: weights_only] Every .pt file holds only tensors and plain containers/numbers/strings, and is
+read with `torch.load(weights_only=True)`: loading a checkpoint cannot execute code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+FORMAT_NAME = "dstrain-checkpoint"
+FORMAT_VERSION = 1
+LATEST = "latest"
+METADATA = "metadata.json"
+MANIFEST = "manifest.json"
+ENGINE_STATE = "engine_state.pt"
+SEP = "::"
+FP32, MODULE = "fp32", "module"  # kinds of weights (module note: fragments)
+_TMP = re.compile(r"^\.(?P<tag>.+)\.tmp-[0-9a-f]+$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded: missing, corrupted, truncated or incompatible."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def tensor_key(name: str, kind: str) -> str:
+    return f"{name}{SEP}{kind}"
+
+
+def tmp_dir(save_dir: Path, tag: str, nonce: str) -> Path:
+    return save_dir / f".{tag}.tmp-{nonce}"
+
+
+def is_tmp_dir(path: Path) -> bool:
+    return bool(_TMP.match(path.name))
+
+
+def validate_tag(tag: str) -> str:
+    tag = str(tag)
+    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST or "\n" in tag:
+        raise ValueError(f"checkpoint tag {tag!r} is not usable as a directory name: no '/', no leading "
+                         f"'.', not {LATEST!r}")
+    return tag
+
+
+# -- checksums -----------------------------------------------------------------------------------
+class HashingFile:
+    """A write-only file that hashes what passes through it (torch.save writes here) and can be told to
+    kill its process half-way, for crash tests (writer.py's crash hook)."""
+
+    def __init__(self, path: Path, kill_after: int | None = None):
+        self._f = open(path, "wb")
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self._kill_after = kill_after
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self._kill_after is not None and self.size + len(view) >= self._kill_after:
+            self._f.write(view[: max(0, self._kill_after - self.size)])
+            self._f.flush()
+            os.kill(os.getpid(), 9)  # the crash test's SIGKILL, mid-file
+        self._f.write(view)
+        self._hash.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> dict:
+        """fsync and close; returns the manifest entry."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return {"sha256": self._hash.hexdigest(), "bytes": self.size}
+
+
+def file_digest(path: Path, chunk: int = 8 << 20) -> tuple[str, int]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            size += len(block)
+    return h.hexdigest(), size
+
+
+def check_file(path: Path, entry: dict) -> str | None:
+    """None when `path` matches its manifest entry, else what is wrong (one short phrase)."""
+    if not path.exists():
+        return "missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"truncated or resized ({size} bytes, manifest says {entry['bytes']})"
+    if file_digest(path)[0] != entry["sha256"]:
+        return "sha256 mismatch (corrupted)"
+    return None
+
+
+# -- small JSON files, written atomically ----------------------------------------------------------
+def write_json(path: Path, obj) -> dict:
+    data = json.dumps(obj, indent=1, sort_keys=False).encode()
+    f = HashingFile(path)
+    f.write(data)
+    return f.close()
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupted or truncated ({e})") from None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_latest(save_dir: Path, tag: str) -> None:
+    """Point `latest` at `tag`: a temp file renamed over the old pointer (atomic on POSIX)."""
+    tmp = save_dir / f".{LATEST}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / LATEST)
+    fsync_dir(save_dir)
+
+
+def read_latest(save_dir: Path) -> str | None:
+    try:
+        return (save_dir / LATEST).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def committed_tags(save_dir: Path) -> list[str]:
+    """Tags with a manifest, oldest first (by the step recorded in their metadata, then name)."""
+    tags = []
+    for d in save_dir.iterdir() if save_dir.is_dir() else []:
+        if d.is_dir() and not d.name.startswith(".") and (d / MANIFEST).exists():
+            tags.append(d)
+    def order(d: Path):
+        try:
+            return (json.loads((d / METADATA).read_text())["counters"]["global_steps"], d.stat().st_mtime)
+        except (OSError, ValueError, KeyError):
+            return (-1, d.stat().st_mtime)
+    return [d.name for d in sorted(tags, key=order)]

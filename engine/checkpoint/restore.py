@@ -1,0 +1,126 @@
+"""Loading a verified checkpoint into a live engine at any world size and ZeRO stage.
+
+Weights first (every tensor the module holds, rebuilt from the fp32 rows; reader.py's note), then the
+rows of master weights and optimizer state this rank's adapter holds, then the engine state (loss
+scaler, optimizer hyperparameters, LR schedule, counters, sampler position) and this rank's RNG.
+[Note: exactness] Nothing is recomputed: fp32 rows are copied bit for bit, model weights are the same
+cast of them that a training step makes, and optimizer state tensors are copied into freshly zeroed
+buffers (padding stays zero). At the same world size and stage, a resumed run is therefore bitwise the
+run that never stopped; at another one only the summation order of reductions differs.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import format as fmt
+from .reader import FragmentSource, load_torch, verify
+from .snapshot import module_entries
+from .state import adapter_for, set_rng_state
+
+
+def _check_names(src: FragmentSource, current: set[str], strict: bool) -> None:
+    missing = sorted(current - set(src.params))
+    unexpected = sorted(set(src.params) - current)
+    if strict and (missing or unexpected):
+        raise fmt.CheckpointError(
+            f"{src.path}: the checkpoint does not match the model (load_module_strict=True): "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+
+
+def _check_shape(src: FragmentSource, name: str, t: torch.Tensor) -> None:
+    saved = list(src.params[name]["shape"])
+    if saved != list(t.shape):
+        raise fmt.CheckpointError(f"{src.path}: {name} has shape {saved} in the checkpoint, {list(t.shape)} "
+                                  "in the model")
+
+
+@torch.no_grad()
+def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool) -> None:
+    adapter.begin_load(load_state)
+    for p in adapter.params():
+        name = names[id(p)]
+        if name not in src.params:
+            continue
+        _check_shape(src, name, p)
+        weights = src.weights_kind(name)
+        full = src.rows(name, weights, 0, src.num_rows(name))
+        p.copy_(full.reshape(p.shape))  # the model's cast of the fp32 rows (module note)
+        start, stop = adapter.load_rows(p)
+        tensors = {fmt.FP32: full[start:stop]}
+        if load_state:
+            for kind, cls in src.kinds(name).items():
+                if kind not in (fmt.FP32, fmt.MODULE):
+                    tensors[kind] = src.rows(name, kind, start, stop) if cls == "rows" else src.scalar(name, kind)
+        adapter.write(p, tensors, load_state)
+    adapter.finish_load()
+
+
+@torch.no_grad()
+def _load_module_entries(src: FragmentSource, entries: dict) -> None:
+    for key, t in entries.items():
+        if key in src.params:
+            _check_shape(src, key, t)
+            t.copy_(src.full(key, src.weights_kind(key)).reshape(t.shape))
+
+
+def _sampler_state(saved: dict, world: int, micro: int) -> dict:
+    """The sampler position at another world size: the same number of samples consumed, rounded down."""
+    if saved["world_size"] == world and saved["micro_batch"] == micro:
+        return saved
+    samples = saved["batches_in_epoch"] * saved["micro_batch"] * saved["world_size"]
+    return {"epoch": saved["epoch"], "batches_in_epoch": samples // (micro * world)}
+
+
+def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
+    zopt = eng.zero_optimizer
+    if load_optimizer_states and zopt is not None:
+        if state["guard"] is not None:
+            zopt.guard.load_state_dict(state["guard"])
+        if len(state["param_groups"]) == len(eng.optimizer.param_groups):
+            for group, saved in zip(eng.optimizer.param_groups, state["param_groups"]):
+                group.update(saved)
+    if load_lr_scheduler_states and eng.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        eng.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    for key, value in state["counters"].items():
+        setattr(eng, key, value)
+    loader = eng.training_dataloader
+    if loader is not None and state["data_sampler"] is not None:
+        loader.load_state_dict(_sampler_state(state["data_sampler"], eng.comm.world_size,
+                                              eng.config.train_micro_batch_size_per_gpu))
+
+
+def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states: bool = True,
+              load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    """Verify and load the checkpoint at `path` (a tag directory); returns its client_state."""
+    comm = eng.comm
+    verify(path, comm, fmt.read_json(path / fmt.MANIFEST))
+    src = FragmentSource(path)
+    adapter = adapter_for(eng.zero_optimizer, comm.rank, comm.world_size)
+    names = {id(p): n for n, p in eng.module.named_parameters()}
+    trainable = {id(p): names[id(p)] for p in adapter.params()} if adapter else {}
+    entries, _ = module_entries(eng.module, trainable)
+    _check_names(src, set(trainable.values()) | set(entries), load_module_strict)
+    load_state = load_optimizer_states and not load_module_only
+    if adapter is not None:
+        _load_trainable(src, adapter, names, load_state)
+        eng.zero_optimizer.zero_grad()
+    _load_module_entries(src, entries)
+    state = load_torch(path / fmt.ENGINE_STATE, mmap=False)
+    if not load_module_only:
+        _load_engine_state(eng, state, load_state, load_lr_scheduler_states)
+        _restore_rng(src, comm)
+    return state["client_state"]
+
+
+def _restore_rng(src: FragmentSource, comm) -> None:
+    saved_world = src.meta["world_size"]
+    if saved_world != comm.world_size and comm.rank == 0:
+        warnings.warn(f"checkpoint saved by {saved_world} ranks, loaded by {comm.world_size}: ranks below "
+                      f"{min(saved_world, comm.world_size)} resume their RNG streams, others keep their seeds",
+                      stacklevel=4)
+    if comm.rank < saved_world:
+        set_rng_state(src.rank_extras(comm.rank)["rng"])
+

@@ -1,0 +1,144 @@
+"""Collecting what a checkpoint holds from a live engine (training thread, all ranks together).
+
+`take_snapshot` returns a `writer.Snapshot`: this rank's fragments (views for a synchronous save,
+CPU copies for an async one), its RNG states, and on rank 0 the metadata and the engine state.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+from ..precision import precision_name
+from . import format as fmt
+from .state import FP32, MODULE, adapter_for, rng_state, row_kinds, rows_of
+from .writer import Snapshot, new_nonce
+
+
+def _copy(value, copy: bool):
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.to("cpu", copy=True) if copy else value
+    return value
+
+
+def module_entries(module: torch.nn.Module, trainable: dict[int, str]):
+    """(entries, aliases): state_dict tensors that are not trainable parameters (frozen parameters,
+    buffers) by key, and every key that names a tensor already seen under another name (tied weights)."""
+    entries, aliases, seen = {}, {}, dict(trainable)
+    for key, t in module.state_dict(keep_vars=True).items():
+        name = seen.get(id(t))
+        if name is not None:
+            if name != key:
+                aliases[key] = name
+            continue
+        seen[id(t)] = key
+        entries[key] = t
+    return entries, aliases
+
+
+def _fragments(eng, adapter, names: dict[int, str], copy: bool):
+    """This rank's tensors ("name::kind" -> tensor) and index (name -> [start, stop, {kind: class}])."""
+    tensors, index = {}, {}
+    if adapter is None:
+        return tensors, index
+    kinds = row_kinds(eng.zero_optimizer.optimizer)
+    for p in adapter.params():
+        name = names[id(p)]
+        start, stop = adapter.save_rows(p)
+        if stop <= start:
+            continue
+        classes = {}
+        for kind, value in adapter.read(p, kinds).items():
+            tensors[fmt.tensor_key(name, kind)] = _copy(value, copy)
+            classes[kind] = "rows" if kind == FP32 or kind in kinds else "scalar"
+        index[name] = [start, stop, classes]
+    return tensors, index
+
+
+def _engine_state(eng, client_state) -> dict:
+    zopt, loader = eng.zero_optimizer, eng.training_dataloader
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in eng.optimizer.param_groups] if eng.optimizer else []
+    return {
+        "counters": counters(eng),
+        "lr_scheduler": eng.lr_scheduler.state_dict() if eng.lr_scheduler is not None else None,
+        "guard": zopt.guard.state_dict() if zopt is not None else None,
+        "param_groups": groups,
+        "data_sampler": None if loader is None else {
+            **loader.state_dict(), "world_size": eng.comm.world_size,
+            "micro_batch": eng.config.train_micro_batch_size_per_gpu},
+        "client_state": client_state or {},
+    }
+
+
+def counters(eng) -> dict:
+    return {k: getattr(eng, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
+
+
+def check_loadable(obj, what: str) -> None:
+    """Fail at save, not at load, when `obj` would need code execution to unpickle (weights_only)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any refusal means the checkpoint could not be loaded
+        raise TypeError(f"{what} holds objects a weights_only load refuses; keep it to tensors, numbers, "
+                        f"strings, lists and dicts ({str(e).splitlines()[0]})") from None
+
+
+def _metadata(eng, tag, gathered, trainable, entries, aliases) -> dict:
+    params = {}
+    named = dict(eng.module.named_parameters())
+    for rank, (_, index) in enumerate(gathered):
+        for name, (start, stop, classes) in index.items():
+            if name not in params:
+                t = named.get(name, entries.get(name))
+                params[name] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                                "trainable": name in trainable.values(), "kinds": classes, "fragments": []}
+            params[name]["fragments"].append([rank, start, stop])
+    return {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "tag": tag,
+            "world_size": eng.comm.world_size, "zero_stage": getattr(eng.zero_optimizer, "stage", 0),
+            "precision": precision_name(eng.config), "counters": counters(eng),
+            "params": params, "aliases": aliases,
+            "state_dict_keys": list(eng.module.state_dict().keys()), "config": eng.config.to_dict()}
+
+
+def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool, keep_last, copy: bool,
+                  tag_validation: str = "Warn") -> Snapshot:
+    comm = eng.comm
+    rank, world = comm.rank, comm.world_size
+    adapter = adapter_for(eng.zero_optimizer, rank, world)
+    names = {id(p): n for n, p in eng.module.named_parameters()}
+    trainable = {id(p): names[id(p)] for p in adapter.params()} if adapter else {}
+    tensors, index = _fragments(eng, adapter, names, copy)
+    entries, aliases = module_entries(eng.module, trainable)
+    if rank == 0:
+        for key, t in entries.items():
+            tensors[fmt.tensor_key(key, MODULE)] = _copy(rows_of(t), copy)
+            index[key] = [0, rows_of(t).shape[0], {MODULE: "rows"}]
+    nonce = new_nonce() if rank == 0 else None
+    gathered = comm.all_gather_object(((tag, nonce), index))
+    _validate_tags([g[0][0] for g in gathered], tag_validation)
+    snap = Snapshot(Path(save_dir), tag, gathered[0][0][1], rank,
+                    {"format": fmt.FORMAT_NAME, "rank": rank, "world_size": world, "tag": tag,
+                     "tensors": tensors, "rng": rng_state()},
+                    save_latest=save_latest, keep_last=keep_last,
+                    nbytes=sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)))
+    if rank == 0:
+        snap.engine_state = _engine_state(eng, client_state)
+        check_loadable(snap.engine_state["client_state"], "client_state")
+        snap.metadata = _metadata(eng, tag, gathered, trainable, entries, aliases)
+    return snap
+
+
+def _validate_tags(tags: list[str], policy: str) -> None:
+    """checkpoint.tag_validation (DeepSpeed): ranks saving under different tags is a bug in the caller."""
+    if policy == "Ignore" or len(set(tags)) == 1:
+        return
+    msg = f"ranks disagree on the checkpoint tag: {sorted(set(tags))} (checkpoint.tag_validation)"
+    if policy == "Fail":
+        raise ValueError(msg)
+    import warnings
+    warnings.warn(msg, stacklevel=3)

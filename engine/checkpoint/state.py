@@ -1,0 +1,191 @@
+"""What a checkpoint holds, read from and written back into a live engine.
+
+Per-stage adapters turn a ZeRO optimizer's storage into per-parameter fragments (format.py's note)
+and back, without the stages knowing about checkpoints:
+- `DataParallelAdapter` (stage 0): every rank holds full tensors; rank r writes rows chunk r of every
+  parameter, so all ranks share the writing, and loads all rows.
+- `PartitionedAdapter` (stages 1-2, and any stage built on `zero.partition.PartitionedParams`): a rank
+  writes and loads exactly its own `Fragment` of the flat fp32 partition and of the optimizer state.
+A new stage plugs in by adding an adapter with the same six methods and a line in `adapter_for`.
+
+[Note: model weights] Trainable weights are not stored separately: after every step the model
+weights are the fp32 master rows cast to the model dtype (stage 0 `MasterWeights.copy_to_model`,
+stage 1/2 all-gather), so the reader rebuilds them from "fp32" bit for bit.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..zero.partition import ChunkSpec
+from .format import FP32, MODULE  # noqa: F401 - re-exported for snapshot/reader
+
+
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """A view with dim 0 as rows (a 0-d tensor is one row)."""
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+def row_kinds(optimizer) -> set[str]:
+    """State names whose tensors are shaped like their parameter (exp_avg, ...), as opposed to scalar
+    state (step). Decided over parameters with dim >= 1, where the two cannot be confused."""
+    kinds = set()
+    for owner, state in optimizer.state.items():
+        if owner.dim() >= 1:
+            kinds.update(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == owner.shape)
+    return kinds
+
+
+def _split_state(state: dict, kinds: set[str], cut) -> dict:
+    """One parameter's state: row kinds cut to this fragment by `cut(tensor)`, scalar state kept whole."""
+    return {kind: cut(value.detach()) if kind in kinds else value for kind, value in state.items()}
+
+
+class DataParallelAdapter:
+    """Stage 0: full parameters, full fp32 masters (or the fp32 parameters), full optimizer state."""
+
+    def __init__(self, zopt, rank: int, world: int):
+        self.zopt, self.rank, self.world = zopt, rank, world
+        masters = zopt.master
+        self._owner = dict(zip(masters.model_params, masters.master_params)) if masters else {}
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.zopt.params)
+
+    def owner(self, p):
+        return self._owner.get(p, p)
+
+    def save_rows(self, p) -> tuple[int, int]:
+        return ChunkSpec.of(p, self.world).row_range(self.rank)
+
+    def load_rows(self, p) -> tuple[int, int]:
+        return 0, rows_of(p).shape[0]
+
+    def read(self, p, kinds: set[str]) -> dict:
+        """This rank's fragment of `p`: views, kind -> tensor; `kinds` = row_kinds(optimizer)."""
+        start, stop = self.save_rows(p)
+        owner = self.owner(p)
+        tensors = {FP32: rows_of(owner.detach())[start:stop]}
+        state = self.zopt.optimizer.state.get(owner, {})
+        tensors.update(_split_state(state, kinds, lambda t: rows_of(t)[start:stop]))
+        return tensors
+
+    def begin_load(self, load_state: bool) -> None:
+        if load_state:
+            for p in self.params():
+                self.zopt.optimizer.state.pop(self.owner(p), None)
+
+    @torch.no_grad()
+    def write(self, p, tensors: dict, load_state: bool) -> None:
+        owner = self.owner(p)
+        if owner is not p:
+            owner.copy_(tensors[FP32].view_as(owner))
+        if not load_state:
+            return
+        state = {}
+        for kind, value in tensors.items():
+            if kind == FP32:
+                continue
+            if isinstance(value, torch.Tensor):
+                rows = value.dim() > 0 and value.numel() == owner.numel()
+                value = (value.reshape(owner.shape) if rows else value).clone().to(owner.device)
+            state[kind] = value
+        if state:
+            self.zopt.optimizer.state[owner] = state
+
+    def finish_load(self) -> None:
+        pass
+
+
+class PartitionedAdapter:
+    """Stages 1-2: this rank's fragment of each parameter in the flat fp32 partitions."""
+
+    def __init__(self, zopt, rank: int, world: int):
+        self.zopt, self.rank, self.world = zopt, rank, world
+        self.part = zopt.partition
+        self._loaded_scalars: set = set()
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.part.params()
+
+    def save_rows(self, p) -> tuple[int, int]:
+        return self.part.fragments[p].spec.row_range(self.rank)
+
+    load_rows = save_rows
+
+    def _flat(self, p) -> torch.nn.Parameter:
+        return self.part.flat[self.part.fragments[p].key]
+
+    def read(self, p, kinds: set[str]) -> dict:
+        frag, flat = self.part.fragments[p], self._flat(p)
+        tensors = {FP32: flat.detach()[frag.offset:frag.offset + frag.numel].view(frag.shape)}
+        state = self.zopt.optimizer.state.get(flat, {})
+        tensors.update(_split_state(state, kinds, lambda t: t[frag.offset:frag.offset + frag.numel].view(frag.shape)))
+        return tensors
+
+    def begin_load(self, load_state: bool) -> None:
+        self._loaded_scalars.clear()
+        if load_state:
+            for flat in self.part.flat.values():
+                self.zopt.optimizer.state.pop(flat, None)
+
+    @torch.no_grad()
+    def write(self, p, tensors: dict, load_state: bool) -> None:
+        frag, flat = self.part.fragments[p], self._flat(p)
+        flat.detach()[frag.offset:frag.offset + frag.numel].copy_(tensors[FP32].reshape(-1))
+        if not load_state:
+            return
+        state = self.zopt.optimizer.state.setdefault(flat, {})
+        for kind, value in tensors.items():
+            if kind == FP32:
+                continue
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                # Padding slots stay zero (partition.py's note: they must, for the optimizer's math).
+                buf = state.setdefault(kind, torch.zeros_like(flat.detach(), dtype=value.dtype))
+                buf[frag.offset:frag.offset + frag.numel].copy_(value.reshape(-1))
+            elif (flat, kind) not in self._loaded_scalars:
+                state[kind] = value.clone().to(flat.device) if isinstance(value, torch.Tensor) else value
+                self._loaded_scalars.add((flat, kind))
+
+    def finish_load(self) -> None:
+        for flat in self.part.flat.values():  # a flat with no saved state keeps none (fresh optimizer)
+            if not self.zopt.optimizer.state.get(flat):
+                self.zopt.optimizer.state.pop(flat, None)
+
+
+def adapter_for(zopt, rank: int, world: int):
+    if zopt is None:
+        return None
+    if hasattr(zopt, "partition"):
+        return PartitionedAdapter(zopt, rank, world)
+    if getattr(zopt, "stage", None) == 0:
+        return DataParallelAdapter(zopt, rank, world)
+    raise NotImplementedError(f"checkpointing has no adapter for ZeRO stage {getattr(zopt, 'stage', '?')}")
+
+
+# -- RNG ------------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    """This rank's generators, as weights_only-loadable values (numpy's array becomes a tensor)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "numpy" in state:
+        import numpy as np
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
