@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: cores / local ranks)")
-    p.add_argument("--out", default="runs/demo", help="where the final checkpoint goes")
+    p.add_argument("--out", default="runs/demo", help="checkpoint directory (dstrain ckpt info/consolidate read it)")
     engine.add_config_arguments(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:
@@ -87,16 +87,14 @@ def _summary(eng, losses, tokens, elapsed, args) -> None:
     world = dist.get_world_size()
     rss = eng.comm.all_gather_object(round(rss_mb()))
     total_tokens = tokens * world
+    eng.save_checkpoint(args.out)  # every rank writes its shards; resumable at any world size
     if dist.get_rank() != 0:
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(eng.module.state_dict(), out / "model.pt")
     first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
     print(f"[dstrain] demo done: {eng.global_steps} steps on {world} rank(s), "
           f"loss {first:.3f} -> {last:.3f} (uniform would be {uniform_loss(256):.3f}), "
           f"{total_tokens / elapsed:,.0f} tokens/s, peak RSS per rank {rss} MB, "
-          f"skipped steps {eng.skipped_steps}, model saved to {out / 'model.pt'}")
+          f"skipped steps {eng.skipped_steps}, checkpoint in {args.out}/global_step{eng.global_steps}")
     if not last < first:
         raise SystemExit("[dstrain] the loss did not fall — something is wrong")
 
