@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
+import ops
 from schemas.optimizer import AdamParams, OptimizerConfig, SGDParams
 
 logger = logging.getLogger(__name__)
@@ -84,11 +85,21 @@ def _build_sgd(groups: list, params: SGDParams) -> torch.optim.Optimizer:
                            **_kernel_choice(groups, params.fused))
 
 
+def _build_from_ops(cls: type[torch.optim.Optimizer]) -> Callable[[list, Any], torch.optim.Optimizer]:
+    """Lamb and the 1-bit optimizers take their params' keys as keyword arguments. The 1-bit ones get
+    their communicator from ZeRO stage 0 (see ops.compressed_optimizer)."""
+    return lambda groups, params: cls(groups, **params.model_dump())
+
+
 # Canonical type name (schemas.optimizer.PARAMS_MODELS) -> builder(groups, params).
 _BUILDERS: dict[str, Callable[[list, Any], torch.optim.Optimizer]] = {
     "Adam": lambda groups, params: _build_adam(groups, params, always_decoupled=False),
     "AdamW": lambda groups, params: _build_adam(groups, params, always_decoupled=True),
     "SGD": _build_sgd,
+    "Lamb": _build_from_ops(ops.Lamb),
+    "OneBitAdam": _build_from_ops(ops.OneBitAdam),
+    "ZeroOneAdam": _build_from_ops(ops.ZeroOneAdam),
+    "OneBitLamb": _build_from_ops(ops.OneBitLamb),
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from schemas.config import Config
+from schemas.optimizer import ONEBIT_OPTIMIZERS
 from schemas.zero import OffloadOptimizerConfig, OffloadParamConfig
 
 
@@ -74,6 +75,23 @@ def _amp_with_mixed_precision(config: Config) -> list[str]:
     return []
 
 
+def _compression_needs_stage0(config: Config) -> list[str]:
+    """1-bit optimizers average full momenta and PowerSGD full gradients: both need every rank to hold
+    the whole optimizer state, i.e. ZeRO stage 0 (DeepSpeed rejects 1-bit optimizers under ZeRO too)."""
+    stage, problems = config.zero_optimization.stage, []
+    kind = config.optimizer.type if config.optimizer is not None else None
+    if kind in ONEBIT_OPTIMIZERS and stage > 0:
+        problems.append(f"optimizer.type: {kind} needs zero_optimization.stage 0 (stage is {stage}): it averages "
+                        "whole momenta across ranks, which ZeRO partitions; use stage 0 or an Adam-type optimizer")
+    if config.gradient_compression is not None and stage > 0:
+        problems.append(f"gradient_compression: PowerSGD needs zero_optimization.stage 0 (stage is {stage}); "
+                        "remove the section or use stage 0")
+    if config.gradient_compression is not None and kind in ONEBIT_OPTIMIZERS:
+        problems.append(f"gradient_compression: cannot be combined with optimizer.type {kind}, which compresses "
+                        "its own communication; remove one of them")
+    return problems
+
+
 CROSS_FIELD_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _fp16_and_bf16,
     _min_loss_scale,
@@ -81,6 +99,7 @@ CROSS_FIELD_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _offload,
     _checkpoint,
     _amp_with_mixed_precision,
+    _compression_needs_stage0,
 )
 
 

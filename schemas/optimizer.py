@@ -14,9 +14,9 @@ to `PARAMS_MODELS`, remove the name from `NOT_BUILT_OPTIMIZERS`, and add a build
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Any, ClassVar, Optional, Tuple, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Tuple, Union
 
-from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from schemas.base import StrictModel
@@ -41,6 +41,15 @@ def list_to_tuple(value: Any) -> Any:
 
 
 Betas = Annotated[Tuple[float, float], BeforeValidator(list_to_tuple)]
+
+
+def _betas_in_unit_interval(betas: Tuple[float, float]) -> Tuple[float, float]:
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+    return betas
+
+
+UnitBetas = Annotated[Betas, AfterValidator(_betas_in_unit_interval)]
 
 
 def _custom(loc: tuple, message: str, value: Any) -> InitErrorDetails:
@@ -206,14 +215,101 @@ class SGDParams(StrictModel):
         return value
 
 
-OptimizerParams = Union[AdamParams, SGDParams]
+class _MomentParams(StrictModel):
+    """Adam-moment hyperparameters shared by Lamb and the 1-bit optimizers."""
+
+    lr: float = Field(1e-3, ge=0.0)
+    """Learning rate (DeepSpeed's default 1e-3); a scheduler may overwrite it."""
+    betas: UnitBetas = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square, each in [0, 1)."""
+    eps: float = Field(1e-8, ge=0.0)
+    """Added to the denominator for numerical stability."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (added to the update, as DeepSpeed)."""
+    bias_correction: bool = True
+    """Correct the moments' initialisation bias (dstrain keeps Adam's correction in the 1-bit
+    optimizers too, so their warm-up is exactly Adam/LAMB; false drops it, as DeepSpeed's 1-bit code)."""
+
+
+class LambParams(_MomentParams):
+    """Params of `Lamb` (ops.Lamb: LAMB, arXiv:1904.00962, with DeepSpeed's trust-ratio clipping)."""
+
+    max_coeff: float = Field(10.0, gt=0.0)
+    """Upper clip of the trust ratio ‖w‖/‖update‖."""
+    min_coeff: float = Field(0.01, ge=0.0)
+    """Lower clip of the trust ratio."""
+
+
+class _OneBitCommParams(_MomentParams):
+    amsgrad: bool = False
+    """Only false: the 1-bit optimizers freeze the variance, which AMSGrad's max would contradict."""
+    cuda_aware: bool = False
+    """DeepSpeed's MPI-backend flag; accepted, no effect (dstrain's collectives use torch.distributed)."""
+    comm_backend_name: Literal["nccl", "gloo", "compressed"] = "nccl"
+    """Accepted for DeepSpeed compatibility: the compressed all-reduce always runs on torch.distributed
+    collectives of the process group's backend (NCCL on GPUs, gloo on CPUs); "mpi" and "hccl" are not built."""
+
+    @field_validator("amsgrad")
+    @classmethod
+    def _no_amsgrad(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("the 1-bit optimizers do not support amsgrad (their variance is frozen); remove the key")
+        return value
+
+
+class OneBitAdamParams(_OneBitCommParams):
+    """Params of `OneBitAdam` (ops.OneBitAdam, arXiv:2102.02888)."""
+
+    freeze_step: int = Field(100000, ge=1)
+    """Warm-up steps of plain Adam with full-precision gradient all-reduce; afterwards the variance
+    is frozen and momentum travels 1-bit compressed (DeepSpeed suggests 15-25% of the total steps)."""
+
+
+class ZeroOneAdamParams(_OneBitCommParams):
+    """Params of `ZeroOneAdam` (ops.ZeroOneAdam, arXiv:2202.06009)."""
+
+    var_freeze_step: int = Field(100000, ge=1)
+    """Last step at which the variance may be updated (usually the end of the LR warm-up)."""
+    var_update_scaler: int = Field(16, ge=1)
+    """κ: the interval between variance updates doubles every this many updates."""
+    local_step_scaler: int = Field(32678, ge=1)
+    """After var_freeze_step, the interval between 1-bit synchronisations doubles every this many steps."""
+    local_step_clipper: int = Field(16, ge=1)
+    """H: the largest interval between 1-bit synchronisations (local steps in between)."""
+
+
+class OneBitLambParams(_OneBitCommParams):
+    """Params of `OneBitLamb` (ops.OneBitLamb, arXiv:2104.06069)."""
+
+    freeze_step: int = Field(100000, ge=1)
+    """Warm-up steps of plain LAMB; afterwards momentum travels 1-bit compressed."""
+    max_coeff: float = Field(10.0, gt=0.0)
+    """Upper clip of the LAMB trust ratio during warm-up."""
+    min_coeff: float = Field(0.01, ge=0.0)
+    """Lower clip of the LAMB trust ratio during warm-up."""
+    coeff_beta: float = Field(0.9, ge=0.0, lt=1.0)
+    """EMA coefficient of the trust ratio tracked during warm-up (the frozen ratio); keep
+    1/(1 − coeff_beta) <= freeze_step."""
+    factor_max: float = Field(4.0, gt=0.0)
+    """Upper clip of the factor applied to the frozen trust ratio after warm-up."""
+    factor_min: float = Field(0.5, ge=0.0)
+    """Lower clip of that factor."""
+    factor_threshold: float = Field(0.1, ge=0.0)
+    """Largest relative change of the factor from one step to the next."""
+
+
+OptimizerParams = Union[AdamParams, SGDParams, LambParams, OneBitAdamParams, ZeroOneAdamParams, OneBitLambParams]
 
 # Canonical type name -> its params model. The order is the order of error messages.
-PARAMS_MODELS: dict[str, type[StrictModel]] = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+PARAMS_MODELS: dict[str, type[StrictModel]] = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams,
+                                               "Lamb": LambParams, "OneBitAdam": OneBitAdamParams,
+                                               "ZeroOneAdam": ZeroOneAdamParams, "OneBitLamb": OneBitLambParams}
+
+# The types that average their momentum themselves after warm-up (ZeRO stage 0 only).
+ONEBIT_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
 # DeepSpeed optimizer types that dstrain will build later; naming one is a clear error until then.
-NOT_BUILT_OPTIMIZERS = ["Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "Lion", "MuAdam",
-                        "MuAdamW", "MuSGD", "Muon"]
+NOT_BUILT_OPTIMIZERS = ["Adagrad", "Lion", "MuAdam", "MuAdamW", "MuSGD", "Muon"]
 
 # DeepSpeed also looks names up in torch.optim; say how to use those instead of "unknown type".
 _TORCH_OPTIMIZERS = ["Adadelta", "Adafactor", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop",
@@ -233,9 +329,10 @@ class OptimizerConfig(TypedSection):
     other_hints: ClassVar[dict[str, str]] = _TORCH_HINTS
 
     type: str
-    """Adam, AdamW or SGD (case-insensitive; stored canonically)."""
+    """Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam or OneBitLamb (case-insensitive; stored canonically)."""
     params: OptimizerParams = Field(default_factory=dict)
-    """Hyperparameters of `type`; see AdamParams and SGDParams. Missing keys take their defaults."""
+    """Hyperparameters of `type`; see AdamParams, SGDParams, LambParams, OneBitAdamParams, ZeroOneAdamParams
+    and OneBitLambParams. Missing keys take their defaults."""
 
     @classmethod
     def _check_params(cls, kind: str, params: StrictModel) -> None:

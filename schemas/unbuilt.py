@@ -26,7 +26,6 @@ class Unbuilt:
 
 
 UNBUILT: tuple[Unbuilt, ...] = (
-    Unbuilt("zero_optimization.stage", "use 0, 1 or 2", built=lambda stage: stage <= 2),
     Unbuilt("zero_optimization.offload_param.device", 'use "none"'),
     Unbuilt("zero_optimization.offload_optimizer.device", 'use "none"'),
     Unbuilt("aio"),
@@ -44,7 +43,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("sparse_gradients"),
     Unbuilt("checkpoint.use_node_local_storage", "use a shared file system (the default)"),
     Unbuilt("checkpoint.parallel_write"),
-    Unbuilt("gradient_compression", "remove the section"),
 )
 
 

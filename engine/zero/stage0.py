@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ops import PowerSGD
+
 from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
 from .buckets import Bucket, GradientBuckets
@@ -55,11 +57,33 @@ class DataParallelOptimizer:
         self.scaling = GradientScaling(comm.world_size, prescale_gradients, gradient_predivide_factor)
         self.comm_dtype = DTYPES[communication_data_type] if communication_data_type else None
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        self.buckets = GradientBuckets(self.params, bucket_numel, self._all_reduce_bucket, overlap=overlap_comm,
+        # [Note: optimizers that communicate themselves] A 1-bit optimizer (ops.CompressedOptimizer)
+        # averages its momentum itself once warm-up ends. Before each boundary backward it says whether
+        # the coming step needs averaged gradients; when not, the buckets are left local (no double
+        # communication) and only the grad norm's square crosses the wire, so all ranks agree on skips.
+        self.self_communicating = getattr(optimizer, "communicates_itself", False)
+        if self.self_communicating and optimizer.comm is None:
+            optimizer.comm = comm
+        self.engine_all_reduce = True
+        self.powersgd = None  # ops.PowerSGD: the bucket reducer when `gradient_compression` is set
+        self.buckets = GradientBuckets(self.params, bucket_numel, self._reduce_bucket, overlap=overlap_comm,
                                        grad_dtype=DTYPES[grad_accum_dtype] if grad_accum_dtype else None)
         needs_master = any(p.dtype != torch.float32 for p in self.params)
         self.master = MasterWeights(optimizer, self.buckets) if needs_master else None
         self.last_grad_norm: float | None = None
+
+    def enable_gradient_compression(self, cfg) -> None:
+        """PowerSGD (`gradient_compression`, dstrain's key) replaces the exact all-reduce after start_step."""
+        self.powersgd = PowerSGD(self.comm, rank=cfg.rank, start_step=cfg.start_step)
+
+    def _reduce_bucket(self, bucket: Bucket):
+        if not self.engine_all_reduce:
+            return None, None  # the optimizer averages (compressed) itself this step
+        if self.powersgd is not None and self.powersgd.compressing:
+            # PowerSGD returns the mean; pre/post division would give the same mean, so it is not applied.
+            self.powersgd.reduce_(bucket.index, bucket.buffer, [p.shape for p in bucket.params])
+            return None, None
+        return self._all_reduce_bucket(bucket)
 
     def _all_reduce_bucket(self, bucket: Bucket):
         buf = bucket.buffer
@@ -78,6 +102,7 @@ class DataParallelOptimizer:
     # -- backward ------------------------------------------------------------------------------
     def before_backward(self, boundary: bool) -> None:
         if boundary:
+            self.engine_all_reduce = not self.self_communicating or self.optimizer.needs_gradient_all_reduce()
             self.buckets.arm()
         else:
             self.buckets.attach()
@@ -99,7 +124,7 @@ class DataParallelOptimizer:
     def step(self, step_number: int = 0) -> bool:
         """Unscale, check, clip and apply the optimizer. Returns whether the step was applied."""
         buffers = self._grad_buffers()
-        norm = float(global_norm(buffers))
+        norm = float(global_norm(buffers)) if self.engine_all_reduce else self._rms_local_norm(buffers)
         self.last_grad_norm = norm
         applied = self.guard.check(norm, step_number)
         if applied:
@@ -108,8 +133,17 @@ class DataParallelOptimizer:
             self.optimizer.step()
             if self.master is not None:
                 self.master.copy_to_model()
+        if self.powersgd is not None:
+            self.powersgd.finish_step()
         self.zero_grad()
         return applied
+
+    def _rms_local_norm(self, buffers: list[torch.Tensor]) -> float:
+        """Gradients left local: √(mean over ranks of local norm²), the same value on every rank (a
+        non-finite gradient anywhere makes it non-finite everywhere). One float on the wire."""
+        square = global_norm(buffers).square().reshape(1)
+        self.comm.all_reduce(square)
+        return float((square / self.comm.world_size).sqrt())
 
     def zero_grad(self) -> None:
         self.buckets.zero()
@@ -122,11 +156,14 @@ class DataParallelOptimizer:
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "guard": self.guard.state_dict(),
-                "master": [m.detach().clone() for m in self.master.master_params] if self.master else None}
+                "master": [m.detach().clone() for m in self.master.master_params] if self.master else None,
+                "powersgd": self.powersgd.state_dict() if self.powersgd is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.guard.load_state_dict(state["guard"])
+        if self.powersgd is not None and state.get("powersgd") is not None:
+            self.powersgd.load_state_dict(state["powersgd"])
         if self.master is not None and state.get("master") is not None:
             with torch.no_grad():
                 for m, saved in zip(self.master.master_params, state["master"]):

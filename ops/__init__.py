@@ -1,0 +1,23 @@
+"""Numerical building blocks with no engine state (they import torch only).
+
+Communication compression (docs/compression.md):
+- `onebit`: sign packing 8 per byte, the 1-bit compressor, and `CompressedAllReduce`, the
+  error-compensated two-phase all-reduce (all-to-all + all-gather) of 1-bit Adam.
+- `OneBitAdam`, `ZeroOneAdam`, `OneBitLamb`: torch optimizers that, after warm-up, average their
+  momentum themselves through a communicator (`CompressedOptimizer` is their shared base and the
+  protocol the engine uses to switch its own gradient all-reduce off).
+- `Lamb`: LAMB with DeepSpeed's coefficient clipping.
+- `PowerSGD`: low-rank gradient averaging with error feedback, a bucket reducer for data parallelism.
+Collectives go through any object shaped like `engine.comm.Communicator` (world_size, all_reduce,
+all_to_all, all_gather), so the bytes they move are counted.
+"""
+from .compressed_optimizer import CompressedOptimizer
+from .lamb import Lamb
+from .onebit import CompressedAllReduce, pack_signs, unpack_signs
+from .onebit_adam import OneBitAdam
+from .onebit_lamb import OneBitLamb
+from .powersgd import PowerSGD
+from .zero_one_adam import ZeroOneAdam
+
+__all__ = ["CompressedAllReduce", "CompressedOptimizer", "Lamb", "OneBitAdam", "OneBitLamb", "PowerSGD",
+           "ZeroOneAdam", "pack_signs", "unpack_signs"]

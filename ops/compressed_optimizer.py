@@ -1,0 +1,119 @@
+"""What the 1-bit optimizers share: a communicator, one compressed all-reduce over all momenta, the
+engine protocol, and checkpoints that keep the error buffers.
+
+[Note: optimizers that communicate themselves] After warm-up a 1-bit optimizer averages its momentum
+itself (compressed), so the engine must not also all-reduce the gradients (double communication,
+and the wrong quantity). The engine asks `needs_gradient_all_reduce()` before each boundary backward:
+True means "the coming step uses averaged gradients", False means "leave the gradients local".
+Stage 0 binds its `Communicator` to `comm` when the optimizer has none (`engine/zero/stage0.py`).
+
+[Note: checkpoints] `state_dict()` adds a "compression" entry with this rank's worker and server
+errors and the phase counters; every rank saves its own (dstrain checkpoints are per rank). Loading at
+the same world size and parameter count restores them, so a resumed run continues bit for bit;
+otherwise they restart at zero, which DeepSpeed always does (it saves rank 0's errors only and
+resets them on load). See docs/compression.md.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .moments import evaluate_closure
+from .onebit import CompressedAllReduce
+
+
+class _LocalComm:
+    """A world of one: the compressed average of one rank is its own value (no wire, no error)."""
+
+    world_size, rank = 1, 0
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Base of OneBitAdam, ZeroOneAdam and OneBitLamb (not an optimizer by itself)."""
+
+    communicates_itself = True
+    _counters: tuple[str, ...] = ()  # attribute names saved with the errors
+
+    def __init__(self, params, defaults: dict, comm=None, block_size: int = 256):
+        super().__init__(params, defaults)
+        self.comm = comm
+        self.block_size = block_size
+        self.step_count = 0  # optimizer steps taken (skipped fp16 steps do not count)
+        self._compressor: CompressedAllReduce | None = None
+        self._pending_errors: dict | None = None
+
+    # -- communication ------------------------------------------------------------------------
+    def _communicator(self):
+        if self.comm is not None:
+            return self.comm
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(f"{type(self).__name__} communicates its momentum itself and needs a communicator: "
+                               "use it through engine.initialize() with zero_optimization.stage 0, or pass comm=")
+        return _LocalComm()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def compressed_average_(self, tensors: list[torch.Tensor]) -> None:
+        """Replace `tensors` (one per parameter, fixed order) by their compressed average over ranks,
+        all in one flat buffer: one all_to_all and one all_gather of signs, the same of scales."""
+        comm = self._communicator()
+        if comm.world_size == 1:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        if self._compressor is None or self._compressor.numel != flat.numel():
+            self._compressor = CompressedAllReduce(flat.numel(), comm, self.block_size, flat.device)
+            if self._pending_errors is not None:
+                self._compressor.load_state_dict(self._pending_errors)
+                self._pending_errors = None
+        averaged = self._compressor(flat)
+        torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(averaged.split([t.numel() for t in tensors]),
+                                                                    tensors)])
+
+    def reset_errors(self) -> None:
+        """Zero the error feedback (when the compressed quantity changes meaning, e.g. 0/1 Adam)."""
+        if self._compressor is not None:
+            self._compressor.reset()
+        self._pending_errors = None
+
+    def needs_gradient_all_reduce(self) -> bool:  # pragma: no cover - every subclass overrides
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = evaluate_closure(closure)
+        self.step_count += 1
+        self._update()
+        return loss
+
+    def _update(self) -> None:  # pragma: no cover - every subclass overrides
+        """This step's update; `self.step_count` is already the number of this step (1-based)."""
+        raise NotImplementedError
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        errors = self._compressor.state_dict() if self._compressor is not None else self._pending_errors
+        state["compression"] = {"errors": errors, "counters": {k: getattr(self, k) for k in self._counters}}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("compression", None)
+        super().load_state_dict(state_dict)
+        self._compressor = None
+        self._pending_errors = None
+        if saved is None:
+            return
+        for key, value in saved["counters"].items():
+            setattr(self, key, value)
+        errors = saved["errors"]
+        if errors is not None:
+            world = self._communicator().world_size
+            if errors["world_size"] != world:
+                warnings.warn(f"{type(self).__name__}: the checkpoint's compression errors were saved at world size "
+                              f"{errors['world_size']}, now {world}; they restart at zero", stacklevel=2)
+            else:
+                self._pending_errors = errors  # restored when the compressor is built for the same layout

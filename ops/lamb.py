@@ -1,0 +1,63 @@
+"""LAMB (You et al., arXiv:1904.00962, Algorithm 2; DeepSpeed's `FusedLamb` semantics).
+
+update = m̂/(√v̂ + ε) + wd·x;  trust ratio r = ‖x‖/‖update‖ clipped to [min_coeff, max_coeff]
+(1 when either norm is 0);  x ← x − lr·r·update. Per parameter tensor. The trust ratio stays a
+0-dim tensor: no host sync per parameter.
+"""
+from __future__ import annotations
+
+import torch
+
+from .moments import adam_denominator, evaluate_closure
+
+
+def trust_ratio(param: torch.Tensor, update: torch.Tensor, max_coeff: float, min_coeff: float) -> torch.Tensor:
+    w, u = torch.linalg.vector_norm(param), torch.linalg.vector_norm(update)
+    ratio = (w / u.clamp_min(torch.finfo(u.dtype).tiny)).clamp(min_coeff, max_coeff)
+    return torch.where((w > 0) & (u > 0), ratio, torch.ones_like(ratio))
+
+
+def lamb_update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
+    """One LAMB step of `p` in place; returns the trust ratio used (0-dim tensor)."""
+    beta1, beta2 = group["betas"]
+    if "exp_avg" not in state:
+        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bc1 = 1 - beta1 ** step if group["bias_correction"] else 1.0
+    bc2 = 1 - beta2 ** step if group["bias_correction"] else 1.0
+    update = (state["exp_avg"] / bc1).div_(adam_denominator(state["exp_avg_sq"], bc2, group["eps"]))
+    if group["weight_decay"]:
+        update.add_(p, alpha=group["weight_decay"])
+    coeff = trust_ratio(p, update, group["max_coeff"], group["min_coeff"])
+    p.sub_(update * (coeff * group["lr"]))
+    return coeff
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB with Adam moments, decoupled weight decay inside the trust ratio, and coefficient clipping."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff)
+        super().__init__(params, defaults)
+        self.step_count = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = evaluate_closure(closure)
+        self.step_count += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    lamb_update(p, p.grad, self.state[p], group, self.step_count)
+        return loss
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "step_count": self.step_count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self.step_count = state_dict.pop("step_count", 0)
+        super().load_state_dict(state_dict)

@@ -1,0 +1,131 @@
+"""0/1 Adam (Lu et al., arXiv:2202.06009, Algorithm 1; DeepSpeed's `ZeroOneAdam`).
+
+Two ideas on top of 1-bit Adam, both driven by step counts:
+- Adaptive variance freezing. Up to `var_freeze_step`, v is updated only at steps t in T_v, where the
+  interval between updates doubles every `var_update_scaler` updates (k_{j+1} − k_j = 2^⌊j/κ⌋, κ =
+  var_update_scaler). At those steps the engine all-reduces gradients at full precision; at the other
+  steps the local gradient is averaged with the 1-bit all-reduce and only m is updated.
+- 1-bit sync with local steps. After `var_freeze_step`, v is fixed and ranks take local Adam steps
+  with their own gradients, accumulating u = −Σ lr·update. Every H steps they synchronise: undo the
+  local steps, average u·(√v̂+ε) (= −Σ lr·m̂) with the 1-bit all-reduce, set m from it (m̂ = −ū/Σlr),
+  and apply the averaged displacement ū/(√v̂+ε). H starts at 1 and doubles every `local_step_scaler`
+  steps, up to `local_step_clipper` (H in the paper).
+The error buffers are zeroed when local steps begin: before, they hold gradient residuals; after,
+residuals of accumulated momentum (DeepSpeed does the same).
+
+[Note: bias correction] As in `ops.onebit_adam`: m̂ = m/(1−β1^t), v̂ = v/(1−β2^k) with k the number of
+variance updates, so the first `var_update_scaler` steps (interval 1) are exactly AdamW.
+"""
+from __future__ import annotations
+
+import torch
+
+from .compressed_optimizer import CompressedOptimizer
+from .moments import adam_denominator
+
+
+class ZeroOneAdam(CompressedOptimizer):
+    """Adam with adaptive variance freezing and 1-bit synchronisation with local steps."""
+
+    _counters = ("step_count", "var_interval", "var_counter", "var_updates", "local_interval", "local_counter")
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 var_freeze_step: int = 100000, var_update_scaler: int = 16, local_step_scaler: int = 32678,
+                 local_step_clipper: int = 16, bias_correction: bool = True, amsgrad: bool = False,
+                 cuda_aware: bool = False, comm_backend_name: str = "nccl", comm=None, block_size: int = 256):
+        if amsgrad:
+            raise ValueError("0/1 Adam does not support amsgrad (the variance is frozen)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults, comm, block_size)
+        self.var_freeze_step, self.var_update_scaler = int(var_freeze_step), int(var_update_scaler)
+        self.local_step_scaler, self.local_step_clipper = int(local_step_scaler), int(local_step_clipper)
+        self.cuda_aware, self.comm_backend_name = cuda_aware, comm_backend_name
+        self.var_interval, self.var_counter, self.var_updates = 1, 0, 0
+        self.local_interval, self.local_counter = 1, 0
+
+    def needs_gradient_all_reduce(self) -> bool:
+        """Full-precision gradients only for the coming step's variance update (t ∈ T_v)."""
+        nxt = self.step_count + 1
+        return nxt <= self.var_freeze_step and nxt % self.var_interval == 0
+
+    def _entries(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["momentum_accumulator"] = torch.zeros_like(p)  # u of the paper
+                    state["lr_sum"] = 0.0
+                yield group, p, state
+
+    def _bias(self, group) -> tuple[float, float]:
+        beta1, beta2 = group["betas"]
+        if not group["bias_correction"]:
+            return 1.0, 1.0
+        return 1 - beta1 ** self.step_count, 1 - beta2 ** max(self.var_updates, 1)
+
+    def _update(self) -> None:
+        entries = list(self._entries())
+        if self.step_count <= self.var_freeze_step:
+            self._variance_phase_step(entries)
+        else:
+            if self.step_count == self.var_freeze_step + 1:
+                self.reset_errors()
+            self._local_phase_step(entries)
+
+    def _variance_phase_step(self, entries) -> None:
+        var_step = self.step_count % self.var_interval == 0
+        if not var_step:  # the engine left the gradients local: average them compressed
+            self.compressed_average_([p.grad for _, p, _ in entries])
+        else:
+            self.var_updates += 1
+        for group, p, state in entries:
+            beta1, beta2 = group["betas"]
+            state["exp_avg"].lerp_(p.grad, 1 - beta1)
+            if var_step:
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            bc1, bc2 = self._bias(group)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.addcdiv_(state["exp_avg"], adam_denominator(state["exp_avg_sq"], bc2, group["eps"]), value=-group["lr"] / bc1)
+        if var_step:
+            self.var_counter += 1
+            if self.var_counter == self.var_update_scaler:
+                self.var_counter, self.var_interval = 0, self.var_interval * 2
+
+    def _local_phase_step(self, entries) -> None:
+        denoms = []
+        for group, p, state in entries:
+            beta1 = group["betas"][0]
+            state["exp_avg"].lerp_(p.grad, 1 - beta1)
+            bc1, bc2 = self._bias(group)
+            denom = adam_denominator(state["exp_avg_sq"], bc2, group["eps"])
+            update = (state["exp_avg"] / bc1).div_(denom).add_(p, alpha=group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
+            state["momentum_accumulator"].add_(update, alpha=-group["lr"])
+            state["lr_sum"] += group["lr"]
+            denoms.append(denom)
+        if self.step_count % self.local_interval == 0:
+            self._synchronise(entries, denoms)
+        self.local_counter += 1
+        if self.local_counter == self.local_step_scaler:
+            self.local_counter = 0
+            self.local_interval = min(self.local_step_clipper, self.local_interval * 2)
+
+    def _synchronise(self, entries, denoms) -> None:
+        """Replace the local steps since the last sync by the averaged ones (paper Alg. 1, lines 13-16)."""
+        accumulators = [state["momentum_accumulator"] for _, _, state in entries]
+        for (_, p, state), denom in zip(entries, denoms):
+            p.sub_(state["momentum_accumulator"])
+            state["momentum_accumulator"].mul_(denom)  # = −Σ lr·(m̂ + wd·x·(√v̂+ε)): comparable across ranks
+        self.compressed_average_(accumulators)
+        for (group, p, state), denom in zip(entries, denoms):
+            bc1, _ = self._bias(group)
+            u = state["momentum_accumulator"]
+            if state["lr_sum"] > 0:  # a schedule at lr 0 moved nothing: keep m
+                state["exp_avg"].copy_(u).mul_(-bc1 / state["lr_sum"])
+            p.add_(u / denom)
+            u.zero_()
+            state["lr_sum"] = 0.0
