@@ -194,7 +194,8 @@ class PartitionedZeroOptimizer:
         value = self.optimizer.state.get(flat, {}).get(name)
         if isinstance(value, torch.Tensor) and value.shape == flat.shape:
             return self._gather_full(param, value)
-        return value  # per-tensor state (e.g. Adam's step) or absent
+        # Per-tensor state (e.g. Adam's step) or absent; a copy, since the optimizer updates it in place.
+        return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 class ZeroStage1Optimizer(PartitionedZeroOptimizer):
