@@ -1,0 +1,34 @@
+"""dslaunch --max_restarts with the engine's auto_resume: a job that loses a rank to kill -9 restarts,
+continues from its latest checkpoint and ends exactly where an uninterrupted run ends."""
+from __future__ import annotations
+
+import json
+import os
+
+from launcher_scripts.harness import REPO, free_port, run_dslaunch
+
+SCRIPT = os.path.join(REPO, "tests", "launcher_scripts", "train_resumable.py")
+
+
+def _run(tmp_path, name: str, *extra: str, crash_at: int = 0):
+    out = tmp_path / f"{name}.json"
+    result = run_dslaunch("--nproc_per_node", "2", "--master_port", str(free_port()), *extra, SCRIPT,
+                          "--ckpt", str(tmp_path / f"ckpt-{name}"), "--out", str(out), "--steps", "8",
+                          "--crash_at", str(crash_at), timeout=240)
+    return result, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_restart_resumes_from_checkpoint_and_matches_uninterrupted_run(tmp_path):
+    plain, reference = _run(tmp_path, "plain")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    crashed, resumed = _run(tmp_path, "crashed", "--max_restarts", "1", crash_at=5)
+    assert crashed.returncode == 0, crashed.stderr[-2000:]
+    assert resumed["restarts"] == "1"  # the job really died once and came back
+    assert (resumed["loss"], resumed["params"]) == (reference["loss"], reference["params"])
+    # The restart resumed from step 4 (saved every 2 steps), not from scratch.
+    assert "global_step4" in os.listdir(tmp_path / "ckpt-crashed")
+
+
+def test_without_restarts_the_kill_fails_the_job(tmp_path):
+    crashed, resumed = _run(tmp_path, "once", crash_at=3)
+    assert crashed.returncode != 0 and resumed is None
