@@ -21,6 +21,8 @@ __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
+    if name == "zero":  # engine.zero.Init, engine.zero.GatheredParameters (DeepSpeed's deepspeed.zero)
+        return importlib.import_module(".zero", __name__)
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -88,7 +88,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
     _broadcast_model(model, comm)
     base_optimizer = resolve_optimizer(optimizer, _param_groups(model, model_parameters), cfg.optimizer)
-    zero_optimizer = build_zero_optimizer(base_optimizer, comm, cfg) if base_optimizer is not None else None
+    zero_optimizer = build_zero_optimizer(base_optimizer, comm, cfg, model) if base_optimizer is not None else None
     if zero_optimizer is not None and cfg.gradient_compression is not None:  # stage 0 only (schemas/checks.py)
         zero_optimizer.enable_gradient_compression(cfg.gradient_compression)
     scheduler = resolve_scheduler(lr_scheduler, base_optimizer, cfg.scheduler)

@@ -165,6 +165,13 @@ class Engine(torch.nn.Module):
         if getattr(self, "_checkpointing", None) is not None:
             self._checkpointing.wait()
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Call on every rank: rank 0 writes the full model state dict in the model's dtype (gathered at
+        ZeRO stage 3 when `stage3_gather_16bit_weights_on_model_save`; engine/zero/stage3_save.py)."""
+        from .zero.stage3_save import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
     # -- state ----------------------------------------------------------------------------------
     def training_state_dict(self) -> dict:
         """Everything a resumed run needs besides the data: module, optimizer wrapper, schedule, counters."""

@@ -15,6 +15,7 @@ from ..utils import tag_parameters
 from .stage0 import DataParallelOptimizer
 from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
+from .init import GatheredParameters, Init  # noqa: F401  (engine.zero.Init, engine.zero.GatheredParameters)
 
 PARTITIONED_STAGES = {1: ZeroStage1Optimizer, 2: ZeroStage2Optimizer}
 
@@ -35,7 +36,7 @@ def _partitioned_problems(optimizer, cfg) -> list[str]:
     return problems
 
 
-def build_zero_optimizer(optimizer, comm, cfg):
+def build_zero_optimizer(optimizer, comm, cfg, module=None):
     zero = cfg.zero_optimization
     guard = build_guard(cfg, comm.rank)
     common = dict(overlap_comm=zero.overlap_comm, grad_accum_dtype=cfg.data_types.grad_accum_dtype,
@@ -54,6 +55,14 @@ def build_zero_optimizer(optimizer, comm, cfg):
             optimizer, comm, guard, reduce_bucket_numel=zero.reduce_bucket_size,
             allgather_bucket_numel=zero.allgather_bucket_size, reduce_scatter=zero.reduce_scatter,
             allgather_partitions=zero.allgather_partitions, **common)
+        tag_parameters(zopt, zopt.params)
+        return zopt
+    if zero.stage == 3:
+        problems = _partitioned_problems(optimizer, cfg)
+        if problems:
+            raise schemas.ConfigError(problems)
+        from .stage3 import ZeroStage3Optimizer
+        zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, **common)
         tag_parameters(zopt, zopt.params)
         return zopt
     raise NotImplementedError(f"zero_optimization.stage: {zero.stage} is not built yet in dstrain")

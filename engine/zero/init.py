@@ -1,0 +1,185 @@
+"""`engine.zero.Init` and `engine.zero.GatheredParameters` (DeepSpeed's `deepspeed.zero` names).
+
+    with engine.zero.Init(config=ds_config):
+        model = MyModel()                  # each module's parameters are partitioned as it is built
+    with engine.zero.GatheredParameters(model.head.weight, modifier_rank=0):
+        if rank == 0:
+            model.head.weight.normal_()    # rank 0's edit reaches every rank's partition on exit
+
+[Note: construction] Inside `Init`, every `nn.Module` subclass's `__init__` is wrapped: when the
+outermost `__init__` of a module returns, the parameters it registered directly are broadcast from rank
+0 (so all ranks agree whatever their random state), this rank keeps its dim-0 chunk (`p._z3_chunk`,
+padded, in the config's model dtype), and `p.data` becomes an empty placeholder (`p.ds_shape` keeps
+the shape). So at most one module's own parameters exist in full at a time. `Module.apply` is wrapped
+too (`override_module_apply`): `fn` sees each module's parameters gathered, and rank 0's result is
+kept — which is what makes `self.apply(init_weights)` at the end of a model's `__init__` work.
+`initialize()` then builds the stage-3 partition from the chunks without materializing the model.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+import schemas
+
+from ..comm import Communicator
+from ..precision import model_dtype
+from .stage3_params import full_shape, gather_full, padded_chunk, spec_of
+
+
+def _subclasses(cls) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in out:
+                out.append(sub)
+                todo.append(sub)
+    return out
+
+
+def _is_partitioned(p: torch.Tensor) -> bool:
+    return hasattr(p, "ds_shape") and tuple(p.shape) != tuple(p.ds_shape)
+
+
+class Init:
+    """Partition parameters as modules are constructed (module note: construction)."""
+
+    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, config_dict_or_path=None,
+                 config=None, enabled: bool = True, dtype: torch.dtype | None = None, **_ignored):
+        self.enabled = enabled
+        self.comm = Communicator(data_parallel_group)
+        source = config if config is not None else config_dict_or_path
+        cfg = schemas.load_config(source, world_size=self.comm.world_size) if source is not None else None
+        self.dtype = dtype or (model_dtype(cfg) if cfg is not None else None)
+        self.module = module
+        self._patched: list[tuple[type, str, object]] = []
+
+    def partition(self, module: nn.Module) -> None:
+        """Partition the parameters `module` holds directly (not its children's)."""
+        for p in module._parameters.values():
+            if p is None or hasattr(p, "ds_shape"):
+                continue
+            with torch.no_grad():
+                if self.dtype is not None and p.is_floating_point():
+                    p.data = p.data.to(self.dtype)
+                self.comm.broadcast(p.data, src=0)
+                spec = spec_of(tuple(p.shape), self.comm.world_size)
+                p.ds_shape = p.shape
+                p._z3_chunk = padded_chunk(p.data, spec, self.comm.rank)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _wrap_init(self, cls: type) -> None:
+        original = cls.__dict__.get("__init__")
+        if original is None or getattr(original, "_z3_wrapped", False):
+            return
+        ctx = self
+
+        def __init__(module, *args, **kwargs):
+            outermost = not getattr(module, "_z3_constructing", False)
+            if outermost:
+                object.__setattr__(module, "_z3_constructing", True)
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                if outermost:
+                    object.__delattr__(module, "_z3_constructing")
+            if outermost:
+                ctx.partition(module)
+        __init__._z3_wrapped = True
+        self._patched.append((cls, "__init__", original))
+        cls.__init__ = __init__
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        if self.module is not None:
+            for m in self.module.modules():
+                self.partition(m)
+        for cls in [nn.Module] + _subclasses(nn.Module):
+            self._wrap_init(cls)
+        ctx, original_subclass_hook = self, nn.Module.__dict__.get("__init_subclass__")
+
+        @classmethod
+        def __init_subclass__(cls, **kwargs):
+            super(nn.Module, cls).__init_subclass__(**kwargs)
+            ctx._wrap_init(cls)
+        self._patched.append((nn.Module, "__init_subclass__", original_subclass_hook))
+        nn.Module.__init_subclass__ = __init_subclass__
+        original_apply = nn.Module.apply
+
+        def apply(module, fn):
+            for child in module.children():
+                child.apply(fn)
+            with GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0, comm=ctx.comm):
+                fn(module)
+            return module
+        self._patched.append((nn.Module, "apply", original_apply))
+        nn.Module.apply = apply
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for cls, name, original in reversed(self._patched):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        self._patched.clear()
+
+
+class GatheredParameters(contextlib.ContextDecorator):
+    """Full parameters inside the block on every rank (a collective: call it on all ranks). With
+    `modifier_rank`, that rank's values are broadcast on exit and every rank keeps its new chunk."""
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True,
+                 comm: Communicator | None = None):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in dict.fromkeys(params or []) if hasattr(p, "ds_shape") or hasattr(p, "_z3_owner")]
+        self.modifier_rank, self.enabled, self.comm = modifier_rank, enabled, comm
+        self._engine_groups: list = []
+        self._init_params: list = []
+
+    def _communicator(self) -> Communicator:
+        if self.comm is None:
+            owner = next((getattr(p, "_z3_owner", None) for p in self.params), None)
+            self.comm = owner.comm if owner is not None else Communicator()
+        return self.comm
+
+    def __enter__(self):
+        if not self.enabled or not self.params:
+            return self
+        comm = self._communicator()
+        for p in self.params:
+            zopt = getattr(p, "_z3_owner", None)
+            group = zopt.coordinator.group_of.get(p) if zopt is not None else None
+            if group is not None:
+                self._engine_groups += zopt.coordinator.gather_now([group])
+            elif _is_partitioned(p) and hasattr(p, "_z3_chunk"):
+                p.data = gather_full(comm, spec_of(full_shape(p), comm.world_size), p._z3_chunk, full_shape(p))
+                self._init_params.append(p)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled or not self.params:
+            return
+        comm = self._communicator()
+        if self.modifier_rank is not None and exc[0] is None:
+            with torch.no_grad():
+                for p in self.params:
+                    comm.broadcast(p.data, src=self.modifier_rank)
+                    self._store(p, comm)
+        for p in self._init_params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for g in self._engine_groups:
+            g.release()
+        self._engine_groups, self._init_params = [], []
+
+    @staticmethod
+    def _store(p: torch.nn.Parameter, comm: Communicator) -> None:
+        zopt = getattr(p, "_z3_owner", None)
+        if zopt is not None:
+            zopt.store_param(p)
+        elif hasattr(p, "_z3_chunk"):
+            p._z3_chunk = padded_chunk(p.data, spec_of(full_shape(p), comm.world_size), comm.rank)

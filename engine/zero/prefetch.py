@@ -1,0 +1,283 @@
+"""ZeRO stage 3 parameter coordinator: gather before use, release after, prefetch by recorded order.
+
+[Note: passes and the trace] A *pass* runs from the root's forward pre-hook to the end of backward
+(or to the end of a forward without gradients). The first training pass records its events — (pre or
+post, forward or backward, unit) — as the *trace*. From the trace a dry run of the release policy
+derives the *plan*: the all-gathers of one pass in order, and after each post event which groups to
+keep (`max_reuse_distance`: the group is used again within that many parameter elements, and at most
+`max_live_parameters` elements stay gathered). Later training passes issue the plan's all-gathers
+ahead of use, up to `prefetch_bucket_size` elements in flight, asynchronously on their own process
+group, so they overlap compute and never queue behind gradient reduce-scatters.
+[Note: same collectives on every rank] Plan gathers are issued in plan order whatever this rank runs:
+a unit skipped on this rank (a branch not taken) only leaves an unused gather, released at pass end,
+so ranks never disagree on the sequence. A unit the trace does not expect ends prefetching for the
+pass; its gathers then go *on demand*, each preceded by a fixed-size all-gather of group ids (also in
+evaluation passes and while recording), which is how a rank-divergent forward — one rank running a
+module the others do not — becomes an error naming the modules on every rank instead of a hang. At
+the end of each training pass the ranks agree (one tiny all-reduce) whether to re-record the trace.
+Every data all-gather also carries the group id (stage3_params.py, note: tags), and a wait that times
+out names the module it was waiting for.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from .stage3_params import GatherGroup
+
+
+class RankDivergenceError(RuntimeError):
+    pass
+
+
+class ParamCoordinator:
+    def __init__(self, units: list, hooks: list, groups: list[GatherGroup], comm, *, prefetch_numel: int,
+                 max_live_numel: int, max_reuse_distance: int):
+        self.units, self.groups, self.comm = units, groups, comm
+        self.group_of = {p: g for g in groups for p in g.params}
+        self.unit_groups = [u.groups for u in units] + [gs for _, _, gs in hooks]
+        self.unit_names = [u.name for u in units] + [name for name, _, _ in hooks]
+        self.prefetch_numel, self.max_live = prefetch_numel, max_live_numel
+        self.max_reuse = max_reuse_distance
+        self.pending: dict[int, tuple] = {}  # gid -> (work, out) of an issued all-gather
+        self.active: Counter = Counter()
+        self.in_pass = self.training_pass = self.in_backward = False
+        self.trace: list | None = None
+        self.recording: list | None = None
+        self.plan: list[tuple[int, int]] = []
+        self.keep: dict[int, set] = {}
+        self.cursor = self.plan_ptr = 0
+        self.diverged = False
+        self.gather_log: list[tuple[str, str]] = []  # (phase, group name) per all-gather, for tests
+
+    # -- pass boundaries ---------------------------------------------------------------------------
+    def _begin_pass(self) -> None:
+        if self.in_pass:
+            self.end_pass()
+        self.in_pass, self.in_backward = True, False
+        self.training_pass = torch.is_grad_enabled() and self.units[0].module.training
+        self.cursor = self.plan_ptr = 0
+        self.diverged = False
+        self.gather_log = []
+        if self.training_pass and self.trace is None:
+            self.recording = []
+
+    def end_pass(self) -> None:
+        """Drain every issued gather, release everything not persistent, settle the trace."""
+        if not self.in_pass:
+            return
+        for gid in list(self.pending):
+            self._finish(self.groups[gid], unpack=False)
+        for g in self.groups:
+            if g.gathered:
+                g.release()
+        self.active.clear()
+        if self.training_pass:
+            self._settle_trace()
+        self.in_pass = self.training_pass = self.in_backward = False
+
+    def _settle_trace(self) -> None:
+        if self.recording is not None:
+            self.trace, self.recording = self.recording, None
+            self.plan, self.keep = self._simulate(self.trace)
+            return
+        flag = torch.tensor([1.0 if self.diverged else 0.0])
+        self.comm.all_reduce(flag)  # every rank re-records, or none does
+        if float(flag) > 0:
+            self.trace, self.plan, self.keep = None, [], {}
+
+    # -- hook entry points (stage3_units.install_hooks) -------------------------------------------
+    def pre_forward(self, unit: int) -> None:
+        if unit == 0:  # the root: a new pass (a previous one without backward ends here)
+            self._begin_pass()
+        self._pre(unit, "F")
+
+    def post_forward(self, unit: int) -> None:
+        self._post(unit, "F")
+        if unit == 0 and not torch.is_grad_enabled():
+            self.end_pass()
+
+    def pre_backward(self, unit: int) -> None:
+        self.in_backward = True
+        self._pre(unit, "B")
+
+    def post_backward(self, unit: int) -> None:
+        self._post(unit, "B")
+
+    # -- events ----------------------------------------------------------------------------------
+    def _observe(self, event: tuple) -> int | None:
+        """Index of `event` in the trace, or None (recording, evaluation, or off the trace)."""
+        if not self.in_pass or not self.training_pass:
+            return None
+        if self.recording is not None:
+            self.recording.append(event)
+            return None
+        if self.trace is None or self.diverged:
+            return None
+        for i in range(self.cursor, len(self.trace)):  # skipping ahead is fine (module note)
+            if self.trace[i] == event:
+                self.cursor = i + 1
+                return i
+        self.diverged = True
+        return None
+
+    def _pre(self, unit: int, phase: str) -> None:
+        i = self._observe(("pre", phase, unit))
+        for g in self.unit_groups[unit]:
+            self.active[g.gid] += 1
+            self._need(g, i)
+        if i is not None:
+            self._prefetch()
+
+    def _post(self, unit: int, phase: str) -> None:
+        i = self._observe(("post", phase, unit))
+        keep = self.keep.get(i, ()) if i is not None else ()
+        for g in self.unit_groups[unit]:
+            self.active[g.gid] = max(0, self.active[g.gid] - 1)
+            if self.active[g.gid] == 0 and g.gathered and g.gid not in keep:
+                g.release()
+
+    # -- gathering -------------------------------------------------------------------------------
+    def _need(self, g: GatherGroup, i: int | None) -> None:
+        if g.gid not in self.pending and not g.gathered:
+            if i is None or not self._issue_through(g):
+                self._check_same_group(g)
+                self._issue(g)
+        if g.gid in self.pending:
+            self._finish(g)
+
+    def _issue_through(self, g: GatherGroup) -> bool:
+        """Issue plan gathers in order up to the next one of `g`; False when the plan has none left."""
+        for k in range(self.plan_ptr, len(self.plan)):
+            if self.plan[k][1] == g.gid:
+                while self.plan_ptr <= k:
+                    self._issue_plan_entry()
+                return True
+        self.diverged = True
+        return False
+
+    def _prefetch(self) -> None:
+        ahead = sum(self.groups[gid].numel for gid in self.pending)
+        live = ahead + sum(g.numel for g in self.groups if g.gathered)
+        while self.plan_ptr < len(self.plan):
+            g = self.groups[self.plan[self.plan_ptr][1]]
+            if ahead + g.numel > self.prefetch_numel or live + g.numel > self.max_live:
+                return
+            self._issue_plan_entry()
+            ahead += g.numel
+            live += g.numel
+
+    def _issue_plan_entry(self) -> GatherGroup:
+        event, gid = self.plan[self.plan_ptr]
+        self.plan_ptr += 1
+        self._issue(self.groups[gid], phase=self.trace[event][1])
+        return self.groups[gid]
+
+    def _issue(self, g: GatherGroup, phase: str | None = None) -> None:
+        if g.gid in self.pending:  # the plan gathers it again before its last gather was used
+            self._finish(g, unpack=False)
+        out = g.output_buffer()
+        work = self.comm.all_gather(out, g.send_buffer(), async_op=True)
+        self.pending[g.gid] = (work, out)
+        self.gather_log.append((phase or ("B" if self.in_backward else "F"), g.name))
+
+    def _finish(self, g: GatherGroup, unpack: bool = True) -> None:
+        work, out = self.pending.pop(g.gid)
+        try:
+            if work is not None:
+                work.wait()
+        except RuntimeError as e:
+            raise RankDivergenceError(
+                f"ZeRO-3: rank {self.comm.rank} timed out gathering the parameters of module '{g.name}' "
+                f"({e}). Another rank did not run the same module at this point: rank-divergent control "
+                "flow (a layer skipped or added on some ranks, a different number of forward passes) is "
+                "not allowed with zero_optimization.stage 3") from e
+        tags = g.tags_of(out)
+        if any(t != g.gid for t in tags):
+            raise self._divergence(g, tags)
+        if unpack:
+            g.unpack(out)
+
+    def _check_same_group(self, g: GatherGroup) -> None:
+        """On-demand gathers: agree on the group first with a fixed-size all-gather (module note)."""
+        if self.comm.world_size == 1:
+            return
+        mine = torch.tensor([g.gid], dtype=torch.int64)
+        out = torch.empty(self.comm.world_size, dtype=torch.int64)
+        try:
+            self.comm.all_gather(out, mine)
+        except RuntimeError as e:
+            raise RankDivergenceError(f"ZeRO-3: rank {self.comm.rank} timed out before gathering module "
+                                      f"'{g.name}': the ranks ran different modules ({e})") from e
+        if any(int(t) != g.gid for t in out):
+            raise self._divergence(g, [int(t) for t in out])
+
+    def _divergence(self, g: GatherGroup, tags: list[int]) -> RankDivergenceError:
+        seen = ", ".join(f"rank {r}: '{self._group_name(t)}'" for r, t in enumerate(tags))
+        return RankDivergenceError(
+            f"ZeRO-3: the ranks gathered the parameters of different modules at the same point ({seen}; "
+            f"this is rank {self.comm.rank}, about to run '{g.name}'). With zero_optimization.stage 3 every "
+            "rank must run the same modules in the same order: a layer skipped or added on some ranks "
+            "(rank-divergent control flow) would otherwise hang or mix weights")
+
+    def _group_name(self, gid: int) -> str:
+        return self.groups[gid].name if 0 <= gid < len(self.groups) else f"<group {gid}>"
+
+    # -- outside passes ----------------------------------------------------------------------------
+    def gather_now(self, groups: list[GatherGroup]) -> list[GatherGroup]:
+        """Gather `groups` on demand (GatheredParameters, saving); returns those this call gathered."""
+        got = []
+        for g in groups:
+            if not g.gathered and g.gid not in self.pending:
+                self._check_same_group(g)
+                self._issue(g)
+                got.append(g)
+            if g.gid in self.pending:
+                self._finish(g)
+        return got
+
+    def release_all(self) -> None:
+        """After an optimizer step: drop every gathered copy (its values are stale)."""
+        self.end_pass()
+        for g in self.groups:
+            if g.gathered:
+                g.release()
+
+    # -- the dry run that turns a trace into a plan ------------------------------------------------
+    def _simulate(self, trace: list) -> tuple[list, dict]:
+        gathered: set = set()
+        active: Counter = Counter()
+        plan, keep = [], {}
+        for i, (kind, _, unit) in enumerate(trace):
+            if kind == "pre":
+                for g in self.unit_groups[unit]:
+                    active[g.gid] += 1
+                    if g.gid not in gathered:
+                        plan.append((i, g.gid))
+                        gathered.add(g.gid)
+                continue
+            keep[i] = set()
+            for g in self.unit_groups[unit]:
+                active[g.gid] = max(0, active[g.gid] - 1)
+                live = sum(self.groups[x].numel for x in gathered)
+                if active[g.gid] == 0 and g.gid in gathered:
+                    if live <= self.max_live and self._reused_within(trace, i, g.gid):
+                        keep[i].add(g.gid)
+                    else:
+                        gathered.discard(g.gid)
+        return plan, keep
+
+    def _reused_within(self, trace: list, i: int, gid: int) -> bool:
+        """Is group `gid` used again within `max_reuse_distance` parameter elements after event i?"""
+        distance = 0
+        for kind, _, unit in trace[i + 1:]:
+            if kind != "pre":
+                continue
+            groups = self.unit_groups[unit]
+            if any(g.gid == gid for g in groups):
+                return distance < self.max_reuse
+            distance += sum(g.numel for g in groups)
+            if distance >= self.max_reuse:
+                return False
+        return False

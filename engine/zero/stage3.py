@@ -1,0 +1,185 @@
+"""ZeRO stage 3: optimizer state, gradients and parameters partitioned across data-parallel ranks.
+
+Memory per rank (Ψ parameters, N ranks, Adam, any precision): 16Ψ/N bytes of model state — the fp32
+partition (4: the master weights; in fp32 they are the parameters), its gradient (4) and exp_avg and
+exp_avg_sq (8) — plus the persistent small parameters (`param_persistence_threshold`) and padding.
+No 16-bit copy of the partition is kept: an all-gather casts the fp32 chunk on the way out, which
+gives the same 16-bit weights. Full parameters exist only while their unit is computing (or kept for
+reuse, `max_reuse_distance`, `max_live_parameters`).
+Communication per step (ZeRO paper §7): all-gather Ψ before forward, Ψ again before backward,
+reduce-scatter Ψ of gradients as backward produces them (3Ψ), plus one all-gather of the persistent
+parameters after the step and two scalar all-reduces (the gradient norm; whether to re-record the
+trace). With the defaults (`max_reuse_distance` 1e9, as in DeepSpeed) a model that fits is gathered
+once per pass and kept through backward: 2Ψ.
+
+Parts: `stage3_units` (which module gathers what; hooks), `prefetch` (gather/release/prefetch by the
+recorded order), `stage3_params` (chunks, placeholders, gather groups), `init` (`zero.Init`,
+`GatheredParameters`), `stage3_save` (`save_16bit_model`). Gradients reuse stage 2's fixed-order
+reduce-scatter buckets into the fp32 partition gradient; the step, clipping and state reuse stage 1's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Communicator
+from ..precision import DTYPES
+from .partition import InFlight, RankMajorLayout
+from .prefetch import ParamCoordinator
+from .stage0 import GradientScaling
+from .stage2 import ZeroStage2Optimizer
+from .stage3_params import (GatherGroup, Stage3Partition, full_shape, gather_full, local_chunk, padded_chunk,
+                            spec_of)
+from .stage3_units import discover_units, install_hooks, user_modules
+
+
+def _gather_communicator(comm: Communicator) -> Communicator:
+    """A second process group for parameter all-gathers (prefetch.py's note), counted with `comm`."""
+    if comm.world_size == 1 or comm.group is not None or not dist.is_initialized():
+        return comm
+    gather = Communicator(dist.new_group(list(range(comm.world_size))))
+    gather.stats = comm.stats
+    return gather
+
+
+class ZeroStage3Optimizer(ZeroStage2Optimizer):
+    stage = 3
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, guard, module: torch.nn.Module, zero,
+                 *, overlap_comm: bool, gradient_clipping: float, prescale_gradients: bool = False,
+                 gradient_predivide_factor: float = 1.0, communication_data_type: str | None = None,
+                 grad_accum_dtype: str | None = None):
+        self.optimizer, self.comm, self.guard, self.module = optimizer, comm, guard, module
+        self.clip = float(gradient_clipping or 0.0)
+        self.scaling = GradientScaling(comm.world_size, prescale_gradients, gradient_predivide_factor)
+        self.comm_dtype = DTYPES[communication_data_type] if communication_data_type else None
+        self.use_reduce_scatter, self.use_all_gather, self.overlap = zero.reduce_scatter, True, overlap_comm
+        self.inflight = InFlight(depth=2)
+        self.last_grad_norm: float | None = None
+        self.partition = Stage3Partition(optimizer, comm.world_size, comm.rank)
+        units = discover_units(module)
+        self.persistent = self._choose_persistent(units, zero)
+        self.frozen_chunks: dict = {}
+        groups = self._build_groups(units)
+        group_of = {p: g for g in groups for p in g.params}
+        hooks = user_modules(module, units, group_of)
+        self.coordinator = ParamCoordinator(
+            units, hooks, groups, _gather_communicator(comm), prefetch_numel=int(zero.prefetch_bucket_size),
+            max_live_numel=int(zero.max_live_parameters), max_reuse_distance=int(zero.max_reuse_distance))
+        self._hooks = []
+        for u in units:
+            self._hooks += install_hooks(u.module, u.index, self.coordinator)
+        for k, (_, m, _) in enumerate(hooks):
+            self._hooks += install_hooks(m, len(units) + k, self.coordinator)
+        # Gradient buckets in reverse unit order, the order backward produces them (stage2.py).
+        trainable = set(self.partition.fragments)
+        self.params = [p for u in units for p in u.owned if p in trainable]
+        self._init_gradients(max(1, int(zero.reduce_bucket_size)), grad_accum_dtype)
+        for g in groups:
+            g.release()
+        self._persistent_layouts = self._persistent_runs()
+        for p in module.parameters():
+            p._z3_owner = self  # GatheredParameters finds the stage through it
+            if hasattr(p, "_z3_chunk"):
+                del p._z3_chunk  # copied into the flat partition (or frozen_chunks)
+
+    # -- construction -----------------------------------------------------------------------------
+    @staticmethod
+    def _choose_persistent(units, zero) -> set:
+        """Small parameters stay whole (`param_persistence_threshold`), up to `model_persistence_threshold`
+        elements in total."""
+        persistent, total = set(), 0
+        for u in units:
+            for p in u.owned:
+                n = torch.Size(full_shape(p)).numel()
+                if n <= zero.param_persistence_threshold and total + n <= zero.model_persistence_threshold:
+                    persistent.add(p)
+                    total += n
+        return persistent
+
+    def _source(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's padded chunk of `p`: its fp32 master slot, or a frozen chunk in the model dtype."""
+        if p in self.partition.fragments:
+            return self.partition.slot(p, self.partition.flat)
+        if p not in self.frozen_chunks:
+            spec = spec_of(full_shape(p), self.comm.world_size)
+            self.frozen_chunks[p] = local_chunk(p, spec, self.comm.rank).to(p.dtype)
+        return self.frozen_chunks[p]
+
+    def _build_groups(self, units) -> list[GatherGroup]:
+        groups = []
+        world, rank = self.comm.world_size, self.comm.rank
+        for u in units:
+            by_dtype: dict = {}
+            for p in u.owned:
+                if p in self.persistent:
+                    if tuple(p.shape) != full_shape(p):  # partitioned by zero.Init: make it whole
+                        self._materialize(p)
+                    continue
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for dtype, params in by_dtype.items():
+                name = u.name if len(by_dtype) == 1 else f"{u.name}[{dtype}]"
+                g = GatherGroup(len(groups), name, params, [self._source(p) for p in params], world, rank)
+                u.groups.append(g)
+                groups.append(g)
+                for p in params:
+                    p.ds_shape = torch.Size(full_shape(p))
+        return groups
+
+    def _materialize(self, p: torch.nn.Parameter) -> None:
+        """A persistent parameter that zero.Init partitioned: all-gather it once."""
+        spec = spec_of(full_shape(p), self.comm.world_size)
+        p.data = gather_full(self.comm, spec, p._z3_chunk.to(p.dtype), full_shape(p))
+
+    def _persistent_runs(self) -> list[tuple[list, RankMajorLayout]]:
+        by_dtype: dict = {}
+        for p in self.params:
+            if p in self.persistent:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        return [(ps, RankMajorLayout(ps, [self.partition.fragments[p].spec for p in ps], self.comm.world_size))
+                for ps in by_dtype.values()]
+
+    # -- backward and step ------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        try:
+            super().backward(loss, retain_graph=retain_graph)
+        finally:
+            self.coordinator.end_pass()
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """After the step: gathered copies are stale (released); persistent parameters are refreshed."""
+        self.coordinator.release_all()
+        for params, layout in self._persistent_layouts:
+            send = torch.empty(layout.segment, dtype=params[0].dtype)
+            torch._foreach_copy_(layout.segment_slots(send), [self.partition.slot(p, self.partition.flat) for p in params])
+            out = torch.empty(layout.numel, dtype=send.dtype)
+            self.comm.all_gather(out, send)
+            layout.unpack(out, [p.data for p in params])
+
+    @torch.no_grad()
+    def store_param(self, p: torch.nn.Parameter) -> None:
+        """GatheredParameters(modifier_rank=...): keep this rank's chunk of `p`'s new full value."""
+        if p in self.persistent and p not in self.partition.fragments:
+            return  # a frozen persistent parameter is its full value
+        src = self._source(p)
+        src.copy_(padded_chunk(p.data, spec_of(full_shape(p), self.comm.world_size), self.comm.rank, src.dtype))
+
+    # -- queries ------------------------------------------------------------------------------------
+    def _gather_full(self, param: torch.nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+        """Stage 1's query with the full shape (`param.shape` is the placeholder's between uses)."""
+        frag = self.partition.fragments[param]
+        chunk = flat.detach()[frag.offset:frag.offset + frag.padded].float()
+        return gather_full(self.comm, frag.spec, chunk, full_shape(param))
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for model state, from the tensors themselves (tests, benchmarks)."""
+        def nbytes(ts):
+            return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in ts}.values())
+        opt_state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        params = list(self.module.parameters())
+        return {"partition": nbytes(self.partition.flat.values()),
+                "partition_grad": nbytes(self.partition.flat_grad.values()),
+                "optimizer_state": nbytes(opt_state), "frozen_chunks": nbytes(self.frozen_chunks.values()),
+                "module_params": nbytes([p.data for p in params]),
+                "module_grads": nbytes([p.grad for p in params if p.grad is not None])}

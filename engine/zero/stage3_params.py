@@ -1,0 +1,139 @@
+"""ZeRO stage 3 parameter storage: per-rank chunks, gather groups, and the placeholder protocol.
+
+[Note: where a parameter lives] A stage-3 parameter `p` keeps its full shape in `p.ds_shape`. Between
+uses `p.data` is an empty placeholder (shape [0]); this rank's chunk lives in the fp32 flat partition
+(trainable parameters: it is the master weight) or in `frozen_chunks` (frozen parameters, model dtype).
+Parameters of at most `param_persistence_threshold` elements stay full on every rank ("persistent")
+and are refreshed from the master after each step.
+[Note: full storage] Each partitioned parameter owns one full-size tensor whose storage is resized to
+0 bytes when released and back when gathered (FSDP2's trick). Autograd may have saved that tensor or a
+view of it in forward; because the storage object is the same, the view sees the re-gathered values in
+backward and holds no memory in between. `p.data` is pointed at it only while gathered.
+[Note: tags] Every all-gather carries two trailing elements per rank naming the group (id // 256,
+id % 256: exact in fp16, bf16 and fp32), so ranks that gather different groups of the same size find
+out at once and say which modules, instead of mixing weights silently.
+"""
+from __future__ import annotations
+
+import torch
+
+from .partition import ChunkSpec, Fragment, PartitionedParams, RankMajorLayout
+
+TAG = 2  # trailing elements per rank in every all-gather
+
+
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def spec_of(shape: tuple[int, ...], world: int) -> ChunkSpec:
+    rows = shape[0] if len(shape) else 1
+    numel = 1
+    for s in shape:
+        numel *= s
+    return ChunkSpec(rows, numel // rows if rows else 0, -(-rows // world))
+
+
+def padded_chunk(full: torch.Tensor, spec: ChunkSpec, rank: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's dim-0 chunk of `full` as a new 1-D tensor of `spec.padded` elements (zero padding)."""
+    start, stop = spec.row_range(rank)
+    out = torch.zeros(spec.padded, dtype=dtype or full.dtype, device=full.device)
+    n = (stop - start) * spec.row_numel
+    out[:n].copy_(full.detach().reshape(-1)[start * spec.row_numel:start * spec.row_numel + n])
+    return out
+
+
+def local_chunk(p: torch.nn.Parameter, spec: ChunkSpec, rank: int) -> torch.Tensor:
+    """The padded 1-D chunk of `p` this rank keeps: from `zero.Init` if it partitioned `p`, else cut."""
+    chunk = getattr(p, "_z3_chunk", None)
+    return chunk if chunk is not None else padded_chunk(p.data, spec, rank)
+
+
+def gather_full(comm, spec: ChunkSpec, chunk: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Collective: the full tensor of one parameter from every rank's padded `chunk` (dtype of `chunk`)."""
+    layout = RankMajorLayout([None], [spec], comm.world_size)
+    out = torch.empty(layout.numel, dtype=chunk.dtype, device=chunk.device)
+    comm.all_gather(out, chunk.contiguous())
+    full = torch.empty(shape, dtype=chunk.dtype, device=chunk.device)
+    layout.unpack(out, [full])
+    return full
+
+
+class Stage3Partition(PartitionedParams):
+    """`PartitionedParams` built from chunks instead of full tensors, so that parameters `zero.Init`
+    already partitioned (placeholders with `_z3_chunk`) never exist in full."""
+
+    def _build_flat(self, key) -> None:
+        offset, chunks = 0, []
+        for p in self.members[key]:
+            shape = full_shape(p)
+            spec = spec_of(shape, self.world)
+            start, stop = spec.row_range(self.rank)
+            self.fragments[p] = Fragment(key, offset, spec.numel_of(self.rank), spec.padded,
+                                         (stop - start,) + shape[1:], spec)
+            chunks.append(local_chunk(p, spec, self.rank))
+            offset += spec.padded
+        flat = torch.cat([c.float() for c in chunks]) if chunks else torch.zeros(0)
+        self.flat[key] = torch.nn.Parameter(flat)
+        self.flat_grad[key] = torch.zeros_like(flat)
+        self.flat[key].grad = self.flat_grad[key]
+
+
+class GatherGroup:
+    """Partitioned parameters gathered and released together (the parameters a unit module owns).
+
+    `sources[i]` is parameter i's padded chunk on this rank (an fp32 master slot or a frozen chunk);
+    `fulls[i]` its full-size tensor (see the module note). `gathered` says whether `p.data` is full.
+    """
+
+    def __init__(self, gid: int, name: str, params: list, sources: list, world: int, rank: int):
+        self.gid, self.name, self.params, self.sources = gid, name, params, sources
+        self.world, self.rank = world, rank
+        self.dtype = params[0].dtype
+        specs = [spec_of(full_shape(p), world) for p in params]
+        self.layout = RankMajorLayout(params + [None], specs + [ChunkSpec(world, TAG, 1)], world)
+        self.numel = sum(s.rows * s.row_numel for s in specs)
+        self.placeholder = torch.empty(0, dtype=self.dtype, device=params[0].device)
+        self.fulls = [torch.empty(full_shape(p), dtype=self.dtype, device=params[0].device) for p in params]
+        self.nbytes = [f.untyped_storage().nbytes() for f in self.fulls]
+        for f in self.fulls:
+            f.untyped_storage().resize_(0)
+        self.gathered = False
+        self.tag = torch.tensor([gid // 256, gid % 256], dtype=self.dtype)
+
+    def send_buffer(self) -> torch.Tensor:
+        """This rank's segment: every chunk (cast to the model dtype) and the tag."""
+        send = torch.empty(self.layout.segment, dtype=self.dtype, device=self.placeholder.device)
+        torch._foreach_copy_(self.layout.segment_slots(send), self.sources + [self.tag])
+        return send
+
+    def output_buffer(self) -> torch.Tensor:
+        return torch.empty(self.layout.numel, dtype=self.dtype, device=self.placeholder.device)
+
+    def tags_of(self, out: torch.Tensor) -> list[int]:
+        """The group id each rank sent, from a finished all-gather's output."""
+        tags = out.view(self.world, self.layout.segment)[:, -TAG:].float().tolist()
+        return [int(hi) * 256 + int(lo) for hi, lo in tags]
+
+    @torch.no_grad()
+    def unpack(self, out: torch.Tensor) -> None:
+        """Fill the full tensors from a finished all-gather and point the parameters at them."""
+        for f, n in zip(self.fulls, self.nbytes):
+            if f.untyped_storage().nbytes() != n:
+                f.untyped_storage().resize_(n)
+        self.layout.unpack(out, self.fulls)
+        for p, f in zip(self.params, self.fulls):
+            p.data = f
+        self.gathered = True
+
+    def release(self) -> None:
+        for p, f in zip(self.params, self.fulls):
+            p.data = self.placeholder
+            f.untyped_storage().resize_(0)
+        self.gathered = False
+
+    @torch.no_grad()
+    def store(self, rank_full: list[torch.Tensor]) -> None:
+        """Write this rank's chunks of the given full tensors back into the sources (modifier edits)."""
+        for src, p, full in zip(self.sources, self.params, rank_full):
+            src.copy_(padded_chunk(full, spec_of(full_shape(p), self.world), self.rank, src.dtype))
