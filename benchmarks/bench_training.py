@@ -111,10 +111,17 @@ SYSTEMS = {
     "dstrain-z0-bf16": lambda steps, fused: _run_dstrain(steps, fused, stage=0, extra={"bf16": {"enabled": True}}),
     "dstrain-z1": lambda steps, fused: _run_dstrain(steps, fused, stage=1),
     "dstrain-z2": lambda steps, fused: _run_dstrain(steps, fused, stage=2),
+    # Stage 3 with DeepSpeed's stage-3 defaults, as deepspeed-z3 runs (a model this size stays gathered
+    # from forward to backward: 2Ψ), and "strict", which re-gathers before backward like FSDP2 (3Ψ).
+    "dstrain-z3": lambda steps, fused: _run_dstrain(steps, fused, stage=3),
+    "dstrain-z3-strict": lambda steps, fused: _run_dstrain(
+        steps, fused, stage=3, extra={"zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e6,
+                                                            "stage3_max_reuse_distance": 0,
+                                                            "stage3_prefetch_bucket_size": 4e6}}),
 }
 
 
-DEEPSPEED_SYSTEMS = {"deepspeed-z1": 1, "deepspeed-z2": 2}
+DEEPSPEED_SYSTEMS = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3}
 PEER = Path(__file__).resolve().parent / "deepspeed_peer.py"
 
 

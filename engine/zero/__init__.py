@@ -58,10 +58,10 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
         tag_parameters(zopt, zopt.params)
         return zopt
     if zero.stage == 3:
-        problems = _partitioned_problems(optimizer, cfg)
+        from .stage3 import ZeroStage3Optimizer, stage3_problems
+        problems = _partitioned_problems(optimizer, cfg) + stage3_problems(zero)
         if problems:
             raise schemas.ConfigError(problems)
-        from .stage3 import ZeroStage3Optimizer
         zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, **common)
         tag_parameters(zopt, zopt.params)
         return zopt
