@@ -64,16 +64,15 @@ class ParamCoordinator:
             self.recording = []
 
     def end_pass(self) -> None:
-        """Drain every issued gather, release everything not persistent, settle the trace."""
-        if not self.in_pass:
-            return
+        """Drain every issued gather, release everything not persistent, settle the trace. Also after a
+        backward that ran outside a pass (an evaluation forward came in between): nothing stays gathered."""
         for gid in list(self.pending):
             self._finish(self.groups[gid], unpack=False)
         for g in self.groups:
             if g.gathered:
                 g.release()
         self.active.clear()
-        if self.training_pass:
+        if self.in_pass and self.training_pass:
             self._settle_trace()
         self.in_pass = self.training_pass = self.in_backward = False
 
