@@ -53,21 +53,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
                                "use it through engine.initialize() with zero_optimization.stage 0, or pass comm=")
         return _LocalComm()
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-
     def compressed_average_(self, tensors: list[torch.Tensor]) -> None:
         """Replace `tensors` (one per parameter, fixed order) by their compressed average over ranks,
         all in one flat buffer: one all_to_all and one all_gather of signs, the same of scales."""
         comm = self._communicator()
         if comm.world_size == 1:
             return
-        flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        if self._compressor is None or self._compressor.numel != flat.numel():
-            self._compressor = CompressedAllReduce(flat.numel(), comm, self.block_size, flat.device)
+        numel = sum(t.numel() for t in tensors)
+        if self._compressor is None or self._compressor.numel != numel:
+            self._compressor = CompressedAllReduce(numel, comm, self.block_size, tensors[0].device)
             if self._pending_errors is not None:
                 self._compressor.load_state_dict(self._pending_errors)
                 self._pending_errors = None
+        flat = torch.cat([t.reshape(-1) for t in tensors], out=self._compressor.input_buffer())
         averaged = self._compressor(flat)
         torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(averaged.split([t.numel() for t in tensors]),
                                                                     tensors)])

@@ -36,6 +36,7 @@ class OneBitAdam(CompressedOptimizer):
         super().__init__(params, defaults, comm, block_size)
         self.freeze_step = int(freeze_step)
         self.cuda_aware, self.comm_backend_name = cuda_aware, comm_backend_name
+        self._frozen_denominators: dict[torch.Tensor, torch.Tensor] = {}
 
     def needs_gradient_all_reduce(self) -> bool:
         return self.step_count + 1 <= self.freeze_step
@@ -58,11 +59,24 @@ class OneBitAdam(CompressedOptimizer):
                 entries.append((group, p, state))
         if not warm:
             self.compressed_average_([state["exp_avg"] for _, _, state in entries])
-        variance_steps = min(t, self.freeze_step)
         for group, p, state in entries:
-            beta1, beta2 = group["betas"]
+            beta1 = group["betas"][0]
             bc1 = 1 - beta1 ** t if group["bias_correction"] else 1.0
-            bc2 = 1 - beta2 ** variance_steps if group["bias_correction"] else 1.0
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.addcdiv_(state["exp_avg"], adam_denominator(state["exp_avg_sq"], bc2, group["eps"]),
-                       value=-group["lr"] / bc1)
+            if group["weight_decay"]:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.addcdiv_(state["exp_avg"], self._denominator(group, p, state, warm), value=-group["lr"] / bc1)
+
+    def _denominator(self, group, p, state, warm: bool) -> torch.Tensor:
+        """√v̂ + ε; after warm-up v is frozen, so it is computed once and kept (not checkpointed)."""
+        if not warm and p in self._frozen_denominators:
+            return self._frozen_denominators[p]
+        steps = min(self.step_count, self.freeze_step)
+        bc2 = 1 - group["betas"][1] ** steps if group["bias_correction"] else 1.0
+        denom = adam_denominator(state["exp_avg_sq"], bc2, group["eps"])
+        if not warm:
+            self._frozen_denominators[p] = denom
+        return denom
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._frozen_denominators = {}
+        super().load_state_dict(state_dict)

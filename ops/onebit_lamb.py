@@ -8,8 +8,8 @@ Compression stage:
 - m ← β1·m + (1−β1)·g_local; m·s is averaged with the 1-bit all-reduce; then m /= s.
 - v stays frozen for the update, but a fresh v is kept from the gradient the averaged momenta imply,
   ĝ = (m_t − β1·m_{t−1})/(1−β1). The trust ratio is the frozen one times a factor
-  f = max(√v̂_frozen+ε)/(√v̂_fresh+ε) (blended with 1 by ‖m̂/(√v̂+ε)‖/‖update‖ when wd > 0), clipped to
-  [factor_min, factor_max] and to ±factor_threshold of the previous step's f.
+  f = max(√v̂_frozen+ε)/(√v̂_fresh+ε) (blended with 1 by ‖m̂/(√v̂+ε)‖/‖update‖ when wd > 0), clipped
+  to [factor_min, factor_max] and to ±factor_threshold of the previous step's f.
 Bias correction as in `ops.onebit_adam` (warm-up is exactly `ops.lamb.Lamb`).
 """
 from __future__ import annotations
@@ -94,10 +94,11 @@ class OneBitLamb(CompressedOptimizer):
         update = prelim + p * group["weight_decay"] if group["weight_decay"] else prelim
         factor = (denom / fresh).max()
         if group["weight_decay"]:
-            ratio = (torch.linalg.vector_norm(prelim) / torch.linalg.vector_norm(update).clamp_min(1e-30)).clamp(max=1.0)
+            ratio = torch.linalg.vector_norm(prelim) / torch.linalg.vector_norm(update).clamp_min(1e-30)
+            ratio = ratio.clamp(max=1.0)
             factor = factor * ratio + (1.0 - ratio)
         last = state["last_factor"]
         factor = factor.clamp(self.factor_min, self.factor_max)
-        factor = torch.minimum(torch.maximum(factor, last * (1 - self.factor_threshold)), last * (1 + self.factor_threshold))
+        factor = factor.clamp(last * (1 - self.factor_threshold), last * (1 + self.factor_threshold))
         state["last_factor"] = factor
         p.sub_(update * (state["lamb_coeff_freeze"] * factor * group["lr"]))

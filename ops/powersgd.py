@@ -93,7 +93,9 @@ class PowerSGD:
         error = full - averaged
         for (o, k) in plain:
             error[o:o + k] = 0.0  # averaged exactly: nothing to carry over
-        self._errors[key] = torch.where(torch.isfinite(error), error, 0.0)
+        if not torch.isfinite(error.sum()):  # one read of the error instead of a `where` every step
+            error = torch.where(torch.isfinite(error), error, 0.0)
+        self._errors[key] = error
         self._qs[key] = [torch.where(torch.isfinite(new), new, old) for new, old in zip(new_qs, qs)]
         flat.copy_(averaged)
 

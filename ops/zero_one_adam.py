@@ -88,8 +88,10 @@ class ZeroOneAdam(CompressedOptimizer):
             if var_step:
                 state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
             bc1, bc2 = self._bias(group)
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.addcdiv_(state["exp_avg"], adam_denominator(state["exp_avg_sq"], bc2, group["eps"]), value=-group["lr"] / bc1)
+            if group["weight_decay"]:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            denom = adam_denominator(state["exp_avg_sq"], bc2, group["eps"])
+            p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bc1)
         if var_step:
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
