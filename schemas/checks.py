@@ -77,12 +77,16 @@ def _amp_with_mixed_precision(config: Config) -> list[str]:
 
 def _compression_needs_stage0(config: Config) -> list[str]:
     """1-bit optimizers average full momenta and PowerSGD full gradients: both need every rank to hold
-    the whole optimizer state, i.e. ZeRO stage 0 (DeepSpeed rejects 1-bit optimizers under ZeRO too)."""
+    the whole optimizer state, i.e. ZeRO stage 0 (DeepSpeed rejects 1-bit optimizers under ZeRO too).
+    LAMB's trust ratio is per tensor, which the flat ZeRO partitions do not keep."""
     stage, problems = config.zero_optimization.stage, []
     kind = config.optimizer.type if config.optimizer is not None else None
     if kind in ONEBIT_OPTIMIZERS and stage > 0:
         problems.append(f"optimizer.type: {kind} needs zero_optimization.stage 0 (stage is {stage}): it averages "
                         "whole momenta across ranks, which ZeRO partitions; use stage 0 or an Adam-type optimizer")
+    if kind == "Lamb" and stage > 0:
+        problems.append(f"optimizer.type: Lamb needs zero_optimization.stage 0 (stage is {stage}): its trust ratio "
+                        "is per parameter tensor, which ZeRO's flat partitions do not keep; use stage 0")
     if config.gradient_compression is not None and stage > 0:
         problems.append(f"gradient_compression: PowerSGD needs zero_optimization.stage 0 (stage is {stage}); "
                         "remove the section or use stage 0")
