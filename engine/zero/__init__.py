@@ -3,7 +3,9 @@
 One module per stage behind one interface (`before_backward`, `backward`, `after_backward`, `step`,
 `zero_grad`, `state_dict`, `load_state_dict`, `last_grad_norm`): stage 0 is plain data parallelism,
 stage 1 partitions optimizer state and fp32 master weights, stage 2 also gradients (`partition.py`
-holds the layout they share). `build_zero_optimizer` picks the stage from `zero_optimization.stage`.
+holds the layout they share), stage 3 also parameters (`stage3.py`, docs/zero3.md), with `Init` and
+`GatheredParameters` (DeepSpeed's `deepspeed.zero`). `build_zero_optimizer` picks the stage from
+`zero_optimization.stage`.
 """
 from __future__ import annotations
 
