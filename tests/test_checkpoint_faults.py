@@ -62,6 +62,7 @@ def _save_then_crash(root: str):
     if rank0:
         torch.save(_weights(eng), root / "good.pt")
     _train(eng, 1, record)
+    eng.wait_for_checkpoint()  # step 8's async save must not see the crash hook below
     os.environ[CRASH_ENV] = "1"  # rank 1 SIGKILLs itself half-way through its file
     eng.save_checkpoint(root / "manual", tag="doomed")
     eng.wait_for_checkpoint()
