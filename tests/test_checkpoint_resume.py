@@ -6,7 +6,9 @@ stage, with gradient accumulation, dropout (per-rank RNG), an LR schedule, the e
 (sampler position) and fp16 dynamic loss scaling that overflows at the start (scaler state, skips).
 Reshard: the 2-rank step-5 checkpoints of every stage load at 1 and 4 ranks into every stage; fp32
 master weights and Adam state equal the saved ones exactly, and training on continues to match the
-uninterrupted run (atol 1e-5: only the reduction order differs at another world size).
+uninterrupted run (atol 1e-5: only the reduction order differs at another world size). Stage 3 is a
+source and a target everywhere (its parameters are placeholders between uses), and its checkpoints
+consolidate (`dstrain ckpt consolidate`) into the plain model.
 """
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ import pytest
 import torch
 
 import engine
+from engine.cli import main as cli_main
 from engine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from engine.zero import PARTITIONED_STAGES
 from tests.harness import run_distributed
 from tests.models import OddMLP
 
-STAGES = [0, *sorted(PARTITIONED_STAGES)]  # a newly registered stage is tested here automatically
+STAGES = [0, *sorted(PARTITIONED_STAGES), 3]  # a newly registered stage 1/2 is tested here automatically
 STEPS, SAVE_AT, BATCH, SAMPLES = 10, 5, 8, 80  # one epoch of 10 global batches
 CASES = [(stage, gas, prec) for stage in STAGES for gas, prec in ((1, "fp32"), (2, "fp32"), (2, "fp16"))]
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -49,6 +52,8 @@ def _config(stage: int, gas: int, prec: str) -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 600, "allgather_bucket_size": 900}}
+    if stage == 3:  # l1/l2/l3.weight partitioned, scale and l3.bias persistent, the frozen 7 partitioned
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 5
     if prec == "fp16":  # 2^20 overflows at first: the first steps are skipped and the scale drops
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 3, "hysteresis": 1}
     return cfg
@@ -87,7 +92,10 @@ def _full_state(eng) -> dict:
 
 
 def _snapshot(eng) -> dict:
-    return {"weights": {k: v.clone() for k, v in eng.module.state_dict().items()},
+    # Stage 3 parameters are placeholders between uses: gather them (a no-op at stages 0-2).
+    with engine.zero.GatheredParameters(list(eng.module.parameters())):
+        weights = {k: v.clone() for k, v in eng.module.state_dict().items()}
+    return {"weights": weights,
             "counters": (eng.global_steps, eng.global_samples, eng.micro_steps, eng.skipped_steps),
             "lr": eng.get_lr()}
 
@@ -101,8 +109,9 @@ def _uninterrupted(root: str):
         losses = _train(eng, batches, SAVE_AT)
         eng.save_checkpoint(Path(root) / str(case), client_state={"case": list(map(str, case))})
         saved = _full_state(eng) if case[2] == "fp32" else None
+        at_save = _snapshot(eng)["weights"] if case[0] == 3 else None  # for the consolidate test
         losses += _train(eng, batches, STEPS - SAVE_AT)
-        out[case] = {"losses": losses, "saved": saved, **_snapshot(eng)}
+        out[case] = {"losses": losses, "saved": saved, "at_save": at_save, **_snapshot(eng)}
     return out
 
 
@@ -123,12 +132,36 @@ def runs():
         full = run_distributed(_uninterrupted, 2, args=(root,), timeout=240)
         resumed = run_distributed(_resumed, 2, args=(root,), timeout=240)
         reshard = {w: run_distributed(_reshard, w, args=(root, full[0]), timeout=300)[0] for w in (1, 4)}
-    return full, resumed, reshard
+        consolidated = {case: _consolidate(root, case) for case in CONSOLIDATE}
+    return full, resumed, reshard, consolidated
+
+
+CONSOLIDATE = [(3, 1, "fp32"), (3, 2, "fp16")]  # stages 0-2: test_checkpoint_faults.py
+
+
+def _consolidate(root: str, case) -> dict:
+    out = Path(root) / f"{case}.pt"
+    dtype = "fp16" if case[2] == "fp16" else "fp32"
+    assert cli_main(["ckpt", "consolidate", str(Path(root) / str(case)), "--out", str(out), "--dtype", dtype]) == 0
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("case", CONSOLIDATE, ids=[f"stage{s}-gas{g}-{p}" for s, g, p in CONSOLIDATE])
+def test_consolidate_stage3_loads_into_plain_model(runs, case):
+    """A stage-3 checkpoint (placeholders in the live module) consolidates to full tensors that load
+    into the plain model and equal the engine's weights at the save (fp16: the same cast)."""
+    consolidated, at_save = runs[3][case], runs[0][0][case]["at_save"]
+    plain = OddMLP()
+    if case[2] == "fp16":
+        plain.half()
+    plain.load_state_dict(consolidated)  # strict, no dstrain needed
+    for key, value in at_save.items():
+        assert torch.equal(consolidated[key], value), key
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"stage{s}-gas{g}-{p}" for s, g, p in CASES])
 def test_exact_resume_is_bitwise(runs, case):
-    full, resumed, _ = runs
+    full, resumed = runs[:2]
     for rank in range(2):
         a, b = full[rank][case], resumed[rank][case]
         assert b["losses"] == a["losses"][SAVE_AT:], f"rank {rank}: losses of steps 6-10 differ"
@@ -161,7 +194,7 @@ def _reshard(root: str, full: dict):
 
 @pytest.mark.parametrize("world", [1, 4])
 def test_reshard_across_world_sizes_and_stages(runs, world):
-    full, _, reshard = runs
+    full, reshard = runs[0], runs[2]
     for (saved_stage, stage), got in reshard[world].items():
         where = f"saved stage {saved_stage} x2 -> stage {stage} x{world}"
         saved = full[0][(saved_stage, 2, "fp32")]["saved"]

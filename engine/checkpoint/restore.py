@@ -30,10 +30,10 @@ def _check_names(src: FragmentSource, current: set[str], strict: bool) -> None:
             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
 
 
-def _check_shape(src: FragmentSource, name: str, t: torch.Tensor) -> None:
+def _check_shape(src: FragmentSource, name: str, shape) -> None:
     saved = list(src.params[name]["shape"])
-    if saved != list(t.shape):
-        raise fmt.CheckpointError(f"{src.path}: {name} has shape {saved} in the checkpoint, {list(t.shape)} "
+    if saved != list(shape):
+        raise fmt.CheckpointError(f"{src.path}: {name} has shape {saved} in the checkpoint, {list(shape)} "
                                   "in the model")
 
 
@@ -44,12 +44,16 @@ def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool)
         name = names[id(p)]
         if name not in src.params:
             continue
-        _check_shape(src, name, p)
+        _check_shape(src, name, adapter.shape(p))
         weights = src.weights_kind(name)
-        full = src.rows(name, weights, 0, src.num_rows(name))
-        p.copy_(full.reshape(p.shape))  # the model's cast of the fp32 rows (module note)
         start, stop = adapter.load_rows(p)
-        tensors = {fmt.FP32: full[start:stop]}
+        if adapter.holds_module_weights:
+            full = src.rows(name, weights, 0, src.num_rows(name))
+            p.copy_(full.reshape(p.shape))  # the model's cast of the fp32 rows (module note)
+            rows = full[start:stop]
+        else:  # stage 3: p is a placeholder; the adapter refreshes what the stage keeps in finish_load
+            rows = src.rows(name, weights, start, stop)
+        tensors = {fmt.FP32: rows}
         if load_state:
             for kind, cls in src.kinds(name).items():
                 if kind not in (fmt.FP32, fmt.MODULE):
@@ -59,11 +63,17 @@ def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool)
 
 
 @torch.no_grad()
-def _load_module_entries(src: FragmentSource, entries: dict) -> None:
+def _load_module_entries(src: FragmentSource, entries: dict, adapter) -> None:
     for key, t in entries.items():
-        if key in src.params:
-            _check_shape(src, key, t)
+        if key not in src.params:
+            continue
+        _check_shape(src, key, adapter.shape(t) if adapter else t.shape)
+        held = adapter.entry_rows(t) if adapter else None
+        if held is None:
             t.copy_(src.full(key, src.weights_kind(key)).reshape(t.shape))
+        else:  # a chunk the stage keeps for a partitioned frozen parameter (stage 3)
+            start, stop, rows = held
+            rows.copy_(src.rows(key, src.weights_kind(key), start, stop).reshape(rows.shape))
 
 
 def _sampler_state(saved: dict, world: int, micro: int) -> dict:
@@ -107,7 +117,7 @@ def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states:
     if adapter is not None:
         _load_trainable(src, adapter, names, load_state)
         eng.zero_optimizer.zero_grad()
-    _load_module_entries(src, entries)
+    _load_module_entries(src, entries, adapter)
     state = load_torch(path / fmt.ENGINE_STATE, mmap=False)
     if not load_module_only:
         _load_engine_state(eng, state, load_state, load_lr_scheduler_states)

@@ -57,6 +57,19 @@ def _fragments(eng, adapter, names: dict[int, str], copy: bool):
     return tensors, index
 
 
+def _entry_fragments(adapter, entries: dict, rank: int, copy: bool, tensors: dict, index: dict) -> None:
+    """Frozen parameters and buffers as "module" fragments: whole from rank 0, or, where the stage
+    partitions them (stage 3's frozen chunks), each rank's own rows."""
+    for key, t in entries.items():
+        held = adapter.entry_rows(t) if adapter else None
+        if held is None and rank != 0:
+            continue
+        start, stop, rows = held if held is not None else (0, rows_of(t).shape[0], rows_of(t))
+        if stop > start:
+            tensors[fmt.tensor_key(key, MODULE)] = _copy(rows, copy)
+            index[key] = [start, stop, {MODULE: "rows"}]
+
+
 def _engine_state(eng, client_state) -> dict:
     zopt, loader = eng.zero_optimizer, eng.training_dataloader
     groups = [{k: v for k, v in g.items() if k != "params"} for g in eng.optimizer.param_groups] if eng.optimizer else []
@@ -88,14 +101,15 @@ def check_loadable(obj, what: str) -> None:
                         f"strings, lists and dicts ({str(e).splitlines()[0]})") from None
 
 
-def _metadata(eng, tag, gathered, trainable, entries, aliases) -> dict:
+def _metadata(eng, adapter, tag, gathered, trainable, entries, aliases) -> dict:
     params = {}
     named = dict(eng.module.named_parameters())
     for rank, (_, index) in enumerate(gathered):
         for name, (start, stop, classes) in index.items():
             if name not in params:
                 t = named.get(name, entries.get(name))
-                params[name] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                shape = adapter.shape(t) if adapter else t.shape  # stage 3: not the placeholder's
+                params[name] = {"shape": list(shape), "dtype": str(t.dtype).replace("torch.", ""),
                                 "trainable": name in trainable.values(), "kinds": classes, "fragments": []}
             params[name]["fragments"].append([rank, start, stop])
     return {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "tag": tag,
@@ -114,10 +128,7 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
     trainable = {id(p): names[id(p)] for p in adapter.params()} if adapter else {}
     tensors, index = _fragments(eng, adapter, names, copy)
     entries, aliases = module_entries(eng.module, trainable)
-    if rank == 0:
-        for key, t in entries.items():
-            tensors[fmt.tensor_key(key, MODULE)] = _copy(rows_of(t), copy)
-            index[key] = [0, rows_of(t).shape[0], {MODULE: "rows"}]
+    _entry_fragments(adapter, entries, rank, copy, tensors, index)
     nonce = new_nonce() if rank == 0 else None
     gathered = comm.all_gather_object(((tag, nonce), index))
     _validate_tags([g[0][0] for g in gathered], tag_validation)
@@ -129,7 +140,7 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
     if rank == 0:
         snap.engine_state = _engine_state(eng, client_state)
         check_loadable(snap.engine_state["client_state"], "client_state")
-        snap.metadata = _metadata(eng, tag, gathered, trainable, entries, aliases)
+        snap.metadata = _metadata(eng, adapter, tag, gathered, trainable, entries, aliases)
     return snap
 
 

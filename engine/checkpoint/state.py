@@ -6,7 +6,8 @@ and back, without the stages knowing about checkpoints:
   parameter, so all ranks share the writing, and loads all rows.
 - `PartitionedAdapter` (stages 1-2, and any stage built on `zero.partition.PartitionedParams`): a rank
   writes and loads exactly its own `Fragment` of the flat fp32 partition and of the optimizer state.
-A new stage plugs in by adding an adapter with the same six methods and a line in `adapter_for`.
+- `Stage3Adapter` (stage 3, stage3.py): `PartitionedAdapter` with module parameters as placeholders.
+A new stage plugs in by adding an adapter with the same methods and a line in `adapter_for`.
 
 [Note: model weights] Trainable weights are not stored separately: after every step the model
 weights are the fp32 master rows cast to the model dtype (stage 0 `MasterWeights.copy_to_model`,
@@ -42,7 +43,20 @@ def _split_state(state: dict, kinds: set[str], cut) -> dict:
     return {kind: cut(value.detach()) if kind in kinds else value for kind, value in state.items()}
 
 
-class DataParallelAdapter:
+class _WholeModule:
+    """Defaults for stages whose module tensors are whole on every rank (all but stage 3)."""
+
+    holds_module_weights = True  # restore.py copies the full fp32 rows (cast) into the parameter
+
+    def shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        return tuple(t.shape)
+
+    def entry_rows(self, t: torch.Tensor):
+        """Frozen tensors/buffers are whole here: rank 0 writes them, every rank loads all rows."""
+        return None
+
+
+class DataParallelAdapter(_WholeModule):
     """Stage 0: full parameters, full fp32 masters (or the fp32 parameters), full optimizer state."""
 
     def __init__(self, zopt, rank: int, world: int):
@@ -98,7 +112,7 @@ class DataParallelAdapter:
         pass
 
 
-class PartitionedAdapter:
+class PartitionedAdapter(_WholeModule):
     """Stages 1-2: this rank's fragment of each parameter in the flat fp32 partitions."""
 
     def __init__(self, zopt, rank: int, world: int):
@@ -157,6 +171,9 @@ class PartitionedAdapter:
 def adapter_for(zopt, rank: int, world: int):
     if zopt is None:
         return None
+    if getattr(zopt, "stage", None) == 3:  # before the partition check: stage 3 has one too
+        from .stage3 import Stage3Adapter
+        return Stage3Adapter(zopt, rank, world)
     if hasattr(zopt, "partition"):
         return PartitionedAdapter(zopt, rank, world)
     if getattr(zopt, "stage", None) == 0:

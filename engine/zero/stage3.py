@@ -187,6 +187,11 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             self.comm.all_gather(out, send)
             layout.unpack(out, [p.data for p in params])
 
+    def refresh_after_load(self) -> None:
+        """Added for checkpoint loading (engine/checkpoint/stage3.py), which writes the fp32 partition and
+        frozen chunks directly: drop gathered copies, re-gather persistent parameters, as after a step."""
+        self._gather_params()
+
     @torch.no_grad()
     def store_param(self, p: torch.nn.Parameter) -> None:
         """GatheredParameters(modifier_rank=...): keep this rank's chunk of `p`'s new full value."""
