@@ -45,21 +45,20 @@ def stage3_problems(zero) -> list[str]:
             "remove it" for key, set_ in unbuilt.items() if set_]
 
 
-def return_freed_host_memory() -> None:
+def host_memory_trimmer():
     """[Note: host memory] Each pass allocates and frees the gathered parameters and the all-gather
-    buffers (the model's size, twice). glibc serves such blocks from its heap once a large block has
-    been freed (its mmap threshold adapts upward), and that heap is not returned to the OS, so RSS grows
-    by about the gathered size on CPU (measured: 1146 vs 958 MB peak per rank on the 25M GPT). A fixed
-    1 MiB threshold sends large blocks to mmap and back to the OS on free, at the cost of page faults
-    on first touch. Skipped on accelerators, without glibc, or when the user set
-    MALLOC_MMAP_THRESHOLD_ (glibc's own variable) or DSTRAIN_KEEP_MALLOC=1."""
-    if torch.cuda.is_available() or "MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get("DSTRAIN_KEEP_MALLOC"):
-        return
+    buffers (the model's size, twice). glibc keeps freed blocks in its heap (its mmap threshold adapts
+    upward once a large block was freed), so on CPU the RSS creeps up by about the gathered size. One
+    `malloc_trim(0)` after each backward returns the free heap pages. Measured on the 25M GPT, 2 ranks,
+    3 steps: peak RSS per rank 1222 MB untouched, 1070-1097 MB with the trim (+0.23 s CPU per step and
+    rank), 960 MB with a fixed 1 MiB mmap threshold (+0.8 s: every large activation is then faulted in
+    anew, too costly). Returns None on accelerators, without glibc, or with DSTRAIN_KEEP_MALLOC=1."""
+    if torch.cuda.is_available() or os.environ.get("DSTRAIN_KEEP_MALLOC"):
+        return None
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        pass
+        return None
 
 
 def _gather_communicator(comm: Communicator) -> Communicator:
@@ -85,7 +84,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self.use_reduce_scatter, self.use_all_gather, self.overlap = zero.reduce_scatter, True, overlap_comm
         self.inflight = InFlight(depth=2)
         self.last_grad_norm: float | None = None
-        return_freed_host_memory()
+        self._trim = host_memory_trimmer()
         self.partition = Stage3Partition(optimizer, comm.world_size, comm.rank)
         units = discover_units(module)
         self.persistent = self._choose_persistent(units, zero)
@@ -175,6 +174,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             super().backward(loss, retain_graph=retain_graph)
         finally:
             self.coordinator.end_pass()
+            if self._trim is not None:
+                self._trim(0)
 
     @torch.no_grad()
     def _gather_params(self) -> None:
