@@ -21,11 +21,12 @@ read with `torch.load(weights_only=True)`: loading a checkpoint cannot execute c
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 from pathlib import Path
+
+from .blockio import HashingFile, file_digest  # noqa: F401 - HashingFile is used by writer.py
 
 FORMAT_NAME = "dstrain-checkpoint"
 FORMAT_VERSION = 1
@@ -67,47 +68,6 @@ def validate_tag(tag: str) -> str:
 
 
 # -- checksums -----------------------------------------------------------------------------------
-class HashingFile:
-    """A write-only file that hashes what passes through it (torch.save writes here) and can be told to
-    kill its process half-way, for crash tests (writer.py's crash hook)."""
-
-    def __init__(self, path: Path, kill_after: int | None = None):
-        self._f = open(path, "wb")
-        self._hash = hashlib.sha256()
-        self.size = 0
-        self._kill_after = kill_after
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        if self._kill_after is not None and self.size + len(view) >= self._kill_after:
-            self._f.write(view[: max(0, self._kill_after - self.size)])
-            self._f.flush()
-            os.kill(os.getpid(), 9)  # the crash test's SIGKILL, mid-file
-        self._f.write(view)
-        self._hash.update(view)
-        self.size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def close(self) -> dict:
-        """fsync and close; returns the manifest entry."""
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        return {"sha256": self._hash.hexdigest(), "bytes": self.size}
-
-
-def file_digest(path: Path, chunk: int = 8 << 20) -> tuple[str, int]:
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-            size += len(block)
-    return h.hexdigest(), size
-
-
 def check_file(path: Path, entry: dict) -> str | None:
     """None when `path` matches its manifest entry, else what is wrong (one short phrase)."""
     if not path.exists():

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import format as fmt
+from .state import rows_of
 
 _OK = 2 ** 62
 
@@ -104,6 +105,13 @@ class FragmentSource:
             dtype = getattr(torch, entry["dtype"]) if kind == fmt.MODULE else torch.float32
             return torch.empty([0, *shape], dtype=dtype)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def copy_rows(self, name: str, kind: str, out: torch.Tensor) -> None:
+        """Every row of `name`'s `kind` into `out` (its full shape, any dtype), piece by piece: no
+        joined copy of the whole tensor first."""
+        entry, key, dest = self.params[name], fmt.tensor_key(name, kind), rows_of(out)
+        for rank, fs, fe in entry["fragments"]:
+            dest[fs:fe].copy_(self._tensors(rank)[key].reshape(dest[fs:fe].shape))
 
     def scalar(self, name: str, kind: str):
         """A scalar state value (repeated in every fragment): the first fragment's."""

@@ -47,13 +47,10 @@ def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool)
         _check_shape(src, name, adapter.shape(p))
         weights = src.weights_kind(name)
         start, stop = adapter.load_rows(p)
-        if adapter.holds_module_weights:
-            full = src.rows(name, weights, 0, src.num_rows(name))
-            p.copy_(full.reshape(p.shape))  # the model's cast of the fp32 rows (module note)
-            rows = full[start:stop]
-        else:  # stage 3: p is a placeholder; the adapter refreshes what the stage keeps in finish_load
-            rows = src.rows(name, weights, start, stop)
-        tensors = {fmt.FP32: rows}
+        if adapter.holds_module_weights:  # the model's cast of the fp32 rows (module note)
+            src.copy_rows(name, weights, p)
+        # stage 3: p is a placeholder; the adapter refreshes what the stage keeps in finish_load
+        tensors = {fmt.FP32: src.rows(name, weights, start, stop)}
         if load_state:
             for kind, cls in src.kinds(name).items():
                 if kind not in (fmt.FP32, fmt.MODULE):

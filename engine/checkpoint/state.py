@@ -156,7 +156,11 @@ class PartitionedAdapter(_WholeModule):
                 continue
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 # Padding slots stay zero (partition.py's note: they must, for the optimizer's math).
-                buf = state.setdefault(kind, torch.zeros_like(flat.detach(), dtype=value.dtype))
+                # Allocated once per flat and kind (not as setdefault's argument, evaluated per call:
+                # that was a flat-sized zero fill per parameter, most of the load time).
+                buf = state.get(kind)
+                if buf is None:
+                    buf = state[kind] = torch.zeros_like(flat.detach(), dtype=value.dtype)
                 buf[frag.offset:frag.offset + frag.numel].copy_(value.reshape(-1))
             elif (flat, kind) not in self._loaded_scalars:
                 state[kind] = value.clone().to(flat.device) if isinstance(value, torch.Tensor) else value
