@@ -30,7 +30,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples.gpt import BENCH_CONFIG, GPT, RandomTokens  # noqa: E402
+from examples.gpt import BENCH_CONFIG as _BENCH_25M  # noqa: E402
+from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
+
+# --model demo: the demo's small GPT (examples/train_gpt.py defaults), e.g. for precision step times.
+DEMO_CONFIG = GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=128)
+BENCH_CONFIG = DEMO_CONFIG if os.environ.get("DSTRAIN_BENCH_MODEL") == "demo" else _BENCH_25M
 from tests.harness import run_distributed  # noqa: E402
 
 MICRO = 8
@@ -158,12 +163,14 @@ def main(argv=None) -> int:
     p.add_argument("--systems", default="ddp,dstrain-z0")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--model", choices=["25m", "demo"], default="25m", help="the 25M benchmark GPT or the demo's")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the systems this many times, interleaved, and keep each one's best round")
     p.add_argument("--foreach", action="store_true", help="AdamW foreach instead of fused (baselines.md used foreach)")
     p.add_argument("--deepspeed-venv", type=Path, default=None,
                    help="virtual environment with deepspeed for the deepspeed-z* systems (created if under /tmp)")
     args = p.parse_args(argv)
+    os.environ["DSTRAIN_BENCH_MODEL"] = args.model  # read by the spawned ranks at import
     systems = args.systems.split(",")
     unknown = [s for s in systems if s not in SYSTEMS and s not in DEEPSPEED_SYSTEMS]
     if unknown:
