@@ -27,6 +27,14 @@ class GradientScaling:
             self.before, self.after = 1.0 / predivide, predivide / world_size
 
 
+def reduction_settings(world_size: int, gradient_clipping: float, prescale_gradients: bool,
+                       gradient_predivide_factor: float, communication_data_type: str | None):
+    """(clip bound, GradientScaling, dtype on the wire or None): the reduction knobs every stage reads."""
+    comm_dtype = DTYPES[communication_data_type] if communication_data_type else None
+    return (float(gradient_clipping or 0.0),
+            GradientScaling(world_size, prescale_gradients, gradient_predivide_factor), comm_dtype)
+
+
 def global_norm(buffers: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm over flat fp32 buffers: one reduction per buffer, one host sync for the caller."""
     norms = [torch.linalg.vector_norm(b, dtype=torch.float32) for b in buffers if b.numel()]
@@ -53,9 +61,8 @@ class DataParallelOptimizer:
         self.optimizer = optimizer
         self.comm = comm
         self.guard = guard
-        self.clip = float(gradient_clipping or 0.0)
-        self.scaling = GradientScaling(comm.world_size, prescale_gradients, gradient_predivide_factor)
-        self.comm_dtype = DTYPES[communication_data_type] if communication_data_type else None
+        self.clip, self.scaling, self.comm_dtype = reduction_settings(
+            comm.world_size, gradient_clipping, prescale_gradients, gradient_predivide_factor, communication_data_type)
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         # [Note: optimizers that communicate themselves] A 1-bit optimizer (ops.CompressedOptimizer)
         # averages its momentum itself once warm-up ends. Before each boundary backward it says whether

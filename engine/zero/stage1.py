@@ -24,7 +24,7 @@ from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
 from .buckets import Bucket, GradientBuckets
 from .partition import InFlight, PartitionedParams, RankMajorLayout
-from .stage0 import GradientScaling, clip_
+from .stage0 import clip_, reduction_settings
 
 
 class PartitionedZeroOptimizer:
@@ -41,9 +41,8 @@ class PartitionedZeroOptimizer:
         self.optimizer = optimizer
         self.comm = comm
         self.guard = guard
-        self.clip = float(gradient_clipping or 0.0)
-        self.scaling = GradientScaling(comm.world_size, prescale_gradients, gradient_predivide_factor)
-        self.comm_dtype = DTYPES[communication_data_type] if communication_data_type else None
+        self.clip, self.scaling, self.comm_dtype = reduction_settings(
+            comm.world_size, gradient_clipping, prescale_gradients, gradient_predivide_factor, communication_data_type)
         self.use_reduce_scatter = reduce_scatter
         self.use_all_gather = allgather_partitions
         self.overlap = overlap_comm

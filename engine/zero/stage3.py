@@ -26,10 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Communicator
-from ..precision import DTYPES
 from .partition import InFlight, RankMajorLayout
 from .prefetch import ParamCoordinator
-from .stage0 import GradientScaling
+from .stage0 import reduction_settings
 from .stage2 import ZeroStage2Optimizer
 from .stage3_params import (GatherGroup, Stage3Partition, full_shape, gather_full, local_chunk, padded_chunk,
                             spec_of)
@@ -78,9 +77,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
                  gradient_predivide_factor: float = 1.0, communication_data_type: str | None = None,
                  grad_accum_dtype: str | None = None):
         self.optimizer, self.comm, self.guard, self.module = optimizer, comm, guard, module
-        self.clip = float(gradient_clipping or 0.0)
-        self.scaling = GradientScaling(comm.world_size, prescale_gradients, gradient_predivide_factor)
-        self.comm_dtype = DTYPES[communication_data_type] if communication_data_type else None
+        self.clip, self.scaling, self.comm_dtype = reduction_settings(
+            comm.world_size, gradient_clipping, prescale_gradients, gradient_predivide_factor, communication_data_type)
         self.use_reduce_scatter, self.use_all_gather, self.overlap = zero.reduce_scatter, True, overlap_comm
         self.inflight = InFlight(depth=2)
         self.last_grad_norm: float | None = None
