@@ -28,7 +28,7 @@ from tests.models import OddMLP, make_batches, micro_batches, reference_train
 STEPS = 10
 MICRO = 2
 CLIP = 0.5
-MIXED_RTOL = {"fp16": 5e-3, "bf16": 2e-2}
+MIXED_RTOL = {"fp16": 5e-3, "bf16": 2e-2, "bf16-fp32acc": 2e-2}
 
 
 def _groups(params):
@@ -48,6 +48,9 @@ def _config(stage: int, gas: int, precision: str = "fp32", **zero) -> dict:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     elif precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    elif precision == "bf16-fp32acc":  # micro-steps accumulate in fp32 side tensors (stage 1), fp32 buckets (0)
+        cfg["bf16"] = {"enabled": True}
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 
 
@@ -110,7 +113,7 @@ def _check(results: list, world: int, stage: int, gas: int, precision: str, stag
 
 
 CASES_2 = ([(s, gas, "fp32") for s in (1, 2) for gas in (1, 4)]
-           + [(s, 2, p) for p in ("fp16", "bf16") for s in (0, 1, 2)])
+           + [(s, 2, p) for p in ("fp16", "bf16") for s in (0, 1, 2)] + [(s, 2, "bf16-fp32acc") for s in (0, 1)])
 CASES_4 = [(1, 1, "fp32"), (2, 4, "fp32")]
 
 
@@ -170,3 +173,44 @@ def test_untested_optimizer_and_unsupported_keys_are_rejected(two_ranks):
         assert allowed is None
         assert "zero_optimization.contiguous_gradients" in contiguous
         assert "zero_optimization.round_robin_gradients" in round_robin
+
+
+class _WithUnused(OddMLP):
+    """OddMLP plus a trainable parameter forward never touches: it shares gradient buckets with used ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.randn(6, 3))
+
+
+def _train_unused(stage: int):
+    torch.manual_seed(0)
+    model = _WithUnused()
+    before = model.unused.detach().clone()
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 10_000, "overlap_comm": True}}
+    eng, _, _, _ = engine.initialize(model=model, config=cfg)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for x, y in make_batches(3, MICRO * world):
+        for xm, ym in micro_batches(x, y, rank, world, 1):
+            eng.backward(eng(xm, ym))
+            eng.step()
+    return {"unused_moved": float((eng.module.unused.detach() - before).abs().max()),
+            "l2": eng.module.l2.weight.detach().clone()}
+
+
+def _unused_cases():
+    return [_train_unused(stage) for stage in (1, 2)]
+
+
+def test_unused_parameter_gets_zero_gradient():
+    """A parameter without a gradient contributes zeros to its bucket (with Adam and no weight decay it
+    stays put, as a plain torch loop leaves it), and the used ones still match the reference."""
+    torch.manual_seed(0)
+    ref, _, _ = reference_train(_WithUnused(), make_batches(3, MICRO * 2),
+                                lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0), clip=CLIP)
+    for per_rank in run_distributed(_unused_cases, 2, timeout=90):
+        for r in per_rank:
+            assert r["unused_moved"] == 0.0
+            torch.testing.assert_close(r["l2"], ref.l2.weight.detach(), atol=1e-6, rtol=1e-5)

@@ -95,6 +95,10 @@ class RankMajorLayout:
                 slots[full, rest:].zero_()
             slots[full + (1 if rest else 0):].zero_()
 
+    def zero_one(self, i: int, buffer: torch.Tensor) -> None:
+        """Zero parameter i's slots of `buffer` (a parameter that got no gradient contributes zeros)."""
+        self._slots(i, buffer)[0].zero_()
+
     def pack(self, tensors: list[torch.Tensor], buffer: torch.Tensor) -> None:
         for i, t in enumerate(tensors):
             self.pack_one(i, t, buffer)

@@ -49,6 +49,18 @@ def clip_(buffers: list[torch.Tensor], total_norm: float, max_norm: float) -> No
             b.mul_(coef)
 
 
+def checked_step(zopt, buffers: list[torch.Tensor], norm: float, step_number: int) -> bool:
+    """What every stage does once the global norm is known: record it, let the guard decide (NaN/Inf,
+    loss scale), clip and step the optimizer. Returns whether the step was applied."""
+    zopt.last_grad_norm = norm
+    applied = zopt.guard.check(norm, step_number)
+    if applied:
+        if zopt.clip > 0:
+            clip_(buffers, norm, zopt.clip)
+        zopt.optimizer.step()
+    return applied
+
+
 class DataParallelOptimizer:
     """Owns the gradients of `optimizer`'s parameters and the boundary step for stage 0."""
 
@@ -132,14 +144,9 @@ class DataParallelOptimizer:
         """Unscale, check, clip and apply the optimizer. Returns whether the step was applied."""
         buffers = self._grad_buffers()
         norm = float(global_norm(buffers)) if self.engine_all_reduce else self._rms_local_norm(buffers)
-        self.last_grad_norm = norm
-        applied = self.guard.check(norm, step_number)
-        if applied:
-            if self.clip > 0:
-                clip_(buffers, norm, self.clip)
-            self.optimizer.step()
-            if self.master is not None:
-                self.master.copy_to_model()
+        applied = checked_step(self, buffers, norm, step_number)
+        if applied and self.master is not None:
+            self.master.copy_to_model()
         if self.powersgd is not None:
             self.powersgd.finish_step()
         self.zero_grad()

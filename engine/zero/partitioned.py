@@ -1,0 +1,354 @@
+"""What ZeRO stages 1 and 2 share: the fp32 partition and its optimizer, gradient buckets reduced
+(reduce-scatter) from post-accumulate-grad hooks straight into the partition gradient, global-norm
+clipping, the step, the all-gather back into the model, state, and the `safe_get_full_*` queries.
+The stages differ only in *when* a backward reduces (`reduce_every_micro_step`): stage 2 on every
+micro-step, stage 1 at the accumulation boundary only (stage1.py, stage2.py).
+
+[Note: reduce-scatter on gloo] Measured here (2 ranks, 20 MB): all_reduce 25 ms, reduce_scatter 40-44
+ms (list and tensor forms alike), all_gather 20-26 ms. Gloo's reduce-scatter is no cheaper than its
+all-reduce, so all-reduce + slice would be faster on this backend; we still reduce-scatter because it
+is the op with half the bytes on every other backend (NCCL) and it keeps stages 0-2 at the same 2Ψ
+volume. `zero_optimization.reduce_scatter: false` selects all-reduce + slice.
+[Note: bucket order] Buckets have a fixed composition (reverse registration order, the order backward
+roughly produces gradients) and bucket k is launched only after buckets 0..k-1, whatever order the
+hooks fire in, so every rank issues the same collectives in the same order. After backward the
+buckets whose parameters got no gradient are launched with zeros there, so no rank waits for a hook
+that never fires. Within a bucket, parameters keep their flat-partition order, so when they are
+neighbours in one flat the rank's segment of the reduce-scatter *is* a slice of the partition
+gradient and the collective writes there directly (no staging buffer, no copy) whenever nothing is
+accumulated into it yet.
+[Note: freeing] A parameter's gradient is packed into its bucket's rank-major send buffer in the
+post-accumulate-grad hook of a reducing backward, and `.grad` is dropped right there; the send buffer
+is dropped when its reduce-scatter finished. So no full-size gradient buffer exists at any time: at
+most two buckets (`reduce_bucket_size`) are in flight. Without `overlap_comm` each bucket is reduced
+synchronously in the hook.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..comm import Communicator
+from ..precision import DTYPES, NonFiniteGuard
+from .partition import InFlight, PartitionedParams, RankMajorLayout, split_runs
+from .stage0 import checked_step, reduction_settings
+
+
+# [Note: gather bucket cap] `allgather_bucket_size` bounds the elements gathered at a time; dstrain
+# gathers at most 2^22 (16 MB in fp32) even when it allows more (DeepSpeed's default is 5e8). Measured
+# on the 25M GPT, 2 ranks, gloo: one 100 MB bucket 188 ms, 8e6 91 ms, 4e6 83 ms, 2e6 79 ms per step:
+# a buffer the size of the model is faulted in afresh on every step, buckets this size are reused
+# from the allocator's free lists, and the unpack of one bucket overlaps the next one's transfer.
+GATHER_BUCKET_CAP = 1 << 22
+
+
+@dataclass
+class _Bucket:
+    index: int
+    layout: RankMajorLayout
+    targets: list[torch.Tensor]  # the partition-gradient slots of its parameters
+    direct: torch.Tensor | None  # the same slots as one slice, when they are neighbours (module note)
+    send_dtype: torch.dtype
+    send: torch.Tensor | None = None
+    pending: int = 0
+    launched: bool = False
+    packed: set = field(default_factory=set)
+
+
+class PartitionedZeroOptimizer:
+    """Shared machinery of ZeRO stages 1 and 2 (module docstring)."""
+
+    stage = -1
+    reduce_every_micro_step = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, guard: NonFiniteGuard, *,
+                 reduce_bucket_numel: int, allgather_bucket_numel: int, overlap_comm: bool,
+                 gradient_clipping: float, prescale_gradients: bool = False,
+                 gradient_predivide_factor: float = 1.0, communication_data_type: str | None = None,
+                 grad_accum_dtype: str | None = None, reduce_scatter: bool = True,
+                 allgather_partitions: bool = True):
+        self.optimizer = optimizer
+        self.comm = comm
+        self.guard = guard
+        self.clip, self.scaling, self.comm_dtype = reduction_settings(
+            comm.world_size, gradient_clipping, prescale_gradients, gradient_predivide_factor, communication_data_type)
+        self.use_reduce_scatter = reduce_scatter
+        self.use_all_gather = allgather_partitions
+        self.overlap = overlap_comm
+        self.partition = PartitionedParams(optimizer, comm.world_size, comm.rank)
+        self.params = self.partition.params()
+        self.gather_runs = self.partition.gather_runs(max(1, min(int(allgather_bucket_numel), GATHER_BUCKET_CAP)))
+        self.inflight = InFlight(depth=2)
+        self.last_grad_norm: float | None = None
+        self._init_gradients(max(1, int(reduce_bucket_numel)), grad_accum_dtype)
+
+    # -- gradient buckets (module notes: bucket order, freeing) -----------------------------------
+    def _init_gradients(self, bucket_numel: int, grad_accum_dtype: str | None) -> None:
+        accum = DTYPES[grad_accum_dtype] if grad_accum_dtype else None
+        if self.reduce_every_micro_step and accum not in (None, torch.float32):
+            raise ValueError(f"data_types.grad_accum_dtype: {grad_accum_dtype!r} is not supported with "
+                             f"zero_optimization.stage {self.stage}: gradient partitions always accumulate in "
+                             'fp32; remove the key or use "fp32"')
+        # Between reductions (stage 1's accumulation micro-steps) full gradients accumulate in `.grad`,
+        # or, when grad_accum_dtype is wider than the parameter, in a side tensor of that dtype.
+        self._accum_dtype = accum
+        self._accum: dict[torch.nn.Parameter, torch.Tensor] = {}
+        world = self.comm.world_size
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in reversed(self.params):
+            by_dtype.setdefault(p.dtype, []).append(p)
+        order = {p: i for i, p in enumerate(self.params)}
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[torch.nn.Parameter, _Bucket] = {}
+        for dtype, plist in by_dtype.items():
+            sizes = [world * self.partition.fragments[p].padded for p in plist]
+            for run in split_runs(plist, sizes, bucket_numel):
+                params = sorted((plist[i] for i in run), key=order.__getitem__)
+                layout, targets = self._layout(params)
+                # Gradients accumulated in a wider dtype are reduced in it, as stage 0 does.
+                wire = self.comm_dtype or (accum if accum is not None and not self.reduce_every_micro_step else dtype)
+                bucket = _Bucket(len(self.buckets), layout, targets, self._direct_slice(params), wire)
+                self.buckets.append(bucket)
+                for p in params:
+                    self._bucket_of[p] = bucket
+        self._position = {p: i for b in self.buckets for i, p in enumerate(b.layout.params)}
+        self._buckets_cover_partition = sum(b.layout.segment for b in self.buckets) == sum(
+            g.numel() for g in self.partition.flat_grad.values())
+        self._armed = False
+        self._reduced_since_step = False
+        self._micro_steps = 0
+        self._reset_buckets()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    def _layout(self, params: list[torch.nn.Parameter]) -> tuple[RankMajorLayout, list[torch.Tensor]]:
+        """The rank-major layout of a gradient bucket and the fp32 partition-gradient slots it fills."""
+        layout = RankMajorLayout(params, [self.partition.fragments[p].spec for p in params], self.comm.world_size)
+        return layout, [self.partition.slot(p, self.partition.flat_grad) for p in params]
+
+    def _direct_slice(self, params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+        """The partition-gradient slice equal to this rank's segment of `params`, if they are neighbours."""
+        frags = [self.partition.fragments[p] for p in params]
+        for a, b in zip(frags, frags[1:]):
+            if b.key != a.key or b.offset != a.offset + a.padded:
+                return None
+        grad = self.partition.flat_grad[frags[0].key]
+        return grad.detach()[frags[0].offset:frags[-1].offset + frags[-1].padded]
+
+    def _reset_buckets(self) -> None:
+        self._next_launch = 0
+        for b in self.buckets:
+            b.send, b.pending, b.launched = None, len(b.layout.params), False
+            b.packed.clear()
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        if not self._armed:  # an accumulation micro-step of stage 1: the gradient stays
+            if param in self._accum or (self._accum_dtype is not None and grad.dtype != self._accum_dtype):
+                acc = self._accum.get(param)
+                if acc is None:
+                    self._accum[param] = acc = torch.zeros_like(grad, dtype=self._accum_dtype)
+                acc.add_(grad)
+                param.grad = None
+            return
+        if param in self._accum:
+            grad = self._accum.pop(param).add_(grad)
+        bucket = self._bucket_of[param]
+        if bucket.launched:
+            raise RuntimeError(f"ZeRO stage {self.stage}: a parameter received a second gradient in one backward "
+                               "pass after its bucket was reduced; call engine.backward() once per micro-batch")
+        if bucket.send is None:  # every slot is written: packed (padding zeroed) or zeroed at launch
+            bucket.send = torch.empty(bucket.layout.numel, dtype=bucket.send_dtype, device=param.device)
+        bucket.layout.pack_one(self._position[param], grad, bucket.send)
+        bucket.packed.add(param)
+        param.grad = None  # the full gradient is not kept (module note: freeing)
+        bucket.pending -= 1
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending <= 0:
+            self._launch(self.buckets[self._next_launch])
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.send is None:  # no parameter of this bucket got a gradient: contribute zeros
+            bucket.send = torch.zeros(bucket.layout.numel, dtype=bucket.send_dtype)
+        elif len(bucket.packed) < len(bucket.layout.params):  # some got none: zeros for those
+            for i, p in enumerate(bucket.layout.params):
+                if p not in bucket.packed:
+                    bucket.layout.zero_one(i, bucket.send)
+        bucket.launched = True
+        self._next_launch = bucket.index + 1
+        self._start_reduce(bucket, accumulate=self._reduced_since_step)
+        bucket.send = None  # the in-flight reduction holds the only reference
+        if not self.overlap:
+            self.inflight.drain()
+
+    def _start_reduce(self, bucket: _Bucket, accumulate: bool) -> None:
+        """Reduce the packed send buffer; this rank's segment lands (averaged, fp32) in the partition gradient."""
+        layout, send = bucket.layout, bucket.send
+        if self.scaling.before != 1.0:
+            send.mul_(self.scaling.before)
+        direct = bucket.direct if not accumulate and send.dtype == torch.float32 else None
+        if self.use_reduce_scatter:
+            out = direct if direct is not None else torch.empty(layout.segment, dtype=send.dtype, device=send.device)
+            work = self.comm.reduce_scatter(out, send, async_op=True)
+        else:
+            work = self.comm.all_reduce(send, async_op=True)
+            out = send.view(self.comm.world_size, layout.segment)[self.comm.rank]
+
+        def finish() -> None:
+            seg = out.float() if out.dtype != torch.float32 else out
+            if self.scaling.after != 1.0:
+                seg.mul_(self.scaling.after)
+            if seg is direct:
+                return
+            slots = layout.segment_slots(seg)
+            if accumulate:
+                torch._foreach_add_(bucket.targets, slots)
+            else:
+                torch._foreach_copy_(bucket.targets, slots)
+        self.inflight.push(work, finish)
+
+    # -- backward -----------------------------------------------------------------------------------
+    def before_backward(self, boundary: bool) -> None:
+        self._armed = self.reduce_every_micro_step or boundary
+        if self._micro_steps == 0:
+            for p in self.params:  # first micro-step of a window: drop what a user's zero_grad left behind
+                p.grad = None
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward; in a reducing backward every remaining bucket is then reduced into the partition."""
+        scale = self.guard.scaler.loss_scale
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self._micro_steps += 1
+        if not self._armed:
+            return
+        for bucket in self.buckets[self._next_launch:]:
+            self._launch(bucket)
+        self.inflight.drain()
+        self._reset_buckets()
+        self._reduced_since_step = True
+        self._armed = False
+
+    def after_backward(self) -> None:
+        pass  # backward() already reduced
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient this rank holds: full gradients still in `.grad` or side tensors, and the fp32
+        partition."""
+        held = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+        held += sum(t.numel() * t.element_size() for t in self._accum.values())
+        return held + self.partition.num_bytes()["master_grad"]
+
+    # -- the boundary step ---------------------------------------------------------------------
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        return list(self.partition.flat_grad.values())
+
+    def _global_norm(self, buffers: list[torch.Tensor]) -> float:
+        """One all-reduce of the local sum of squares: every rank gets the same norm, and a NaN/Inf on
+        any rank makes it non-finite everywhere (precision.py's note)."""
+        sq = torch.zeros((), dtype=torch.float32)
+        for b in buffers:
+            if b.numel():
+                sq += torch.linalg.vector_norm(b, dtype=torch.float32).square()
+        self.comm.all_reduce(sq)
+        return float(sq.sqrt())
+
+    def step(self, step_number: int = 0) -> bool:
+        """Unscale, check, clip, step this rank's partition, all-gather. Returns whether applied."""
+        buffers = self._grad_buffers()
+        if not self._reduced_since_step:  # a step without a reducing backward: no gradient
+            for b in buffers:
+                b.zero_()
+        inv_scale = 1.0 / self.guard.scaler.loss_scale
+        if inv_scale != 1.0:
+            for b in buffers:
+                b.mul_(inv_scale)
+        applied = checked_step(self, buffers, self._global_norm(buffers), step_number)
+        if applied:
+            self._gather_params()
+        self.zero_grad()
+        return applied
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """Updated master partitions → every rank's full model parameters, in all-gather buckets of at
+        most GATHER_BUCKET_CAP elements (its note), two in flight."""
+        gather = InFlight(depth=2)
+        for key, start, stop, layout in self.gather_runs:
+            send = self.partition.flat[key].detach()[start:stop].to(key[1])
+            out = torch.empty(layout.numel, dtype=key[1], device=send.device)
+            gather.push(self._gather_into(out, send),
+                        lambda out=out, layout=layout: layout.unpack(out, [p.detach() for p in layout.params]))
+        gather.drain()
+
+    def _gather_into(self, out: torch.Tensor, send: torch.Tensor):
+        """Start gathering every rank's `send` into `out` (rank-major); returns the work or None."""
+        if self.use_all_gather:
+            return self.comm.all_gather(out, send, async_op=True)
+        # allgather_partitions: false — one broadcast per owning rank, as DeepSpeed does
+        for r, part in enumerate(out.view(self.comm.world_size, -1)):
+            if r == self.comm.rank:
+                part.copy_(send)
+            self.comm.broadcast(part, src=r)
+        return None
+
+    def zero_grad(self) -> None:
+        if not self._buckets_cover_partition:  # else the first reduction overwrites every slot
+            for g in self.partition.flat_grad.values():
+                g.zero_()
+        for p in self.params:
+            p.grad = None
+        self._accum.clear()
+        self._reduced_since_step = False
+        self._micro_steps = 0
+
+    def log_suffix(self) -> str:
+        return f" | loss scale {self.guard.scaler.loss_scale:g}" if self.guard.precision == "fp16" else ""
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "guard": self.guard.state_dict(),
+                "world_size": self.comm.world_size,
+                "master": [f.detach().clone() for f in self.partition.flat.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("world_size", self.comm.world_size) != self.comm.world_size:
+            raise ValueError(f"this ZeRO-{self.stage} state was saved by {state['world_size']} ranks, this run has "
+                             f"{self.comm.world_size}; resharding is done by checkpoint loading, not here")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.guard.load_state_dict(state["guard"])
+        with torch.no_grad():
+            for flat, saved in zip(self.partition.flat.values(), state["master"]):
+                flat.copy_(saved)
+        self._gather_params()
+
+    # -- full tensors from the fragments (engine.utils.safe_get_full_*) -----------------------------
+    def _gather_full(self, param: torch.nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+        """Collective: the full fp32 tensor of `param` from every rank's slot in `flat`."""
+        frag = self.partition.fragments[param]
+        layout = RankMajorLayout([param], [frag.spec], self.comm.world_size)
+        send = flat.detach()[frag.offset:frag.offset + frag.padded].float().contiguous()
+        out = torch.empty(layout.numel, dtype=torch.float32, device=send.device)
+        self.comm.all_gather(out, send)
+        full = torch.empty(param.shape, dtype=torch.float32, device=send.device)
+        layout.unpack(out, [full])
+        return full
+
+    def owns(self, param: torch.nn.Parameter) -> bool:
+        return param in self.partition.fragments
+
+    def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return self._gather_full(param, self.partition.flat[self.partition.fragments[param].key])
+
+    def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The reduced, averaged, unscaled gradient (valid between backward at the boundary and step)."""
+        grad = self._gather_full(param, self.partition.flat_grad[self.partition.fragments[param].key])
+        return grad / self.guard.scaler.loss_scale
+
+    def full_optimizer_state(self, param: torch.nn.Parameter, name: str):
+        flat = self.partition.flat[self.partition.fragments[param].key]
+        value = self.optimizer.state.get(flat, {}).get(name)
+        if isinstance(value, torch.Tensor) and value.shape == flat.shape:
+            return self._gather_full(param, value)
+        # Per-tensor state (e.g. Adam's step) or absent; a copy, since the optimizer updates it in place.
+        return value.clone() if isinstance(value, torch.Tensor) else value
+
+
