@@ -48,6 +48,34 @@ class Twice(nn.Module):
         return nn.functional.mse_loss(out, y)
 
 
+class Reader(nn.Module):
+    """A block that also reads another block's weight, registered as DeepSpeed users do."""
+
+    def __init__(self, other: nn.Linear):
+        super().__init__()
+        self.lin = nn.Linear(24, 24)
+        self.other = [other]  # a plain list: not a child, so `other` is not owned here
+        engine.zero.register_external_parameter(self, other.weight)
+
+    def forward(self, h):
+        return self.lin(h) + h @ self.other[0].weight.t()
+
+
+class External(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 24)
+        first = nn.Linear(24, 24)
+        self.layers = nn.ModuleList([first, Reader(first)])
+        self.out = nn.Linear(24, 5)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return nn.functional.mse_loss(self.out(h), y)
+
+
 def _gpt_batches(steps: int, batch: int):
     g = torch.Generator().manual_seed(0)
     return [(lambda d: (d[:, :-1], d[:, 1:]))(torch.randint(0, TINY.vocab_size, (batch, TINY.seq_len + 1),
@@ -55,7 +83,7 @@ def _gpt_batches(steps: int, batch: int):
 
 
 MODELS = {"mlp": (OddMLP, make_batches), "gpt": (lambda: GPT(TINY), _gpt_batches),
-          "twice": (Twice, make_batches)}
+          "twice": (Twice, make_batches), "external": (External, make_batches)}
 
 
 def _config(gas: int, precision: str, zero: dict) -> dict:
@@ -135,6 +163,7 @@ def _check(results: list, case: tuple, world: int, same_precision_stage0: list |
 
 CASES_2 = [("mlp", 1, "fp32", STRICT), ("mlp", 2, "fp32", {}), ("gpt", 1, "fp32", STRICT),
            ("gpt", 2, "fp32", {"stage3_param_persistence_threshold": 20}), ("twice", 1, "fp32", STRICT),
+           ("external", 1, "fp32", STRICT),
            ("gpt", 1, "fp16", STRICT), ("gpt", 1, "bf16", STRICT), ("gpt", 1, "bf16", {"stage": 0})]
 CASES_4 = [("gpt", 1, "fp32", STRICT), ("twice", 2, "fp32", STRICT)]
 

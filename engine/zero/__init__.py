@@ -17,7 +17,8 @@ from ..utils import tag_parameters
 from .stage0 import DataParallelOptimizer
 from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
-from .init import GatheredParameters, Init  # noqa: F401  (engine.zero.Init, engine.zero.GatheredParameters)
+from .init import (GatheredParameters, Init, register_external_parameter,  # noqa: F401  (deepspeed.zero's names)
+                   unregister_external_parameter)
 
 PARTITIONED_STAGES = {1: ZeroStage1Optimizer, 2: ZeroStage2Optimizer}
 

@@ -1,4 +1,5 @@
-"""`engine.zero.Init` and `engine.zero.GatheredParameters` (DeepSpeed's `deepspeed.zero` names).
+"""`engine.zero.Init`, `engine.zero.GatheredParameters` and `engine.zero.register_external_parameter`
+(DeepSpeed's `deepspeed.zero` names).
 
     with engine.zero.Init(config=ds_config):
         model = MyModel()                  # each module's parameters are partitioned as it is built
@@ -183,3 +184,34 @@ class GatheredParameters(contextlib.ContextDecorator):
             zopt.store_param(p)
         elif hasattr(p, "_z3_chunk"):
             p._z3_chunk = padded_chunk(p.data, spec_of(full_shape(p), comm.world_size), comm.rank)
+
+
+_EXTERNAL = "_dstrain_external_params"
+
+
+def _check_not_built(parameter: torch.nn.Parameter, what: str) -> None:
+    if getattr(parameter, "_z3_owner", None) is not None:
+        raise RuntimeError(f"engine.zero.{what}: the stage-3 engine is already built; dstrain decides which "
+                           "module gathers which parameters in engine.initialize(), so register external "
+                           "parameters before it (e.g. in the module's __init__)")
+
+
+def register_external_parameter(module: nn.Module, parameter: torch.nn.Parameter) -> None:
+    """`module`'s forward uses `parameter`, which another module owns (a block reading another block's
+    weight). At ZeRO stage 3 the engine then gathers `parameter` around `module`'s forward and backward,
+    as for a weight tied across units (stage3_units.py). At stages 0-2 every parameter is whole anyway.
+    Call it before `engine.initialize()`."""
+    _check_not_built(parameter, "register_external_parameter")
+    registered = module.__dict__.setdefault(_EXTERNAL, [])
+    if not any(p is parameter for p in registered):
+        registered.append(parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: torch.nn.Parameter) -> None:
+    _check_not_built(parameter, "unregister_external_parameter")
+    registered = module.__dict__.get(_EXTERNAL, [])
+    module.__dict__[_EXTERNAL] = [p for p in registered if p is not parameter]
+
+
+def external_parameters(module: nn.Module) -> list[torch.nn.Parameter]:
+    return module.__dict__.get(_EXTERNAL, [])

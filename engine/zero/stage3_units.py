@@ -5,8 +5,9 @@ nested unit owns (FSDP2's grouping). Units are the root module and every child o
 `nn.Sequential` or `nn.ModuleDict` (the repeated layers of a model). So a parameter used anywhere
 inside its unit's forward is available there — also outside its own module's forward (a GPT's
 `x @ self.tok.weight.t()` in the root). A parameter shared by two units belongs to the first one in
-module order; a module elsewhere that holds it directly becomes a *user* of that unit's group, with
-its own hooks (tied weights across blocks).
+module order; a module elsewhere that holds it directly, or registered it with
+`register_external_parameter`, becomes a *user* of that unit's group, with its own hooks (tied
+weights across blocks, a block reading another block's weight).
 [Note: hooks] Forward pre-hook: gather (and prefetch). Forward hook: release, and hook the outputs so
 that the first gradient reaching them gathers again before the module's backward. The module's
 inputs pass through `_PostBackward`, whose backward runs once the module's backward is done: release.
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
+
+from .init import external_parameters
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -62,15 +65,17 @@ def discover_units(root: nn.Module) -> list[Unit]:
 
 
 def user_modules(root: nn.Module, units: list[Unit], group_of: dict) -> list[tuple[str, nn.Module, list]]:
-    """(name, module, groups) of modules that directly hold a partitioned parameter whose group no unit
-    enclosing them gathers (a weight tied across units)."""
+    """(name, module, groups) of modules that directly hold, or registered as external
+    (`engine.zero.register_external_parameter`), a partitioned parameter whose group no unit enclosing
+    them gathers (a weight tied across units, a block reading another block's weight)."""
     unit_of = {u.module: u for u in units}
     found = []
 
     def walk(m: nn.Module, name: str, active: set) -> None:
         if m in unit_of:
             active = active | {g.gid for g in unit_of[m].groups}
-        needed = {group_of[p] for p in m._parameters.values() if p is not None and p in group_of}
+        held = [p for p in m._parameters.values() if p is not None] + external_parameters(m)
+        needed = {group_of[p] for p in held if p in group_of}
         missing = [g for g in needed if g.gid not in active]
         if missing:
             found.append((name, m, sorted(missing, key=lambda g: g.gid)))
