@@ -203,9 +203,16 @@ class PartitionedParams:
         return {"master": n, "master_grad": sum(g.numel() * g.element_size() for g in self.flat_grad.values())}
 
 
+# [Note: reductions in flight] A gradient bucket's hook waits for the oldest reduction once more than
+# REDUCE_DEPTH are in flight, and that wait stalls backward. Measured on the 25M GPT, ZeRO-1, 2 ranks,
+# 5e6-element buckets: time spent in the hooks per step 150 ms with 2 in flight, 40 ms with 4, 40-50 ms
+# with 8; the send buffers held stay bounded by 4 buckets.
+REDUCE_DEPTH = 4
+
+
 class InFlight:
     """Bounded queue of started collectives: at most `depth` outstanding, finished oldest first, so the
-    temporary buffers they hold stay bounded (two buckets double-buffer communication and work)."""
+    temporary buffers they hold stay bounded."""
 
     def __init__(self, depth: int = 2):
         self.depth = depth

@@ -20,8 +20,8 @@ accumulated into it yet.
 [Note: freeing] A parameter's gradient is packed into its bucket's rank-major send buffer in the
 post-accumulate-grad hook of a reducing backward, and `.grad` is dropped right there; the send buffer
 is dropped when its reduce-scatter finished. So no full-size gradient buffer exists at any time: at
-most two buckets (`reduce_bucket_size`) are in flight. Without `overlap_comm` each bucket is reduced
-synchronously in the hook.
+most REDUCE_DEPTH buckets (`reduce_bucket_size`) are in flight (partition.py). Without
+`overlap_comm` each bucket is reduced synchronously in the hook.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch
 
 from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
-from .partition import InFlight, PartitionedParams, RankMajorLayout, split_runs
+from .partition import REDUCE_DEPTH, InFlight, PartitionedParams, RankMajorLayout, split_runs
 from .stage0 import checked_step, reduction_settings
 
 
@@ -79,7 +79,7 @@ class PartitionedZeroOptimizer:
         self.partition = PartitionedParams(optimizer, comm.world_size, comm.rank)
         self.params = self.partition.params()
         self.gather_runs = self.partition.gather_runs(max(1, min(int(allgather_bucket_numel), GATHER_BUCKET_CAP)))
-        self.inflight = InFlight(depth=2)
+        self.inflight = InFlight(depth=REDUCE_DEPTH)
         self.last_grad_norm: float | None = None
         self._init_gradients(max(1, int(reduce_bucket_numel)), grad_accum_dtype)
 

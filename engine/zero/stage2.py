@@ -2,7 +2,7 @@
 
 Memory per rank (Ψ parameters, N ranks, Adam): model weights, plus 4Ψ/N bytes of fp32 partition
 gradient and 12Ψ/N of master weights and optimizer state; full gradients exist only while a bucket
-(`reduce_bucket_size` elements, at most two buckets in flight) waits for its reduce-scatter
+(`reduce_bucket_size` elements, at most REDUCE_DEPTH (4) buckets in flight) waits for its reduce-scatter
 (partitioned.py's notes).
 Communication: Ψ reduce-scatter per micro-step, Ψ all-gather per step (2Ψ with no accumulation).
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Communicator
-from .partition import InFlight, RankMajorLayout
+from .partition import REDUCE_DEPTH, InFlight, RankMajorLayout
 from .prefetch import ParamCoordinator
 from .stage0 import reduction_settings
 from .stage2 import ZeroStage2Optimizer
@@ -80,7 +80,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self.clip, self.scaling, self.comm_dtype = reduction_settings(
             comm.world_size, gradient_clipping, prescale_gradients, gradient_predivide_factor, communication_data_type)
         self.use_reduce_scatter, self.use_all_gather, self.overlap = zero.reduce_scatter, True, overlap_comm
-        self.inflight = InFlight(depth=2)
+        self.inflight = InFlight(depth=REDUCE_DEPTH)
         self.last_grad_norm: float | None = None
         self._trim = host_memory_trimmer()
         self.partition = Stage3Partition(optimizer, comm.world_size, comm.rank)
