@@ -7,8 +7,10 @@ Workload: the benchmark GPT of baselines.md (25.12M parameters, fp32) with a sma
 1 x 32 tokens per rank), so that gradient communication, not compute, bounds a step on a slow link —
 the regime 1-bit Adam is for (large models, small per-rank batches, slow interconnect). The first
 `--warmup` steps are every optimizer's warm-up (freeze_step, var_freeze_step, PowerSGD start_step);
-the table reports the median of the steps after it. 0/1 Adam takes up to 4 local steps between 1-bit
-synchronisations (local_step_scaler 2, local_step_clipper 4).
+the table reports the median of the steps after it: wall time, and rank 0's CPU time (on a shared
+machine the CPU column shows what a step costs when other jobs inflate the wall column; `--rounds`
+interleaves repeated runs). 0/1 Adam takes up to 4 local steps between 1-bit synchronisations
+(local_step_scaler 2, local_step_clipper 4).
 Bytes are what this rank handed to the collectives (`engine.comm` accounting) per step, as volume
 (an all-reduce of B bytes counts 2B). "veth" needs root: it creates namespaces dsb0/dsb1, a veth pair
 10.77.0.1 <-> 10.77.0.2 with a tbf qdisc at `--rate` on both ends, and always deletes them again.
@@ -62,17 +64,18 @@ def worker(args) -> None:
     eng, _, _, _ = engine.initialize(model=GPT(BENCH_CONFIG), config=cfg)
     rank = eng.comm.rank
     data = RandomTokens(args.steps * args.micro, args.seq, BENCH_CONFIG.vocab_size, seed=rank)
-    times, volumes = [], []
+    times, cpu, volumes = [], [], []
     for step in range(args.steps):
         x, y = data[step * args.micro:(step + 1) * args.micro]
         eng.comm.stats.reset()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         eng.backward(eng(x, y))
         eng.step()
         times.append((time.perf_counter() - start) * 1e3)
+        cpu.append((time.process_time() - start_cpu) * 1e3)
         volumes.append(eng.comm.stats.volume())
     if rank == 0:
-        print(json.dumps({"times": times, "volumes": volumes}), flush=True)
+        print(json.dumps({"times": times, "cpu": cpu, "volumes": volumes}), flush=True)
     torch.distributed.destroy_process_group()
 
 
@@ -125,11 +128,16 @@ def _run_pair(system: str, link: str, args) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _summary(row: dict, warmup: int) -> dict:
+def _summary(rows: list[dict], warmup: int) -> dict:
+    """Medians over the steps of all rounds (warm-up: steps 1..warmup-1; after: from warmup+1 on)."""
     after = slice(warmup + 1, None)  # the first compressed step also builds buffers
-    return {"warm_ms": statistics.median(row["times"][1:warmup]), "ms": statistics.median(row["times"][after]),
-            "warm_mb": statistics.median(row["volumes"][:warmup]) / 1e6,
-            "mb": statistics.mean(row["volumes"][after]) / 1e6}
+
+    def pooled(key, part):
+        return [v for row in rows for v in row[key][part]]
+    return {"warm_ms": statistics.median(pooled("times", slice(1, warmup))),
+            "ms": statistics.median(pooled("times", after)), "cpu_ms": statistics.median(pooled("cpu", after)),
+            "warm_mb": statistics.median(pooled("volumes", slice(0, warmup))) / 1e6,
+            "mb": statistics.mean(pooled("volumes", after)) / 1e6}
 
 
 def main(argv=None) -> int:
@@ -141,6 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, interleaved; medians over all rounds' steps")
     p.add_argument("--timeout", type=float, default=600, help="seconds per system and link")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
@@ -152,21 +162,27 @@ def main(argv=None) -> int:
     if "veth" in links and os.geteuid() != 0:
         raise SystemExit("--links veth needs root (network namespaces and tc); run as root or use --links loopback")
     print(f"2 ranks x 1 thread, GPT 25.12M params fp32, micro-batch {args.micro} x {args.seq} tokens, "
-          f"{args.warmup} warm-up steps, {args.steps} steps; veth rate {args.rate}")
-    print("| link | system | MB/step warm-up | MB/step after | ms/step warm-up | ms/step after | speed-up vs Adam |")
-    print("|---|---|---|---|---|---|---|")
+          f"{args.warmup} warm-up steps, {args.steps} steps, {args.rounds} round(s); veth rate {args.rate}; "
+          f"load average before: {os.getloadavg()[0]:.2f}")
+    print("| link | system | MB/step warm-up | MB/step after | ms/step warm-up | ms/step after | CPU ms/step after "
+          "| speed-up vs Adam |")
+    print("|---|---|---|---|---|---|---|---|")
     for link in links:
         if link == "veth":
             setup_link(args.rate)
         try:
-            results = {s: _summary(_run_pair(s, link, args), args.warmup) for s in systems}
+            runs: dict[str, list] = {s: [] for s in systems}
+            for _ in range(args.rounds):
+                for s in systems:
+                    runs[s].append(_run_pair(s, link, args))
         finally:
             if link == "veth":
                 cleanup_link()
+        results = {s: _summary(rows, args.warmup) for s, rows in runs.items()}
         base = results.get("Adam", next(iter(results.values())))["ms"]
         for s, r in results.items():
             print(f"| {link} | {s} | {r['warm_mb']:.1f} | {r['mb']:.2f} | {r['warm_ms']:.0f} | {r['ms']:.0f} | "
-                  f"{base / r['ms']:.2f}x |", flush=True)
+                  f"{r['cpu_ms']:.0f} | {base / r['ms']:.2f}x |", flush=True)
     return 0
 
 

@@ -9,6 +9,12 @@ averaged exactly, in the same all-reduce as P. Q starts from the same seeded ran
 rank (the sum of the P's needs one Q). Error feedback keeps what the low-rank step missed for the
 next step, which is what makes rank 1-4 converge like full SGD in the paper.
 
+[Note: CPU cost] A step reads the bucket three times (e += M, P = (M+e)·Q, Qᵀ = Pᵀ·(M+e)) and writes it
+twice (M̄ = P·Qᵀ, e −= M̄), in place: the error buffer of each bucket is kept across steps and holds
+M+e while the step runs. The thin products use the layouts BLAS streams through: Q is stored as a
+contiguous r×m matrix (M·Q is then M·(Qᵀ)ᵀ) and (M+e)ᵀ·P is computed as (Pᵀ·(M+e))ᵀ; the other
+layouts were 4-10x slower on one CPU thread (docs/compression.md, "Measured").
+
 [Note: non-finite gradients] An fp16 overflow makes P and Q non-finite on every rank; the engine skips
 that step. Error and Q entries that are not finite are reset (to 0 and to the previous Q), so one
 overflow does not poison later steps. With a dynamic loss scale the error is kept in scaled units; a
@@ -16,11 +22,18 @@ scale change then rescales a small residual by 2, which error feedback absorbs.
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 
 def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(p, mode="reduced").Q
+
+
+def _row_major_t(q: torch.Tensor) -> torch.Tensor:
+    """`q` (m × r) as the transpose of a contiguous r × m matrix (same values)."""
+    return q.T.contiguous().T
 
 
 class PowerSGD:
@@ -33,8 +46,9 @@ class PowerSGD:
     def __init__(self, comm, rank: int = 4, start_step: int = 100, seed: int = 0):
         self.comm, self.rank, self.start_step, self.seed = comm, rank, start_step, seed
         self.steps = 0
-        self._errors: dict = {}
-        self._qs: dict = {}
+        self._errors: dict = {}  # key -> fp32 error of the whole bucket (0 where averaged exactly)
+        self._qs: dict = {}  # key -> [Q (m × r, stored r × m)] per compressed matrix
+        self._outputs: dict = {}  # key -> fp32 buffer for M̄ when the bucket is not fp32
 
     @property
     def compressing(self) -> bool:
@@ -59,8 +73,10 @@ class PowerSGD:
         return mats, plain
 
     def _initial_q(self, key, mats) -> list[torch.Tensor]:
-        gen = torch.Generator().manual_seed(self.seed + hash(key) % 10_000)
-        return [torch.randn(m, r, generator=gen) for _, _, m, r in mats]
+        # A stable seed per bucket on every rank (str hashes are salted per process).
+        salt = key if isinstance(key, int) else zlib.crc32(repr(key).encode())
+        gen = torch.Generator().manual_seed(self.seed + salt % 10_000)
+        return [_row_major_t(torch.randn(m, r, generator=gen)) for _, _, m, r in mats]
 
     def reduce_(self, key, flat: torch.Tensor, shapes) -> None:
         world = self.comm.world_size
@@ -69,8 +85,13 @@ class PowerSGD:
             flat.div_(world)
             return
         mats, plain = self._layout(shapes)
-        full = flat.float() + self._errors.get(key, 0.0)
-        qs = self._qs.setdefault(key, [q.to(flat.device) for q in self._initial_q(key, mats)])
+        full = self._errors.get(key)
+        if full is None:
+            full = self._errors[key] = torch.zeros(flat.numel(), device=flat.device)
+        full.add_(flat)  # M + e (e is 0 where averaged exactly); it becomes the new error below
+        qs = self._qs.get(key)
+        if qs is None:
+            qs = [q.to(flat.device) for q in self._initial_q(key, mats)]
         ms = [full[o:o + n * m].view(n, m) for o, n, m, _ in mats]
         ps = [mat @ q for mat, q in zip(ms, qs)]
         exact = [full[o:o + k] for o, k in plain]
@@ -79,28 +100,40 @@ class PowerSGD:
         sizes = [p.numel() for p in ps] + [k for _, k in plain]
         parts = list(first.split(sizes)) if sizes else []
         ps = [_orthonormalize(part.view_as(p)) for part, p in zip(parts, ps)]
-        new_qs = [mat.T @ p for mat, p in zip(ms, ps)]
-        if new_qs:
-            second = torch.cat([q.reshape(-1) for q in new_qs])
+        new_qs = []
+        if ps:
+            second = torch.cat([(p.T @ mat).reshape(-1) for mat, p in zip(ms, ps)])  # Qᵀ, r × m each
             self.comm.all_reduce(second)
             second.div_(world)
-            new_qs = [part.view_as(q) for part, q in zip(second.split([q.numel() for q in new_qs]), new_qs)]
-        averaged = torch.zeros_like(full)
+            new_qs = [part.view(r, m).T for part, (_, _, m, r) in zip(second.split([m * r for _, _, m, r in mats]),
+                                                                      mats)]
+        averaged = flat if flat.dtype == torch.float32 else self._output(key, flat)
         for (o, n, m, _), p, q in zip(mats, ps, new_qs):
-            averaged[o:o + n * m] = (p @ q.T).reshape(-1)
+            torch.mm(p, q.T, out=averaged[o:o + n * m].view(n, m))
         for (o, k), part in zip(plain, parts[len(ps):]):
-            averaged[o:o + k] = part / world
-        error = full - averaged
+            torch.div(part, world, out=averaged[o:o + k])
+        error = full.sub_(averaged)
         for (o, k) in plain:
             error[o:o + k] = 0.0  # averaged exactly: nothing to carry over
         if not torch.isfinite(error.sum()):  # one read of the error instead of a `where` every step
-            error = torch.where(torch.isfinite(error), error, 0.0)
-        self._errors[key] = error
-        self._qs[key] = [torch.where(torch.isfinite(new), new, old) for new, old in zip(new_qs, qs)]
-        flat.copy_(averaged)
+            torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
+        if new_qs and not torch.isfinite(second).all():
+            new_qs = [_row_major_t(torch.where(torch.isfinite(new), new, old)) for new, old in zip(new_qs, qs)]
+        self._qs[key] = new_qs
+        if averaged is not flat:
+            flat.copy_(averaged)
+
+    def _output(self, key, flat: torch.Tensor) -> torch.Tensor:
+        out = self._outputs.get(key)
+        if out is None or out.numel() != flat.numel():
+            out = self._outputs[key] = torch.empty(flat.numel(), device=flat.device)
+        return out
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "errors": dict(self._errors), "qs": dict(self._qs)}
+        return {"steps": self.steps, "errors": {k: e.clone() for k, e in self._errors.items()},
+                "qs": {k: [q.clone() for q in qs] for k, qs in self._qs.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps, self._errors, self._qs = state["steps"], dict(state["errors"]), dict(state["qs"])
+        self.steps = state["steps"]
+        self._errors = {k: e.float().clone() for k, e in state["errors"].items()}
+        self._qs = {k: [_row_major_t(q) for q in qs] for k, qs in state["qs"].items()}

@@ -42,6 +42,9 @@ class ZeroOneAdam(CompressedOptimizer):
         self.cuda_aware, self.comm_backend_name = cuda_aware, comm_backend_name
         self.var_interval, self.var_counter, self.var_updates = 1, 0, 0
         self.local_interval, self.local_counter = 1, 0
+        # √v̂ + ε changes only when v does (variance steps): kept between them, not checkpointed.
+        self._denominators: dict[torch.Tensor, torch.Tensor] = {}
+        self._scratch: torch.Tensor | None = None  # one parameter's update, reused (no fresh pages per step)
 
     def needs_gradient_all_reduce(self) -> bool:
         """Full-precision gradients only for the coming step's variance update (t ∈ T_v)."""
@@ -76,35 +79,50 @@ class ZeroOneAdam(CompressedOptimizer):
                 self.reset_errors()
             self._local_phase_step(entries)
 
+    def _denominator(self, group, p, state) -> torch.Tensor:
+        """√v̂ + ε of `p`, computed once per variance update."""
+        denom = self._denominators.get(p)
+        if denom is None:
+            denom = self._denominators[p] = adam_denominator(state["exp_avg_sq"], self._bias(group)[1], group["eps"])
+        return denom
+
     def _variance_phase_step(self, entries) -> None:
         var_step = self.step_count % self.var_interval == 0
         if not var_step:  # the engine left the gradients local: average them compressed
             self.compressed_average_([p.grad for _, p, _ in entries])
         else:
             self.var_updates += 1
+            self._denominators = {}
         for group, p, state in entries:
             beta1, beta2 = group["betas"]
             state["exp_avg"].lerp_(p.grad, 1 - beta1)
             if var_step:
                 state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            bc1, bc2 = self._bias(group)
+            bc1, _ = self._bias(group)
             if group["weight_decay"]:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-            denom = adam_denominator(state["exp_avg_sq"], bc2, group["eps"])
-            p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bc1)
+            p.addcdiv_(state["exp_avg"], self._denominator(group, p, state), value=-group["lr"] / bc1)
         if var_step:
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
                 self.var_counter, self.var_interval = 0, self.var_interval * 2
+
+    def _update_buffer(self, p) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < p.numel() or self._scratch.device != p.device:
+            self._scratch = torch.empty(max(q.numel() for g in self.param_groups for q in g["params"]),
+                                        device=p.device)
+        return self._scratch[:p.numel()].view_as(p)
 
     def _local_phase_step(self, entries) -> None:
         denoms = []
         for group, p, state in entries:
             beta1 = group["betas"][0]
             state["exp_avg"].lerp_(p.grad, 1 - beta1)
-            bc1, bc2 = self._bias(group)
-            denom = adam_denominator(state["exp_avg_sq"], bc2, group["eps"])
-            update = (state["exp_avg"] / bc1).div_(denom).add_(p, alpha=group["weight_decay"])
+            bc1, _ = self._bias(group)
+            denom = self._denominator(group, p, state)
+            update = torch.div(state["exp_avg"], bc1, out=self._update_buffer(p)).div_(denom)
+            if group["weight_decay"]:
+                update.add_(p, alpha=group["weight_decay"])
             p.add_(update, alpha=-group["lr"])
             state["momentum_accumulator"].add_(update, alpha=-group["lr"])
             state["lr_sum"] += group["lr"]
@@ -119,15 +137,19 @@ class ZeroOneAdam(CompressedOptimizer):
     def _synchronise(self, entries, denoms) -> None:
         """Replace the local steps since the last sync by the averaged ones (paper Alg. 1, lines 13-16)."""
         accumulators = [state["momentum_accumulator"] for _, _, state in entries]
-        for (_, p, state), denom in zip(entries, denoms):
+        for _, p, state in entries:
             p.sub_(state["momentum_accumulator"])
-            state["momentum_accumulator"].mul_(denom)  # = −Σ lr·(m̂ + wd·x·(√v̂+ε)): comparable across ranks
-        self.compressed_average_(accumulators)
-        for (group, p, state), denom in zip(entries, denoms):
+        # Average u·(√v̂+ε) = −Σ lr·(m̂ + wd·x·(√v̂+ε)), comparable across ranks (the product is formed
+        # on the way into the compressor's buffer).
+        averaged = self.compressed_average(accumulators, denoms)
+        for (group, p, state), denom, u in zip(entries, denoms, averaged):
             bc1, _ = self._bias(group)
-            u = state["momentum_accumulator"]
             if state["lr_sum"] > 0:  # a schedule at lr 0 moved nothing: keep m
-                state["exp_avg"].copy_(u).mul_(-bc1 / state["lr_sum"])
-            p.add_(u / denom)
-            u.zero_()
+                torch.mul(u, -bc1 / state["lr_sum"], out=state["exp_avg"])
+            p.addcdiv_(u, denom)
             state["lr_sum"] = 0.0
+        torch._foreach_zero_(accumulators)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._denominators = {}
+        super().load_state_dict(state_dict)
