@@ -56,24 +56,25 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def compressed_average_(self, tensors: list[torch.Tensor]) -> None:
         """Replace `tensors` (one per parameter, fixed order) by their compressed average over ranks,
         all in one flat buffer: one all_to_all and one all_gather of signs, the same of scales."""
-        averaged = self.compressed_average(tensors)
-        if averaged is not tensors:
-            torch._foreach_copy_(tensors, averaged)
+        self.compressed_average(tensors, into=tensors)
 
-    def compressed_average(self, tensors: list[torch.Tensor],
-                           factors: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """The compressed average of tensors[i] (·factors[i]) as views into the compressor's buffer,
-        valid until its next call (`tensors` are left as they are). In a world of one: the values."""
+    def compressed_average(self, tensors: list[torch.Tensor], factors: list[torch.Tensor] | None = None,
+                           into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The compressed average of tensors[i] (·factors[i]), written into `into` when given, else as
+        views into the compressor's buffer, valid until its next call. In a world of one: the values."""
         comm = self._communicator()
         if comm.world_size == 1:
-            return tensors if factors is None else [t * f for t, f in zip(tensors, factors)]
+            values = tensors if factors is None else torch._foreach_mul(tensors, factors)
+            if into is not None and values is not into:
+                torch._foreach_copy_(into, values)
+            return values if into is None else into
         numel = sum(t.numel() for t in tensors)
         if self._compressor is None or self._compressor.numel != numel:
             self._compressor = CompressedAllReduce(numel, comm, self.block_size, tensors[0].device)
             if self._pending_errors is not None:
                 self._compressor.load_state_dict(self._pending_errors)
                 self._pending_errors = None
-        return self._compressor.average(tensors, factors)
+        return self._compressor.average(tensors, factors, into)
 
     def reset_errors(self) -> None:
         """Zero the error feedback (when the compressed quantity changes meaning, e.g. 0/1 Adam)."""

@@ -74,19 +74,24 @@ def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None, scratch: torch.
     return out
 
 
+def _signs_into(packed: torch.Tensor, out: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """±1 (out's dtype) from packed signs (..., n/8) into `out` (contiguous, ..., n); `index` (int64,
+    packed.numel() elements) may be given to reuse a buffer."""
+    if index is None:
+        index = torch.empty(packed.numel(), dtype=torch.int64, device=packed.device)
+    index = index[:packed.numel()]
+    index.view(packed.shape).copy_(packed)
+    torch.index_select(_sign_table(out.dtype, out.device), 0, index, out=out.view(-1, 8))
+    return out
+
+
 def decompress(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
                index: torch.Tensor | None = None) -> torch.Tensor:
     """C(x) from its packed signs (..., n/8) and per-block scales (...): ±scale, shape (..., n).
     `out` (fp32, contiguous) and `index` (int64, packed.numel() elements) may be given to reuse buffers."""
     if out is None:
         out = torch.empty(*packed.shape[:-1], packed.shape[-1] * 8, dtype=scale.dtype, device=packed.device)
-    if index is None:
-        index = torch.empty(packed.numel(), dtype=torch.int64, device=packed.device)
-    index = index[:packed.numel()]
-    index.view(packed.shape).copy_(packed)
-    torch.index_select(_sign_table(out.dtype, out.device), 0, index, out=out.view(-1, 8))
-    out.mul_(scale.unsqueeze(-1))
-    return out
+    return _signs_into(packed, out, index).mul_(scale.unsqueeze(-1))
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -162,11 +167,13 @@ class CompressedAllReduce:
             x[:self.numel].add_(self.worker_error.view(-1)[:self.numel])  # (padding: 0 + 0)
         return self._reduce()
 
-    def average(self, tensors: list[torch.Tensor], factors: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def average(self, tensors: list[torch.Tensor], factors: list[torch.Tensor] | None = None,
+                into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The compressed average of `tensors` (fp32, `numel` elements together, in this order), or of
         tensors[i]·factors[i] when `factors` are given, as views shaped like `tensors` into this
-        object's buffer (valid until the next call). Each input is read once, on its way into the buffer
-        with the worker error added."""
+        object's buffer (valid until the next call), or written into `into` (shaped like `tensors`;
+        may be `tensors`) and returned. Each input is read once, on its way into the buffer with the
+        worker error added."""
         x, error, offset = self._padded_input, self.worker_error.view(-1), 0
         views = []
         for i, t in enumerate(tensors):
@@ -180,40 +187,62 @@ class CompressedAllReduce:
             offset += k
         if offset != self.numel:
             raise ValueError(f"expected {self.numel} elements, got {offset}")
-        self._reduce()
-        return views
+        self._reduce(into)
+        return views if into is None else into
 
     def average_(self, tensors: list[torch.Tensor]) -> None:
-        """Replace `tensors` by their compressed average (see `average`)."""
-        torch._foreach_copy_(tensors, self.average(tensors))
+        """Replace `tensors` by their compressed average (see `average`), decoded straight into them."""
+        self.average(tensors, into=tensors)
 
-    def _reduce(self) -> torch.Tensor:
-        """The two phases on `_padded_input`, which holds x + e_w; returns the decoded average."""
+    def _reduce(self, into: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The two phases on `_padded_input`, which holds x + e_w. Returns the decoded average (a view of
+        the buffer), or writes it into the tensors `into` (laid out back to back) and returns None."""
         x = self._padded_input.view(self.world, self.blocks, self.block)
         compress_(x, self.worker_error, self.valid, self.numel, error_added=True, out=self._sent,
                   scratch=self._scratch)
         self.comm.all_to_all(self._got[0].view(-1), self._sent[0].view(-1))
         self.comm.all_to_all(self._got[1].view(-1), self._sent[1].view(-1))
-        # Server: this rank owns chunk `rank`; average what every worker sent for it (decoded into x,
-        # which is free now).
+        # Server: this rank owns chunk `rank`; average what every worker sent for it (their signs are
+        # decoded into x, which is free now): y = Σ_i ±s_i / world, summed in rank order.
         rank, chunk = self.comm.rank, self.blocks * self.block
-        parts = decompress(*self._got, out=x, index=self._index)
-        y = self._server
-        if self.world == 1:
-            y.copy_(parts[0])
-        else:
-            torch.add(parts[0], parts[1], out=y)
-            for part in parts[2:]:
-                y.add_(part)
+        signs, scales = _signs_into(self._got[0], x, self._index), self._got[1].unsqueeze(-1)
+        y = torch.mul(signs[0], scales[0], out=self._server)
+        for i in range(1, self.world):
+            y.addcmul_(signs[i], scales[i])
+        if self.world > 1:
             y.div_(self.world)
         y.view(-1)[max(self.numel - rank * chunk, 0):] = 0.0  # padding stays zero
         compress_(y, self.server_error, self.valid[rank], self.numel - rank * chunk,
                   out=self._mine, scratch=self._scratch)
         self.comm.all_gather(self._all[0].view(-1), self._mine[0].view(-1))
         self.comm.all_gather(self._all[1].view(-1), self._mine[1].view(-1))
-        flat = decompress(*self._all, out=x, index=self._index).view(-1)
+        flat = _signs_into(self._all[0], x, self._index).view(-1)
+        if into is None:
+            x.mul_(self._all[1].unsqueeze(-1))
+        else:
+            self._scale_into(flat, into)
         flat[self.numel:] = 0.0  # the next input's padding
-        return flat[:self.numel]
+        return flat[:self.numel] if into is None else None
+
+    def _scale_into(self, signs: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """tensors ← signs·(scale of each element's block), for tensors laid out back to back in `signs`:
+        whole blocks as one broadcast multiply, the partial blocks at either end by one scale each."""
+        b, scales, offset = self.block, self._all[1].view(-1), 0
+        for t in tensors:
+            end = offset + t.numel()
+            out = t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), device=t.device)
+            head = min(end, -(-offset // b) * b)  # the first block boundary after offset
+            tail = max(head, end // b * b)  # the last one before end
+            if head > offset:
+                torch.mul(signs[offset:head], scales[offset // b], out=out[:head - offset])
+            if tail > head:
+                torch.mul(signs[head:tail].view(-1, b), scales[head // b:tail // b].unsqueeze(-1),
+                          out=out[head - offset:tail - offset].view(-1, b))
+            if end > tail:
+                torch.mul(signs[tail:end], scales[tail // b], out=out[tail - offset:])
+            if not t.is_contiguous():
+                t.copy_(out.view_as(t))
+            offset = end
 
     def wire_bytes(self) -> int:
         """Bytes this rank hands to the collectives per call (Communicator's accounting)."""

@@ -71,3 +71,38 @@ def test_compressed_all_reduce_converges_to_the_mean_with_bounded_error(world):
         assert worker.norm() <= 4 * bound and server.norm() <= 4 * bound, (size, worker.norm() / bound)
         assert (avg - mean).norm() <= 8 * bound / CALLS
         assert ranks[0]["bytes"] == ranks[0]["wire"]  # every byte went through the Communicator
+
+
+class _OneRankComm:
+    """A world of one for CompressedAllReduce: the collectives copy (the algorithm runs unchanged)."""
+
+    world_size, rank = 1, 0
+
+    def all_to_all(self, out, inp):
+        out.copy_(inp)
+
+    def all_gather(self, out, inp):
+        out.copy_(inp)
+
+
+def test_average_of_tensors_matches_the_flat_call_bit_for_bit():
+    # Tensors that start and end inside blocks, span several, sit inside one, are empty or strided.
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 100), (5,), (0,), (40, 30), (1,), (7, 9)]
+    factors = [torch.rand(s, generator=g) + 0.5 for s in shapes]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    flat_ar, list_ar, scaled_ar = (CompressedAllReduce(numel, _OneRankComm(), block_size=64) for _ in range(3))
+    for _ in range(5):
+        tensors = [torch.randn(s, generator=g) * 10 ** torch.randint(-3, 3, (), generator=g) for s in shapes]
+        tensors[-1] = torch.randn(9, 7, generator=g).T  # not contiguous
+        want = flat_ar(torch.cat([t.reshape(-1) for t in tensors])).clone()
+        got = [t.clone() for t in tensors]
+        list_ar.average_(got)
+        assert torch.equal(torch.cat([t.reshape(-1) for t in got]), want)
+        product = [t * f for t, f in zip(tensors, factors)]
+        scaled = torch.cat([v.reshape(-1) for v in scaled_ar.average(tensors, factors)])
+        assert torch.equal(scaled, CompressedAllReduce(numel, _OneRankComm(), block_size=64)(
+            torch.cat([p.reshape(-1) for p in product])))  # (fresh: zero errors on both sides)
+        scaled_ar.reset()
+    assert torch.equal(list_ar.worker_error, flat_ar.worker_error)
+    assert torch.equal(list_ar.server_error, flat_ar.server_error)
