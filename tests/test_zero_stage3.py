@@ -211,3 +211,18 @@ def test_rank_divergent_forward_names_the_module():
         run_distributed(_divergent, 2, timeout=60)
     text = str(info.value)
     assert "RankDivergenceError" in text and "'layers.1'" in text and "'layers.2'" in text, text
+
+
+def test_host_memory_trimmer_trims_only_past_the_steady_state(monkeypatch):
+    from engine.zero.stage3 import HostMemoryTrimmer
+    monkeypatch.delenv("DSTRAIN_KEEP_MALLOC", raising=False)
+    trimmer = HostMemoryTrimmer(limit=100)
+    if trimmer._trim is None:
+        pytest.skip("no glibc malloc_trim here")
+    calls = []
+    trimmer._trim = lambda pad: calls.append(pad)
+    readings = iter([500, 900, 880, 950, 999, 1001, 700])  # warm-up sets the level to 900
+    trimmer._rss = lambda: next(readings)
+    for _ in range(7):
+        trimmer()
+    assert trimmer.floor == 900 and calls == [0] and trimmer.trims == 1  # only 1001 > 900 + 100
