@@ -120,11 +120,14 @@ class ZeroOneAdam(CompressedOptimizer):
             state["exp_avg"].lerp_(p.grad, 1 - beta1)
             bc1, _ = self._bias(group)
             denom = self._denominator(group, p, state)
-            update = torch.div(state["exp_avg"], bc1, out=self._update_buffer(p)).div_(denom)
             if group["weight_decay"]:
+                update = torch.div(state["exp_avg"], bc1, out=self._update_buffer(p)).div_(denom)
                 update.add_(p, alpha=group["weight_decay"])
-            p.add_(update, alpha=-group["lr"])
-            state["momentum_accumulator"].add_(update, alpha=-group["lr"])
+                p.add_(update, alpha=-group["lr"])
+                state["momentum_accumulator"].add_(update, alpha=-group["lr"])
+            else:  # −lr·m̂/(√v̂+ε), formed twice instead of stored once
+                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bc1)
+                state["momentum_accumulator"].addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bc1)
             state["lr_sum"] += group["lr"]
             denoms.append(denom)
         if self.step_count % self.local_interval == 0:
