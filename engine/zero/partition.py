@@ -99,10 +99,6 @@ class RankMajorLayout:
         """Zero parameter i's slots of `buffer` (a parameter that got no gradient contributes zeros)."""
         self._slots(i, buffer)[0].zero_()
 
-    def pack(self, tensors: list[torch.Tensor], buffer: torch.Tensor) -> None:
-        for i, t in enumerate(tensors):
-            self.pack_one(i, t, buffer)
-
     @torch.no_grad()
     def unpack(self, buffer: torch.Tensor, targets: list[torch.Tensor]) -> None:
         """Gather every parameter's chunks from `buffer` back into the full, contiguous `targets`."""
