@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import resource
+import socket
 import statistics
 import sys
 import tempfile
@@ -59,8 +60,13 @@ def main() -> int:
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--port", type=int, default=29533)
+    p.add_argument("--port", type=int, default=0, help="rendezvous port; 0: a free one (a fixed one can still be in "
+                   "TIME_WAIT from the previous system's run)")
     args = p.parse_args()
+    if not args.port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
         mp.spawn(_rank, args=(args.world, args.port, args.stage, args.steps, outdir), nprocs=args.world)
         rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
