@@ -6,7 +6,7 @@ from pathlib import Path
 from . import format as fmt
 from .reader import resolve
 from .restore import load_into
-from .snapshot import take_snapshot
+from .snapshot import Arena, take_snapshot
 from .writer import CheckpointWriter
 
 
@@ -17,6 +17,7 @@ class Checkpointing:
         self.eng = eng
         self.cfg = eng.config.checkpoint
         self.writer = CheckpointWriter(eng.comm.world_size)
+        self.arena = Arena()  # async snapshots, reused from save to save (snapshot.py's note: packing)
         self.resumed: tuple[str | None, dict | None] = (None, None)
 
     def save(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
@@ -26,8 +27,8 @@ class Checkpointing:
         background = self.cfg.async_save
         self.writer.wait()  # one save in flight; its error surfaces here
         keep_last = self.cfg.keep_last if self._is_configured_dir(save_dir) else None
-        snap = take_snapshot(eng, save_dir, tag, client_state, save_latest, keep_last, copy=background,
-                             tag_validation=self.cfg.tag_validation)
+        snap = take_snapshot(eng, save_dir, tag, client_state, save_latest, keep_last,
+                             arena=self.arena if background else None, tag_validation=self.cfg.tag_validation)
         self.writer.submit(snap, background)
         return True
 

@@ -8,7 +8,8 @@ write, and verification at load read each file and hashed it in turn. Here:
   writes where it does not, e.g. tmpfs). Full blocks go to two single-thread queues, one writing and
   one hashing, so the caller fills the next block while both run (os.write and hashlib release the
   GIL). Each queue is FIFO, so the hash is over the bytes in file order. The hash is of the same
-  in-memory block that is written, as before ("hashed while written").
+  in-memory block that is written, as before ("hashed while written"). Blocks are reused from file to
+  file (fresh ones page-fault).
 - `file_digest` reads the next block in a thread while hashing the current one; the pages it reads
   stay cached, so the mmapped load that follows reads nothing from disk twice.
 """
@@ -17,12 +18,27 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 BLOCK = 8 << 20  # a multiple of every O_DIRECT alignment (512 B / 4 KiB)
 ALIGN = 4096
 NBUF = 3  # blocks in flight: one being filled, up to two being written and hashed
+_POOL: list[mmap.mmap] = []  # blocks of closed files, reused: fresh ones page-fault (~20 ms of CPU per file here)
+_POOL_LOCK = threading.Lock()
+
+
+def _take_blocks() -> list[mmap.mmap]:
+    with _POOL_LOCK:
+        pooled, _POOL[:] = _POOL[:], []
+    blocks = [b for b in pooled if len(b) == BLOCK][:NBUF]
+    return blocks + [mmap.mmap(-1, BLOCK) for _ in range(NBUF - len(blocks))]  # page-aligned (O_DIRECT)
+
+
+def _give_blocks(blocks: list[mmap.mmap]) -> None:
+    with _POOL_LOCK:
+        _POOL.extend(blocks[:max(0, NBUF - len(_POOL))])  # one file's worth is kept
 
 
 def _open_direct(path: Path) -> tuple[int, bool]:
@@ -51,7 +67,7 @@ class HashingFile:
         self._hash = hashlib.sha256()
         self.size = 0
         self._kill_after = kill_after
-        self._bufs = [mmap.mmap(-1, BLOCK) for _ in range(NBUF)]  # page-aligned, as O_DIRECT needs
+        self._bufs = _take_blocks()
         self._pending: list = [None] * NBUF  # per buffer: its (write, hash) futures
         self._cur, self._fill = 0, 0
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
@@ -109,8 +125,10 @@ class HashingFile:
             os.close(self._fd)
             self._writer.shutdown()
             self._hasher.shutdown()
-            self._bufs = self._pending = []  # unmapped once the futures' views are gone (no close():
-            # mmap refuses it while a memoryview of it exists)
+            if all(p is None for p in self._pending):  # every block written and hashed: reusable
+                _give_blocks(self._bufs)
+            self._bufs = self._pending = []  # else unmapped once the futures' views are gone (no
+            # close(): mmap refuses it while a memoryview of it exists)
         return {"sha256": self._hash.hexdigest(), "bytes": self.size}
 
 

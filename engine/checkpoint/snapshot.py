@@ -2,6 +2,15 @@
 
 `take_snapshot` returns a `writer.Snapshot`: this rank's fragments (views for a synchronous save,
 CPU copies for an async one), its RNG states, and on rank 0 the metadata and the engine state.
+[Note: packing] torch.save writes a tensor's whole storage, once per storage. So a rank's fragments are
+`pack`ed before saving: fragments adjacent in memory (a ZeRO 1-3 rank's fragments are consecutive
+slices of its flat fp32 partition and of each optimizer-state flat) form one run, and each run becomes
+one storage that covers just that run. The file then holds a few large records and only the bytes the
+fragments cover (at stage 0 a fragment is 1/world of its parameter's storage: saving the view wrote
+the whole parameter on every rank). For a synchronous save a run is a zero-copy view of the live
+memory (a storage slice); for an async save it is one copy into the rank's `Arena`, buffers reused from
+save to save (one memcpy per run, no page faults on fresh allocations: the training thread's whole
+share of an async save). The file's layout is unchanged: a dict of tensors, here views of a few storages.
 """
 from __future__ import annotations
 
@@ -16,11 +25,91 @@ from .state import FP32, MODULE, adapter_for, rng_state, row_kinds, rows_of
 from .writer import Snapshot, new_nonce
 
 
-def _copy(value, copy: bool):
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        return value.to("cpu", copy=True) if copy else value
-    return value
+class Arena:
+    """Host buffers an async save's snapshot is copied into, one per dtype, kept for the next save (one
+    save is in flight at a time, and the next waits for it before it packs: api.py)."""
+
+    def __init__(self):
+        self._bufs: dict[torch.dtype, torch.Tensor] = {}
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = self._bufs.get(dtype)
+        if buf is None or buf.numel() < numel:
+            self._bufs.pop(dtype, None)  # the old buffer goes before the larger one comes
+            buf = self._bufs[dtype] = torch.empty(numel, dtype=dtype)
+        return buf[:numel]
+
+
+def _exact(run: torch.Tensor) -> torch.Tensor:
+    """`run` (contiguous, 1-D) over a storage of exactly its bytes: a slice of its storage, no copy (the
+    slice keeps the whole storage alive)."""
+    size = run.element_size()
+    start = run.storage_offset() * size
+    storage = run.untyped_storage()
+    if start == 0 and storage.nbytes() == run.numel() * size:
+        return run
+    return torch.empty(0, dtype=run.dtype, device=run.device).set_(
+        storage[start:start + run.numel() * size], 0, (run.numel(),))
+
+
+def _runs(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, list[int]]]:
+    """Runs of tensors adjacent in one storage: (any member, start, stop element offsets, members'
+    indices). Tensors in a run may leave gaps (a flat's padding slots) up to 1/8 of what they cover."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype, t.untyped_storage().data_ptr()), []).append(i)
+    runs = []
+    for members in groups.values():
+        members.sort(key=lambda i: tensors[i].storage_offset())
+        current = None
+        for i in members:
+            start = tensors[i].storage_offset()
+            stop = start + tensors[i].numel()
+            if current is not None:
+                gap = max(0, start - current[2])
+                if 8 * (current[4] + gap) <= current[5] + stop - start + 4096:
+                    current[2] = max(current[2], stop)
+                    current[3].append(i)
+                    current[4] += gap
+                    current[5] += stop - start
+                    continue
+            current = [tensors[i], start, stop, [i], 0, stop - start]  # member, start, stop, indices, gaps, covered
+            runs.append(current)
+    return [(r[0], r[1], r[2], r[3]) for r in runs]
+
+
+def pack(tensors: dict, arena: Arena | None = None) -> dict:
+    """The same tensors as views of one storage per run (module note: packing): zero-copy views of the
+    live memory without `arena`, copies in `arena` (on the CPU) with it. Non-tensors pass through."""
+    out = dict(tensors)
+    keys = []
+    for key, t in tensors.items():
+        if isinstance(t, torch.Tensor):
+            if t.numel() and t.is_contiguous():
+                keys.append(key)
+            else:  # empty or strided (a rare buffer): a copy of its own
+                out[key] = t.detach().to("cpu", copy=True)
+    views = [tensors[k].detach() for k in keys]
+    runs = _runs(views)
+    if arena is not None:
+        need: dict[torch.dtype, int] = {}
+        for member, start, stop, _ in runs:
+            need[member.dtype] = need.get(member.dtype, 0) + stop - start
+        bufs = {dtype: _exact(arena.take(dtype, n)) for dtype, n in need.items()}
+        used = dict.fromkeys(need, 0)
+    for member, start, stop, indices in runs:
+        live = member.as_strided((stop - start,), (1,), start)
+        if arena is None:
+            base = _exact(live)
+        else:
+            at = used[member.dtype]
+            base = bufs[member.dtype][at:at + stop - start]
+            base.copy_(live)
+            used[member.dtype] = at + stop - start
+        for i in indices:
+            offset = views[i].storage_offset() - start
+            out[keys[i]] = base[offset:offset + views[i].numel()].view(views[i].shape)
+    return out
 
 
 def module_entries(module: torch.nn.Module, trainable: dict[int, str]):
@@ -38,7 +127,7 @@ def module_entries(module: torch.nn.Module, trainable: dict[int, str]):
     return entries, aliases
 
 
-def _fragments(eng, adapter, names: dict[int, str], copy: bool):
+def _fragments(eng, adapter, names: dict[int, str]):
     """This rank's tensors ("name::kind" -> tensor) and index (name -> [start, stop, {kind: class}])."""
     tensors, index = {}, {}
     if adapter is None:
@@ -51,13 +140,13 @@ def _fragments(eng, adapter, names: dict[int, str], copy: bool):
             continue
         classes = {}
         for kind, value in adapter.read(p, kinds).items():
-            tensors[fmt.tensor_key(name, kind)] = _copy(value, copy)
+            tensors[fmt.tensor_key(name, kind)] = value
             classes[kind] = "rows" if kind == FP32 or kind in kinds else "scalar"
         index[name] = [start, stop, classes]
     return tensors, index
 
 
-def _entry_fragments(adapter, entries: dict, rank: int, copy: bool, tensors: dict, index: dict) -> None:
+def _entry_fragments(adapter, entries: dict, rank: int, tensors: dict, index: dict) -> None:
     """Frozen parameters and buffers as "module" fragments: whole from rank 0, or, where the stage
     partitions them (stage 3's frozen chunks), each rank's own rows."""
     for key, t in entries.items():
@@ -66,7 +155,7 @@ def _entry_fragments(adapter, entries: dict, rank: int, copy: bool, tensors: dic
             continue
         start, stop, rows = held if held is not None else (0, rows_of(t).shape[0], rows_of(t))
         if stop > start:
-            tensors[fmt.tensor_key(key, MODULE)] = _copy(rows, copy)
+            tensors[fmt.tensor_key(key, MODULE)] = rows
             index[key] = [start, stop, {MODULE: "rows"}]
 
 
@@ -119,16 +208,19 @@ def _metadata(eng, adapter, tag, gathered, trainable, entries, aliases) -> dict:
             "state_dict_keys": list(eng.module.state_dict().keys()), "config": eng.config.to_dict()}
 
 
-def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool, keep_last, copy: bool,
-                  tag_validation: str = "Warn") -> Snapshot:
+def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool, keep_last,
+                  arena: Arena | None = None, tag_validation: str = "Warn") -> Snapshot:
+    """This rank's share of a save; with `arena` (async) its tensors are copies in the arena, else
+    views of the live state (module note: packing)."""
     comm = eng.comm
     rank, world = comm.rank, comm.world_size
     adapter = adapter_for(eng.zero_optimizer, rank, world)
     names = {id(p): n for n, p in eng.module.named_parameters()}
     trainable = {id(p): names[id(p)] for p in adapter.params()} if adapter else {}
-    tensors, index = _fragments(eng, adapter, names, copy)
+    tensors, index = _fragments(eng, adapter, names)
     entries, aliases = module_entries(eng.module, trainable)
-    _entry_fragments(adapter, entries, rank, copy, tensors, index)
+    _entry_fragments(adapter, entries, rank, tensors, index)
+    tensors = pack(tensors, arena)
     nonce = new_nonce() if rank == 0 else None
     gathered = comm.all_gather_object(((tag, nonce), index))
     _validate_tags([g[0][0] for g in gathered], tag_validation)

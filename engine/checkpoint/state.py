@@ -119,6 +119,7 @@ class PartitionedAdapter(_WholeModule):
         self.zopt, self.rank, self.world = zopt, rank, world
         self.part = zopt.partition
         self._loaded_scalars: set = set()
+        self._old_state: dict = {}
 
     def params(self) -> list[torch.nn.Parameter]:
         return self.part.params()
@@ -142,7 +143,14 @@ class PartitionedAdapter(_WholeModule):
         self._loaded_scalars.clear()
         if load_state:
             for flat in self.part.flat.values():
-                self.zopt.optimizer.state.pop(flat, None)
+                self._old_state[flat] = self.zopt.optimizer.state.pop(flat, None) or {}
+
+    def _state_buffer(self, flat, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed flat-sized buffer for one kind of state: the one the optimizer had, where it had one
+        (memory already resident: no page faults), else a new one."""
+        old = self._old_state.get(flat, {}).get(kind)
+        same = isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (flat.shape, dtype, flat.device)
+        return old.zero_() if same else torch.zeros_like(flat.detach(), dtype=dtype)
 
     @torch.no_grad()
     def write(self, p, tensors: dict, load_state: bool) -> None:
@@ -156,17 +164,18 @@ class PartitionedAdapter(_WholeModule):
                 continue
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 # Padding slots stay zero (partition.py's note: they must, for the optimizer's math).
-                # Allocated once per flat and kind (not as setdefault's argument, evaluated per call:
+                # Zeroed once per flat and kind (not as setdefault's argument, evaluated per call:
                 # that was a flat-sized zero fill per parameter, most of the load time).
                 buf = state.get(kind)
                 if buf is None:
-                    buf = state[kind] = torch.zeros_like(flat.detach(), dtype=value.dtype)
+                    buf = state[kind] = self._state_buffer(flat, kind, value.dtype)
                 buf[frag.offset:frag.offset + frag.numel].copy_(value.reshape(-1))
             elif (flat, kind) not in self._loaded_scalars:
                 state[kind] = value.clone().to(flat.device) if isinstance(value, torch.Tensor) else value
                 self._loaded_scalars.add((flat, kind))
 
     def finish_load(self) -> None:
+        self._old_state = {}
         for flat in self.part.flat.values():  # a flat with no saved state keeps none (fresh optimizer)
             if not self.zopt.optimizer.state.get(flat):
                 self.zopt.optimizer.state.pop(flat, None)

@@ -10,7 +10,10 @@ directories.
 [Note: async] With `checkpoint.async_save` the snapshot (a CPU copy of this rank's fragments) is
 taken on the training thread and everything else runs in one background thread, with its collectives
 on a separate gloo process group, so they never interleave with training's collectives. At most one
-save is in flight: the next save (and `wait()`) waits for it and re-raises its error.
+save is in flight: the next save (and `wait()`) waits for it and re-raises its error. The background
+thread and the write/hash threads it starts run at idle CPU priority (SCHED_IDLE): they use the CPU
+time training leaves (its waits in collectives, other cores) rather than take a core from it; on a
+machine with no time to spare the save takes longer, and the next save's wait shows it.
 [Note: crash hook] `DSTRAIN_CKPT_TEST_CRASH=<rank>` makes that rank SIGKILL itself half-way through
 writing its rank file: the tests' "kill -9 in the middle of a save".
 """
@@ -122,6 +125,15 @@ def remove_stale_tmp(save_dir: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def _idle_priority() -> None:
+    """The calling thread, and the threads it starts (they inherit it), at idle CPU priority (Linux
+    SCHED_IDLE; module note: async). Left as it is where that is not available or not allowed."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+
+
 class CheckpointWriter:
     """Runs `write_and_commit` inline or in a background thread (module note: async)."""
 
@@ -149,6 +161,7 @@ class CheckpointWriter:
 
     def _run(self, snap: Snapshot, comm: Communicator) -> None:
         try:
+            _idle_priority()
             write_and_commit(snap, comm)
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by wait()
             self._error = e
