@@ -76,6 +76,8 @@ def main():
         if args.heartbeat:
             from engine import heartbeat
             heartbeat.beat(step)
+            if step == 0:  # the agent's hang clock starts at a node's first heartbeat (launcher/hang.py)
+                open(os.path.join(args.out, f"first_beat_rank{rank}"), "w").close()
         print(f"step {step} loss {loss.item():.6f}", flush=True)
         time.sleep(args.step_time)
     if rank == 0:
