@@ -15,6 +15,7 @@ share of an async save). The file's layout is unchanged: a dict of tensors, here
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,30 +53,44 @@ def _exact(run: torch.Tensor) -> torch.Tensor:
         storage[start:start + run.numel() * size], 0, (run.numel(),))
 
 
-def _runs(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, list[int]]]:
-    """Runs of tensors adjacent in one storage: (any member, start, stop element offsets, members'
-    indices). Tensors in a run may leave gaps (a flat's padding slots) up to 1/8 of what they cover."""
+@dataclass
+class _Run:
+    """Tensors adjacent in one storage: element offsets [start, stop) of it, the members' indices, and
+    how many elements inside the run no member covers (`gaps`) or some member does (`covered`)."""
+    member: torch.Tensor
+    start: int
+    stop: int
+    indices: list[int]
+    gaps: int = 0
+    covered: int = 0
+
+    def take(self, i: int, start: int, stop: int) -> bool:
+        """Adds tensor `i` ([start, stop), at or after this run's start) if the gap it leaves stays
+        under 1/8 of what the run covers (a flat's padding slots); False if it starts a new run."""
+        gap = max(0, start - self.stop)
+        if 8 * (self.gaps + gap) > self.covered + stop - start + 4096:
+            return False
+        self.stop, self.gaps, self.covered = max(self.stop, stop), self.gaps + gap, self.covered + stop - start
+        self.indices.append(i)
+        return True
+
+
+def _runs(tensors: list[torch.Tensor]) -> list[_Run]:
+    """Runs of tensors adjacent in one storage (`_Run`), in storage order within each storage."""
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype, t.untyped_storage().data_ptr()), []).append(i)
-    runs = []
+    runs: list[_Run] = []
     for members in groups.values():
         members.sort(key=lambda i: tensors[i].storage_offset())
         current = None
         for i in members:
             start = tensors[i].storage_offset()
             stop = start + tensors[i].numel()
-            if current is not None:
-                gap = max(0, start - current[2])
-                if 8 * (current[4] + gap) <= current[5] + stop - start + 4096:
-                    current[2] = max(current[2], stop)
-                    current[3].append(i)
-                    current[4] += gap
-                    current[5] += stop - start
-                    continue
-            current = [tensors[i], start, stop, [i], 0, stop - start]  # member, start, stop, indices, gaps, covered
-            runs.append(current)
-    return [(r[0], r[1], r[2], r[3]) for r in runs]
+            if current is None or not current.take(i, start, stop):
+                current = _Run(tensors[i], start, stop, [i], covered=stop - start)
+                runs.append(current)
+    return runs
 
 
 def pack(tensors: dict, arena: Arena | None = None) -> dict:
@@ -93,21 +108,21 @@ def pack(tensors: dict, arena: Arena | None = None) -> dict:
     runs = _runs(views)
     if arena is not None:
         need: dict[torch.dtype, int] = {}
-        for member, start, stop, _ in runs:
-            need[member.dtype] = need.get(member.dtype, 0) + stop - start
+        for run in runs:
+            need[run.member.dtype] = need.get(run.member.dtype, 0) + run.stop - run.start
         bufs = {dtype: _exact(arena.take(dtype, n)) for dtype, n in need.items()}
         used = dict.fromkeys(need, 0)
-    for member, start, stop, indices in runs:
-        live = member.as_strided((stop - start,), (1,), start)
+    for run in runs:
+        dtype, n = run.member.dtype, run.stop - run.start
+        live = run.member.as_strided((n,), (1,), run.start)
         if arena is None:
             base = _exact(live)
         else:
-            at = used[member.dtype]
-            base = bufs[member.dtype][at:at + stop - start]
+            base = bufs[dtype][used[dtype]:used[dtype] + n]
             base.copy_(live)
-            used[member.dtype] = at + stop - start
-        for i in indices:
-            offset = views[i].storage_offset() - start
+            used[dtype] += n
+        for i in run.indices:
+            offset = views[i].storage_offset() - run.start
             out[keys[i]] = base[offset:offset + views[i].numel()].view(views[i].shape)
     return out
 
