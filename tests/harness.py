@@ -10,6 +10,7 @@ fails with the ranks that had not finished — a hang costs seconds, not the 30-
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import socket
@@ -36,6 +37,7 @@ def _rank_main(fn, rank, world_size, port, outdir, args, kwargs, env):
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "DSTRAIN_TIMEOUT": "60", **env})
     out = Path(outdir)
+    faulthandler.enable(all_threads=True)  # a C++ abort (SIGABRT/SIGSEGV) prints every thread's Python stack
     try:
         import torch
         import torch.distributed as dist
@@ -89,5 +91,7 @@ def _failure_text(outdir, ranks, procs) -> str:
         if err.exists():
             parts.append(f"--- rank {r} ---\n{err.read_text()}")
         elif procs[r].exitcode not in (None, 0):
-            parts.append(f"--- rank {r} exited with {procs[r].exitcode} ---")
+            when = ("after its function returned (teardown)" if (Path(outdir) / f"{r}.pkl").exists()
+                    else "inside its function")
+            parts.append(f"--- rank {r} exited with {procs[r].exitcode}, {when} ---")
     return "\n".join(parts) or "(no rank reported an error)"
