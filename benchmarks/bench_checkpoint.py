@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import mmap
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
