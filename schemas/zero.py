@@ -111,7 +111,8 @@ class ZeroConfig(StrictModel):
     allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential")
     """Stage 3: gather parameters one by one instead of through buckets."""
     ignore_unused_parameters: bool = True
-    """Stage 2: tolerate parameters that receive no gradient."""
+    """Every stage: true counts a trainable parameter that got no gradient in a step as a zero gradient
+    (as DDP does); false makes it an error at `step()` that names the parameters (DeepSpeed's check)."""
     legacy_stage1: bool = False
     """DeepSpeed's removed legacy stage-1 implementation."""
     round_robin_gradients: bool = False

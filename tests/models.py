@@ -57,3 +57,57 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, rank: int, world: int, gas: 
     for k in range(gas):
         start = (k * world + rank) * micro
         yield x[start:start + micro], y[start:start + micro]
+
+
+class ReuseNet(nn.Module):
+    """The shapes of use a review found trained wrong: a head used only when `aux` is set (a branch
+    not taken, an expert without tokens), a transposed weight (non-contiguous), a channels_last conv
+    kernel, and one block applied twice — in two regions of activation checkpointing when
+    `checkpointing` is "reentrant" or "non_reentrant", so with reentrant checkpointing its gradient
+    arrives in two pieces."""
+
+    def __init__(self, checkpointing: str | None = None):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.inp = nn.Linear(13, 24)
+        self.block = nn.Linear(24, 24)
+        self.tw = nn.Parameter(torch.randn(24, 24).t() * 0.2)  # strides (1, 24)
+        self.conv = nn.Conv2d(2, 2, 3, padding=1).to(memory_format=torch.channels_last)
+        self.out = nn.Linear(24, 5)
+        self.aux = nn.Linear(24, 5)
+
+    def _block(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.block(h))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, aux: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            if self.checkpointing is None:
+                h = self._block(h)
+            else:
+                h = torch.utils.checkpoint.checkpoint(self._block, h,
+                                                      use_reentrant=self.checkpointing == "reentrant")
+        h = h @ self.tw
+        img = h.reshape(-1, 2, 3, 4).contiguous(memory_format=torch.channels_last)
+        h = h + self.conv(img).reshape(h.shape)
+        out = self.out(h) + (self.aux(h) if aux else 0.0)
+        return nn.functional.mse_loss(out, y)
+
+
+def reference_accumulated(model: nn.Module, batches, world: int, gas: int, lr: float, aux_micro: int = 0):
+    """Single-process SGD (no momentum, no clipping: the update is linear in the gradient, so a wrong
+    scale of any kind shows) on the global batch, split into the micro-batches the ranks see, with
+    `aux` set in micro-step `aux_micro` only. Returns the model and each step's pre-step gradient norm."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    norms = []
+    for x, y in batches:
+        for k in range(gas):
+            for r in range(world):
+                xm, ym = list(micro_batches(x, y, r, world, gas))[k]
+                (model(xm, ym, aux=k == aux_micro) / (gas * world)).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, norms

@@ -6,9 +6,12 @@ examples.gpt.GPT (embedding tied to the LM head, blocks in a ModuleList: one uni
 ModuleList layer 1 runs twice per forward and whose root uses a parameter outside its module's forward.
 fp32: atol 1e-6 (only summation order differs). fp16/bf16: forward and backward run in 16 bits, so as
 in tests/test_zero_stage1_2.py we bound each fp32 master tensor's relative error ||w - w_ref|| /
-||w_ref|| (measured on the GPT after 6 steps: fp16 2.3e-3; bf16 5.0e-2, the same for stages 0, 2 and 3,
-since 8 mantissa bits dominate; MIXED_RTOL allows ~2.5x/2x). So bf16 is also held to stage 0 in bf16:
-both reduce the same 16-bit gradients, only in a different order (measured 0 to 4 digits; bound 2e-3).
+||w_ref|| (measured on the GPT after 6 steps with torch 2.13.0 CPU: fp16 up to 1.7e-1 on the layer-norm biases,
+which start at zero and whose small gradients Adam normalises to ±lr steps, 1.1e-2 on pos.weight;
+bf16 5.0e-2; the same at stage 0, so it is the precision's and not stage 3's; MIXED_RTOL is a bound on
+gross errors only). Such a bound cannot see a wrong
+gradient scale (Adam is invariant to it; tests/test_zero_exactness.py's SGD oracles can). So both are also held to stage 0 in the same precision: both reduce
+the same 16-bit gradients, only in a different order (measured 0 to 4 digits; bound 2e-3).
 Small `reduce_bucket_size`, `max_reuse_distance` 0 and a small `prefetch_bucket_size` make every step
 gather twice, prefetch and reduce in several buckets; the default (keep for reuse) runs once too.
 """
@@ -27,7 +30,7 @@ from tests.models import OddMLP, make_batches, micro_batches, reference_train
 STEPS = 6
 MICRO = 2
 CLIP = 0.5
-MIXED_RTOL = {"fp16": 6e-3, "bf16": 0.1}
+MIXED_RTOL = {"fp16": 0.3, "bf16": 0.3}
 TINY = GPTConfig(vocab_size=50, seq_len=8, n_layer=2, n_head=2, d_model=16)
 STRICT = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 3000, "reduce_bucket_size": 2000,
           "stage3_param_persistence_threshold": 20}
@@ -158,13 +161,15 @@ def _check(results: list, case: tuple, world: int, same_precision_stage0: list |
     for r, r0 in zip(results, same_precision_stage0 or []):
         for k, v in r["master"].items():
             if v is not None:
-                assert float((v - r0["master"][k]).norm() / r0["master"][k].norm()) < 2e-3, k
+                a, b = _comparable(k, v), _comparable(k, r0["master"][k])
+                assert float((a - b).norm() / b.norm()) < 2e-3, k
 
 
 CASES_2 = [("mlp", 1, "fp32", STRICT), ("mlp", 2, "fp32", {}), ("gpt", 1, "fp32", STRICT),
            ("gpt", 2, "fp32", {"stage3_param_persistence_threshold": 20}), ("twice", 1, "fp32", STRICT),
            ("external", 1, "fp32", STRICT),
-           ("gpt", 1, "fp16", STRICT), ("gpt", 1, "bf16", STRICT), ("gpt", 1, "bf16", {"stage": 0})]
+           ("gpt", 1, "fp16", STRICT), ("gpt", 1, "fp16", {"stage": 0}), ("gpt", 1, "bf16", STRICT),
+           ("gpt", 1, "bf16", {"stage": 0})]
 CASES_4 = [("gpt", 1, "fp32", STRICT), ("twice", 2, "fp32", STRICT)]
 
 
@@ -179,7 +184,7 @@ def test_zero_stage3_matches_single_process(world, cases):
         if case[3].get("stage") == 0:
             continue  # the same-precision baseline
         stage0 = [results[r][cases.index(case[:3] + ({"stage": 0},))] for r in range(world)] \
-            if case[2] == "bf16" else None
+            if case[2] != "fp32" else None
         _check([results[r][i] for r in range(world)], case, world, stage0)
 
 

@@ -45,7 +45,9 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
     common = dict(overlap_comm=zero.overlap_comm, grad_accum_dtype=cfg.data_types.grad_accum_dtype,
                   gradient_clipping=cfg.gradient_clipping, prescale_gradients=cfg.prescale_gradients,
                   gradient_predivide_factor=cfg.gradient_predivide_factor,
-                  communication_data_type=cfg.communication_data_type)
+                  communication_data_type=cfg.communication_data_type,
+                  ignore_unused_parameters=zero.ignore_unused_parameters,
+                  param_names={p: n for n, p in module.named_parameters()} if module is not None else None)
     if zero.stage == 0:
         zopt = DataParallelOptimizer(optimizer, comm, guard, bucket_numel=zero.reduce_bucket_size, **common)
         tag_parameters(zopt, zopt.params)

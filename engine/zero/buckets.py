@@ -7,7 +7,10 @@ and a bucket is reduced with one collective and no copy (DDP's `gradient_as_buck
 out in reverse registration order (roughly the order backward produces gradients), and bucket k is
 only launched after buckets 0..k-1, whatever order the hooks fire in. After backward, `flush()`
 launches whatever is left (unused parameters contribute zeros), so no rank waits on a hook that
-never fires.
+never fires. A bucket whose parameter got its gradient in two pieces is deferred to the end of
+backward (arrivals.py's note).
+[Note: strides] A view has its parameter's strides (`dense_view`), so a transposed or channels_last
+parameter and its gradient agree element by element in memory, as fused optimizers assume.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from .arrivals import ArrivalLog, dense_view
 
 
 @dataclass
@@ -28,6 +33,7 @@ class Bucket:
     work: object = None
     finish: Callable[[], None] | None = None
     launched: bool = False
+    deferred: bool = False  # waits for the end of backward (arrivals.py's note)
     ready: set = field(default_factory=set)
 
 
@@ -39,8 +45,9 @@ class GradientBuckets:
     """Owns `.grad` of `params`: flat per-dtype storage, bucketed, reduced by `reduce_fn`."""
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_numel: int, reduce_fn: ReduceFn,
-                 overlap: bool, grad_dtype: torch.dtype | None = None):
+                 overlap: bool, grad_dtype: torch.dtype | None = None, arrivals: ArrivalLog | None = None):
         self.params = [p for p in params if p.requires_grad]
+        self.arrivals = arrivals or ArrivalLog()
         self.reduce_fn = reduce_fn
         self.overlap = overlap
         self.armed = False
@@ -67,7 +74,7 @@ class GradientBuckets:
                 if members and offset + p.numel() - start > bucket_numel:
                     self._add_bucket(dtype, members, flat[start:offset])
                     start, members = offset, []
-                self.views[p] = flat[offset:offset + p.numel()].view_as(p)
+                self.views[p] = dense_view(flat[offset:offset + p.numel()], p)
                 members.append(p)
                 offset += p.numel()
             if members:
@@ -106,19 +113,26 @@ class GradientBuckets:
         if view.dtype != param.dtype:
             view.add_(param.grad)
             param.grad = None
+        repeat = self.arrivals.arrive(param, reducing=self.armed)
         if not self.armed:
             return
         bucket = self._bucket_of[param]
-        if param in bucket.ready:
+        if repeat:  # the gradient came in pieces (arrivals.py's note); the second one is in the view now
+            if bucket.launched:
+                raise self.arrivals.late_gradient(0, param)
+            bucket.deferred = True
             return
         bucket.ready.add(param)
         bucket.pending -= 1
-        if self.overlap:
+        if self.overlap and not self.arrivals.discovering:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
-            self._launch(self.buckets[self._next_launch])
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.pending or bucket.deferred:
+                break
+            self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.work, bucket.finish = self.reduce_fn(bucket)
@@ -137,6 +151,7 @@ class GradientBuckets:
             if bucket.finish is not None:
                 bucket.finish()
         self.armed = False
+        self.arrivals.end_pass()
 
     def zero(self) -> None:
         for flat in self.flat.values():

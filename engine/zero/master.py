@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .arrivals import dense_view
 from .buckets import GradientBuckets
 
 
@@ -31,10 +32,11 @@ class MasterWeights:
             offset = 0
             for p in members:
                 n = p.numel()
-                master = torch.nn.Parameter(flat[offset:offset + n].view_as(p))
+                # The gradient views have the parameter's strides (buckets.py), so the master copy too.
+                master = torch.nn.Parameter(dense_view(flat[offset:offset + n], p))
                 with torch.no_grad():
                     master.copy_(p.detach().float())
-                master.grad = flat_grad[offset:offset + n].view_as(p)
+                master.grad = dense_view(flat_grad[offset:offset + n], p)
                 master_of[p] = master
                 self.model_params.append(p)
                 self.master_params.append(master)

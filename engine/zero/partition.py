@@ -81,16 +81,20 @@ class RankMajorLayout:
         rest = (s.rows - full * s.chunk_rows) * s.row_numel  # elements of the short chunk
         return buffer.view(self.world, self.segment)[:, off:off + s.padded], full, rest
 
-    def pack_one(self, i: int, tensor: torch.Tensor, buffer: torch.Tensor, zero_padding: bool = True) -> None:
-        """Scatter parameter i's full `tensor` into its slots of `buffer` (casting as needed)."""
+    def pack_one(self, i: int, tensor: torch.Tensor, buffer: torch.Tensor, zero_padding: bool = True,
+                 accumulate: bool = False) -> None:
+        """Scatter parameter i's full `tensor` into its slots of `buffer` (casting as needed); with
+        `accumulate`, add it to what is packed there already."""
         slots, full, rest = self._slots(i, buffer)
         flat = tensor.reshape(-1)
         cr = slots.shape[1]
         if full:
-            slots[:full].copy_(flat[:full * cr].view(full, cr))
+            dst, src = slots[:full], flat[:full * cr].view(full, cr)
+            dst.add_(src) if accumulate else dst.copy_(src)
         if rest:
-            slots[full, :rest].copy_(flat[full * cr:])
-        if zero_padding:
+            dst, src = slots[full, :rest], flat[full * cr:]
+            dst.add_(src) if accumulate else dst.copy_(src)
+        if zero_padding and not accumulate:
             if rest:
                 slots[full, rest:].zero_()
             slots[full + (1 if rest else 0):].zero_()
@@ -101,15 +105,23 @@ class RankMajorLayout:
 
     @torch.no_grad()
     def unpack(self, buffer: torch.Tensor, targets: list[torch.Tensor]) -> None:
-        """Gather every parameter's chunks from `buffer` back into the full, contiguous `targets`."""
+        """Gather every parameter's chunks from `buffer` back into the full `targets`."""
         for i, target in enumerate(targets):
-            slots, full, rest = self._slots(i, buffer)
-            flat = target.view(-1)
-            cr = slots.shape[1]
-            if full:
-                flat[:full * cr].view(full, cr).copy_(slots[:full])
-            if rest:
-                flat[full * cr:].copy_(slots[full, :rest])
+            if target.is_contiguous():
+                self._unpack_one(i, buffer, target)
+            else:  # other strides (transposed, channels_last): chunks are in index order, so stage it
+                staged = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                self._unpack_one(i, buffer, staged)
+                target.copy_(staged)
+
+    def _unpack_one(self, i: int, buffer: torch.Tensor, target: torch.Tensor) -> None:
+        slots, full, rest = self._slots(i, buffer)
+        flat = target.view(-1)
+        cr = slots.shape[1]
+        if full:
+            flat[:full * cr].view(full, cr).copy_(slots[:full])
+        if rest:
+            flat[full * cr:].copy_(slots[full, :rest])
 
     def segment_slots(self, segment: torch.Tensor) -> list[torch.Tensor]:
         """Views of one rank's segment, one padded slot per parameter."""

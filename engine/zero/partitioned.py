@@ -12,8 +12,10 @@ volume. `zero_optimization.reduce_scatter: false` selects all-reduce + slice.
 [Note: bucket order] Buckets have a fixed composition (reverse registration order, the order backward
 roughly produces gradients) and bucket k is launched only after buckets 0..k-1, whatever order the
 hooks fire in, so every rank issues the same collectives in the same order. After backward the
-buckets whose parameters got no gradient are launched with zeros there, so no rank waits for a hook
-that never fires. Within a bucket, parameters keep their flat-partition order, so when they are
+buckets whose parameters got no gradient in it are launched with what those accumulated in earlier
+micro-steps (stage 1: a head used only in micro-step 0) or zeros, so no rank waits for a hook that
+never fires. A bucket whose parameter got its gradient in pieces waits for the end of backward
+(arrivals.py's note). Within a bucket, parameters keep their flat-partition order, so when they are
 neighbours in one flat the rank's segment of the reduce-scatter *is* a slice of the partition
 gradient and the collective writes there directly (no staging buffer, no copy) whenever nothing is
 accumulated into it yet.
@@ -31,6 +33,7 @@ import torch
 
 from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
+from .arrivals import ArrivalLog
 from .partition import REDUCE_DEPTH, InFlight, PartitionedParams, RankMajorLayout, split_runs
 from .stage0 import checked_step, reduction_settings
 
@@ -53,7 +56,12 @@ class _Bucket:
     send: torch.Tensor | None = None
     pending: int = 0
     launched: bool = False
+    deferred: bool = False  # waits for the end of backward (arrivals.py's note)
     packed: set = field(default_factory=set)
+
+    @property
+    def device(self) -> torch.device:
+        return self.targets[0].device
 
 
 class PartitionedZeroOptimizer:
@@ -67,7 +75,8 @@ class PartitionedZeroOptimizer:
                  gradient_clipping: float, prescale_gradients: bool = False,
                  gradient_predivide_factor: float = 1.0, communication_data_type: str | None = None,
                  grad_accum_dtype: str | None = None, reduce_scatter: bool = True,
-                 allgather_partitions: bool = True):
+                 allgather_partitions: bool = True, ignore_unused_parameters: bool = True,
+                 param_names: dict | None = None):
         self.optimizer = optimizer
         self.comm = comm
         self.guard = guard
@@ -81,6 +90,7 @@ class PartitionedZeroOptimizer:
         self.gather_runs = self.partition.gather_runs(max(1, min(int(allgather_bucket_numel), GATHER_BUCKET_CAP)))
         self.inflight = InFlight(depth=REDUCE_DEPTH)
         self.last_grad_norm: float | None = None
+        self.arrivals, self.ignore_unused = ArrivalLog(param_names), ignore_unused_parameters
         self._init_gradients(max(1, int(reduce_bucket_numel)), grad_accum_dtype)
 
     # -- gradient buckets (module notes: bucket order, freeing) -----------------------------------
@@ -143,36 +153,68 @@ class PartitionedZeroOptimizer:
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         grad = param.grad
+        repeat = self.arrivals.arrive(param, reducing=self._armed)
         if not self._armed:  # an accumulation micro-step of stage 1: the gradient stays
             if param in self._accum or (self._accum_dtype is not None and grad.dtype != self._accum_dtype):
-                acc = self._accum.get(param)
-                if acc is None:
-                    self._accum[param] = acc = torch.zeros_like(grad, dtype=self._accum_dtype)
-                acc.add_(grad)
-                param.grad = None
+                self._hold(param)
             return
-        if param in self._accum:
-            grad = self._accum.pop(param).add_(grad)
         bucket = self._bucket_of[param]
-        if bucket.launched:
-            raise RuntimeError(f"ZeRO stage {self.stage}: a parameter received a second gradient in one backward "
-                               "pass after its bucket was reduced; call engine.backward() once per micro-batch")
+        if param in bucket.packed:  # another piece of a gradient packed already (arrivals.py's note)
+            if bucket.launched:
+                raise self.arrivals.late_gradient(self.stage, param)
+            bucket.layout.pack_one(self._position[param], grad, bucket.send, accumulate=True)
+            param.grad = None
+            bucket.deferred = True
+            return
+        if self.arrivals.discovering or bucket.deferred:  # packed at launch (arrivals.py's note)
+            self._hold(param)
+            bucket.deferred |= repeat
+            return
+        self._pack(bucket, param, self._take_grad(param))
+        bucket.pending -= 1
+        while self._next_launch < len(self.buckets):
+            nxt = self.buckets[self._next_launch]
+            if nxt.pending > 0 or nxt.deferred:
+                break
+            self._launch(nxt)
+
+    def _hold(self, param: torch.nn.Parameter) -> None:
+        """Keep `param`'s gradient aside (in the accumulation dtype, if one is set) and drop `.grad`, so
+        later pieces arrive in a fresh `.grad` and every hook sees only its own piece."""
+        grad, acc = param.grad, self._accum.get(param)
+        if acc is None:
+            wide = self._accum_dtype is not None and grad.dtype != self._accum_dtype
+            self._accum[param] = grad.to(self._accum_dtype) if wide else grad
+        else:
+            acc.add_(grad)
+        param.grad = None
+
+    def _take_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """Everything `param` accumulated since the last reduction: held pieces and `.grad` (a parameter
+        used in earlier micro-steps of stage 1 but not at the boundary still has its gradient here)."""
+        grad, held = param.grad, self._accum.pop(param, None)
+        param.grad = None
+        if held is None:
+            return grad
+        return held.add_(grad) if grad is not None else held
+
+    def _pack(self, bucket: _Bucket, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         if bucket.send is None:  # every slot is written: packed (padding zeroed) or zeroed at launch
-            bucket.send = torch.empty(bucket.layout.numel, dtype=bucket.send_dtype, device=param.device)
+            bucket.send = torch.empty(bucket.layout.numel, dtype=bucket.send_dtype, device=bucket.device)
         bucket.layout.pack_one(self._position[param], grad, bucket.send)
         bucket.packed.add(param)
-        param.grad = None  # the full gradient is not kept (module note: freeing)
-        bucket.pending -= 1
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending <= 0:
-            self._launch(self.buckets[self._next_launch])
 
     def _launch(self, bucket: _Bucket) -> None:
-        if bucket.send is None:  # no parameter of this bucket got a gradient: contribute zeros
-            bucket.send = torch.zeros(bucket.layout.numel, dtype=bucket.send_dtype)
-        elif len(bucket.packed) < len(bucket.layout.params):  # some got none: zeros for those
-            for i, p in enumerate(bucket.layout.params):
-                if p not in bucket.packed:
-                    bucket.layout.zero_one(i, bucket.send)
+        for i, p in enumerate(bucket.layout.params):
+            if p in bucket.packed:
+                continue
+            grad = self._take_grad(p)
+            if grad is not None:
+                self._pack(bucket, p, grad)
+            elif bucket.send is None:  # no parameter of this bucket got a gradient yet: zeros
+                bucket.send = torch.zeros(bucket.layout.numel, dtype=bucket.send_dtype, device=bucket.device)
+            else:  # this one got none: zeros in its slots
+                bucket.layout.zero_one(i, bucket.send)
         bucket.launched = True
         self._next_launch = bucket.index + 1
         self._start_reduce(bucket, accumulate=self._reduced_since_step)
@@ -226,6 +268,7 @@ class PartitionedZeroOptimizer:
         self._reset_buckets()
         self._reduced_since_step = True
         self._armed = False
+        self.arrivals.end_pass()
 
     def after_backward(self) -> None:
         pass  # backward() already reduced
@@ -253,6 +296,7 @@ class PartitionedZeroOptimizer:
 
     def step(self, step_number: int = 0) -> bool:
         """Unscale, check, clip, step this rank's partition, all-gather. Returns whether applied."""
+        self.arrivals.check_unused(self.params, self.ignore_unused)
         buffers = self._grad_buffers()
         if not self._reduced_since_step:  # a step without a reducing backward: no gradient
             for b in buffers:
@@ -297,6 +341,7 @@ class PartitionedZeroOptimizer:
         for p in self.params:
             p.grad = None
         self._accum.clear()
+        self.arrivals.end_window()
         self._reduced_since_step = False
         self._micro_steps = 0
 

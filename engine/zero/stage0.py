@@ -9,6 +9,7 @@ from ops import PowerSGD
 
 from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
+from .arrivals import ArrivalLog, is_dense
 from .buckets import Bucket, GradientBuckets
 from .master import MasterWeights
 
@@ -69,13 +70,19 @@ class DataParallelOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, guard: NonFiniteGuard, *,
                  bucket_numel: int, overlap_comm: bool, gradient_clipping: float,
                  prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
-                 communication_data_type: str | None = None, grad_accum_dtype: str | None = None):
+                 communication_data_type: str | None = None, grad_accum_dtype: str | None = None,
+                 ignore_unused_parameters: bool = True, param_names: dict | None = None):
         self.optimizer = optimizer
         self.comm = comm
         self.guard = guard
         self.clip, self.scaling, self.comm_dtype = reduction_settings(
             comm.world_size, gradient_clipping, prescale_gradients, gradient_predivide_factor, communication_data_type)
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        for p in self.params:
+            if not is_dense(p):  # a strided slice: its gradient view must share its layout (buckets.py)
+                p.data = p.data.contiguous()
+        self.arrivals = ArrivalLog(param_names)
+        self.ignore_unused = ignore_unused_parameters
         # [Note: optimizers that communicate themselves] A 1-bit optimizer (ops.CompressedOptimizer)
         # averages its momentum itself once warm-up ends. Before each boundary backward it says whether
         # the coming step needs averaged gradients; when not, the buckets are left local (no double
@@ -86,7 +93,8 @@ class DataParallelOptimizer:
         self.engine_all_reduce = True
         self.powersgd = None  # ops.PowerSGD: the bucket reducer when `gradient_compression` is set
         self.buckets = GradientBuckets(self.params, bucket_numel, self._reduce_bucket, overlap=overlap_comm,
-                                       grad_dtype=DTYPES[grad_accum_dtype] if grad_accum_dtype else None)
+                                       grad_dtype=DTYPES[grad_accum_dtype] if grad_accum_dtype else None,
+                                       arrivals=self.arrivals)
         needs_master = any(p.dtype != torch.float32 for p in self.params)
         self.master = MasterWeights(optimizer, self.buckets) if needs_master else None
         self.last_grad_norm: float | None = None
@@ -142,6 +150,7 @@ class DataParallelOptimizer:
 
     def step(self, step_number: int = 0) -> bool:
         """Unscale, check, clip and apply the optimizer. Returns whether the step was applied."""
+        self.arrivals.check_unused(self.params, self.ignore_unused)
         buffers = self._grad_buffers()
         norm = float(global_norm(buffers)) if self.engine_all_reduce else self._rms_local_norm(buffers)
         applied = checked_step(self, buffers, norm, step_number)
@@ -160,6 +169,7 @@ class DataParallelOptimizer:
         return float((square / self.comm.world_size).sqrt())
 
     def zero_grad(self) -> None:
+        self.arrivals.end_window()
         self.buckets.zero()
         if self.master is not None:
             for g in self.master.grad_buffers():

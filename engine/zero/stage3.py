@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Communicator
+from .arrivals import ArrivalLog
 from .partition import REDUCE_DEPTH, InFlight, RankMajorLayout
 from .prefetch import ParamCoordinator
 from .stage0 import reduction_settings
@@ -100,13 +101,15 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, guard, module: torch.nn.Module, zero,
                  *, overlap_comm: bool, gradient_clipping: float, prescale_gradients: bool = False,
                  gradient_predivide_factor: float = 1.0, communication_data_type: str | None = None,
-                 grad_accum_dtype: str | None = None):
+                 grad_accum_dtype: str | None = None, ignore_unused_parameters: bool = True,
+                 param_names: dict | None = None):
         self.optimizer, self.comm, self.guard, self.module = optimizer, comm, guard, module
         self.clip, self.scaling, self.comm_dtype = reduction_settings(
             comm.world_size, gradient_clipping, prescale_gradients, gradient_predivide_factor, communication_data_type)
         self.use_reduce_scatter, self.use_all_gather, self.overlap = zero.reduce_scatter, True, overlap_comm
         self.inflight = InFlight(depth=REDUCE_DEPTH)
         self.last_grad_norm: float | None = None
+        self.arrivals, self.ignore_unused = ArrivalLog(param_names), ignore_unused_parameters
         self.partition = Stage3Partition(optimizer, comm.world_size, comm.rank)
         units = discover_units(module)
         self.persistent = self._choose_persistent(units, zero)

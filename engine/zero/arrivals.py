@@ -1,0 +1,84 @@
+"""Which parameters got a gradient, and how often, shared by every stage's gradient hooks.
+
+[Note: gradients that arrive twice] A post-accumulate-grad hook normally fires once per parameter and
+backward: autograd sums every use of a parameter before its AccumulateGrad node runs. With reentrant
+activation checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`) each checkpointed region
+runs a backward of its own, so a parameter used in two regions (a shared block, tied weights inside a
+region) gets its gradient in two pieces, the second possibly after its bucket was reduced. So the
+first reducing backward of a run launches no bucket before backward ends and counts the arrivals; a
+bucket with a parameter that arrived twice is *deferred* from then on: it waits for the end of
+backward, however its hooks fire. Ranks may defer different buckets (a data-dependent graph): that
+changes when a rank issues a bucket's collective, never the order, so the ranks still agree. Buckets
+after a deferred one also wait (the fixed launch order), which costs overlap, not exactness. A
+parameter that arrives twice later in a bucket already reduced (the graph changed after the first
+backward) is an error naming it: its gradient can no longer be reduced exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ArrivalLog:
+    def __init__(self, names: dict[torch.nn.Parameter, str] | None = None):
+        self.names = names or {}
+        self.discovering = True  # until the first reducing backward ended (module note)
+        self.window: set[torch.nn.Parameter] = set()  # got a gradient in this accumulation window
+        self._this_pass: set[torch.nn.Parameter] = set()
+
+    def arrive(self, param: torch.nn.Parameter, reducing: bool) -> bool:
+        """Record a gradient of `param`; True when it already got one in this reducing backward."""
+        self.window.add(param)
+        if not reducing:
+            return False
+        if param in self._this_pass:
+            return True
+        self._this_pass.add(param)
+        return False
+
+    def end_pass(self) -> None:
+        self._this_pass.clear()
+        self.discovering = False
+
+    def end_window(self) -> None:
+        self.window.clear()
+
+    def name(self, param: torch.nn.Parameter) -> str:
+        return self.names.get(param, f"<parameter of shape {tuple(param.shape)}>")
+
+    def late_gradient(self, stage: int, param: torch.nn.Parameter) -> RuntimeError:
+        return RuntimeError(
+            f"ZeRO stage {stage}: parameter {self.name(param)} got another gradient in this backward after "
+            "its bucket was reduced, which the first backward of this run did not show (the set of "
+            "parameters used more than once, e.g. by reentrant checkpointing, changed between steps); "
+            "use torch.utils.checkpoint(..., use_reentrant=False), or use such parameters from the first step")
+
+    def check_unused(self, params: list[torch.nn.Parameter], ignore_unused: bool) -> None:
+        """`zero_optimization.ignore_unused_parameters: false`: a trainable parameter without a gradient in
+        the whole accumulation window is an error (as in DeepSpeed); with true it counts as zero (DDP)."""
+        if ignore_unused:
+            return
+        missing = [self.name(p) for p in params if p not in self.window]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise RuntimeError(
+                f"zero_optimization.ignore_unused_parameters is false and {len(missing)} trainable parameter(s) "
+                f"got no gradient in this step: {shown}; use them in the forward pass, freeze them "
+                "(requires_grad=False), or set ignore_unused_parameters to true (their gradient counts as zero)")
+
+
+def dense_view(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`flat` (numel of `like`) viewed with `like`'s strides, so a gradient or master weight has its
+    parameter's memory layout (a transposed weight, channels_last): fused optimizers pair elements of
+    a parameter and its gradient by memory position, not by index. `like` must be dense."""
+    return flat.as_strided(like.shape, like.stride())
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and without gaps: its elements fill numel() consecutive memory slots in some order."""
+    expected = 1
+    dims = sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
