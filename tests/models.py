@@ -94,10 +94,12 @@ class ReuseNet(nn.Module):
         return nn.functional.mse_loss(out, y)
 
 
-def reference_accumulated(model: nn.Module, batches, world: int, gas: int, lr: float, aux_micro: int = 0):
+def reference_accumulated(model: nn.Module, batches, world: int, gas: int, lr: float, aux_micro: int = 0,
+                          clip: float = 0.0):
     """Single-process SGD (no momentum, no clipping: the update is linear in the gradient, so a wrong
     scale of any kind shows) on the global batch, split into the micro-batches the ranks see, with
-    `aux` set in micro-step `aux_micro` only. Returns the model and each step's pre-step gradient norm."""
+    `aux` set in micro-step `aux_micro` only, clipped to `clip` if set. Returns the model and each step's
+    gradient norm before clipping."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     norms = []
@@ -108,6 +110,8 @@ def reference_accumulated(model: nn.Module, batches, world: int, gas: int, lr: f
                 (model(xm, ym, aux=k == aux_micro) / (gas * world)).backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model, norms

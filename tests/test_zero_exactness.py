@@ -34,7 +34,9 @@ LR = 0.2
 CASES = [(1, None, {}),
          (2, "reentrant", {}),
          (2, "non_reentrant", {"gradient_predivide_factor": 2.0}),
-         (1, "reentrant", {"prescale_gradients": True})]
+         (1, "reentrant", {"prescale_gradients": True}),
+         # clipping that bites makes the update blind to the gradient's scale; the norm still sees it
+         (2, None, {"gradient_clipping": 0.3})]
 
 
 def _config(stage: int, gas: int, precision: str = "fp32", **extra) -> dict:
@@ -74,10 +76,10 @@ def _all_cases() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(world: int, gas: int, checkpointing):
+def _reference(world: int, gas: int, checkpointing, clip: float = 0.0):
     torch.manual_seed(0)
     model = ReuseNet(checkpointing)
-    ref, norms = reference_accumulated(model, make_batches(STEPS, MICRO * gas * world), world, gas, LR)
+    ref, norms = reference_accumulated(model, make_batches(STEPS, MICRO * gas * world), world, gas, LR, clip=clip)
     return {n: p.detach() for n, p in ref.named_parameters()}, norms
 
 
@@ -89,11 +91,11 @@ def sgd_runs(request):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["gas1", "gas2-reentrant", "gas2-predivide",
-                                                         "gas1-prescale-reentrant"])
+                                                         "gas1-prescale-reentrant", "gas2-clipped"])
 def test_sgd_matches_single_process_with_its_gradient_norm(sgd_runs, stage, case):
     world, results = sgd_runs
-    gas, ckpt, _ = CASES[case]
-    ref, ref_norms = _reference(world, gas, ckpt)
+    gas, ckpt, extra = CASES[case]
+    ref, ref_norms = _reference(world, gas, ckpt, extra.get("gradient_clipping", 0.0))
     for rank, result in enumerate(results):
         got = result[(stage, case)]
         for name, want in ref.items():
