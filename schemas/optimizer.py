@@ -150,8 +150,8 @@ class AdamParams(StrictModel):
     """Params of `Adam` and `AdamW` (torch's Adam/AdamW kernels; fused on CPU and GPU by default)."""
 
     lr: float = Field(1e-3, ge=0.0)
-    """Learning rate. `"auto"` keeps this default, 1e-3 (DeepSpeed's FusedAdam default); a scheduler
-    may overwrite it."""
+    """Learning rate (default 1e-3, DeepSpeed's FusedAdam default); a scheduler may overwrite it. An
+    unfilled `"auto"` is an error, never this default (schemas/auto.py)."""
     betas: Betas = (0.9, 0.999)
     """Coefficients of the running averages of the gradient and its square, each in [0, 1)."""
     eps: float = Field(1e-8, ge=0.0)
@@ -194,7 +194,7 @@ class SGDParams(StrictModel):
     """Params of `SGD` (torch.optim.SGD)."""
 
     lr: float = Field(1e-3, ge=0.0)
-    """Learning rate. `"auto"` keeps this default, 1e-3 (torch's default)."""
+    """Learning rate (default 1e-3, torch's default)."""
     momentum: float = Field(0.0, ge=0.0)
     """Momentum factor; 0 disables momentum."""
     dampening: float = Field(0.0, ge=0.0)
@@ -304,6 +304,9 @@ OptimizerParams = Union[AdamParams, SGDParams, LambParams, OneBitAdamParams, Zer
 PARAMS_MODELS: dict[str, type[StrictModel]] = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams,
                                                "Lamb": LambParams, "OneBitAdam": OneBitAdamParams,
                                                "ZeroOneAdam": ZeroOneAdamParams, "OneBitLamb": OneBitLambParams}
+
+# The config types ZeRO stages 1-3 take without `zero_allow_untested_optimizer` (DeepSpeed's list).
+ZERO_TESTED_TYPES = ("Adam", "AdamW")
 
 # The types that average their momentum themselves after warm-up (ZeRO stage 0 only).
 ONEBIT_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")

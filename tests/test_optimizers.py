@@ -6,6 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+import schemas
+
 from engine.optimizers import (ZERO_SUPPORTED_OPTIMIZERS, build_optimizer, is_zero_supported_optimizer,
                                resolve_optimizer)
 from schemas.optimizer import NOT_BUILT_OPTIMIZERS, OptimizerConfig
@@ -108,8 +110,9 @@ def test_param_groups_keep_their_overrides_and_generators_work():
     assert build_optimizer((p for p in params()), config("SGD")).param_groups[0]["params"]
 
 
-def test_auto_lr_keeps_the_documented_default():
-    assert config("AdamW", lr="auto", weight_decay="auto").params.lr == 1e-3
+def test_auto_lr_is_never_a_silent_default():
+    with pytest.raises(schemas.ConfigError, match="optimizer.params.lr: \"auto\" was not filled"):
+        schemas.load_config({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
 
 
 def test_zero_supported_optimizers_are_deepspeeds_torch_classes():
