@@ -162,13 +162,15 @@ class AdamParams(StrictModel):
     amsgrad: bool = False
     """Use the AMSGrad variant (torch's kernels support it; DeepSpeed's FusedAdam does not)."""
     bias_correction: bool = True
-    """Only `true` is supported: torch's Adam kernels always correct the moment estimates' bias."""
+    """Divide the moments by 1 − β^t (Adam's bias correction; torch's kernels). false: DeepSpeed's
+    FusedAdam/CPU Adam without it, step lr·m/(√v + ε) (ops.UncorrectedAdam, torch's foreach ops;
+    not with `fused: true`, which names torch's fused kernel)."""
     adam_w_mode: bool = True
     """`Adam` only: true (default, as DeepSpeed 0.19.8) = decoupled weight decay (AdamW); false =
     classic Adam with L2 decay. `AdamW` is always decoupled."""
     torch_adam: bool = False
-    """Accepted for DeepSpeed compatibility: dstrain always runs torch's kernels. Only effect: an unset
-    `weight_decay` takes torch's default instead of 0.0."""
+    """Accepted for DeepSpeed compatibility: dstrain runs torch's kernels (true contradicts
+    bias_correction false). Only effect: an unset `weight_decay` takes torch's default instead of 0.0."""
     fused: Optional[bool] = None
     """dstrain: torch's fused kernel (true), torch's default kernel, foreach on GPU and a for-loop on
     CPU (false), or fused whenever all parameters are floating point on a device torch has fused
@@ -181,12 +183,20 @@ class AdamParams(StrictModel):
             raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
         return betas
 
-    @field_validator("bias_correction")
+    @field_validator("torch_adam")
     @classmethod
-    def _only_bias_correction(cls, value: bool) -> bool:
-        if not value:
-            raise ValueError("only true is supported: torch's Adam/AdamW kernels always apply bias "
-                             "correction; remove the key")
+    def _torch_adam_corrects_the_bias(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("bias_correction") is False:
+            raise ValueError("true contradicts bias_correction false: torch's Adam always corrects the bias "
+                             "(DeepSpeed fails on it too); remove one of them")
+        return value
+
+    @field_validator("fused")
+    @classmethod
+    def _fused_needs_bias_correction(cls, value: Optional[bool], info: ValidationInfo) -> Optional[bool]:
+        if value and info.data.get("bias_correction") is False:
+            raise ValueError("true needs bias_correction true: torch's fused kernel always corrects the bias; "
+                             "remove fused (bias_correction false runs on torch's foreach ops)")
         return value
 
 
