@@ -191,3 +191,25 @@ def test_an_untested_zero_optimizer_is_named_by_the_config_check():
     with pytest.raises(ConfigError, match="optimizer.type: SGD at zero_optimization.stage 2, which ZeRO has not"):
         load_config(raw)
     assert load_config({**raw, "zero_allow_untested_optimizer": True}).optimizer.type == "SGD"
+
+
+def test_cli_set_fills_auto_values_and_names_the_unfilled_ones():
+    template = str(REPO / "tests" / "agreement_configs" / "hf_template_unfilled.json")
+    result = run_cli("check-config", template)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    named = [line.split(": ")[2] for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert named == ["gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay",
+                     "train_batch_size", "train_micro_batch_size_per_gpu"]
+    assert "warning: zero_optimization.reduce_bucket_size: \"auto\" not filled" in result.stderr
+    result = run_cli("check-config", template, "--set", "train_micro_batch_size_per_gpu=4", "--set",
+                     "gradient_clipping=1.0", "--set", "optimizer.params.lr=3e-4", "--set",
+                     "optimizer.params.weight_decay=0.0", "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)
+    assert (resolved["train_batch_size"], resolved["optimizer"]["params"]["lr"]) == (8, 3e-4)
+
+
+def test_cli_set_needs_key_equals_value(capsys: pytest.CaptureFixture):
+    with pytest.raises(SystemExit) as caught:
+        cli_main(["check-config", "x.json", "--set", "optimizer.params.lr"])
+    assert caught.value.code == 2 and "expected KEY=VALUE" in capsys.readouterr().err
