@@ -6,9 +6,9 @@
                                 config="ds_config_zero2.json", config_overrides=overrides)
 
 The mapping is HF Transformers' (`HfTrainerDeepSpeedConfig.trainer_config_process` and
-`trainer_config_finalize`): batch sizes, clipping, the optimizer's lr/betas/eps/weight_decay, the
-WarmupLR/WarmupDecayLR params, fp16/bf16 from TrainingArguments; bucket sizes from the model's
-hidden size. `training_args` is any object with TrainingArguments' attribute names (duck-typed: no
+`trainer_config_finalize`, transformers 5): batch sizes, clipping, the optimizer's
+lr/betas/eps/weight_decay, the WarmupLR/WarmupDecayLR params, fp16/bf16 from TrainingArguments;
+bucket sizes from the model's hidden size. `training_args` is any object with TrainingArguments' attribute names (duck-typed: no
 transformers import). As in HF, a key that is not "auto" but disagrees with the arguments is an
 error, so the template and the arguments cannot silently say two different things.
 """
@@ -28,27 +28,27 @@ _FILL_ONLY = ("scheduler.params.warmup_min_lr", "zero_optimization.reduce_bucket
 
 
 def _hidden_size(model_config: Any) -> Optional[int]:
-    if model_config is None:
-        return None
-    size = getattr(model_config, "hidden_size", None)
-    if size is None and getattr(model_config, "hidden_sizes", None):
-        size = max(model_config.hidden_sizes)
-    return size
+    for config in (model_config, getattr(model_config, "text_config", None)):  # multimodal: the text model's
+        if getattr(config, "hidden_size", None) is not None:
+            return config.hidden_size
+        if getattr(config, "hidden_sizes", None):
+            return max(config.hidden_sizes)
+    return None
 
 
 def _warmup_steps(args: Any, total: Optional[int]) -> Optional[int]:
-    if hasattr(args, "get_warmup_steps") and total is not None:
-        return args.get_warmup_steps(total)
+    """TrainingArguments.get_warmup_steps(total), at least 1 (as HF fills it)."""
+    if total is None:
+        return None
+    if hasattr(args, "get_warmup_steps"):
+        return max(1, args.get_warmup_steps(total))
     steps = getattr(args, "warmup_steps", 0) or 0
-    if steps > 0 or total is None:
-        return steps
-    return math.ceil(total * (getattr(args, "warmup_ratio", 0.0) or 0.0))
+    return max(1, steps if steps > 0 else math.ceil(total * (getattr(args, "warmup_ratio", 0.0) or 0.0)))
 
 
 def _sources(args: Any, model_config: Any, total: Optional[int], world_size: int) -> dict[str, tuple[str, Any]]:
     """path -> (where the value comes from, the value); None values are not known here."""
     fp16 = bool(getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False))
-    apex = fp16 and getattr(args, "half_precision_backend", "auto") == "apex"
     micro, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps
     hidden = _hidden_size(model_config)
     found = {
@@ -66,9 +66,7 @@ def _sources(args: Any, model_config: Any, total: Optional[int], world_size: int
         "scheduler.params.warmup_max_lr": ("learning_rate", args.learning_rate),
         "scheduler.params.warmup_num_steps": ("the warmup steps of num_training_steps", _warmup_steps(args, total)),
         "scheduler.params.total_num_steps": ("num_training_steps", total),
-        "fp16.enabled": ("fp16 or fp16_full_eval", fp16 and not apex),
-        "amp.enabled": ("half_precision_backend == 'apex'", apex),
-        "amp.opt_level": ("fp16_opt_level", getattr(args, "fp16_opt_level", None)),
+        "fp16.enabled": ("fp16 or fp16_full_eval", fp16),
         "bf16.enabled": ("bf16 or bf16_full_eval", bool(getattr(args, "bf16", False) or getattr(args, "bf16_full_eval", False))),
     }
     if hidden is not None:
