@@ -38,19 +38,25 @@ def _check_world_size(world_size: Any) -> None:
         raise ConfigError([f"world_size: {world_size!r} is not valid: expected a positive integer"])
 
 
-def _drop_at(body: dict, loc: tuple) -> bool:
-    """Remove the key a validation error points at (or its deepest existing section) from `body`.
+def _rejected_key(body: dict, loc: tuple) -> Optional[tuple[dict, Any]]:
+    """The (section, key) of `body` a validation error points at, or its deepest existing section.
     `loc` may hold pydantic's union branch labels, which name no key; they are skipped."""
-    node, parent, key = body, None, None
+    node, found = body, None
     for part in loc:
         if isinstance(node, dict) and part in node:
-            parent, key, node = node, part, node[part]
+            found, node = (node, part), node[part]
         elif isinstance(node, list):
-            break  # a bad list item: drop the whole list
-    if parent is None:
-        return False
-    del parent[key]
-    return True
+            break  # a bad list item: the whole list goes
+    return found
+
+
+def _drop_rejected(body: dict, err: ValidationError) -> bool:
+    """Remove every key `err` rejected from `body` (each once); False when there was none to remove."""
+    targets = {(id(section), key): (section, key) for section, key in
+               filter(None, (_rejected_key(body, item["loc"]) for item in err.errors()))}
+    for section, key in targets.values():
+        section.pop(key, None)  # a section may go before a key inside it
+    return bool(targets)
 
 
 def _validate(body: dict) -> tuple[Config | None, list[str]]:
@@ -64,7 +70,7 @@ def _validate(body: dict) -> tuple[Config | None, list[str]]:
         except ValidationError as err:
             if attempt == 0:  # later passes only repeat these (or miss a key the first one dropped)
                 problems = problems_from_validation_error(err, Config)
-            if not any([_drop_at(body, item["loc"]) for item in err.errors()]):
+            if not _drop_rejected(body, err):
                 return None, problems
             continue
         later = cross_field_problems(config) + unbuilt_problems(config)
