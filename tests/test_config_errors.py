@@ -213,3 +213,11 @@ def test_cli_set_needs_key_equals_value(capsys: pytest.CaptureFixture):
     with pytest.raises(SystemExit) as caught:
         cli_main(["check-config", "x.json", "--set", "optimizer.params.lr"])
     assert caught.value.code == 2 and "expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_a_key_rejected_twice_does_not_hide_the_rest_of_its_section():
+    # `stages` fails both branches of its union (int, "auto"): two errors, one key.
+    with pytest.raises(ConfigError) as caught:
+        load_config({"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": "x", "seed_layers": True}})
+    heads = [line.split(":")[0] for line in caught.value.problems]
+    assert heads == ["pipeline.stages", "pipeline.seed_layers"], caught.value.problems
