@@ -346,6 +346,8 @@ class OptimizerConfig(TypedSection):
     params: OptimizerParams = Field(default_factory=dict)
     """Hyperparameters of `type`; see AdamParams, SGDParams, LambParams, OneBitAdamParams, ZeroOneAdamParams
     and OneBitLambParams. Missing keys take their defaults."""
+    legacy_fusion: bool = False
+    """DeepSpeed's legacy fused fp16 optimizer (not built yet: true is rejected)."""
 
     @classmethod
     def _check_params(cls, kind: str, params: StrictModel) -> None:

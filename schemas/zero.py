@@ -98,6 +98,11 @@ class ZeroConfig(StrictModel):
     """Parameter offload (stage 3 only)."""
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     """Optimizer-state offload (CPU: stages 1-3; NVMe: stage 3)."""
+    zenflow: Optional[dict[str, Any]] = None
+    """DeepSpeed's ZenFlow (stall-free offload) options (not built yet: the section is rejected)."""
+    leaf_module: Optional[dict[str, Any]] = None
+    """Stage 3: modules DeepSpeed treats as ZeRO-3 leaf modules (not built yet: the section is rejected;
+    dstrain's units are chosen as docs/zero3.md says)."""
     sub_group_size: Size = Field(1_000_000_000, ge=0)
     """Elements per optimizer sub-group stepped (and swapped) at a time. Not built yet: each partition
     is stepped whole, so only the default is accepted until offload steps in sub-groups."""
