@@ -9,9 +9,10 @@ world size) and exits 0, or prints one line per problem and exits 2. It runs eve
 `engine.initialize` runs that does not need the model. `--set optimizer.params.lr=3e-4` sets a dotted
 key first (the values of a template's "auto" keys; VALUE is read as JSON, else as a string), as
 `initialize(config_overrides=...)` does. Deprecated keys and "auto" tunables left to DeepSpeed's
-default are reported as warnings on stderr. `ckpt consolidate` writes one plain state dict (fp32 by default; safetensors or
-torch format) that `model.load_state_dict` takes without dstrain; `ckpt info` lists the tags of a
-checkpoint directory with world size, ZeRO stage, size and checksum status (docs/checkpoints.md).
+default are reported as warnings on stderr. `ckpt consolidate` writes one plain state dict (fp32 by
+default; safetensors or torch format) that `model.load_state_dict` takes without dstrain; `ckpt info`
+lists the tags of a checkpoint directory with world size, ZeRO stage, size and checksum status
+(docs/checkpoints.md).
 
 Exit codes: 0 ok, 1 bad or corrupted checkpoint, 2 invalid config or usage. This module imports no torch at import time, so that
 checking a config stays fast; subcommands that need torch import it inside their handler.

@@ -25,7 +25,8 @@ from schemas.optimizer import AdamParams, OptimizerConfig, SGDParams
 logger = logging.getLogger(__name__)
 
 # The torch optimizer classes ZeRO wraps without `zero_allow_untested_optimizer` (DeepSpeed's list,
-# less its own C++ optimizers, plus the bias-uncorrected Adam that stands for FusedAdam's option). The check is on the exact class, as in DeepSpeed.
+# less its own C++ optimizers, plus the bias-uncorrected Adam that stands for FusedAdam's option).
+# The check is on the exact class, as in DeepSpeed.
 ZERO_SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, ops.UncorrectedAdam)
 

@@ -32,7 +32,8 @@ def _untested_zero_optimizer(config: Config) -> list[str]:
     optimizer object; here for the one the config names, so check-config says it too."""
     stage = config.zero_optimization.stage
     kind = config.optimizer.type if config.optimizer is not None else None
-    if stage == 0 or kind in (None, *ZERO_TESTED_TYPES, *ONEBIT_OPTIMIZERS, "Lamb") or config.zero_allow_untested_optimizer:
+    has_own_rule = (*ONEBIT_OPTIMIZERS, "Lamb")  # _compression_needs_stage0 says what they need
+    if stage == 0 or kind in (None, *ZERO_TESTED_TYPES, *has_own_rule) or config.zero_allow_untested_optimizer:
         return []
     return [f"optimizer.type: {kind} at zero_optimization.stage {stage}, which ZeRO has not been tested with "
             f"(tested: {', '.join(ZERO_TESTED_TYPES)}); set \"zero_allow_untested_optimizer\": true to use it anyway"]

@@ -8,8 +8,8 @@
 The mapping is HF Transformers' (`HfTrainerDeepSpeedConfig.trainer_config_process` and
 `trainer_config_finalize`, transformers 5): batch sizes, clipping, the optimizer's
 lr/betas/eps/weight_decay, the WarmupLR/WarmupDecayLR params, fp16/bf16 from TrainingArguments;
-bucket sizes from the model's hidden size. `training_args` is any object with TrainingArguments' attribute names (duck-typed: no
-transformers import). As in HF, a key that is not "auto" but disagrees with the arguments is an
+bucket sizes from the model's hidden size. `training_args` is any object with TrainingArguments'
+attribute names (duck-typed: no transformers import). As in HF, a key that is not "auto" but disagrees with the arguments is an
 error, so the template and the arguments cannot silently say two different things.
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ def _warmup_steps(args: Any, total: Optional[int]) -> Optional[int]:
 def _sources(args: Any, model_config: Any, total: Optional[int], world_size: int) -> dict[str, tuple[str, Any]]:
     """path -> (where the value comes from, the value); None values are not known here."""
     fp16 = bool(getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False))
+    bf16 = bool(getattr(args, "bf16", False) or getattr(args, "bf16_full_eval", False))
     micro, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps
     hidden = _hidden_size(model_config)
     found = {
@@ -67,7 +68,7 @@ def _sources(args: Any, model_config: Any, total: Optional[int], world_size: int
         "scheduler.params.warmup_num_steps": ("the warmup steps of num_training_steps", _warmup_steps(args, total)),
         "scheduler.params.total_num_steps": ("num_training_steps", total),
         "fp16.enabled": ("fp16 or fp16_full_eval", fp16),
-        "bf16.enabled": ("bf16 or bf16_full_eval", bool(getattr(args, "bf16", False) or getattr(args, "bf16_full_eval", False))),
+        "bf16.enabled": ("bf16 or bf16_full_eval", bf16),
     }
     if hidden is not None:
         for key, value in (("reduce_bucket_size", hidden * hidden),

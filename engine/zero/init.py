@@ -67,7 +67,8 @@ class Init:
             "mpu": (mpu is None, "Megatron-style model parallelism"),
             "zero_param_parallel_group": (zero_param_parallel_group is None, "ZeRO++ hpZ"),
             "zero_quantized_weights": (not zero_quantized_weights, "ZeRO++ qwZ"),
-            "zero_quantized_nontrainable_weights": (not zero_quantized_nontrainable_weights, "ZeRO++ quantized frozen weights"),
+            "zero_quantized_nontrainable_weights": (not zero_quantized_nontrainable_weights,
+                                                    "ZeRO++ quantized frozen weights"),
             "sequence_data_parallel_group": (sequence_data_parallel_group is None, "sequence parallelism"),
             "param_swapper": (param_swapper is None, "NVMe parameter swapping"),
         }, locals())
