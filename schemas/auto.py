@@ -8,8 +8,8 @@ before DeepSpeed reads the file. dstrain never guesses a hyper-parameter in its 
   `config_overrides={"optimizer.params.lr": 3e-4}` argument of `engine.initialize` (and
   `load_config`), `dstrain check-config --set optimizer.params.lr=3e-4`, or
   `schemas.hf_auto_values(config, training_args, model_config)`, which fills them as HF Trainer does;
-- batch keys: "auto" means "derive it from the others", as in DeepSpeed; the error above only when
-  they cannot be derived (`schemas/batch.py`);
+- batch keys: an "auto" is derived when the two other batch keys are given (their product fixes it);
+  otherwise it is the error above (`schemas/batch.py`);
 - `AUTO_DEFAULTS`: performance tunables whose "auto" HF derives from the model's hidden size. They
   change neither the math nor what a step computes, so without a value they take DeepSpeed's default,
   with a `ConfigAutoWarning` that names the key and the value used;

@@ -3,8 +3,9 @@
 Which keys are derived from which follows DeepSpeed's `_set_batch_related_parameters` (reference
 §1.2). DeepSpeed floor-divides first and then reports a confusing mismatch; here a value that does
 not divide exactly is reported as such, naming the given keys, the derived ones and the world size.
-"auto" (as written in HF templates) means "not given": derived from the others when they suffice,
-otherwise an error that names the "auto" keys and how to supply them (`schemas/auto.py`).
+"auto" (as written in HF templates) is a value a host program fills: it is derived when the two other
+keys are given (the product then fixes it), and otherwise an error that names the "auto" keys and
+how to supply them (`schemas/auto.py`), never a default such as gradient_accumulation_steps 1.
 """
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def derive_batch_sizes(given: dict[str, int], world_size: int,
     """Derive the missing batch keys from the given ones (DeepSpeed's table), checking exactness.
     `auto`: the batch keys written as "auto", named when the rest cannot derive them."""
     tbs, micro, gas = given.get(TBS), given.get(MICRO), given.get(GAS)
-    if tbs is None and micro is None and (TBS in auto or MICRO in auto):
+    if auto and len(given) < 2:
+        # Deriving would need a default (gradient_accumulation_steps 1, say) for a value the host
+        # program was meant to fill; only the arithmetic of two given keys may stand in for it.
         return None, [unfilled_line(key) for key in (TBS, MICRO, GAS) if key in auto]
     if tbs is None and micro is None:
         alone = f" ({GAS} alone is not enough)" if gas is not None else ""

@@ -202,6 +202,7 @@ def test_cli_set_fills_auto_values_and_names_the_unfilled_ones():
                      "train_batch_size", "train_micro_batch_size_per_gpu"]
     assert "warning: zero_optimization.reduce_bucket_size: \"auto\" not filled" in result.stderr
     result = run_cli("check-config", template, "--set", "train_micro_batch_size_per_gpu=4", "--set",
+                     "gradient_accumulation_steps=1", "--set",
                      "gradient_clipping=1.0", "--set", "optimizer.params.lr=3e-4", "--set",
                      "optimizer.params.weight_decay=0.0", "--world-size", "2")
     assert result.returncode == 0, result.stderr

@@ -177,12 +177,22 @@ def test_overlap_comm_default_depends_on_stage(stage, expected):
 def test_auto_batch_keys_are_derived_and_tunables_take_the_default_with_a_warning():
     with pytest.warns(ConfigAutoWarning, match="zero_optimization.reduce_bucket_size: \"auto\" not filled"):
         config = load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
-                              "gradient_accumulation_steps": "auto",
+                              "gradient_accumulation_steps": 2,
                               "zero_optimization": {"reduce_bucket_size": "auto", "overlap_comm": "auto"}},
                              world_size=2)
-    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (8, 1)
+    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (4, 2)
     assert config.zero_optimization.reduce_bucket_size == 500_000_000
     assert config.zero_optimization.overlap_comm is False
+
+
+def test_an_auto_batch_key_only_two_given_keys_determine_is_never_defaulted():
+    with pytest.raises(ConfigError) as caught:  # gradient_accumulation_steps would silently become 1
+        load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
+                     "gradient_accumulation_steps": "auto"}, world_size=2)
+    assert [line.split(":")[0] for line in caught.value.problems] == [
+        "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
+    # Absent (not "auto") keys keep DeepSpeed's derivation table.
+    assert load_config({"train_batch_size": 16}, world_size=2).gradient_accumulation_steps == 1
 
 
 def test_an_unfilled_auto_hyper_parameter_is_an_error_naming_each_key():
