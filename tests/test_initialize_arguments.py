@@ -46,13 +46,24 @@ def test_a_port_that_cannot_apply_says_so():
                for m in messages), messages
 
 
+def _refusals_before_any_process_group():
+    dist.destroy_process_group()  # as a script that never initialised torch.distributed
+    messages = []
+    for kwargs in ({"dist_init_required": False}, {"distributed_port": 70000}):
+        try:
+            engine.initialize(model=OddMLP(), config=CFG, **kwargs)
+        except (RuntimeError, ValueError) as err:
+            messages.append(str(err))
+    initialized = dist.is_initialized()
+    engine.init_distributed()  # the harness tears a group down after this function
+    return messages, initialized
+
+
 def test_dist_init_required_false_needs_an_initialized_group_and_ports_are_checked():
-    assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match="dist_init_required=False.*torch.distributed is not initialized"):
-        engine.initialize(model=OddMLP(), config=CFG, dist_init_required=False)
-    with pytest.raises(ValueError, match="distributed_port: 70000 is not a TCP port"):
-        engine.initialize(model=OddMLP(), config=CFG, distributed_port=70000)
-    assert not dist.is_initialized()
+    messages, initialized = run_distributed(_refusals_before_any_process_group, 1)[0]
+    assert not initialized and len(messages) == 2
+    assert "initialize(dist_init_required=False), but torch.distributed is not initialized" in messages[0]
+    assert messages[1] == "distributed_port: 70000 is not a TCP port (1-65535)"
 
 
 def _seeded_draws(seed: int):
