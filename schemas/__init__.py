@@ -5,6 +5,10 @@
 
 Every problem in a config is reported at once in one `ConfigError` (one line per problem, each
 naming its key path). Sections: `schemas/config.py` lists them; field docstrings are the reference.
+The order of a load: `overrides` set → deprecated keys mapped → DeepSpeed sections without a schema
+reported (`unbuilt.py`) → "auto" resolved (`auto.py`) → batch keys derived (`batch.py`) → the
+schema, then the cross-field rules (`checks.py`) and the not-built keys (`unbuilt.py`).
+`hf_auto_values` computes a template's "auto" values as HF Trainer would (`hf_auto.py`).
 """
 from __future__ import annotations
 
