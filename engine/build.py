@@ -7,9 +7,15 @@ ZeRO optimizer of the configured stage → LR schedule → data loader → Engin
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import random
+import warnings
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 import schemas
 
@@ -47,6 +53,34 @@ def _config_source(args, config, config_params) -> Any:
     return given[0]
 
 
+def _start_process_group(distributed_port: int | None, dist_init_required: bool | None) -> None:
+    """DeepSpeed's two arguments: `dist_init_required=False` means the caller already initialised
+    torch.distributed (an error if not); otherwise the group is initialised here when it is not yet.
+    `distributed_port` is the rendezvous port when the environment names none; a launcher's
+    MASTER_PORT wins (every rank got it), and a port that cannot apply says so instead of vanishing."""
+    if distributed_port is not None and (isinstance(distributed_port, bool) or not isinstance(distributed_port, int)
+                                         or not 0 < distributed_port < 65536):
+        raise ValueError(f"distributed_port: {distributed_port!r} is not a TCP port (1-65535)")
+    if dist_init_required is False and not dist.is_initialized():
+        raise RuntimeError("initialize(dist_init_required=False), but torch.distributed is not initialized: call "
+                           "torch.distributed.init_process_group() first, or leave dist_init_required unset")
+    env_port = os.environ.get("MASTER_PORT")
+    if distributed_port is not None and env_port not in (None, str(distributed_port)):
+        why = "the process group is already initialized" if dist.is_initialized() else "the launcher's MASTER_PORT wins"
+        warnings.warn(f"initialize(distributed_port={distributed_port}) has no effect: {why} "
+                      f"(MASTER_PORT={env_port})", stacklevel=3)
+    elif distributed_port is not None and not dist.is_initialized():
+        os.environ["MASTER_PORT"] = str(distributed_port)
+    init_distributed()
+
+
+def _seed(seed: int) -> None:
+    """The config's `seed` (+ rank): torch's, Python's and NumPy's global generators."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def _param_groups(model: torch.nn.Module, model_parameters) -> list:
     if model_parameters is None:
         return [p for p in model.parameters()]
@@ -72,19 +106,24 @@ def _broadcast_model(model: torch.nn.Module, comm: Communicator) -> None:
 
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int | None = None, mpu=None,
-               dist_init_required: bool | None = None, collate_fn=None, config=None, config_params=None):
+               dist_init_required: bool | None = None, collate_fn=None, config=None, config_params=None,
+               config_overrides: dict[str, Any] | None = None):
     """Build an `Engine` for `model` as `config` says. Returns (engine, optimizer, dataloader, scheduler),
-    with None for what was not configured — the same tuple as `deepspeed.initialize`."""
+    with None for what was not configured — the same tuple as `deepspeed.initialize`.
+
+    `config_overrides`: dstrain's own, `{"dotted.key": value}` set in the config before it is
+    validated, e.g. the values of a template's "auto" keys (`schemas.hf_auto_values` computes them
+    from HF TrainingArguments as HF Trainer does)."""
     if model is None:
         raise ValueError("engine.initialize() needs model=")
     if mpu is not None:
         raise NotImplementedError("mpu= (Megatron-style model parallelism) is not built yet in dstrain")
     source = _config_source(args, config, config_params)
-    init_distributed()
+    _start_process_group(distributed_port, dist_init_required)
     topology = Topology.from_world()
     comm = Communicator(topology.data_parallel_group())
-    cfg = schemas.load_config(source, world_size=topology.data)
-    torch.manual_seed(cfg.seed + comm.rank)
+    cfg = schemas.load_config(source, world_size=topology.data, overrides=config_overrides)
+    _seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
     _broadcast_model(model, comm)
     base_optimizer = resolve_optimizer(optimizer, _param_groups(model, model_parameters), cfg.optimizer)
@@ -100,4 +139,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     eng = Engine(model, zero_optimizer, scheduler, loader, cfg, comm)
     if cfg.checkpoint.auto_resume:  # a restarted job continues from <save_dir>/latest (engine/checkpoint)
         eng.checkpointing.auto_resume()
+    if cfg.dump_state and comm.rank == 0:
+        print(f"[dstrain] config: {json.dumps({'world_size': cfg.world_size, **cfg.to_dict()}, sort_keys=True)}",
+              flush=True)
     return eng, eng.optimizer, loader, scheduler

@@ -1,14 +1,18 @@
 """`dstrain`: command-line tools around a dstrain/DeepSpeed config and its checkpoints.
 
-    dstrain check-config ds_config.json [--world-size N]
+    dstrain check-config ds_config.json [--world-size N] [--set KEY=VALUE ...]
     dstrain ckpt consolidate CKPT_DIR [--tag TAG] --out FILE [--safetensors] [--dtype fp32|fp16|bf16]
     dstrain ckpt info CKPT_DIR [--no-verify]
 
 `check-config` prints the resolved config as JSON (batch keys derived for the given data-parallel
-world size) and exits 0, or prints one line per problem and exits 2. Deprecated keys are reported as
-warnings on stderr. `ckpt consolidate` writes one plain state dict (fp32 by default; safetensors or
-torch format) that `model.load_state_dict` takes without dstrain; `ckpt info` lists the tags of a
-checkpoint directory with world size, ZeRO stage, size and checksum status (docs/checkpoints.md).
+world size) and exits 0, or prints one line per problem and exits 2. It runs every check
+`engine.initialize` runs that does not need the model. `--set optimizer.params.lr=3e-4` sets a dotted
+key first (the values of a template's "auto" keys; VALUE is read as JSON, else as a string), as
+`initialize(config_overrides=...)` does. Deprecated keys and "auto" tunables left to DeepSpeed's
+default are reported as warnings on stderr. `ckpt consolidate` writes one plain state dict (fp32 by
+default; safetensors or torch format) that `model.load_state_dict` takes without dstrain; `ckpt info`
+lists the tags of a checkpoint directory with world size, ZeRO stage, size and checksum status
+(docs/checkpoints.md).
 
 Exit codes: 0 ok, 1 bad or corrupted checkpoint, 2 invalid config or usage. This module imports no torch at import time, so that
 checking a config stays fast; subcommands that need torch import it inside their handler.
@@ -25,24 +29,39 @@ EXIT_OK, EXIT_BAD_CHECKPOINT, EXIT_INVALID = 0, 1, 2
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from schemas import ConfigDeprecationWarning, ConfigError, load_config
+    from schemas import ConfigAutoWarning, ConfigDeprecationWarning, ConfigError, load_config
 
+    told = (ConfigDeprecationWarning, ConfigAutoWarning)
+    config, error = None, None
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConfigDeprecationWarning)
+        for category in told:
+            warnings.simplefilter("always", category)
         try:
-            config = load_config(args.file, world_size=args.world_size)
+            config = load_config(args.file, world_size=args.world_size, overrides=dict(args.set))
         except ConfigError as err:
-            for line in str(err).splitlines():
-                print(f"error: {line}", file=sys.stderr)
-            count = len(err.problems)
-            print(f"{args.file}: {count} problem{'s' if count != 1 else ''} found", file=sys.stderr)
-            return EXIT_INVALID
+            error = err
     for warning in caught:
-        if issubclass(warning.category, ConfigDeprecationWarning):
+        if issubclass(warning.category, told):
             print(f"warning: {warning.message}", file=sys.stderr)
+    if error is not None:
+        for line in str(error).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        count = len(error.problems)
+        print(f"{args.file}: {count} problem{'s' if count != 1 else ''} found", file=sys.stderr)
+        return EXIT_INVALID
     resolved = {"world_size": config.world_size, **config.to_dict()}
     print(json.dumps(resolved, indent=2))
     return EXIT_OK
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. optimizer.params.lr=3e-4), got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a bare word is a string: --set optimizer.type=AdamW
 
 
 def _positive_int(text: str) -> int:
@@ -63,6 +82,9 @@ def _add_check_config(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("file", help="path to a .json (comments allowed) or .yaml config")
     parser.add_argument("--world-size", type=_positive_int, default=1,
                         help="data-parallel world size for the batch arithmetic (default 1)")
+    parser.add_argument("--set", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                        help="set a dotted key before checking, e.g. a template's \"auto\" value "
+                             "(--set optimizer.params.lr=3e-4); VALUE is JSON or a plain string")
     parser.set_defaults(handler=_check_config)
 
 

@@ -25,9 +25,10 @@ from schemas.optimizer import AdamParams, OptimizerConfig, SGDParams
 logger = logging.getLogger(__name__)
 
 # The torch optimizer classes ZeRO wraps without `zero_allow_untested_optimizer` (DeepSpeed's list,
-# less its own C++ optimizers). The check is on the exact class, as in DeepSpeed.
+# less its own C++ optimizers, plus the bias-uncorrected Adam that stands for FusedAdam's option).
+# The check is on the exact class, as in DeepSpeed.
 ZERO_SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, ops.UncorrectedAdam)
 
 ParamGroups = Iterable[Union[torch.Tensor, dict]]
 
@@ -70,13 +71,14 @@ def _kernel_choice(groups: list, fused: Optional[bool]) -> dict:
 def _build_adam(groups: list, params: AdamParams, always_decoupled: bool) -> torch.optim.Optimizer:
     decoupled = always_decoupled or params.adam_w_mode
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    kwargs: dict[str, Any] = {"lr": params.lr, "betas": params.betas, "eps": params.eps,
-                              "amsgrad": params.amsgrad, **_kernel_choice(groups, params.fused)}
+    kwargs: dict[str, Any] = {"lr": params.lr, "betas": params.betas, "eps": params.eps, "amsgrad": params.amsgrad}
     if params.weight_decay is not None:
         kwargs["weight_decay"] = params.weight_decay
     elif not params.torch_adam:
         kwargs["weight_decay"] = 0.0  # DeepSpeed's FusedAdam default; torch's AdamW would use 0.01
-    return cls(groups, **kwargs)
+    if not params.bias_correction:  # no torch kernel drops the correction (ops/adam.py)
+        return ops.UncorrectedAdam(groups, adam_w_mode=decoupled, **kwargs)
+    return cls(groups, **kwargs, **_kernel_choice(groups, params.fused))
 
 
 def _build_sgd(groups: list, params: SGDParams) -> torch.optim.Optimizer:

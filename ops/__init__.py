@@ -7,11 +7,13 @@ Communication compression (docs/compression.md):
   momentum themselves through a communicator (`CompressedOptimizer` is their shared base and the
   protocol the engine uses to switch its own gradient all-reduce off).
 - `Lamb`: LAMB with DeepSpeed's coefficient clipping.
+- `UncorrectedAdam`: Adam/AdamW without bias correction (DeepSpeed's `bias_correction: false`).
 - `PowerSGD`: low-rank gradient averaging with error feedback, a bucket reducer for data parallelism.
 Collectives go through any object shaped like `engine.comm.Communicator` (world_size, all_reduce,
 all_to_all, all_gather), so the bytes they move are counted.
 """
 from .compressed_optimizer import CompressedOptimizer
+from .adam import UncorrectedAdam
 from .lamb import Lamb
 from .onebit import CompressedAllReduce, pack_signs, unpack_signs
 from .onebit_adam import OneBitAdam
@@ -20,4 +22,4 @@ from .powersgd import PowerSGD
 from .zero_one_adam import ZeroOneAdam
 
 __all__ = ["CompressedAllReduce", "CompressedOptimizer", "Lamb", "OneBitAdam", "OneBitLamb", "PowerSGD",
-           "ZeroOneAdam", "pack_signs", "unpack_signs"]
+           "UncorrectedAdam", "ZeroOneAdam", "pack_signs", "unpack_signs"]

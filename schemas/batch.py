@@ -3,13 +3,16 @@
 Which keys are derived from which follows DeepSpeed's `_set_batch_related_parameters` (reference
 §1.2). DeepSpeed floor-divides first and then reports a confusing mismatch; here a value that does
 not divide exactly is reported as such, naming the given keys, the derived ones and the world size.
-"auto" (as written by HF Transformers users) means "not given".
+"auto" (as written in HF templates) is a value a host program fills: it is derived when the two other
+keys are given (the product then fixes it), and otherwise an error that names the "auto" keys and
+how to supply them (`schemas/auto.py`), never a default such as gradient_accumulation_steps 1.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from schemas.auto import unfilled_line
 from schemas.errors import show_value
 
 TBS, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
@@ -31,6 +34,8 @@ def given_batch_keys(raw: dict) -> tuple[dict[str, Any], list[str]]:
         value = raw.get(key)
         if value is None or value == "auto":
             continue
+        if isinstance(value, float) and value.is_integer():  # 1e3, as for every int field
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{key}: {show_value(value)} is not valid: expected a positive integer or \"auto\"")
         else:
@@ -54,9 +59,15 @@ def _divide(given: dict[str, int], world_size: int, divisor_key: Optional[str], 
                   f"cannot be derived {_context(given, derived, world_size)}")
 
 
-def derive_batch_sizes(given: dict[str, int], world_size: int) -> tuple[Optional[BatchSizes], list[str]]:
-    """Derive the missing batch keys from the given ones (DeepSpeed's table), checking exactness."""
+def derive_batch_sizes(given: dict[str, int], world_size: int,
+                       auto: tuple[str, ...] = ()) -> tuple[Optional[BatchSizes], list[str]]:
+    """Derive the missing batch keys from the given ones (DeepSpeed's table), checking exactness.
+    `auto`: the batch keys written as "auto", named when the rest cannot derive them."""
     tbs, micro, gas = given.get(TBS), given.get(MICRO), given.get(GAS)
+    if auto and len(given) < 2:
+        # Deriving would need a default (gradient_accumulation_steps 1, say) for a value the host
+        # program was meant to fill; only the arithmetic of two given keys may stand in for it.
+        return None, [unfilled_line(key) for key in (TBS, MICRO, GAS) if key in auto]
     if tbs is None and micro is None:
         alone = f" ({GAS} alone is not enough)" if gas is not None else ""
         return None, [f"{TBS}: neither {TBS} nor {MICRO} is given{alone}; give at least one of them"]

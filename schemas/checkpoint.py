@@ -21,7 +21,8 @@ class CheckpointConfig(StrictModel):
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
     """What to do when ranks disagree on a checkpoint tag (case-insensitive, as in DeepSpeed)."""
     load_universal: bool = False
-    """Load a universal (world-size independent) checkpoint."""
+    """Load a DeepSpeed universal checkpoint (not built yet: true rejected; dstrain's own checkpoints
+    load at any world size and stage without it)."""
     use_node_local_storage: bool = False
     """Every node writes to its own local storage instead of a shared file system."""
     parallel_write: ParallelWriteConfig = ParallelWriteConfig()

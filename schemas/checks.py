@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from schemas.config import Config
-from schemas.optimizer import ONEBIT_OPTIMIZERS
+from schemas.optimizer import ONEBIT_OPTIMIZERS, ZERO_TESTED_TYPES
 from schemas.zero import OffloadOptimizerConfig, OffloadParamConfig
 
 
@@ -27,11 +27,16 @@ def _min_loss_scale(config: Config) -> list[str]:
     return []
 
 
-def _fp16_master_weights(config: Config) -> list[str]:
-    if config.fp16.fp16_master_weights_and_grads and config.zero_optimization.stage != 2:
-        return [f"fp16.fp16_master_weights_and_grads: true needs zero_optimization.stage 2 "
-                f"(stage is {config.zero_optimization.stage})"]
-    return []
+def _untested_zero_optimizer(config: Config) -> list[str]:
+    """ZeRO's tested optimizers, as engine/optimizers.py's ZERO_SUPPORTED_OPTIMIZERS checks for an
+    optimizer object; here for the one the config names, so check-config says it too."""
+    stage = config.zero_optimization.stage
+    kind = config.optimizer.type if config.optimizer is not None else None
+    has_own_rule = (*ONEBIT_OPTIMIZERS, "Lamb")  # _compression_needs_stage0 says what they need
+    if stage == 0 or kind in (None, *ZERO_TESTED_TYPES, *has_own_rule) or config.zero_allow_untested_optimizer:
+        return []
+    return [f"optimizer.type: {kind} at zero_optimization.stage {stage}, which ZeRO has not been tested with "
+            f"(tested: {', '.join(ZERO_TESTED_TYPES)}); set \"zero_allow_untested_optimizer\": true to use it anyway"]
 
 
 def _nvme_path(name: str, section: Optional[OffloadParamConfig | OffloadOptimizerConfig]) -> list[str]:
@@ -99,7 +104,7 @@ def _compression_needs_stage0(config: Config) -> list[str]:
 CROSS_FIELD_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _fp16_and_bf16,
     _min_loss_scale,
-    _fp16_master_weights,
+    _untested_zero_optimizer,
     _offload,
     _checkpoint,
     _amp_with_mixed_precision,

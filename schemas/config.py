@@ -52,9 +52,9 @@ class Config(StrictModel):
     wall_clock_breakdown: bool = False
     """Time forward, backward, all-reduce and step, and log the times."""
     dump_state: bool = False
-    """Print the engine's state after initialize."""
+    """Log the resolved config (JSON) on rank 0 when initialize has built the engine."""
     memory_breakdown: bool = False
-    """Log memory use at each logging step."""
+    """Log memory use at each logging step (not built yet: true rejected)."""
     prescale_gradients: bool = False
     """Divide gradients by the world size before the all-reduce instead of after."""
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
@@ -62,17 +62,19 @@ class Config(StrictModel):
     communication_data_type: Optional[Literal["fp16", "bf16", "fp32"]] = None
     """Dtype of gradient all-reduce; None means the model's training dtype."""
     sparse_gradients: bool = False
-    """All-reduce embedding gradients as sparse tensors."""
+    """All-reduce embedding gradients as sparse tensors (not built yet: true rejected)."""
     zero_allow_untested_optimizer: bool = False
     """Allow ZeRO with an optimizer outside the tested list."""
     zero_force_ds_cpu_optimizer: bool = True
-    """With optimizer offload, require the CPU Adam implementation."""
+    """With optimizer offload, require the CPU Adam implementation. Optimizer offload is not built yet,
+    so false (which would allow another optimizer there) is rejected."""
     disable_allgather: bool = False
-    """Use broadcasts instead of all-gather for ZeRO parameter gathering."""
+    """Use broadcasts instead of all-gather for ZeRO parameter gathering (not built yet: true rejected)."""
     dataloader_drop_last: bool = False
     """Drop the last incomplete batch of the data loader built from training_data."""
     seed: int = Field(1234, ge=0)
-    """Seed for torch, Python and NumPy RNGs and for the data sampler."""
+    """Seeds torch's, Python's `random` and NumPy's global RNGs on every rank with seed + rank, and the
+    data sampler's shuffle with seed (the same on all ranks)."""
     amp: AmpConfig = AmpConfig()
     """Apex AMP (not supported; use fp16 or bf16)."""
     optimizer: Optional[OptimizerConfig] = None

@@ -150,8 +150,8 @@ class AdamParams(StrictModel):
     """Params of `Adam` and `AdamW` (torch's Adam/AdamW kernels; fused on CPU and GPU by default)."""
 
     lr: float = Field(1e-3, ge=0.0)
-    """Learning rate. `"auto"` keeps this default, 1e-3 (DeepSpeed's FusedAdam default); a scheduler
-    may overwrite it."""
+    """Learning rate (default 1e-3, DeepSpeed's FusedAdam default); a scheduler may overwrite it. An
+    unfilled `"auto"` is an error, never this default (schemas/auto.py)."""
     betas: Betas = (0.9, 0.999)
     """Coefficients of the running averages of the gradient and its square, each in [0, 1)."""
     eps: float = Field(1e-8, ge=0.0)
@@ -162,13 +162,15 @@ class AdamParams(StrictModel):
     amsgrad: bool = False
     """Use the AMSGrad variant (torch's kernels support it; DeepSpeed's FusedAdam does not)."""
     bias_correction: bool = True
-    """Only `true` is supported: torch's Adam kernels always correct the moment estimates' bias."""
+    """Divide the moments by 1 − β^t (Adam's bias correction; torch's kernels). false: DeepSpeed's
+    FusedAdam/CPU Adam without it, step lr·m/(√v + ε) (ops.UncorrectedAdam, torch's foreach ops;
+    not with `fused: true`, which names torch's fused kernel)."""
     adam_w_mode: bool = True
     """`Adam` only: true (default, as DeepSpeed 0.19.8) = decoupled weight decay (AdamW); false =
     classic Adam with L2 decay. `AdamW` is always decoupled."""
     torch_adam: bool = False
-    """Accepted for DeepSpeed compatibility: dstrain always runs torch's kernels. Only effect: an unset
-    `weight_decay` takes torch's default instead of 0.0."""
+    """Accepted for DeepSpeed compatibility: dstrain runs torch's kernels (true contradicts
+    bias_correction false). Only effect: an unset `weight_decay` takes torch's default instead of 0.0."""
     fused: Optional[bool] = None
     """dstrain: torch's fused kernel (true), torch's default kernel, foreach on GPU and a for-loop on
     CPU (false), or fused whenever all parameters are floating point on a device torch has fused
@@ -181,12 +183,20 @@ class AdamParams(StrictModel):
             raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
         return betas
 
-    @field_validator("bias_correction")
+    @field_validator("torch_adam")
     @classmethod
-    def _only_bias_correction(cls, value: bool) -> bool:
-        if not value:
-            raise ValueError("only true is supported: torch's Adam/AdamW kernels always apply bias "
-                             "correction; remove the key")
+    def _torch_adam_corrects_the_bias(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("bias_correction") is False:
+            raise ValueError("true contradicts bias_correction false: torch's Adam always corrects the bias "
+                             "(DeepSpeed fails on it too); remove one of them")
+        return value
+
+    @field_validator("fused")
+    @classmethod
+    def _fused_needs_bias_correction(cls, value: Optional[bool], info: ValidationInfo) -> Optional[bool]:
+        if value and info.data.get("bias_correction") is False:
+            raise ValueError("true needs bias_correction true: torch's fused kernel always corrects the bias; "
+                             "remove fused (bias_correction false runs on torch's foreach ops)")
         return value
 
 
@@ -194,7 +204,7 @@ class SGDParams(StrictModel):
     """Params of `SGD` (torch.optim.SGD)."""
 
     lr: float = Field(1e-3, ge=0.0)
-    """Learning rate. `"auto"` keeps this default, 1e-3 (torch's default)."""
+    """Learning rate (default 1e-3, torch's default)."""
     momentum: float = Field(0.0, ge=0.0)
     """Momentum factor; 0 disables momentum."""
     dampening: float = Field(0.0, ge=0.0)
@@ -305,6 +315,9 @@ PARAMS_MODELS: dict[str, type[StrictModel]] = {"Adam": AdamParams, "AdamW": Adam
                                                "Lamb": LambParams, "OneBitAdam": OneBitAdamParams,
                                                "ZeroOneAdam": ZeroOneAdamParams, "OneBitLamb": OneBitLambParams}
 
+# The config types ZeRO stages 1-3 take without `zero_allow_untested_optimizer` (DeepSpeed's list).
+ZERO_TESTED_TYPES = ("Adam", "AdamW")
+
 # The types that average their momentum themselves after warm-up (ZeRO stage 0 only).
 ONEBIT_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
@@ -333,6 +346,8 @@ class OptimizerConfig(TypedSection):
     params: OptimizerParams = Field(default_factory=dict)
     """Hyperparameters of `type`; see AdamParams, SGDParams, LambParams, OneBitAdamParams, ZeroOneAdamParams
     and OneBitLambParams. Missing keys take their defaults."""
+    legacy_fusion: bool = False
+    """DeepSpeed's legacy fused fp16 optimizer (not built yet: true is rejected)."""
 
     @classmethod
     def _check_params(cls, kind: str, params: StrictModel) -> None:

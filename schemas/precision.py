@@ -32,7 +32,8 @@ class FP16Config(StrictModel):
     min_loss_scale: float = Field(1.0, gt=0.0)
     """The dynamic loss scale never drops below this value."""
     fp16_master_weights_and_grads: bool = False
-    """Keep master weights and gradients in fp16 (DeepSpeed: ZeRO-2 with CPU Adam only)."""
+    """Keep master weights and gradients in fp16 (DeepSpeed: ZeRO-2 with CPU Adam only). Not built yet:
+    true is rejected; dstrain keeps them in fp32."""
 
     @property
     def dynamic(self) -> bool:
@@ -46,13 +47,18 @@ class BF16Config(StrictModel):
     enabled: bool = False
     """Train with bf16 model weights and fp32 master weights."""
     immediate_grad_update: bool = False
-    """Apply gradient updates to the master weights as soon as they are reduced."""
-    check_grad_overflow: bool = False
-    """Check gradients for inf/NaN and skip the step as fp16 does (DeepSpeed 0.19.8)."""
+    """Accumulate each gradient into its fp32 buffer as soon as backward produces it. Not built yet:
+    true is rejected."""
+    check_grad_overflow: bool = True
+    """Check gradients for inf/NaN and skip the step as fp16 does (default true since DeepSpeed 0.19.3).
+    dstrain always checks (`fault_tolerance.nan_policy` says what a non-finite gradient does); false
+    is not built yet and is rejected."""
     bf16_master_weights_and_grads: bool = False
-    """Keep master weights and gradients in bf16 inside the ZeRO optimizer."""
+    """Keep master weights and gradients in bf16 inside the ZeRO optimizer. Not built yet: true is
+    rejected; dstrain keeps them in fp32."""
     bf16_optimizer_states: bool = False
-    """Keep optimizer states in bf16 (needs bf16_master_weights_and_grads)."""
+    """Keep optimizer states in bf16 (needs bf16_master_weights_and_grads). Not built yet: true is
+    rejected."""
 
 
 class DataTypesConfig(StrictModel):

@@ -2,7 +2,11 @@
 
 [Note: one row per key] Each row of `UNBUILT` names a key path (a leaf or a whole section). A config
 is rejected when the value there differs from its schema default (or, with `built`, is not one of
-the values that are built). When a feature lands, delete its row and nothing else. Optimizer and
+the values that are built), and, with `when`, only in the configs `when` picks (e.g. one ZeRO stage).
+When a feature lands, delete its row and nothing else. A row on a section's `enabled` (or an offload
+`device`) also stands for the section's other keys: they act only once that key is on.
+`NOT_BUILT_SECTIONS` are DeepSpeed 0.19 top-level keys dstrain has no schema for yet; they are
+reported as "not built yet" (a feature that exists), not as unknown keys (a typo). Optimizer and
 scheduler types that are not built are rejected by `schemas/optimizer.py` / `schemas/scheduler.py`.
 """
 from __future__ import annotations
@@ -23,11 +27,61 @@ class Unbuilt:
     hint: str = ""
     built: Optional[Callable[[Any], bool]] = None
     permanent: bool = False  # never going to be built: say "not supported", not "not built yet"
+    when: Optional[Callable[[Any], bool]] = None  # the configs the row applies to (all when None)
+    where: str = ""  # words saying which configs `when` picks, e.g. "at zero_optimization.stage 3"
 
 
+def _stage(*stages: int) -> Callable[[Any], bool]:
+    return lambda config: config.zero_optimization.stage in stages
+
+
+def _is(value: Any) -> Callable[[Any], bool]:
+    return lambda v: v == value
+
+
+_ZEROPP = "ZeRO++ is not built yet; remove it"
 UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("zero_optimization.offload_param.device", 'use "none"'),
     Unbuilt("zero_optimization.offload_optimizer.device", 'use "none"'),
+    Unbuilt("zero_optimization.sub_group_size", "the optimizer steps each partition whole until offload "
+            "steps in sub-groups; remove it or use the default 1000000000"),
+    Unbuilt("zero_optimization.load_from_fp32_weights", "dstrain always loads the fp32 master weights; remove it",
+            built=_is(True)),
+    Unbuilt("zero_optimization.override_module_apply", "engine.zero.Init always gathers parameters around "
+            "Module.apply; remove it", built=_is(True)),
+    Unbuilt("zero_optimization.legacy_stage1", "DeepSpeed removed it too; remove it", permanent=True),
+    Unbuilt("zero_optimization.mics_shard_size", "MiCS is not built yet; remove it or use -1"),
+    Unbuilt("zero_optimization.mics_hierarchical_params_gather"),
+    Unbuilt("zero_optimization.zero_hpz_partition_size", "ZeRO++ hpZ is not built yet; remove it or use 1",
+            built=lambda v: v <= 1),
+    Unbuilt("zero_optimization.zero_quantized_weights", _ZEROPP),
+    Unbuilt("zero_optimization.zero_quantized_nontrainable_weights", _ZEROPP),
+    Unbuilt("zero_optimization.zero_quantized_gradients", _ZEROPP),
+    Unbuilt("zero_optimization.zeropp_loco_param", _ZEROPP),
+    Unbuilt("zero_optimization.zenflow", "ZenFlow is not built yet; remove it"),
+    Unbuilt("zero_optimization.leaf_module", "stage 3 units are chosen as docs/zero3.md says; remove it"),
+    Unbuilt("optimizer.legacy_fusion", "remove it"),
+    Unbuilt("zero_optimization.pipeline_loading_checkpoint"),
+    Unbuilt("zero_optimization.log_trace_cache_warnings"),
+    Unbuilt("zero_optimization.enable_sanity_checks"),
+    Unbuilt("zero_optimization.allgather_partitions", "stage 3 always all-gathers; remove it",
+            built=_is(True), when=_stage(3), where="at zero_optimization.stage 3"),
+    Unbuilt("zero_optimization.contiguous_gradients", "it applies to stages 1-3 only; remove it",
+            when=_stage(0), where="at zero_optimization.stage 0"),
+    Unbuilt("zero_optimization.round_robin_gradients", "it applies to stages 1-3 only; remove it",
+            when=_stage(0), where="at zero_optimization.stage 0"),
+    Unbuilt("zero_optimization.module_granularity_threshold", "stage 3 units are chosen as docs/zero3.md says; "
+            "remove it", when=_stage(3), where="at zero_optimization.stage 3"),
+    Unbuilt("zero_optimization.use_all_reduce_for_fetch_params", "stage 3 fetches with all-gather; remove it",
+            when=_stage(3), where="at zero_optimization.stage 3"),
+    Unbuilt("zero_optimization.allgather_sequential", "stage 3 gathers each unit in one all-gather; remove it",
+            when=_stage(3), where="at zero_optimization.stage 3"),
+    Unbuilt("fp16.fp16_master_weights_and_grads", "master weights and gradients are fp32; remove it"),
+    Unbuilt("bf16.bf16_master_weights_and_grads", "master weights and gradients are fp32; remove it"),
+    Unbuilt("bf16.bf16_optimizer_states", "optimizer states are fp32; remove it"),
+    Unbuilt("bf16.immediate_grad_update"),
+    Unbuilt("bf16.check_grad_overflow", "dstrain always checks bf16 gradients; fault_tolerance.nan_policy "
+            "says what a non-finite one does; remove it", built=_is(True)),
     Unbuilt("aio"),
     Unbuilt("activation_checkpointing"),
     Unbuilt("sparse_attention", "remove the section"),
@@ -41,9 +95,49 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("elasticity.enabled"),
     Unbuilt("amp.enabled", "use fp16 or bf16", permanent=True),
     Unbuilt("sparse_gradients"),
+    Unbuilt("memory_breakdown"),
+    Unbuilt("disable_allgather", "ZeRO gathers with all-gather; remove it"),
+    Unbuilt("zero_force_ds_cpu_optimizer", "it applies to optimizer offload, which is not built yet; remove it",
+            built=_is(True)),
+    Unbuilt("checkpoint.load_universal", "dstrain checkpoints load at any world size and stage without it; "
+            "loading DeepSpeed universal checkpoints is not built yet; remove it"),
     Unbuilt("checkpoint.use_node_local_storage", "use a shared file system (the default)"),
     Unbuilt("checkpoint.parallel_write"),
 )
+
+# DeepSpeed 0.19 top-level keys without a dstrain schema: key -> the feature it belongs to.
+NOT_BUILT_SECTIONS: dict[str, str] = {
+    "autotuning": "autotuning", "compression_training": "compression training",
+    "data_efficiency": "data efficiency (data sampling and routing)",
+    "curriculum_learning": "curriculum learning", "progressive_layer_drop": "progressive layer drop",
+    "tensor_parallel": "tensor parallelism (AutoTP)", "tp": "tensor parallelism (AutoTP)",
+    "seq_parallel_communication_data_type": "sequence parallelism", "compile": "torch.compile integration",
+    "managed_gradient_accumulation": "managed gradient accumulation",
+    "gradient_allreduce_op": "a configurable gradient all-reduce op", "torch_autocast": "torch.autocast mixed precision",
+    "graph_harvesting": "CUDA graph harvesting", "hybrid_engine": "the hybrid (RLHF) engine",
+    "use_data_before_expert_parallelism": "expert parallelism (MoE)", "expert_parallel": "expert parallelism (MoE)",
+    "log_level": "log levels", "nebula": "Nebula checkpointing", "datastates_ckpt": "DataStates checkpointing",
+    "weight_quantization": "weight quantization", "quantize_training": "quantized training",
+    "timers": "timers", "eigenvalue": "eigenvalue computation (for progressive layer drop)",
+}
+
+
+def _section_is_off(value: Any) -> bool:
+    # A section that only says it is off asks for nothing; DeepSpeed ignores the rest of it too.
+    return isinstance(value, dict) and value.get("enabled") is False
+
+
+def not_built_sections(raw: dict) -> tuple[dict, list[str]]:
+    """`raw` without the DeepSpeed sections dstrain has no schema for, and one line per section that asks
+    for its feature (a section with "enabled": false asks for nothing and is accepted)."""
+    kept, problems = {}, []
+    for key, value in raw.items():
+        if key not in NOT_BUILT_SECTIONS:
+            kept[key] = value
+        elif not _section_is_off(value):
+            problems.append(f"{key}: DeepSpeed's {NOT_BUILT_SECTIONS[key]} is not built yet in dstrain; "
+                            "remove the key" + (" or set \"enabled\": false" if isinstance(value, dict) else ""))
+    return kept, problems
 
 
 def _value_and_default(config: BaseModel, path: str) -> Optional[tuple[Any, Any]]:
@@ -73,6 +167,8 @@ def _line(row: Unbuilt, path: str, value: Any, default: Any) -> str:
     else:
         what = show_value(value)
     status = "is not supported by dstrain" if row.permanent else "is not built yet in dstrain"
+    if row.where:
+        status = f"{status} {row.where}"
     hint = row.hint or (f"remove it or use the default {show_value(default)}" if default is not None
                         else "remove it")
     return f"{path}: {what} {status}; {hint}"
@@ -83,7 +179,7 @@ def unbuilt_problems(config: BaseModel) -> list[str]:
     problems = []
     for row in UNBUILT:
         found = _value_and_default(config, row.path)
-        if found is None:
+        if found is None or (row.when is not None and not row.when(config)):
             continue
         value, default = found
         if row.built is not None:

@@ -69,29 +69,43 @@ class ZeroConfig(StrictModel):
     stage: int = Field(0, ge=0, le=3)
     """0 data parallel, 1 optimizer states, 2 + gradients, 3 + parameters partitioned."""
     contiguous_gradients: bool = True
-    """Copy gradients into one contiguous buffer as backward produces them."""
+    """Copy gradients into one contiguous buffer as backward produces them. By construction: at
+    stages 1-3 dstrain always reduces gradients into contiguous flat partitions (DESIGN decision 2),
+    so either value gives the same result and the same memory bound; at stage 0, false is rejected
+    (the key applies to stages 1-3 only)."""
     reduce_scatter: bool = True
     """Average gradients with reduce-scatter instead of all-reduce (stage 2)."""
     reduce_bucket_size: Size = Field(500_000_000, ge=0)
     """Elements reduced per bucket (gradient all-reduce / reduce-scatter)."""
     use_multi_rank_bucket_allreduce: bool = True
-    """Combine the reduce buckets of all ranks into one all-reduce."""
+    """Combine the reduce buckets of all ranks into one all-reduce. By construction: dstrain issues one
+    collective per bucket for all ranks at every stage; either value gives the same result."""
     allgather_partitions: bool = True
-    """Gather updated partitions with all-gather (true) or a series of broadcasts (false)."""
+    """Stages 1/2: gather updated partitions with all-gather (true) or a series of broadcasts (false).
+    Stage 3 always all-gathers: false is not built yet there and is rejected."""
     allgather_bucket_size: Size = Field(500_000_000, ge=0)
     """Elements all-gathered per bucket."""
     overlap_comm: bool = False
     """Overlap gradient reduction with backward; unset means true for stage 3, else false."""
     load_from_fp32_weights: bool = True
-    """Initialise master weights from the checkpoint's fp32 copy rather than the 16-bit model."""
+    """Initialise master weights from the checkpoint's fp32 copy rather than the 16-bit model. dstrain
+    always does (engine/checkpoint/restore.py); false is not built yet and is rejected."""
     elastic_checkpoint: bool = False
-    """Legacy elastic checkpoints for stages 1 and 2."""
+    """Legacy elastic checkpoints for stages 1 and 2. By construction: every dstrain checkpoint loads
+    at any world size and stage (DESIGN decision 4), which is what true asks for; false takes nothing
+    away that a run relies on."""
     offload_param: Optional[OffloadParamConfig] = None
     """Parameter offload (stage 3 only)."""
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     """Optimizer-state offload (CPU: stages 1-3; NVMe: stage 3)."""
+    zenflow: Optional[dict[str, Any]] = None
+    """DeepSpeed's ZenFlow (stall-free offload) options (not built yet: the section is rejected)."""
+    leaf_module: Optional[dict[str, Any]] = None
+    """Stage 3: modules DeepSpeed treats as ZeRO-3 leaf modules (not built yet: the section is rejected;
+    dstrain's units are chosen as docs/zero3.md says)."""
     sub_group_size: Size = Field(1_000_000_000, ge=0)
-    """Elements per optimizer sub-group stepped (and swapped) at a time."""
+    """Elements per optimizer sub-group stepped (and swapped) at a time. Not built yet: each partition
+    is stepped whole, so only the default is accepted until offload steps in sub-groups."""
     prefetch_bucket_size: Size = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
     """Stage 3: parameter elements fetched ahead of use."""
     param_persistence_threshold: Size = Field(100_000, ge=0, alias="stage3_param_persistence_threshold")
@@ -105,42 +119,49 @@ class ZeroConfig(StrictModel):
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
     """Stage 3: gather full 16-bit weights for save_16bit_model()."""
     module_granularity_threshold: Size = Field(0, ge=0, alias="stage3_module_granularity_threshold")
-    """Stage 3: fetch fine-grained modules (below this granularity) as one unit."""
+    """Stage 3: fetch fine-grained modules (below this granularity) as one unit (not built yet: only 0)."""
     use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")
-    """Stage 3: fetch parameters with all-reduce instead of all-gather."""
+    """Stage 3: fetch parameters with all-reduce instead of all-gather (not built yet: true rejected)."""
     allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential")
-    """Stage 3: gather parameters one by one instead of through buckets."""
+    """Stage 3: gather parameters one by one instead of through buckets (not built yet: true rejected)."""
     ignore_unused_parameters: bool = True
     """Every stage: true counts a trainable parameter that got no gradient in a step as a zero gradient
     (as DDP does); false makes it an error at `step()` that names the parameters (DeepSpeed's check)."""
     legacy_stage1: bool = False
-    """DeepSpeed's removed legacy stage-1 implementation."""
+    """DeepSpeed's removed legacy stage-1 implementation (not supported: true is rejected)."""
     round_robin_gradients: bool = False
-    """Stages 1/2 with CPU offload: spread gradient copies across ranks."""
+    """Stages 1/2 with CPU offload: spread gradient copies across ranks. By construction: an ordering
+    of the copies into the offloaded buffer with the same result, and dstrain has no CPU-offload copy
+    to order; either value is accepted at stages 1-3 (true is rejected at stage 0, where it means
+    nothing)."""
     zero_hpz_partition_size: int = Field(1, ge=0)
-    """ZeRO++ hpZ: ranks in the secondary parameter partition group."""
+    """ZeRO++ hpZ: ranks in the secondary parameter partition group (not built yet: above 1 rejected)."""
     zero_quantized_weights: bool = False
-    """ZeRO++ qwZ: quantise weights for all-gather."""
+    """ZeRO++ qwZ: quantise weights for all-gather (not built yet: true rejected)."""
     zero_quantized_nontrainable_weights: bool = False
-    """ZeRO++: store frozen weights quantised."""
+    """ZeRO++: store frozen weights quantised (not built yet: true rejected)."""
     zero_quantized_gradients: bool = False
-    """ZeRO++ qgZ: quantise gradients for reduce-scatter."""
+    """ZeRO++ qgZ: quantise gradients for reduce-scatter (not built yet: true rejected)."""
     zeropp_loco_param: Optional[dict[str, Any]] = None
-    """ZeRO++ LoCo error-feedback parameters (err_beta, reset_T)."""
+    """ZeRO++ LoCo error-feedback parameters (err_beta, reset_T) (not built yet: rejected)."""
     mics_shard_size: int = -1
-    """MiCS: ranks per parameter shard group; -1 off."""
+    """MiCS: ranks per parameter shard group; -1 off (not built yet: other values rejected)."""
     mics_hierarchical_params_gather: bool = False
-    """MiCS: gather parameters hierarchically."""
+    """MiCS: gather parameters hierarchically (not built yet: true rejected)."""
     memory_efficient_linear: bool = True
-    """Stage 3: memory-efficient linear layer."""
+    """Stage 3: a linear layer that keeps no gathered weight alive between forward and backward. By
+    construction: dstrain's stage 3 frees every gathered weight's storage after forward, and the views
+    autograd saved see it re-gathered in backward (docs/zero3.md, Storage), for every layer; either
+    value gives that result."""
     pipeline_loading_checkpoint: bool = False
-    """Stage 3: load checkpoints in pipeline mode."""
+    """Stage 3: load checkpoints in pipeline mode (not built yet: true rejected)."""
     override_module_apply: bool = True
-    """Stage 3: gather parameters around nn.Module.apply."""
+    """Stage 3: gather parameters around nn.Module.apply, as engine.zero.Init always does (false is not
+    built yet and is rejected)."""
     log_trace_cache_warnings: bool = False
-    """Stage 3: log trace-cache invalidation warnings."""
+    """Stage 3: log trace-cache invalidation warnings (not built yet: true rejected)."""
     enable_sanity_checks: bool = False
-    """Run internal consistency checks (debugging)."""
+    """Run internal consistency checks (debugging) (not built yet: true rejected)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -16,6 +16,7 @@ import pytest
 
 from engine.cli import main as cli_main
 from schemas import ConfigError, load_config
+from schemas.unbuilt import NOT_BUILT_SECTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 BAD_CONFIGS = sorted(p for p in (REPO / "tests" / "bad_configs").iterdir() if p.suffix in (".json", ".yaml", ".yml"))
@@ -129,3 +130,95 @@ def test_cli_usage_errors_exit_non_zero(capsys: pytest.CaptureFixture):
         cli_main(["check-config", "x.json", "--world-size", "0"])
     assert caught.value.code == 2
     assert cli_main([]) == 2
+
+
+def test_every_deepspeed_section_without_a_schema_is_not_built_not_unknown():
+    for key in NOT_BUILT_SECTIONS:
+        with pytest.raises(ConfigError) as caught:
+            load_config({"train_micro_batch_size_per_gpu": 1, key: {"enabled": True}})
+        assert caught.value.problems == [f"{key}: DeepSpeed's {NOT_BUILT_SECTIONS[key]} is not built yet in "
+                                         "dstrain; remove the key or set \"enabled\": false"]
+    # A section that only says it is off asks for nothing.
+    load_config({"train_micro_batch_size_per_gpu": 1, "compile": {"enabled": False},
+                 "curriculum_learning": {"enabled": False, "curriculum_type": "seqlen"}})
+
+
+def test_schema_errors_do_not_hide_not_built_and_cross_field_errors():
+    with pytest.raises(ConfigError) as caught:
+        load_config({"train_micro_batch_size_per_gpu": 1, "stray_key": 1, "fp16": {"enabled": True, "hysteresis": 0},
+                     "bf16": {"enabled": True},
+                     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "mics_shard_size": 4},
+                     "optimizer": {"type": "Adamm"}, "checkpoint": {"save_interval": 10}})
+    heads = sorted(line.split(":")[0] for line in caught.value.problems)
+    assert heads == ["checkpoint.save_interval", "fp16.enabled", "fp16.hysteresis", "optimizer.type", "stray_key",
+                     "zero_optimization.mics_shard_size", "zero_optimization.offload_optimizer.device"]
+
+
+def test_comment_keys_are_accepted_at_any_depth_and_other_underscores_are_not():
+    config = load_config({"_comment": "ZeRO-2 template", "train_micro_batch_size_per_gpu": 1,
+                          "zero_optimization": {"stage": 2, "_comment_buckets": "tuned on 8 GPUs"},
+                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "_comment": "peak lr"}}})
+    assert config.zero_optimization.stage == 2 and "_comment" not in config.to_dict()
+    with pytest.raises(ConfigError, match="_note: unknown key"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "_note": "x"})
+
+
+def test_integral_floats_pass_for_every_int_field_and_fractions_do_not():
+    config = load_config({"train_batch_size": 8.0, "steps_per_print": 1e5, "seed": 42.0,
+                          "fp16": {"loss_scale_window": 1e3},
+                          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1e2}},
+                          "optimizer": {"type": "AdamW", "params": {"lr": 1}}})
+    assert (config.train_batch_size, config.steps_per_print, config.seed) == (8, 100_000, 42)
+    assert type(config.steps_per_print) is int and config.fp16.loss_scale_window == 1000
+    assert config.scheduler.params.warmup_num_steps == 100
+    with pytest.raises(ConfigError, match="steps_per_print: 10.5 is not valid"):
+        load_config({"train_batch_size": 8, "steps_per_print": 10.5})
+
+
+@pytest.mark.parametrize("zero", [
+    {"stage": 2, "round_robin_gradients": True},             # LLaMA-Factory's ZeRO-2 template
+    {"stage": 3, "contiguous_gradients": False},             # DeepSpeed's own ZeRO-3 template
+    {"stage": 1, "contiguous_gradients": False, "use_multi_rank_bucket_allreduce": False},
+    {"stage": 3, "memory_efficient_linear": False, "elastic_checkpoint": True},
+])
+def test_settings_met_by_construction_are_accepted(zero):
+    assert load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}).zero_optimization.stage == zero["stage"]
+
+
+def test_an_untested_zero_optimizer_is_named_by_the_config_check():
+    raw = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with pytest.raises(ConfigError, match="optimizer.type: SGD at zero_optimization.stage 2, which ZeRO has not"):
+        load_config(raw)
+    assert load_config({**raw, "zero_allow_untested_optimizer": True}).optimizer.type == "SGD"
+
+
+def test_cli_set_fills_auto_values_and_names_the_unfilled_ones():
+    template = str(REPO / "tests" / "agreement_configs" / "hf_template_unfilled.json")
+    result = run_cli("check-config", template)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    named = [line.split(": ")[2] for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert named == ["gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay",
+                     "train_batch_size", "train_micro_batch_size_per_gpu"]
+    assert "warning: zero_optimization.reduce_bucket_size: \"auto\" not filled" in result.stderr
+    result = run_cli("check-config", template, "--set", "train_micro_batch_size_per_gpu=4", "--set",
+                     "gradient_accumulation_steps=1", "--set",
+                     "gradient_clipping=1.0", "--set", "optimizer.params.lr=3e-4", "--set",
+                     "optimizer.params.weight_decay=0.0", "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)
+    assert (resolved["train_batch_size"], resolved["optimizer"]["params"]["lr"]) == (8, 3e-4)
+
+
+def test_cli_set_needs_key_equals_value(capsys: pytest.CaptureFixture):
+    with pytest.raises(SystemExit) as caught:
+        cli_main(["check-config", "x.json", "--set", "optimizer.params.lr"])
+    assert caught.value.code == 2 and "expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_a_key_rejected_twice_does_not_hide_the_rest_of_its_section():
+    # `stages` fails both branches of its union (int, "auto"): two errors, one key.
+    with pytest.raises(ConfigError) as caught:
+        load_config({"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": "x", "seed_layers": True}})
+    heads = [line.split(":")[0] for line in caught.value.problems]
+    assert heads == ["pipeline.stages", "pipeline.seed_layers"], caught.value.problems

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from schemas import Config, ConfigDeprecationWarning, ConfigError, load_config
+from schemas import Config, ConfigAutoWarning, ConfigDeprecationWarning, ConfigError, load_config
 from schemas.checkpoint import CheckpointConfig
 from schemas.deprecated import map_deprecated_keys
 from schemas.errors import _models_in
@@ -31,7 +31,7 @@ DEEPSPEED_DEFAULTS = [
     ("fp16.initial_scale_power", 16), ("fp16.loss_scale_window", 1000), ("fp16.hysteresis", 2),
     ("fp16.consecutive_hysteresis", False), ("fp16.min_loss_scale", 1.0),
     ("fp16.fp16_master_weights_and_grads", False),
-    ("bf16.enabled", False), ("bf16.immediate_grad_update", False), ("bf16.check_grad_overflow", False),
+    ("bf16.enabled", False), ("bf16.immediate_grad_update", False), ("bf16.check_grad_overflow", True),
     ("data_types.grad_accum_dtype", None),
     ("zero_optimization.stage", 0), ("zero_optimization.contiguous_gradients", True),
     ("zero_optimization.reduce_scatter", True), ("zero_optimization.reduce_bucket_size", 500_000_000),
@@ -116,7 +116,7 @@ def test_config_is_frozen_and_records_its_world_size():
 
 
 def test_resolved_config_round_trips():
-    config = load_config({"train_batch_size": 16, "bfloat16": {"immediate_grad_update": True},
+    config = load_config({"train_batch_size": 16, "bfloat16": {"enabled": True},
                           "zero_optimization": {"stage3_max_reuse_distance": 1e3},
                           "optimizer": {"type": "adam", "params": {"betas": [0.8, 0.9]}}}, world_size=2)
     again = load_config(json.loads(json.dumps(config.to_dict())), world_size=2)
@@ -174,18 +174,48 @@ def test_overlap_comm_default_depends_on_stage(stage, expected):
     assert ZeroConfig(stage=stage, overlap_comm=not expected).overlap_comm is (not expected)
 
 
-def test_auto_means_default_or_derived():
-    config = load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
-                          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-                          "fp16": {"enabled": "auto", "loss_scale": "auto"},
-                          "zero_optimization": {"reduce_bucket_size": "auto"}}, world_size=2)
-    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (8, 1)
-    assert config.gradient_clipping == 1.0 and config.fp16.enabled is False
+def test_auto_batch_keys_are_derived_and_tunables_take_the_default_with_a_warning():
+    with pytest.warns(ConfigAutoWarning, match="zero_optimization.reduce_bucket_size: \"auto\" not filled"):
+        config = load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
+                              "gradient_accumulation_steps": 2,
+                              "zero_optimization": {"reduce_bucket_size": "auto", "overlap_comm": "auto"}},
+                             world_size=2)
+    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (4, 2)
     assert config.zero_optimization.reduce_bucket_size == 500_000_000
+    assert config.zero_optimization.overlap_comm is False
+
+
+def test_an_auto_batch_key_only_two_given_keys_determine_is_never_defaulted():
+    with pytest.raises(ConfigError) as caught:  # gradient_accumulation_steps would silently become 1
+        load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
+                     "gradient_accumulation_steps": "auto"}, world_size=2)
+    assert [line.split(":")[0] for line in caught.value.problems] == [
+        "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
+    # Absent (not "auto") keys keep DeepSpeed's derivation table.
+    assert load_config({"train_batch_size": 16}, world_size=2).gradient_accumulation_steps == 1
+
+
+def test_an_unfilled_auto_hyper_parameter_is_an_error_naming_each_key():
+    with pytest.raises(ConfigError) as caught:
+        load_config({**MINIMAL, "gradient_clipping": "auto", "fp16": {"enabled": "auto"},
+                     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}})
+    paths = [line.split(":")[0] for line in caught.value.problems]
+    assert paths == ["gradient_clipping", "fp16.enabled", "optimizer.params.lr", "optimizer.params.betas"]
+    assert all("--set" in line and "config_overrides" in line and "hf_auto_values" in line
+               for line in caught.value.problems)
+
+
+def test_overrides_fill_auto_keys_and_any_other_key():
+    config = load_config({**MINIMAL, "gradient_clipping": "auto",
+                          "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+                         overrides={"gradient_clipping": 0.5, "optimizer.params.lr": 3e-4, "fp16.enabled": True})
+    assert (config.gradient_clipping, config.optimizer.params.lr, config.fp16.enabled) == (0.5, 3e-4, True)
+    with pytest.raises(ConfigError, match="optimizer.params.lr: cannot set it, optimizer is \"x\""):
+        load_config({**MINIMAL, "optimizer": "x"}, overrides={"optimizer.params.lr": 1.0})
 
 
 def test_bfloat16_alias_and_tag_validation_case():
-    assert load_config({**MINIMAL, "bfloat16": {"check_grad_overflow": True}}).bf16.check_grad_overflow
+    assert load_config({**MINIMAL, "bfloat16": {"enabled": True}}).bf16.enabled
     assert CheckpointConfig(tag_validation="fail").tag_validation == "Fail"
 
 

@@ -236,7 +236,7 @@ def test_unknown_type_lists_valid_types():
 
 def test_type_is_canonical_and_defaults_apply():
     cfg = SchedulerConfig.model_validate({"type": "onecycle", "params": {
-        "cycle_min_lr": 0.1, "cycle_max_lr": 1, "decay_lr_rate": "auto"}})
+        "cycle_min_lr": 0.1, "cycle_max_lr": 1}})
     assert cfg.type == "OneCycle" and cfg.params.cycle_first_step_size == 2000
     assert cfg.params.decay_lr_rate == 0.0
     assert SchedulerConfig.model_validate({"type": "WarmupDecayLR", "params": {

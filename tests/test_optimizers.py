@@ -6,9 +6,15 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+import engine
+import ops
+import schemas
+
 from engine.optimizers import (ZERO_SUPPORTED_OPTIMIZERS, build_optimizer, is_zero_supported_optimizer,
                                resolve_optimizer)
 from schemas.optimizer import NOT_BUILT_OPTIMIZERS, OptimizerConfig
+from tests.harness import run_distributed
+from tests.models import OddMLP, make_batches, micro_batches, reference_train
 
 
 def config(kind: str, **params) -> OptimizerConfig:
@@ -108,12 +114,14 @@ def test_param_groups_keep_their_overrides_and_generators_work():
     assert build_optimizer((p for p in params()), config("SGD")).param_groups[0]["params"]
 
 
-def test_auto_lr_keeps_the_documented_default():
-    assert config("AdamW", lr="auto", weight_decay="auto").params.lr == 1e-3
+def test_auto_lr_is_never_a_silent_default():
+    with pytest.raises(schemas.ConfigError, match="optimizer.params.lr: \"auto\" was not filled"):
+        schemas.load_config({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
 
 
 def test_zero_supported_optimizers_are_deepspeeds_torch_classes():
-    assert set(ZERO_SUPPORTED_OPTIMIZERS) == {torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad}
+    assert set(ZERO_SUPPORTED_OPTIMIZERS) == {torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                                              ops.UncorrectedAdam}
     assert is_zero_supported_optimizer(build_optimizer(params(), config("Adam")))
     assert not is_zero_supported_optimizer(build_optimizer(params(), config("SGD")))
 
@@ -159,7 +167,7 @@ def test_unknown_type_lists_valid_names():
 
 
 @pytest.mark.parametrize("params, key, text", [
-    ({"bias_correction": False}, "params.bias_correction", "only true is supported"),
+    ({"bias_correction": False, "fused": True}, "params.fused", "fused kernel always corrects the bias"),
     ({"max_grad_norm": 1.0}, "params.max_grad_norm", "gradient_clipping"),
     ({"betas": [0.9, 1.5]}, "params.betas", "[0, 1)"),
     ({"lr": -1}, "params.lr", "greater than or equal to 0"),
@@ -175,3 +183,74 @@ def test_adamw_with_adam_w_mode_false_is_a_contradiction():
 
 def test_nesterov_needs_momentum():
     assert "params.nesterov" in errors({"type": "SGD", "params": {"nesterov": True}})
+
+
+def reference_uncorrected_adam(param: torch.Tensor, grads: list, lr, betas, eps, wd, decoupled, amsgrad=False):
+    """DeepSpeed's FusedAdam(bias_correction=False) written out element-wise in float64, step by step."""
+    x = param.detach().double().clone()
+    m, v, vmax = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x)
+    for g in grads:
+        g = g.double() + (0.0 if decoupled else wd * x)
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        vmax = torch.maximum(vmax, v)
+        update = m / ((vmax if amsgrad else v).sqrt() + eps) + (wd * x if decoupled else 0.0)
+        x = x - lr * update
+    return x
+
+
+@pytest.mark.parametrize("kind,extra,decoupled", [
+    ("AdamW", {}, True), ("Adam", {"adam_w_mode": False}, False), ("Adam", {}, True),
+    ("AdamW", {"amsgrad": True}, True)])
+def test_bias_correction_false_is_fused_adams_update_without_the_correction(kind, extra, decoupled):
+    p = torch.nn.Parameter(torch.randn(3, 5, generator=torch.Generator().manual_seed(1)))
+    grads = [torch.randn(3, 5, generator=torch.Generator().manual_seed(10 + i)) for i in range(6)]
+    hyper = {"lr": 0.01, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+    opt = build_optimizer([p], config(kind, bias_correction=False, **hyper, **extra))
+    assert type(opt) is ops.UncorrectedAdam and is_zero_supported_optimizer(opt)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    expected = reference_uncorrected_adam(torch.randn(3, 5, generator=torch.Generator().manual_seed(1)), grads,
+                                          hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"], decoupled,
+                                          amsgrad=extra.get("amsgrad", False))
+    torch.testing.assert_close(p.detach().double(), expected, rtol=1e-5, atol=1e-6)
+    assert opt.state[p]["step"] == len(grads)
+
+
+def test_bias_correction_false_differs_from_torchs_adam_and_refuses_the_fused_kernel():
+    p, q = (torch.nn.Parameter(torch.ones(4)) for _ in range(2))
+    ours, torchs = build_optimizer([p], config("AdamW", bias_correction=False)), build_optimizer([q], config("AdamW"))
+    p.grad, q.grad = torch.full((4,), 0.5), torch.full((4,), 0.5)
+    ours.step(), torchs.step()
+    # first step: lr·(1−β1)g / (√((1−β2)g²) + ε) = lr·0.1/√0.001 ≈ 3.16·lr, where Adam moves lr
+    torch.testing.assert_close(1 - p.detach(), torch.full((4,), 1e-3 * 0.1 / 0.001 ** 0.5), rtol=1e-4, atol=0)
+    torch.testing.assert_close(1 - q.detach(), torch.full((4,), 1e-3), rtol=1e-4, atol=0)
+    with pytest.raises(ValidationError, match="fused kernel always corrects the bias"):
+        config("AdamW", bias_correction=False, fused=True)
+    with pytest.raises(ValidationError, match="torch's Adam always corrects the bias"):
+        config("AdamW", bias_correction=False, torch_adam=True)
+
+
+def _train_uncorrected_zero2():
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    eng, opt, _, _ = engine.initialize(model=OddMLP(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "bias_correction": False}}})
+    for x, y in make_batches(5, 2 * world):
+        for xm, ym in micro_batches(x, y, rank, world, 1):
+            eng.backward(eng(xm, ym))
+            eng.step()
+    return type(eng.zero_optimizer.optimizer).__name__, {k: v.clone() for k, v in eng.module.state_dict().items()}
+
+
+def test_bias_correction_false_under_zero_stage_2_is_single_process_training():
+    results = run_distributed(_train_uncorrected_zero2, 2)
+    torch.manual_seed(0)
+    ref, _, _ = reference_train(OddMLP(), make_batches(5, 4),
+                                lambda ps: ops.UncorrectedAdam(ps, lr=1e-2, weight_decay=0.1))
+    for kind, state in results:
+        assert kind == "UncorrectedAdam"
+        for k, v in state.items():
+            torch.testing.assert_close(v, ref.state_dict()[k], atol=1e-6, rtol=1e-5)

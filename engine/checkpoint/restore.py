@@ -81,14 +81,26 @@ def _sampler_state(saved: dict, world: int, micro: int) -> dict:
     return {"epoch": saved["epoch"], "batches_in_epoch": samples // (micro * world)}
 
 
+def _restore_param_groups(eng, saved: list) -> None:
+    """The saved hyperparameters (lr, betas, weight decay, ...) of each param group. With another number
+    of groups there is no telling which saved group is which: the new config's values stay, and rank 0
+    says so (DeepSpeed keeps them silently)."""
+    groups = eng.optimizer.param_groups
+    if len(saved) == len(groups):
+        for group, values in zip(groups, saved):
+            group.update(values)
+    elif eng.comm.rank == 0:
+        warnings.warn(f"the checkpoint has {len(saved)} optimizer param groups, the engine {len(groups)}: their "
+                      "hyperparameters (lr, betas, weight_decay, ...) are not restored and keep the new config's "
+                      "values", stacklevel=5)
+
+
 def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
     zopt = eng.zero_optimizer
     if load_optimizer_states and zopt is not None:
         if state["guard"] is not None:
             zopt.guard.load_state_dict(state["guard"])
-        if len(state["param_groups"]) == len(eng.optimizer.param_groups):
-            for group, saved in zip(eng.optimizer.param_groups, state["param_groups"]):
-                group.update(saved)
+        _restore_param_groups(eng, state["param_groups"])
     if load_lr_scheduler_states and eng.lr_scheduler is not None and state["lr_scheduler"] is not None:
         eng.lr_scheduler.load_state_dict(state["lr_scheduler"])
     for key, value in state["counters"].items():

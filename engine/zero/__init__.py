@@ -30,12 +30,7 @@ def _partitioned_problems(optimizer, cfg) -> list[str]:
         problems.append(f"zero_optimization.stage: {zero.stage} with optimizer {type(optimizer).__name__}, which "
                         "ZeRO has not been tested with (supported: Adam, AdamW, Adagrad); set "
                         '"zero_allow_untested_optimizer": true to use it anyway')
-    if not zero.contiguous_gradients:
-        problems.append("zero_optimization.contiguous_gradients: false is not supported: dstrain always keeps "
-                        "gradient partitions in one contiguous flat buffer; remove the key or set it true")
-    if zero.round_robin_gradients:
-        problems.append("zero_optimization.round_robin_gradients: true only applies to CPU optimizer offload, "
-                        "which is not built yet in dstrain; remove the key or set it false")
+    # contiguous_gradients and round_robin_gradients are met by construction (schemas/zero.py).
     return problems
 
 

@@ -44,11 +44,34 @@ def _is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_shape") and tuple(p.shape) != tuple(p.ds_shape)
 
 
+def _refuse_unbuilt_init_arguments(checks: dict[str, tuple[bool, str]], given: dict) -> None:
+    refused = [f"{name}={given[name]!r} ({feature})" for name, (fine, feature) in checks.items() if not fine]
+    if refused:
+        raise NotImplementedError(f"engine.zero.Init: {', '.join(refused)} not built yet in dstrain; "
+                                  "leave these arguments at their defaults")
+
+
 class Init:
     """Partition parameters as modules are constructed (module note: construction)."""
 
-    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, config_dict_or_path=None,
-                 config=None, enabled: bool = True, dtype: torch.dtype | None = None, **_ignored):
+    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear: bool = True,
+                 remote_device=None, pin_memory: bool = False, config_dict_or_path=None, config=None,
+                 enabled: bool = True, dtype: torch.dtype | None = None, mpu=None, zero_param_parallel_group=None,
+                 zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group=None, param_swapper=None):
+        # DeepSpeed's signature, so its callers run unchanged; what is not built is refused, not dropped.
+        # mem_efficient_linear is met by construction (zero_optimization.memory_efficient_linear's note).
+        _refuse_unbuilt_init_arguments({
+            "remote_device": (remote_device in (None, "none"), "parameter offload"),
+            "pin_memory": (not pin_memory, "parameter offload"),
+            "mpu": (mpu is None, "Megatron-style model parallelism"),
+            "zero_param_parallel_group": (zero_param_parallel_group is None, "ZeRO++ hpZ"),
+            "zero_quantized_weights": (not zero_quantized_weights, "ZeRO++ qwZ"),
+            "zero_quantized_nontrainable_weights": (not zero_quantized_nontrainable_weights,
+                                                    "ZeRO++ quantized frozen weights"),
+            "sequence_data_parallel_group": (sequence_data_parallel_group is None, "sequence parallelism"),
+            "param_swapper": (param_swapper is None, "NVMe parameter swapping"),
+        }, locals())
         self.enabled = enabled
         self.comm = Communicator(data_parallel_group)
         source = config if config is not None else config_dict_or_path
