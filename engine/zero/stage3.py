@@ -36,15 +36,6 @@ from .stage3_params import (GatherGroup, Stage3Partition, full_shape, gather_ful
 from .stage3_units import discover_units, install_hooks, user_modules
 
 
-def stage3_problems(zero) -> list[str]:
-    """Stage-3 keys whose non-default values dstrain does not build: rejected, never ignored."""
-    unbuilt = {"stage3_module_granularity_threshold": zero.module_granularity_threshold != 0,
-               "stage3_use_all_reduce_for_fetch_params": zero.use_all_reduce_for_fetch_params,
-               "stage3_allgather_sequential": zero.allgather_sequential}
-    return [f"zero_optimization.{key} is not built yet in dstrain (units are chosen as docs/zero3.md says); "
-            "remove it" for key, set_ in unbuilt.items() if set_]
-
-
 class HostMemoryTrimmer:
     """[Note: host memory] Each pass allocates and frees the gathered parameters and the all-gather
     buffers (the model's size, twice). glibc keeps freed blocks in its heap for reuse (its mmap
