@@ -86,8 +86,8 @@ from dataclasses import dataclass
 from launcher.control import ControlServer
 from launcher.environment import forwarded_environment, local_environment
 from launcher.errors import LaunchError
-from launcher.hostfile import resolve_slots
-from launcher.runners import RUNNERS, AgentOptions, runner_processes
+from launcher.hostfile import check_host, resolve_slots
+from launcher.runners import RUNNERS, AgentOptions, runner_processes, ssh_argv
 from launcher.supervisor import AttemptResult, JobSupervisor
 from launcher.world import WorldInfo
 
@@ -169,6 +169,9 @@ def choose_runner(args, world: WorldInfo) -> str:
 def make_plan(args, environ: dict[str, str], cwd: str) -> LaunchPlan:
     if args.max_restarts < 0 or args.hang_timeout < 0:
         raise LaunchError("--max_restarts and --hang_timeout must not be negative")
+    for flag in ("master_addr", "control_addr"):
+        if getattr(args, flag):
+            check_host(getattr(args, flag), f"--{flag}")
     slots = resolve_slots(args.hostfile, environ, args.include, args.exclude, args.num_nodes, args.num_gpus)
     world = WorldInfo.from_slots(slots)
     runner = choose_runner(args, world)
@@ -203,9 +206,8 @@ def check_ssh(plan: LaunchPlan):
     args = plan.args
     extra = shlex.split(args.launcher_args) if plan.runner == "ssh" else shlex.split(
         os.environ.get("PDSH_SSH_ARGS_APPEND", ""))
-    port = ["-p", str(args.ssh_port)] if args.ssh_port else []
-    probes = {host: subprocess.Popen(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *port, *extra,
-                                      host, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    probes = {host: subprocess.Popen(ssh_argv(host, args.ssh_port, ["-o", "ConnectTimeout=10", *extra], "true"),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True) for host in plan.world.hosts}
     for host, probe in probes.items():
         _, err = probe.communicate(timeout=30)

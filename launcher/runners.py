@@ -3,7 +3,7 @@
 | runner  | what runs on this machine                        | how an agent learns its node rank    |
 |---------|--------------------------------------------------|--------------------------------------|
 | local   | `python -m launcher.agent` directly              | `--node_rank 0`                      |
-| ssh     | one `ssh HOST 'cd CWD && exec env K=V ... python -m launcher.agent ...'` per node | `--node_rank N` |
+| ssh     | one `ssh -- HOST 'cd CWD && exec env K=V ... python -m launcher.agent ...'` per node | `--node_rank N` |
 | pdsh    | one `pdsh -S -N -R ssh -w h1,h2 '<same>'`        | `--node_host %h` (pdsh fills in)     |
 | slurm   | one `srun --ntasks-per-node=1 --nodelist=... env K=V python -m launcher.agent ...` | `$SLURMD_NODENAME` |
 | openmpi | one `mpirun -n NNODES --map-by ppr:1:node --host h1:1,h2:1 env K=V python ...` | `$OMPI_COMM_WORLD_RANK` |
@@ -20,6 +20,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
+from launcher.hostfile import host_problem
 from launcher.world import WorldInfo
 
 RUNNERS = ("local", "ssh", "pdsh", "slurm", "openmpi")
@@ -89,14 +90,18 @@ def local_processes(opts: AgentOptions, env: dict[str, str]) -> list[RunnerProce
     return [RunnerProcess("localhost", agent_argv(opts, ["--node_rank", "0"]), (0,), env)]
 
 
+def ssh_argv(host: str, ssh_port: int | None, ssh_args: list[str], remote: str) -> list[str]:
+    """`ssh ... -- HOST REMOTE`: after `--`, ssh reads no more options, whatever the host looks like."""
+    port = ["-p", str(ssh_port)] if ssh_port else []
+    return ["ssh", "-o", "BatchMode=yes", *port, *ssh_args, "--", host, remote]
+
+
 def ssh_processes(opts: AgentOptions, env: dict[str, str], cwd: str, ssh_port: int | None,
                   launcher_args: list[str]) -> list[RunnerProcess]:
-    port = ["-p", str(ssh_port)] if ssh_port else []
     processes = []
     for node_rank, host in enumerate(opts.world.hosts):
         remote = remote_shell_command(cwd, env, agent_argv(opts, ["--node_rank", str(node_rank)]))
-        argv = ["ssh", "-o", "BatchMode=yes", *port, *launcher_args, host, remote]
-        processes.append(RunnerProcess(f"ssh {host}", argv, (node_rank,)))
+        processes.append(RunnerProcess(f"ssh {host}", ssh_argv(host, ssh_port, launcher_args, remote), (node_rank,)))
     return processes
 
 
@@ -132,6 +137,10 @@ def openmpi_processes(opts: AgentOptions, env: dict[str, str], launcher_args: li
 def runner_processes(runner: str, opts: AgentOptions, env: dict[str, str], cwd: str,
                      ssh_port: int | None = None, launcher_args: str = "") -> list[RunnerProcess]:
     """The processes to start for `runner`; `env` is what the agents must see."""
+    for host in opts.world.hosts:  # dslaunch checked them already; a caller of this module may not have
+        problem = host_problem(host)
+        if problem:
+            raise ValueError(f"refusing to start agents: host {problem}")
     extra = shlex.split(launcher_args)
     if runner == "local":
         return local_processes(opts, env)
