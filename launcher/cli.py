@@ -22,6 +22,8 @@ Hosts and slots
     --num_nodes N          the first N hosts.  --num_gpus/--nproc_per_node N: the first N slots of
                            each host (a slot is a GPU, or just a process on a CPU-only machine).
     A malformed hostfile or filter is one line naming the file and line (or flag), exit status 2.
+    A host (hostfile, -i/-e, --master_addr, --control_addr) is a DNS name or an IP address: letters,
+    digits, '-', '_' and '.', not starting with '-'; anything else is such an error.
 
 Runners (--launcher)
     local    this machine (the default when only this machine is used)
@@ -40,14 +42,15 @@ What every rank gets
     and with --hang_timeout DSTRAIN_HEARTBEAT_ADDR. Ranks are numbered host by host in hostfile
     order. Remote nodes also get the variables named NCCL_*, GLOO_*, PYTHON*, UCX_*, TORCH_*,
     DSTRAIN_*, OMP_*, ... and the KEY=VALUE lines of `.dsenv` in ~ and in the working directory
-    (DSTRAIN_ENV_FILE names another file); PYTHONPATH gets the working directory in front. Script
-    arguments and values are shell-quoted: they arrive literally.
+    (DSTRAIN_ENV_FILE names another file); PYTHONPATH gets the working directory in front. Those
+    values and the control token reach the agents in a 0600 launch file (launcher/handoff.py), not
+    on any command line. Script arguments are shell-quoted: they arrive literally.
 
 Output
     Each line is prefixed `[rankN]:` (`[rankN@host]:` with several hosts), coloured per rank when
     dslaunch writes to a terminal. --enable_each_rank_log DIR writes each rank's output to
     DIR/<time>_rank<N>.log instead (appended across restarts). --save_pid writes dslaunch's pid to
-    /tmp/<pid>.dslaunch while it runs.
+    /tmp/<pid>.dslaunch while it runs (created exclusively: a file or link already there is an error).
 
 Failures, restarts and hangs
     When a rank exits non-zero, every rank on every node is stopped (SIGTERM, then SIGKILL after
@@ -80,12 +83,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 from launcher.control import ControlServer
 from launcher.environment import forwarded_environment, local_environment
 from launcher.errors import LaunchError
+from launcher.handoff import remove_launch_file, write_launch_file
 from launcher.hostfile import check_host, resolve_slots
 from launcher.runners import RUNNERS, AgentOptions, runner_processes, ssh_argv
 from launcher.supervisor import AttemptResult, JobSupervisor
@@ -185,10 +190,10 @@ def make_plan(args, environ: dict[str, str], cwd: str) -> LaunchPlan:
                       time.strftime("%Y%m%d%H%M%S"))
 
 
-def agent_options(plan: LaunchPlan, attempt: int, control: str, token: str) -> AgentOptions:
+def agent_options(plan: LaunchPlan, attempt: int, control: str, launch_file: str) -> AgentOptions:
     args = plan.args
     return AgentOptions(world=plan.world, master_addr=plan.master_addr, master_port=args.master_port,
-                        control=control, token=token, user_script=args.user_script,
+                        control=control, launch_file=launch_file, user_script=args.user_script,
                         user_args=tuple(args.user_args), attempt=attempt, hang_timeout=args.hang_timeout,
                         log_dir=args.enable_each_rank_log or "", log_tag=plan.log_tag,
                         color=sys.stdout.isatty() and "NO_COLOR" not in os.environ,
@@ -224,7 +229,7 @@ def print_dry_run(plan: LaunchPlan):
     print(f"{'rank':>5} {'node':>5} {'local':>6}  slot  host")
     for p in plan.world.placements():
         print(f"{p.rank:>5} {p.node_rank:>5} {p.local_rank:>6}  {p.slot:>4}  {p.host}")
-    opts = agent_options(plan, 0, f"{plan.control_host}:<port>", "<token>")
+    opts = agent_options(plan, 0, control_address(plan.control_host, "<port>"), "<launch file>")
     for process in processes_for(plan, opts):
         print(f"# {process.label} (node {', '.join(map(str, process.node_ranks))})")
         print(shlex.join(process.argv))
@@ -257,16 +262,33 @@ def report_attempt(result: AttemptResult, plan: LaunchPlan, attempt: int):
     sys.stderr.flush()
 
 
-def run_attempt(plan: LaunchPlan, attempt: int, signals: list[int]) -> AttemptResult:
-    bind = "127.0.0.1" if plan.control_host.startswith("127.") else ""
-    token = secrets.token_hex(16)
-    server = ControlServer(bind, token)
+def control_address(host: str, port) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen_for_agents(plan: LaunchPlan, token: str) -> ControlServer:
+    """The control port, on the one address the agents are told to use (never every interface)."""
     try:
-        opts = agent_options(plan, attempt, f"{plan.control_host}:{server.port}", token)
-        supervisor = JobSupervisor(server, plan.world.nnodes, TERM_GRACE_S, CONNECT_TIMEOUT_S)
+        return ControlServer(plan.control_host, token)
+    except OSError as err:
+        raise LaunchError(f"cannot listen for the agents on {plan.control_host!r}: {err.strerror or err}; "
+                          "pass --control_addr with an address of this machine that every node reaches") from None
+
+
+def run_attempt(plan: LaunchPlan, attempt: int, signals: list[int]) -> AttemptResult:
+    token = secrets.token_hex(16)
+    server = listen_for_agents(plan, token)
+    local = plan.runner == "local"  # the local agent inherits its environment from dslaunch directly
+    launch_file = write_launch_file(tempfile.gettempdir() if local else os.getcwd(), token,
+                                    {} if local else plan.agent_env)
+    try:
+        opts = agent_options(plan, attempt, control_address(plan.control_host, server.port), launch_file)
+        supervisor = JobSupervisor(server, plan.world.nnodes, TERM_GRACE_S, CONNECT_TIMEOUT_S,
+                                   on_all_connected=lambda: remove_launch_file(launch_file))
         supervisor.signals = signals  # shared: a Ctrl-C between attempts must end the job too
         return supervisor.run(processes_for(plan, opts))
     finally:
+        remove_launch_file(launch_file)
         server.close()
 
 

@@ -65,7 +65,7 @@ def test_plain_names_and_addresses_are_accepted():
 
 def options(world, **kw):
     return AgentOptions(world=world, master_addr="w1", master_port=29500, control="10.0.0.9:4000",
-                        token="t", user_script="train.py", **kw)
+                        launch_file="/f", user_script="train.py", **kw)
 
 
 def test_every_runner_passes_hosts_where_they_cannot_be_options():
@@ -84,3 +84,151 @@ def test_every_runner_passes_hosts_where_they_cannot_be_options():
     for runner in REMOTE_RUNNERS:  # a caller that skipped the hostfile's checks is refused too
         with pytest.raises(ValueError, match="refusing to start agents"):
             runner_processes(runner, options(hostile), {}, "/repo")
+
+
+def test_control_port_listens_only_where_the_agents_connect(tmp_path):
+    from launcher.cli import build_parser, listen_for_agents, make_plan
+    from launcher.errors import LaunchError
+    (tmp_path / "hosts").write_text("w1 slots=1\nw2 slots=1\n")
+
+    def plan(control_addr):
+        args = build_parser().parse_args(["--hostfile", str(tmp_path / "hosts"), "--launcher", "ssh",
+                                          "--control_addr", control_addr, "train.py"])
+        return make_plan(args, {}, str(tmp_path))
+    own = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    for address in ["127.0.0.1", *own[:1]]:  # a non-loopback one is what a multi-node job uses
+        server = listen_for_agents(plan(address), "token")
+        try:
+            assert server._listener.getsockname()[0] == address  # not 0.0.0.0 (every interface)
+        finally:
+            server.close()
+    foreign = next(a for a in ("198.51.100.7", "203.0.113.7", "192.0.2.7") if a not in own)  # documentation nets
+    with pytest.raises(LaunchError, match=rf"cannot listen for the agents on '{foreign}': .*--control_addr"):
+        listen_for_agents(plan(foreign), "token")
+
+
+def control_port_of(out: str) -> int:
+    (agent,) = [p for p in processes_mentioning(out) if "launcher.agent" in " ".join(p.cmdline())]
+    argv = agent.cmdline()
+    host, _, port = argv[argv.index("--control") + 1].rpartition(":")
+    assert host == "127.0.0.1"
+    return int(port)
+
+
+def closed_by_peer(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_strangers_on_the_control_port_cannot_stop_or_slow_a_job(tmp_path):
+    from launcher.control import AUTH_TIMEOUT_S, MAX_PENDING
+    out = str(tmp_path / "out")
+    launcher = start_dslaunch("--nproc_per_node", "2", "--master_port", str(free_port()), WORKER, "--out", out,
+                              "--steps", "400", "--step_time", "0.05")
+    attackers = []
+    try:
+        wait_for(lambda: all(os.path.exists(os.path.join(out, f"first_step_rank{r}")) for r in range(2)), 60,
+                 "both ranks' first step")
+        port = control_port_of(out)
+        (agent,) = [p for p in processes_mentioning(out) if "launcher.agent" in " ".join(p.cmdline())]
+        launch_file = agent.cmdline()[agent.cmdline().index("--launch_file") + 1]
+        wait_for(lambda: not os.path.exists(launch_file), 10, "the launch file to go once the agent said hello")
+        (listener,) = [c for c in psutil.Process(launcher.pid).net_connections("tcp")
+                       if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listener.laddr.ip == "127.0.0.1"  # never every interface
+
+        def connect(payload: bytes = b"") -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            try:
+                sock.sendall(payload)
+            except OSError:
+                pass  # already dropped mid-send (the oversized one)
+            attackers.append(sock)
+            return sock
+
+        idle = [connect() for _ in range(MAX_PENDING + 10)]  # more than may wait for a token
+        bad = [connect(b"not json\n"), connect(b"[1,2]\n"), connect(b"\xff\xfe\n"),
+               connect(b'{"type": "hello", "token": "guess", "node_rank": 0}\n'),
+               connect(b"0" * 32 + b'\n{"type": "stop"}\n'), connect(b"x" * (4 << 20))]
+        slow = connect(b"a")
+        for sock in bad:
+            assert closed_by_peer(sock, 5), sock
+        assert closed_by_peer(idle[0], 5)  # the oldest waiting connection made room
+        deadline = time.monotonic() + AUTH_TIMEOUT_S + 5
+        while time.monotonic() < deadline and not closed_by_peer(slow, 0.3):
+            try:
+                slow.sendall(b"a")  # one byte at a time, never a newline
+            except OSError:
+                break
+        assert time.monotonic() < deadline, "a slow connection was kept past the token timeout"
+        stdout, stderr = launcher.communicate(timeout=120)
+        assert launcher.returncode == 0, stderr[-3000:]
+        assert os.path.exists(os.path.join(out, "final_loss"))
+        assert "[rank1]: step 399 loss" in stdout
+        drops = [line for line in stderr.splitlines() if line.startswith("dslaunch: dropped a control connection")]
+        for why in ("a wrong token", "without a token line", "no token within",
+                    f"more than {MAX_PENDING} connections"):
+            assert any(why in line for line in drops), (why, drops)
+        assert all("from 127.0.0.1:" in line for line in drops)
+        assert "Traceback" not in stderr
+    finally:
+        for sock in attackers:
+            sock.close()
+        if launcher.poll() is None:
+            launcher.kill()
+        kill_leftovers(out)
+
+
+SECRETS = {"HF_TOKEN": "hf_s3cr3t_from_env", "MLFLOW_TRACKING_PASSWORD": "mlflow-s3cr3t",
+           "DSTRAIN_TEST_VALUE": "dstrain-s3cr3t"}
+DSENV_SECRET = "wandb-s3cr3t-from-dsenv"
+_TOKEN_WORD = re.compile(r"(^|\0)[0-9a-f]{32}($|\0)")
+
+
+@pytest.mark.parametrize("runner", REMOTE_RUNNERS)
+def test_no_secret_in_any_runner_command(tmp_path, runner):
+    (tmp_path / "hosts").write_text("w1 slots=1\nw2 slots=1\n")
+    (tmp_path / ".dsenv").write_text(f"WANDB_API_KEY={DSENV_SECRET}\n")
+    result = run_dslaunch("--hostfile", str(tmp_path / "hosts"), "--launcher", runner, "--dry_run", "train.py",
+                          cwd=str(tmp_path), env=launch_env(HOME=str(tmp_path), **SECRETS), timeout=30)
+    assert result.returncode == 0, result.stderr
+    for secret in [*SECRETS.values(), DSENV_SECRET]:
+        assert secret not in result.stdout
+    assert "--token" not in result.stdout and "--launch_file" in result.stdout
+
+
+def test_no_secret_on_any_command_line_of_a_running_job(tmp_path):
+    from launcher_scripts.harness import command_lines_until_exit
+    (tmp_path / ".dsenv").write_text(f"WANDB_API_KEY={DSENV_SECRET}\n")
+    out = str(tmp_path / "out")
+    launcher = start_dslaunch("--nproc_per_node", "2", "--master_port", str(free_port()), WORKER, "--out", out,
+                              "--steps", "40", "--step_time", "0.05", cwd=str(tmp_path),
+                              env=launch_env(HOME=str(tmp_path), **SECRETS))
+    try:
+        seen, _, stderr = command_lines_until_exit(launcher, timeout=120)
+    finally:
+        kill_leftovers(out)
+    assert launcher.returncode == 0, stderr[-3000:]
+    job = [line for line in seen if out in line]
+    assert any("launcher.agent" in line for line in job) and any("train_worker.py" in line for line in job)
+    for line in seen:  # every process of the machine, sampled while the job ran
+        for secret in [*SECRETS.values(), DSENV_SECRET]:
+            assert secret not in line, line
+        assert not _TOKEN_WORD.search(line) and "\0--token\0" not in line, line
+    from launcher_scripts.harness import rank_record
+    assert rank_record(out, 1)["DSTRAIN_TEST_VALUE"] == SECRETS["DSTRAIN_TEST_VALUE"]  # still arrives
+
+
+def test_launch_file_is_private(tmp_path):
+    from launcher.handoff import read_launch_file, remove_launch_file, write_launch_file
+    path = write_launch_file(str(tmp_path), "tok", {"HF_TOKEN": "x"})
+    assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    assert read_launch_file(path) == ("tok", {"HF_TOKEN": "x"})
+    remove_launch_file(path)
+    assert not os.path.exists(os.path.dirname(path))
