@@ -314,9 +314,23 @@ def run_job(plan: LaunchPlan) -> int:
     return result.exit_status
 
 
+def write_pid_file(path: str) -> None:
+    """`--save_pid`: the name in /tmp is predictable, so another user may have put a file or a link
+    there first; it is created exclusively and never through a link, or not at all."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        raise LaunchError(f"--save_pid: {path} already exists (a stale pid file, or a file or link someone "
+                          "else put there); remove it, or run without --save_pid") from None
+    except OSError as err:
+        raise LaunchError(f"--save_pid: cannot create {path}: {err.strerror}") from None
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"{os.getpid()}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    pid_file = f"/tmp/{os.getpid()}.dslaunch" if args.save_pid else None
+    pid_file = None  # set once this process created it: only then is it ours to remove
     try:
         plan = make_plan(args, dict(os.environ), os.getcwd())
         if args.dry_run:
@@ -324,15 +338,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if plan.runner in ("ssh", "pdsh") and not args.no_ssh_check:
             check_ssh(plan)
-        if pid_file:
-            with open(pid_file, "w") as handle:
-                handle.write(f"{os.getpid()}\n")
+        if args.save_pid:
+            write_pid_file(f"/tmp/{os.getpid()}.dslaunch")
+            pid_file = f"/tmp/{os.getpid()}.dslaunch"
         return run_job(plan)
     except LaunchError as err:
         print(f"dslaunch: error: {err}", file=sys.stderr)
         return LaunchError.exit_code
     finally:
-        if pid_file and os.path.exists(pid_file):
+        if pid_file:
             os.remove(pid_file)
 
 

@@ -232,3 +232,45 @@ def test_launch_file_is_private(tmp_path):
     assert read_launch_file(path) == ("tok", {"HF_TOKEN": "x"})
     remove_launch_file(path)
     assert not os.path.exists(os.path.dirname(path))
+
+
+def run_dslaunch_with_planted_pid_file(tmp_path, plant, *args):
+    """dslaunch in a process that first plants /tmp/<its own pid>.dslaunch with `plant(path)`, as
+    another user could (the name is predictable)."""
+    import subprocess
+    import sys
+    code = ("import os, sys\n"
+            "from launcher.cli import main\n"
+            "path = f'/tmp/{os.getpid()}.dslaunch'\n"
+            f"{plant}\n"
+            "try:\n"
+            "    code = main(sys.argv[1:])\n"
+            "    print('pid file after:', os.path.lexists(path))\n"
+            "finally:\n"
+            "    if os.path.lexists(path):\n"
+            "        os.remove(path)\n"
+            "sys.exit(code)\n")
+    return subprocess.run([sys.executable, "-c", code, *args], env=launch_env(), cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=90)
+
+
+def test_save_pid_never_writes_through_a_planted_link(tmp_path):
+    target = tmp_path / "victim"
+    result = run_dslaunch_with_planted_pid_file(tmp_path, f"os.symlink({str(target)!r}, path)",
+                                                "--save_pid", "--nproc_per_node", "1", "train.py")
+    one_line_error(result, "--save_pid: /tmp/", ".dslaunch already exists")
+    assert not target.exists()
+
+
+def test_save_pid_writes_and_removes_its_own_file(tmp_path):
+    seen = tmp_path / "seen"
+    script = tmp_path / "show_pid_file.py"
+    script.write_text("import os, psutil\n"  # the rank's parent is the agent, whose parent is dslaunch
+                      "pid = psutil.Process(os.getppid()).ppid()\n"
+                      f"open({str(seen)!r}, 'w').write(f'{{pid}} ' + open(f'/tmp/{{pid}}.dslaunch').read())\n")
+    result = run_dslaunch_with_planted_pid_file(tmp_path, "pass", "--save_pid", "--nproc_per_node", "1",
+                                                "--master_port", str(free_port()), str(script))
+    assert result.returncode == 0, result.stderr
+    assert "pid file after: False" in result.stdout  # removed at the end
+    pid, written = seen.read_text().split()
+    assert pid == written  # it existed while the job ran, holding dslaunch's pid
