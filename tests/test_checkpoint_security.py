@@ -124,3 +124,28 @@ def test_untampered_checkpoint_still_loads(saved, tmp_path):
     _fresh_copy(saved, tmp_path)
     (result,) = run_distributed(_load, 1, args=(str(tmp_path),), timeout=120)
     assert result == f"loaded {tmp_path / 'ckpt' / 't1'}"
+
+
+def test_library_code_never_unpickles():
+    """What holds (issue 16, point 5), kept holding: every torch.load passes weights_only=True, and no
+    library module imports pickle (or a relative) or calls an unsafe yaml loader."""
+    import ast
+    root = Path(__file__).resolve().parent.parent
+    problems = []
+    for package in ("engine", "schemas", "ops", "offload", "launcher"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                where = f"{path.relative_to(root)}:{getattr(node, 'lineno', '?')}"
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                    if any(str(n).split(".")[0] in ("pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve")
+                           for n in names):
+                        problems.append(f"{where}: imports {names}")
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    call = f"{getattr(node.func.value, 'id', '?')}.{node.func.attr}"
+                    kwargs = {k.arg: getattr(k.value, "value", None) for k in node.keywords}
+                    if call == "torch.load" and kwargs.get("weights_only") is not True:
+                        problems.append(f"{where}: torch.load without weights_only=True")
+                    if call in ("yaml.load", "yaml.unsafe_load", "yaml.full_load", "yaml.load_all"):
+                        problems.append(f"{where}: {call}")
+    assert not problems, problems
