@@ -42,7 +42,8 @@ What every rank gets
     and with --hang_timeout DSTRAIN_HEARTBEAT_ADDR. Ranks are numbered host by host in hostfile
     order. Remote nodes also get the variables named NCCL_*, GLOO_*, PYTHON*, UCX_*, TORCH_*,
     DSTRAIN_*, OMP_*, ... and the KEY=VALUE lines of `.dsenv` in ~ and in the working directory
-    (DSTRAIN_ENV_FILE names another file); PYTHONPATH gets the working directory in front. Those
+    (DSTRAIN_ENV_FILE names another file; refused when another user owns it or everyone may
+    write it); PYTHONPATH gets the working directory in front. Those
     values and the control token reach the agents in a 0600 launch file (launcher/handoff.py), not
     on any command line. Script arguments are shell-quoted: they arrive literally.
 

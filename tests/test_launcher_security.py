@@ -274,3 +274,14 @@ def test_save_pid_writes_and_removes_its_own_file(tmp_path):
     assert "pid file after: False" in result.stdout  # removed at the end
     pid, written = seen.read_text().split()
     assert pid == written  # it existed while the job ran, holding dslaunch's pid
+
+
+def test_world_writable_dsenv_is_refused(tmp_path):
+    dsenv = tmp_path / ".dsenv"
+    dsenv.write_text("LD_PRELOAD=/tmp/evil.so\n")
+    os.chmod(dsenv, 0o666)  # anyone could have put LD_PRELOAD there
+    result = run_dslaunch("--dry_run", "train.py", cwd=str(tmp_path), env=launch_env(HOME=str(tmp_path)), timeout=30)
+    one_line_error(result, f"{dsenv}: owned by uid", "mode 666", "chmod o-w")
+    os.chmod(dsenv, 0o644)
+    assert run_dslaunch("--dry_run", "train.py", cwd=str(tmp_path), env=launch_env(HOME=str(tmp_path)),
+                        timeout=30).returncode == 0
