@@ -174,7 +174,9 @@ class NodeAgent:
         self.say(f"rank {proc.rank} {words}; stopping the node's {len(self.ranks)} rank(s)")
         self._report({"kind": "exit", "rank": proc.rank, "local_rank": proc.placement.local_rank,
                       "exitcode": status, "signal": signame, "detail": words,
-                      "log": self.relay.log_path(proc.rank), "tail": self.relay.tail(proc.rank)[-5:]})
+                      "log": self.relay.log_path(proc.rank),
+                      # clipped: a control message is at most control.MAX_MESSAGE bytes
+                      "tail": [line[:2000] for line in self.relay.tail(proc.rank)[-5:]]})
         self._teardown()
         return status
 

@@ -285,3 +285,14 @@ def test_world_writable_dsenv_is_refused(tmp_path):
     os.chmod(dsenv, 0o644)
     assert run_dslaunch("--dry_run", "train.py", cwd=str(tmp_path), env=launch_env(HOME=str(tmp_path)),
                         timeout=30).returncode == 0
+
+
+def test_a_huge_output_line_still_gives_the_failure_report(tmp_path):
+    """Control messages are bounded (control.MAX_MESSAGE); the failure report quotes the failing
+    rank's last lines, so the agent clips them rather than lose the report."""
+    script = tmp_path / "shout_and_fail.py"
+    script.write_text("import sys\nprint('x' * 3_000_000, flush=True)\nsys.exit(3)\n")
+    result = run_dslaunch("--nproc_per_node", "1", "--master_port", str(free_port()), str(script),
+                          cwd=str(tmp_path), timeout=60)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "dslaunch: job failed: rank 0 on host localhost (node 0, local rank 0) exited with code 3" in result.stderr
