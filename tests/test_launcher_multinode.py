@@ -101,7 +101,7 @@ def test_no_secret_on_any_command_line_across_nodes(cluster, tmp_path, runner):
     for line in seen:
         for secret in [*secrets.values(), "wandb-s3cr3t-multinode"]:
             assert secret not in line, line
-        assert "--token" not in line, line
+        assert out not in line or "--token" not in line, line  # other jobs on this machine may run other code
     assert rank_record(out, 3)["DSTRAIN_TEST_VALUE"] == secrets["DSTRAIN_TEST_VALUE"]  # via the launch file
 
 
