@@ -6,8 +6,9 @@
 
 `dslaunch` (launcher/cli.py, whose docstring is the full manual) resolves the hosts and slots,
 starts one agent per node (`python -m launcher.agent`, launcher/agent.py) through the chosen
-runner (launcher/runners.py), and supervises them over a control connection (launcher/control.py,
-launcher/supervisor.py). Each agent spawns its ranks with the standard environment (RANK,
+runner (launcher/runners.py), hands them the control token and forwarded environment in a private
+file rather than on a command line (launcher/handoff.py), and supervises them over an authenticated
+control connection (launcher/control.py, launcher/supervisor.py). Each agent spawns its ranks with the standard environment (RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT), prefixes their
 output, stops the whole job at the first failure or hang, and `dslaunch` restarts it up to
 `--max_restarts` times. This package never imports `engine`; the engine side of hang detection is

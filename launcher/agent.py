@@ -24,6 +24,7 @@ import sys
 import time
 
 from launcher.control import ConnectionLost, ControlClient
+from launcher.handoff import read_launch_file
 from launcher.output import OutputRelay
 from launcher.ranks import (RankProcess, describe_returncode, rank_environment, signal_rank_groups,
                             spawn_rank, stop_ranks, core_sets)
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master_addr", required=True)
     parser.add_argument("--master_port", type=int, required=True)
     parser.add_argument("--control", default="", help="HOST:PORT of dslaunch's control socket")
-    parser.add_argument("--token", default="")
+    parser.add_argument("--launch_file", default="", help="the token and environment (launcher/handoff.py)")
     parser.add_argument("--attempt", type=int, default=0)
     parser.add_argument("--hang_timeout", type=float, default=0.0)
     parser.add_argument("--term_grace", type=float, default=5.0)
@@ -173,7 +174,9 @@ class NodeAgent:
         self.say(f"rank {proc.rank} {words}; stopping the node's {len(self.ranks)} rank(s)")
         self._report({"kind": "exit", "rank": proc.rank, "local_rank": proc.placement.local_rank,
                       "exitcode": status, "signal": signame, "detail": words,
-                      "log": self.relay.log_path(proc.rank), "tail": self.relay.tail(proc.rank)[-5:]})
+                      "log": self.relay.log_path(proc.rank),
+                      # clipped: a control message is at most control.MAX_MESSAGE bytes
+                      "tail": [line[:2000] for line in self.relay.tail(proc.rank)[-5:]]})
         self._teardown()
         return status
 
@@ -219,6 +222,14 @@ class NodeAgent:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    token = ""
+    if args.launch_file:
+        try:
+            token, forwarded = read_launch_file(args.launch_file)
+        except (OSError, ValueError, KeyError) as err:
+            print(f"dslaunch agent: cannot read the launch file {args.launch_file}: {err}", file=sys.stderr)
+            return 1
+        os.environ.update(forwarded)  # what `env K=V` words used to set, now off the command line
     world = WorldInfo.decode(args.world_info)
     agent = NodeAgent(args, world, resolve_node_rank(args, world))
 
@@ -228,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, on_signal)
     if args.control:
-        hello = {"type": "hello", "token": args.token, "node_rank": agent.node_rank,
+        hello = {"type": "hello", "node_rank": agent.node_rank,
                  "host": agent.host, "hostname": socket.gethostname(), "pid": os.getpid()}
         try:
-            agent.control = ControlClient(args.control, hello)
+            agent.control = ControlClient(args.control, token, hello)
         except ConnectionLost as err:
             agent.say(str(err))
             return 1

@@ -22,6 +22,8 @@ Hosts and slots
     --num_nodes N          the first N hosts.  --num_gpus/--nproc_per_node N: the first N slots of
                            each host (a slot is a GPU, or just a process on a CPU-only machine).
     A malformed hostfile or filter is one line naming the file and line (or flag), exit status 2.
+    A host (hostfile, -i/-e, --master_addr, --control_addr) is a DNS name or an IP address: letters,
+    digits, '-', '_' and '.', not starting with '-'; anything else is such an error.
 
 Runners (--launcher)
     local    this machine (the default when only this machine is used)
@@ -40,14 +42,16 @@ What every rank gets
     and with --hang_timeout DSTRAIN_HEARTBEAT_ADDR. Ranks are numbered host by host in hostfile
     order. Remote nodes also get the variables named NCCL_*, GLOO_*, PYTHON*, UCX_*, TORCH_*,
     DSTRAIN_*, OMP_*, ... and the KEY=VALUE lines of `.dsenv` in ~ and in the working directory
-    (DSTRAIN_ENV_FILE names another file); PYTHONPATH gets the working directory in front. Script
-    arguments and values are shell-quoted: they arrive literally.
+    (DSTRAIN_ENV_FILE names another file; refused when another user owns it or everyone may
+    write it); PYTHONPATH gets the working directory in front. Those
+    values and the control token reach the agents in a 0600 launch file (launcher/handoff.py), not
+    on any command line. Script arguments are shell-quoted: they arrive literally.
 
 Output
     Each line is prefixed `[rankN]:` (`[rankN@host]:` with several hosts), coloured per rank when
     dslaunch writes to a terminal. --enable_each_rank_log DIR writes each rank's output to
     DIR/<time>_rank<N>.log instead (appended across restarts). --save_pid writes dslaunch's pid to
-    /tmp/<pid>.dslaunch while it runs.
+    /tmp/<pid>.dslaunch while it runs (created exclusively: a file or link already there is an error).
 
 Failures, restarts and hangs
     When a rank exits non-zero, every rank on every node is stopped (SIGTERM, then SIGKILL after
@@ -80,14 +84,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 from launcher.control import ControlServer
 from launcher.environment import forwarded_environment, local_environment
 from launcher.errors import LaunchError
-from launcher.hostfile import resolve_slots
-from launcher.runners import RUNNERS, AgentOptions, runner_processes
+from launcher.handoff import remove_launch_file, write_launch_file
+from launcher.hostfile import check_host, resolve_slots
+from launcher.runners import RUNNERS, AgentOptions, runner_processes, ssh_argv
 from launcher.supervisor import AttemptResult, JobSupervisor
 from launcher.world import WorldInfo
 
@@ -169,6 +175,9 @@ def choose_runner(args, world: WorldInfo) -> str:
 def make_plan(args, environ: dict[str, str], cwd: str) -> LaunchPlan:
     if args.max_restarts < 0 or args.hang_timeout < 0:
         raise LaunchError("--max_restarts and --hang_timeout must not be negative")
+    for flag in ("master_addr", "control_addr"):
+        if getattr(args, flag):
+            check_host(getattr(args, flag), f"--{flag}")
     slots = resolve_slots(args.hostfile, environ, args.include, args.exclude, args.num_nodes, args.num_gpus)
     world = WorldInfo.from_slots(slots)
     runner = choose_runner(args, world)
@@ -182,10 +191,10 @@ def make_plan(args, environ: dict[str, str], cwd: str) -> LaunchPlan:
                       time.strftime("%Y%m%d%H%M%S"))
 
 
-def agent_options(plan: LaunchPlan, attempt: int, control: str, token: str) -> AgentOptions:
+def agent_options(plan: LaunchPlan, attempt: int, control: str, launch_file: str) -> AgentOptions:
     args = plan.args
     return AgentOptions(world=plan.world, master_addr=plan.master_addr, master_port=args.master_port,
-                        control=control, token=token, user_script=args.user_script,
+                        control=control, launch_file=launch_file, user_script=args.user_script,
                         user_args=tuple(args.user_args), attempt=attempt, hang_timeout=args.hang_timeout,
                         log_dir=args.enable_each_rank_log or "", log_tag=plan.log_tag,
                         color=sys.stdout.isatty() and "NO_COLOR" not in os.environ,
@@ -203,9 +212,8 @@ def check_ssh(plan: LaunchPlan):
     args = plan.args
     extra = shlex.split(args.launcher_args) if plan.runner == "ssh" else shlex.split(
         os.environ.get("PDSH_SSH_ARGS_APPEND", ""))
-    port = ["-p", str(args.ssh_port)] if args.ssh_port else []
-    probes = {host: subprocess.Popen(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *port, *extra,
-                                      host, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    probes = {host: subprocess.Popen(ssh_argv(host, args.ssh_port, ["-o", "ConnectTimeout=10", *extra], "true"),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True) for host in plan.world.hosts}
     for host, probe in probes.items():
         _, err = probe.communicate(timeout=30)
@@ -222,7 +230,7 @@ def print_dry_run(plan: LaunchPlan):
     print(f"{'rank':>5} {'node':>5} {'local':>6}  slot  host")
     for p in plan.world.placements():
         print(f"{p.rank:>5} {p.node_rank:>5} {p.local_rank:>6}  {p.slot:>4}  {p.host}")
-    opts = agent_options(plan, 0, f"{plan.control_host}:<port>", "<token>")
+    opts = agent_options(plan, 0, control_address(plan.control_host, "<port>"), "<launch file>")
     for process in processes_for(plan, opts):
         print(f"# {process.label} (node {', '.join(map(str, process.node_ranks))})")
         print(shlex.join(process.argv))
@@ -255,16 +263,33 @@ def report_attempt(result: AttemptResult, plan: LaunchPlan, attempt: int):
     sys.stderr.flush()
 
 
-def run_attempt(plan: LaunchPlan, attempt: int, signals: list[int]) -> AttemptResult:
-    bind = "127.0.0.1" if plan.control_host.startswith("127.") else ""
-    token = secrets.token_hex(16)
-    server = ControlServer(bind, token)
+def control_address(host: str, port) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen_for_agents(plan: LaunchPlan, token: str) -> ControlServer:
+    """The control port, on the one address the agents are told to use (never every interface)."""
     try:
-        opts = agent_options(plan, attempt, f"{plan.control_host}:{server.port}", token)
-        supervisor = JobSupervisor(server, plan.world.nnodes, TERM_GRACE_S, CONNECT_TIMEOUT_S)
+        return ControlServer(plan.control_host, token)
+    except OSError as err:
+        raise LaunchError(f"cannot listen for the agents on {plan.control_host!r}: {err.strerror or err}; "
+                          "pass --control_addr with an address of this machine that every node reaches") from None
+
+
+def run_attempt(plan: LaunchPlan, attempt: int, signals: list[int]) -> AttemptResult:
+    token = secrets.token_hex(16)
+    server = listen_for_agents(plan, token)
+    local = plan.runner == "local"  # the local agent inherits its environment from dslaunch directly
+    launch_file = write_launch_file(tempfile.gettempdir() if local else os.getcwd(), token,
+                                    {} if local else plan.agent_env)
+    try:
+        opts = agent_options(plan, attempt, control_address(plan.control_host, server.port), launch_file)
+        supervisor = JobSupervisor(server, plan.world.nnodes, TERM_GRACE_S, CONNECT_TIMEOUT_S,
+                                   on_all_connected=lambda: remove_launch_file(launch_file))
         supervisor.signals = signals  # shared: a Ctrl-C between attempts must end the job too
         return supervisor.run(processes_for(plan, opts))
     finally:
+        remove_launch_file(launch_file)
         server.close()
 
 
@@ -290,9 +315,23 @@ def run_job(plan: LaunchPlan) -> int:
     return result.exit_status
 
 
+def write_pid_file(path: str) -> None:
+    """`--save_pid`: the name in /tmp is predictable, so another user may have put a file or a link
+    there first; it is created exclusively and never through a link, or not at all."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        raise LaunchError(f"--save_pid: {path} already exists (a stale pid file, or a file or link someone "
+                          "else put there); remove it, or run without --save_pid") from None
+    except OSError as err:
+        raise LaunchError(f"--save_pid: cannot create {path}: {err.strerror}") from None
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"{os.getpid()}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    pid_file = f"/tmp/{os.getpid()}.dslaunch" if args.save_pid else None
+    pid_file = None  # set once this process created it: only then is it ours to remove
     try:
         plan = make_plan(args, dict(os.environ), os.getcwd())
         if args.dry_run:
@@ -300,15 +339,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if plan.runner in ("ssh", "pdsh") and not args.no_ssh_check:
             check_ssh(plan)
-        if pid_file:
-            with open(pid_file, "w") as handle:
-                handle.write(f"{os.getpid()}\n")
+        if args.save_pid:
+            write_pid_file(f"/tmp/{os.getpid()}.dslaunch")
+            pid_file = f"/tmp/{os.getpid()}.dslaunch"
         return run_job(plan)
     except LaunchError as err:
         print(f"dslaunch: error: {err}", file=sys.stderr)
         return LaunchError.exit_code
     finally:
-        if pid_file and os.path.exists(pid_file):
+        if pid_file:
             os.remove(pid_file)
 
 

@@ -29,10 +29,20 @@ def launcher_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _check_env_file_owner(path: str, handle) -> None:
+    """A `.dsenv` sets every rank's environment (LD_PRELOAD, PYTHONPATH: code), and the working
+    directory may be shared: one that another user wrote, or may write, is refused."""
+    info = os.fstat(handle.fileno())
+    if info.st_uid not in (os.getuid(), 0) or info.st_mode & 0o002:
+        raise LaunchError(f"{path}: owned by uid {info.st_uid} with mode {info.st_mode & 0o777:o}; another user "
+                          f"could set every rank's environment through it; chmod o-w / chown it, or remove it")
+
+
 def read_env_file(path: str) -> dict[str, str]:
     """KEY=VALUE lines; blank lines and `#` comments ignored; `export KEY=VALUE` accepted."""
     values: dict[str, str] = {}
     with open(path, encoding="utf-8") as handle:
+        _check_env_file_owner(path, handle)
         for number, raw in enumerate(handle.read().splitlines(), start=1):
             line = raw.strip()
             if not line or line.startswith("#"):

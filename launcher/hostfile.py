@@ -13,6 +13,7 @@ survive); node ranks and global ranks follow that order, host by host.
 from __future__ import annotations
 
 import glob
+import ipaddress
 import os
 import re
 from dataclasses import dataclass
@@ -21,6 +22,33 @@ from launcher.errors import LaunchError
 
 LOCAL_HOST = "localhost"
 _HOST_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)$")
+# [Note: host names] A host reaches ssh, pdsh's `-w`, srun's `--nodelist=` and mpirun's `--host` as
+# one word. A leading '-' would make it an option (`-oProxyCommand=...` runs a command), ',' would add
+# nodes to a list, and '=', '@', '%', brackets, spaces and shell metacharacters mean something to one
+# of those tools. So a host is a DNS name (labels of letters, digits, '-' and '_', joined by '.',
+# never starting with '-') or an IPv4/IPv6 address, and nothing else.
+_HOST_NAME = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?$")
+
+
+def host_problem(host: str) -> str | None:
+    """None when `host` is a usable host name or address, else why not (a short phrase)."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if len(host) <= 253 and _HOST_NAME.match(host):
+        return None
+    return (f"{host!r} is not a host name or IP address (letters, digits, '-', '_' and '.' only, "
+            "not starting with '-')")
+
+
+def check_host(host: str, where: str) -> str:
+    """`host` itself, or a LaunchError naming `where` (hostfile line or flag) and the fix."""
+    problem = host_problem(host)
+    if problem:
+        raise LaunchError(f"{where}: {problem}; write the node's plain name or address")
+    return host
 
 
 @dataclass(frozen=True)
@@ -50,7 +78,7 @@ def parse_hostfile(path: str) -> list[HostEntry]:
         match = _HOST_LINE.match(text)
         if not match:
             raise LaunchError(f"{path}:{number}: cannot parse {text!r}; expected 'HOSTNAME slots=N'")
-        host, slots_text = match["host"], match["slots"]
+        host, slots_text = check_host(match["host"], f"{path}:{number}"), match["slots"]
         if not slots_text.isdigit() or int(slots_text) < 1:
             raise LaunchError(f"{path}:{number}: slots must be a whole number >= 1, got {slots_text!r}")
         if host in entries:
@@ -86,6 +114,7 @@ def parse_node_specs(text: str, flag: str) -> list[tuple[str, tuple[str, ...] | 
         host, sep, slot_text = part.strip().partition(":")
         if not host:
             raise LaunchError(f"{flag} {text!r}: empty host name in {part!r}; expected HOST[:SLOT,...]@...")
+        check_host(host, f"{flag} {text!r}")
         if not sep:
             specs.append((host, None))
             continue

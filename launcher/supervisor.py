@@ -38,8 +38,10 @@ class AttemptResult:
 
 
 class JobSupervisor:
-    def __init__(self, server: ControlServer, nnodes: int, grace_s: float, connect_timeout_s: float):
+    def __init__(self, server: ControlServer, nnodes: int, grace_s: float, connect_timeout_s: float,
+                 on_all_connected=None):
         self.server = server
+        self.on_all_connected = on_all_connected  # e.g. remove the launch file: no agent needs it any more
         self.nnodes = nnodes
         self.grace_s = grace_s
         self.connect_timeout_s = connect_timeout_s
@@ -86,6 +88,8 @@ class JobSupervisor:
                 continue
             if message["type"] == "hello":
                 self.connected.add(node)
+                if len(self.connected) == self.nnodes and self.on_all_connected:
+                    self.on_all_connected()
                 if self.stop_at is not None:  # a late agent must not start training alone
                     self.server.broadcast_stop("failure")
             elif message["type"] == "failure":

@@ -108,7 +108,7 @@ def test_remote_command_quotes_every_word(tmp_path):
 
 def options(world):
     return AgentOptions(world=world, master_addr="w1", master_port=29500, control="10.0.0.9:4000",
-                        token="t", user_script="train.py", user_args=("--lr", "0.1"))
+                        launch_file="/f", user_script="train.py", user_args=("--lr", "0.1"))
 
 
 def test_runner_commands_for_every_launcher():

@@ -6,12 +6,13 @@ session fixture installs with apt-get when they are missing.
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
-from launcher_scripts.harness import (WORKER, dslaunch_argv, free_port, kill_leftovers, launch_env,
-                                      processes_mentioning, rank_record, run_dslaunch, wait_for)
+from launcher_scripts.harness import (WORKER, command_lines_until_exit, dslaunch_argv, free_port, kill_leftovers,
+                                      launch_env, processes_mentioning, rank_record, run_dslaunch, wait_for)
 from launcher_scripts.netns_cluster import INTERFACE, Cluster, install_missing_packages
 
 pytestmark = pytest.mark.slow
@@ -75,6 +76,33 @@ def test_pdsh_runner_trains_four_ranks_across_two_nodes(cluster, tmp_path):
     result = run_across_nodes(cluster, tmp_path, ["--launcher", "pdsh"], ["--steps", "3"])
     assert result.returncode == 0, result.stderr[-4000:]
     check_four_ranks_on_two_nodes(cluster, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("runner", ["ssh", "pdsh"])
+def test_no_secret_on_any_command_line_across_nodes(cluster, tmp_path, runner):
+    """ssh, the remote shell and the agents run for the whole job: none may show a secret in `ps`."""
+    secrets = {"HF_TOKEN": "hf-s3cr3t-multinode", "DSTRAIN_TEST_VALUE": "dstrain-s3cr3t-multinode"}
+    (tmp_path / ".dsenv").write_text("WANDB_API_KEY=wandb-s3cr3t-multinode\n")
+    out = str(tmp_path / "out")
+    env = launch_env(GLOO_SOCKET_IFNAME=INTERFACE, PDSH_SSH_ARGS_APPEND=f"-F {cluster.ssh_config}", **secrets)
+    argv = cluster.in_first_node(*dslaunch_argv(
+        "--hostfile", cluster.hostfile(), "--master_port", str(free_port()), "--launcher", runner,
+        "--launcher_args", f"-F {cluster.ssh_config}" if runner == "ssh" else "", WORKER, "--out", out,
+        "--steps", "30", "--step_time", "0.05"))
+    launcher = subprocess.Popen(argv, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        seen, _, stderr = command_lines_until_exit(launcher, timeout=150)
+    finally:
+        kill_leftovers(str(tmp_path))
+    assert launcher.returncode == 0, stderr[-4000:]
+    agents = [line for line in seen if line.startswith(f"{sys.executable}\0-u\0-m\0launcher.agent\0") and out in line]
+    assert len(agents) >= 2, agents  # both nodes' agents were sampled
+    for line in seen:
+        for secret in [*secrets.values(), "wandb-s3cr3t-multinode"]:
+            assert secret not in line, line
+        assert out not in line or "--token" not in line, line  # other jobs on this machine may run other code
+    assert rank_record(out, 3)["DSTRAIN_TEST_VALUE"] == secrets["DSTRAIN_TEST_VALUE"]  # via the launch file
 
 
 def test_a_rank_killed_on_the_second_node_stops_both_nodes(cluster, tmp_path):

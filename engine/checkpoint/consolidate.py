@@ -28,11 +28,12 @@ _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
 
 def tag_dir(ckpt_dir, tag: str | None) -> Path:
     ckpt_dir = Path(ckpt_dir)
+    source = f"--tag {tag!r}" if tag else f"{ckpt_dir / fmt.LATEST} (the `latest` pointer)"
     tag = tag or fmt.read_latest(ckpt_dir)
     if tag is None:
         raise fmt.CheckpointError(f"{ckpt_dir}: no `latest` file; pass --tag (tags: "
                                   f"{', '.join(fmt.committed_tags(ckpt_dir)) or 'none'})")
-    path = ckpt_dir / tag
+    path = fmt.tag_path(ckpt_dir, tag, source)
     if not (path / fmt.MANIFEST).exists():
         raise fmt.CheckpointError(f"{path}: not a committed checkpoint (no {fmt.MANIFEST})")
     return path
@@ -55,7 +56,7 @@ class _Plan:
             if name not in src.params:
                 continue
             entry = src.params[name]
-            saved = getattr(torch, entry["dtype"])
+            saved = src.dtypes[name]
             out = dtype if saved.is_floating_point else saved
             self.items.append((key, name, out, list(entry["shape"])))
 

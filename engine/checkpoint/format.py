@@ -18,6 +18,12 @@ which every fragment repeats. Frozen parameters and buffers are kind "module", w
 so a reader at any world size and stage reads just the rows it needs.
 [Note: weights_only] Every .pt file holds only tensors and plain containers/numbers/strings, and is
 read with `torch.load(weights_only=True)`: loading a checkpoint cannot execute code.
+[Note: untrusted files] A checkpoint directory may be shared or copied from elsewhere, so what it
+says is checked before use: the tag `latest` names is validated as at save (a name inside the
+directory, never `../x` or a path), `latest` is read without following a link, and dtype names in
+metadata.json resolve only through `SAVED_DTYPES`. The other way round, files are often readable by
+everyone (the umask), so config values whose key names a credential (`comet.api_key`, any
+`*token*`, `*password*`, `*secret*`) are written as `REDACTED`.
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ import json
 import os
 import re
 from pathlib import Path
+
+import torch
 
 from .blockio import HashingFile, file_digest  # noqa: F401 - HashingFile is used by writer.py
 
@@ -37,6 +45,14 @@ ENGINE_STATE = "engine_state.pt"
 SEP = "::"
 FP32, MODULE = "fp32", "module"  # kinds of weights (module note: fragments)
 _TMP = re.compile(r"^\.(?P<tag>.+)\.tmp-[0-9a-f]+$")
+_MAX_LATEST = 4096  # bytes of `latest` read: a tag is one directory name
+REDACTED = "<redacted>"
+_SECRET_KEY = re.compile(r"api_?key|token|password|passwd|secret|credential|private_?key|access_?key", re.I)
+# Every dtype a parameter or buffer can have in a checkpoint (names as str(dtype) minus "torch.").
+SAVED_DTYPES = {name: getattr(torch, name) for name in (
+    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "bool", "uint8", "uint16",
+    "uint32", "uint64", "int8", "int16", "int32", "int64", "float8_e4m3fn", "float8_e5m2",
+    "float8_e4m3fnuz", "float8_e5m2fnuz") if isinstance(getattr(torch, name, None), torch.dtype)}
 
 
 class CheckpointError(RuntimeError):
@@ -61,10 +77,36 @@ def is_tmp_dir(path: Path) -> bool:
 
 def validate_tag(tag: str) -> str:
     tag = str(tag)
-    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST or "\n" in tag:
+    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST or "\n" in tag or "\0" in tag:
         raise ValueError(f"checkpoint tag {tag!r} is not usable as a directory name: no '/', no leading "
                          f"'.', not {LATEST!r}")
     return tag
+
+
+def tag_path(ckpt_dir: Path, tag: str, source: str) -> Path:
+    """`ckpt_dir/tag` for a tag from `source` (a flag, or the `latest` file), validated as at save."""
+    try:
+        return Path(ckpt_dir) / validate_tag(tag)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}; name one of the tags in {ckpt_dir} "
+                              f"({', '.join(committed_tags(Path(ckpt_dir))) or 'none'})") from None
+
+
+def dtype_named(name: str, where: str) -> torch.dtype:
+    if name not in SAVED_DTYPES:
+        raise CheckpointError(f"{where}: dtype {name!r} is not a tensor dtype; the file is damaged or not "
+                              "written by dstrain")
+    return SAVED_DTYPES[name]
+
+
+def redact_secrets(obj):
+    """A copy of `obj` (JSON-like) with every non-empty value under a credential-like key replaced."""
+    if isinstance(obj, dict):
+        return {k: REDACTED if _SECRET_KEY.search(str(k)) and obj[k] not in (None, "") else redact_secrets(obj[k])
+                for k in obj}
+    if isinstance(obj, (list, tuple)):
+        return [redact_secrets(v) for v in obj]
+    return obj
 
 
 # -- checksums -----------------------------------------------------------------------------------
@@ -117,10 +159,22 @@ def write_latest(save_dir: Path, tag: str) -> None:
 
 
 def read_latest(save_dir: Path) -> str | None:
+    """The tag `latest` names, validated as at save (module note: untrusted files), or None."""
+    path = Path(save_dir) / LATEST
     try:
-        return (save_dir / LATEST).read_text().strip() or None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
+    except OSError as e:  # ELOOP: a symlink, which write_latest never makes
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror}); it must be a plain file naming a tag") from None
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(_MAX_LATEST + 1).decode("utf-8", errors="replace").strip()
+    if not text:
+        return None
+    if len(text) > 255:  # NAME_MAX: no directory of that name can exist
+        raise CheckpointError(f"{path}: names a tag of {len(text)}+ characters, not a checkpoint tag; fix or delete it")
+    tag_path(Path(save_dir), text, f"{path} (the `latest` pointer)")
+    return text
 
 
 def committed_tags(save_dir: Path) -> list[str]:

@@ -31,7 +31,7 @@ def resolve(load_dir, tag: str | None) -> Path | None:
             warnings.warn(f"no checkpoint to load: {load_dir / fmt.LATEST} does not exist; "
                           "pass tag= to load a specific one", stacklevel=3)
             return None
-    path = load_dir / str(tag)
+    path = fmt.tag_path(load_dir, str(tag), f"load_checkpoint({str(load_dir)!r}, tag={tag!r})")
     if not path.is_dir():
         warnings.warn(f"no checkpoint to load: {path} does not exist", stacklevel=3)
         return None
@@ -75,6 +75,8 @@ class FragmentSource:
         if self.meta.get("format") != fmt.FORMAT_NAME:
             raise fmt.CheckpointError(f"{path / fmt.METADATA}: not a dstrain checkpoint")
         self.params: dict = self.meta["params"]
+        self.dtypes = {name: fmt.dtype_named(entry["dtype"], f"{path / fmt.METADATA}: parameter {name!r}")
+                       for name, entry in self.params.items()}  # an allow-list, never getattr(torch, ...)
         self._files: dict[int, dict] = {}
 
     def _tensors(self, rank: int) -> dict:
@@ -102,7 +104,7 @@ class FragmentSource:
                 pieces.append(self._tensors(rank)[key][lo - fs:hi - fs])
         if not pieces:
             shape = entry["shape"][1:] if entry["shape"] else []
-            dtype = getattr(torch, entry["dtype"]) if kind == fmt.MODULE else torch.float32
+            dtype = self.dtypes[name] if kind == fmt.MODULE else torch.float32
             return torch.empty([0, *shape], dtype=dtype)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 

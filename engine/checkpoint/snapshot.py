@@ -220,7 +220,8 @@ def _metadata(eng, adapter, tag, gathered, trainable, entries, aliases) -> dict:
             "world_size": eng.comm.world_size, "zero_stage": getattr(eng.zero_optimizer, "stage", 0),
             "precision": precision_name(eng.config), "counters": counters(eng),
             "params": params, "aliases": aliases,
-            "state_dict_keys": list(eng.module.state_dict().keys()), "config": eng.config.to_dict()}
+            "state_dict_keys": list(eng.module.state_dict().keys()),
+            "config": fmt.redact_secrets(eng.config.to_dict())}  # a world-readable file (format.py's note)
 
 
 def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool, keep_last,

@@ -73,3 +73,30 @@ def kill_leftovers(marker: str):
             proc.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def command_lines_until_exit(popen: subprocess.Popen, timeout: float) -> tuple[set[str], str, str]:
+    """Every command line seen on this machine (all processes, sampled) while `popen` runs; then its
+    stdout and stderr. The pipes are drained by threads so that a chatty job cannot block on them."""
+    import threading
+    outputs = {}
+
+    def drain(name, stream):
+        outputs[name] = stream.read()
+
+    readers = [threading.Thread(target=drain, args=(name, stream), daemon=True)
+               for name, stream in (("out", popen.stdout), ("err", popen.stderr))]
+    for reader in readers:
+        reader.start()
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while popen.poll() is None:
+        if time.monotonic() > deadline:
+            popen.kill()
+            raise AssertionError(f"the job did not finish within {timeout} s")
+        for proc in psutil.process_iter(["cmdline"]):
+            seen.add("\0".join(proc.info["cmdline"] or []))
+        time.sleep(0.02)
+    for reader in readers:
+        reader.join(timeout=10)
+    return seen, outputs.get("out", ""), outputs.get("err", "")
