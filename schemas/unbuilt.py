@@ -86,7 +86,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("activation_checkpointing.contiguous_memory_optimization", "remove it or use false"),
     Unbuilt("activation_checkpointing.number_checkpoints", "it sizes the buffer of contiguous_memory_optimization, "
             "which is not built yet; remove it"),
-    Unbuilt("sparse_attention", "remove the section"),
     Unbuilt("pipeline"),
     Unbuilt("tensorboard.enabled"),
     Unbuilt("csv_monitor.enabled"),

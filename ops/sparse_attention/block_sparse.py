@@ -1,0 +1,83 @@
+"""Block-sparse attention in plain torch: forward and backward on any device, no Triton.
+
+[Note: the computation] The layout's non-zero blocks are listed once, as (head, query block, key
+block) triples. Each is one `block x block` tile of scores, computed by a batched matmul of the
+gathered query and key blocks, so time and memory grow with the number of non-zero blocks, never with
+seq². The softmax runs over each query row across its tiles: the row maximum (a constant for the
+softmax, so it carries no gradient) and the row sum are reduced over the tiles of a row with
+`scatter_reduce`/`index_add`, and the output is the tile probabilities times the value blocks, added
+into the query blocks they belong to. Autograd differentiates all of it. Scores, maxima and sums are
+fp32 whatever the input dtype (bf16 inputs: bf16 matmuls, an fp32 softmax). A query row with nothing
+to attend to (every key masked) gives zeros, not NaNs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockIndex:
+    """The non-zero blocks of a `(heads, blocks, blocks)` layout, as flat indices."""
+
+    heads: int
+    blocks: int
+    block: int
+    rows: torch.Tensor  # (nnz,) head * blocks + query block
+    cols: torch.Tensor  # (nnz,) head * blocks + key block
+    key_blocks: torch.Tensor  # (nnz,) key block alone
+
+    @classmethod
+    def of(cls, layout: torch.Tensor, block: int, device) -> "BlockIndex":
+        heads, blocks, _ = layout.shape
+        h, i, j = layout.nonzero(as_tuple=True)
+        return cls(heads, blocks, block, (h * blocks + i).to(device), (h * blocks + j).to(device), j.to(device))
+
+
+def _tiles(x: torch.Tensor, index: torch.Tensor, block: int) -> torch.Tensor:
+    """(batch, heads, seq, dim) → the blocks listed by `index`: (batch, nnz, block, dim)."""
+    b, h, s, d = x.shape
+    return x.reshape(b, h * (s // block), block, d).index_select(1, index)
+
+
+def _row_mask(mask: torch.Tensor, index: BlockIndex) -> torch.Tensor:
+    """An additive (batch, seq) key mask → per tile (batch, nnz, 1, block)."""
+    b = mask.shape[0]
+    keys = mask.reshape(b, index.blocks, index.block).index_select(1, index.key_blocks)
+    return keys.unsqueeze(2)
+
+
+def _square_mask(mask: torch.Tensor, index: BlockIndex) -> torch.Tensor:
+    """An additive (seq, seq) or (heads, seq, seq) mask → per tile (nnz, block, block)."""
+    blk, n = index.block, index.blocks
+    if mask.dim() == 2:
+        mask = mask.unsqueeze(0).expand(index.heads, -1, -1)
+    tiles = mask.reshape(index.heads, n, blk, n, blk).permute(0, 1, 3, 2, 4).reshape(index.heads * n * n, blk, blk)
+    flat = (index.rows // n) * n * n + (index.rows % n) * n + index.key_blocks
+    return tiles.index_select(0, flat)
+
+
+def block_sparse_attention(q, k, v, index: BlockIndex, scale: float, key_mask=None, square_masks=()):
+    """softmax(q kᵀ · scale + masks) v over the blocks of `index`; q, k, v: (batch, heads, seq, dim).
+    `key_mask`: additive (batch, seq); `square_masks`: additive (seq, seq) or (heads, seq, seq)."""
+    b, h, s, d = q.shape
+    blk = index.block
+    qt, kt, vt = _tiles(q, index.rows, blk), _tiles(k, index.cols, blk), _tiles(v, index.cols, blk)
+    scores = torch.matmul(qt, kt.transpose(-1, -2)).float() * scale  # (b, nnz, blk, blk)
+    if key_mask is not None:
+        scores = scores + _row_mask(key_mask.float(), index)
+    for mask in square_masks:
+        scores = scores + _square_mask(mask.float(), index)
+    rows = h * index.blocks
+    with torch.no_grad():  # the row maximum only keeps exp() in range (module note)
+        row_max = scores.new_full((b, rows, blk), float("-inf"))
+        where = index.rows.view(1, -1, 1).expand(b, -1, blk)
+        row_max = row_max.scatter_reduce(1, where, scores.amax(-1), "amax")
+        row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    weights = torch.exp(scores - row_max.index_select(1, index.rows).unsqueeze(-1))
+    row_sum = scores.new_zeros((b, rows, blk)).index_add(1, index.rows, weights.sum(-1))
+    row_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    probs = (weights / row_sum.index_select(1, index.rows).unsqueeze(-1)).to(v.dtype)
+    out = q.new_zeros((b, rows, blk, d)).index_add(1, index.rows, torch.matmul(probs, vt))
+    return out.reshape(b, h, s, d)
