@@ -49,13 +49,13 @@ def _row_mask(mask: torch.Tensor, index: BlockIndex) -> torch.Tensor:
 
 
 def _square_mask(mask: torch.Tensor, index: BlockIndex) -> torch.Tensor:
-    """An additive (seq, seq) or (heads, seq, seq) mask → per tile (nnz, block, block)."""
+    """An additive (seq, seq) or (heads, seq, seq) mask → its tiles (nnz, block, block), read in place
+    (never expanded over heads: that would be heads × seq²)."""
     blk, n = index.block, index.blocks
+    query_blocks = index.rows % n
     if mask.dim() == 2:
-        mask = mask.unsqueeze(0).expand(index.heads, -1, -1)
-    tiles = mask.reshape(index.heads, n, blk, n, blk).permute(0, 1, 3, 2, 4).reshape(index.heads * n * n, blk, blk)
-    flat = (index.rows // n) * n * n + (index.rows % n) * n + index.key_blocks
-    return tiles.index_select(0, flat)
+        return mask.view(n, blk, n, blk)[query_blocks, :, index.key_blocks, :]
+    return mask.view(index.heads, n, blk, n, blk)[index.rows // n, query_blocks, :, index.key_blocks, :]
 
 
 def block_sparse_attention(q, k, v, index: BlockIndex, scale: float, key_mask=None, square_masks=()):
@@ -78,6 +78,8 @@ def block_sparse_attention(q, k, v, index: BlockIndex, scale: float, key_mask=No
     weights = torch.exp(scores - row_max.index_select(1, index.rows).unsqueeze(-1))
     row_sum = scores.new_zeros((b, rows, blk)).index_add(1, index.rows, weights.sum(-1))
     row_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
-    probs = (weights / row_sum.index_select(1, index.rows).unsqueeze(-1)).to(v.dtype)
-    out = q.new_zeros((b, rows, blk, d)).index_add(1, index.rows, torch.matmul(probs, vt))
-    return out.reshape(b, h, s, d)
+    # normalise after the sum over a row's tiles: a (rows, block, dim) division instead of one per tile,
+    # and the unnormalised weights are what exp() saves for backward anyway
+    out = q.new_zeros((b, rows, blk, d), dtype=torch.float32).index_add(1, index.rows,
+                                                                      torch.matmul(weights.to(v.dtype), vt).float())
+    return (out / row_sum.unsqueeze(-1)).to(q.dtype).reshape(b, h, s, d)
