@@ -342,3 +342,35 @@ def test_a_wrong_mode_names_the_key():
 def test_combinations_of_the_grid_all_build():
     for local, glob in itertools.product((2, 4), (1, 2)):
         FixedSparsityConfig(2, num_local_blocks=local, num_global_blocks=glob).make_layout(64)
+
+
+# -- the GPT example's attention, and random blocks across ranks --------------------------------------------
+def test_gpt_example_with_a_dense_layout_equals_its_sdpa_attention():
+    from examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    dense = GPT(GPTConfig(seq_len=32, n_layer=2, d_model=32, n_head=4))
+    section = schemas.load_config({**BASE, "sparse_attention": {"mode": "dense", "block": 8}}).sparse_attention
+    torch.manual_seed(0)
+    sparse = GPT(GPTConfig(seq_len=32, n_layer=2, d_model=32, n_head=4, sparsity=sparsity_config_from(section, 4)))
+    assert all(b.sparse is not None for b in sparse.blocks)
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (dense, sparse):
+        loss = model(idx, idx)
+        loss.backward()
+        losses.append((loss.detach(), model.blocks[0].qkv.weight.grad.clone()))
+    torch.testing.assert_close(losses[1][0], losses[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[1][1], losses[0][1], rtol=1e-4, atol=1e-6)
+
+
+def _layout_on_each_rank():
+    random.seed(100 + torch.distributed.get_rank())  # ranks seeded differently draw different blocks
+    return BigBirdSparsityConfig(2, block=4, num_random_blocks=3, different_layout_per_head=True).make_layout(64)
+
+
+def test_random_blocks_are_rank_0s_on_every_rank():
+    from tests.harness import run_distributed
+    first, second = run_distributed(_layout_on_each_rank, 2, timeout=60)
+    random.seed(100)
+    alone = BigBirdSparsityConfig(2, block=4, num_random_blocks=3, different_layout_per_head=True).make_layout(64)
+    assert torch.equal(first, second) and torch.equal(first, alone)
