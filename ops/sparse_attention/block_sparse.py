@@ -48,8 +48,8 @@ def _row_mask(mask: torch.Tensor, index: BlockIndex) -> torch.Tensor:
     return keys.unsqueeze(2)
 
 
-def _square_mask(mask: torch.Tensor, index: BlockIndex) -> torch.Tensor:
-    """An additive (seq, seq) or (heads, seq, seq) mask → its tiles (nnz, block, block), read in place
+def square_tiles(mask: torch.Tensor, index: BlockIndex) -> torch.Tensor:
+    """A (seq, seq) or (heads, seq, seq) mask → its tiles (nnz, block, block), read in place
     (never expanded over heads: that would be heads × seq²)."""
     blk, n = index.block, index.blocks
     query_blocks = index.rows % n
@@ -58,17 +58,19 @@ def _square_mask(mask: torch.Tensor, index: BlockIndex) -> torch.Tensor:
     return mask.view(index.heads, n, blk, n, blk)[index.rows // n, query_blocks, :, index.key_blocks, :]
 
 
-def block_sparse_attention(q, k, v, index: BlockIndex, scale: float, key_mask=None, square_masks=()):
+def block_sparse_attention(q, k, v, index: BlockIndex, scale: float, key_mask=None, tile_masks=()):
     """softmax(q kᵀ · scale + masks) v over the blocks of `index`; q, k, v: (batch, heads, seq, dim).
-    `key_mask`: additive (batch, seq); `square_masks`: additive (seq, seq) or (heads, seq, seq)."""
+    `key_mask`: additive (batch, seq); `tile_masks`: additive, per tile (nnz, block, block) — the
+    `square_tiles` of a (seq, seq) mask, so that no seq² work is done here."""
     b, h, s, d = q.shape
     blk = index.block
-    qt, kt, vt = _tiles(q, index.rows, blk), _tiles(k, index.cols, blk), _tiles(v, index.cols, blk)
-    scores = torch.matmul(qt, kt.transpose(-1, -2)).float() * scale  # (b, nnz, blk, blk)
+    # the scale on q (seq x dim) instead of on the scores (nnz x block²)
+    qt, kt, vt = _tiles(q * scale, index.rows, blk), _tiles(k, index.cols, blk), _tiles(v, index.cols, blk)
+    scores = torch.matmul(qt, kt.transpose(-1, -2)).float()  # (b, nnz, blk, blk)
     if key_mask is not None:
         scores = scores + _row_mask(key_mask.float(), index)
-    for mask in square_masks:
-        scores = scores + _square_mask(mask.float(), index)
+    for mask in tile_masks:
+        scores = scores + mask.float()
     rows = h * index.blocks
     with torch.no_grad():  # the row maximum only keeps exp() in range (module note)
         row_max = scores.new_full((b, rows, blk), float("-inf"))

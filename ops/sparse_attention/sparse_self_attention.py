@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .block_sparse import BlockIndex, block_sparse_attention
+from .block_sparse import BlockIndex, block_sparse_attention, square_tiles
 from .sparsity_config import SparsityConfig
 
 _MODES = ("add", "mul")
@@ -71,7 +71,9 @@ class SparseSelfAttention(nn.Module):
                              f"{self.sparsity_config.num_heads}")
         index = self._index(seq_len, query.device)
         key_mask = None if key_padding_mask is None else _additive(key_padding_mask, self.key_padding_mask_mode)
-        square = [m for m in (rpe, None if attn_mask is None else _additive(attn_mask, self.attn_mask_mode))
-                  if m is not None]
+        # tiles first, then the mode's conversion: work on the non-zero blocks only, never on seq²
+        tiles = [] if rpe is None else [square_tiles(rpe, index)]
+        if attn_mask is not None:
+            tiles.append(_additive(square_tiles(attn_mask, index), self.attn_mask_mode))
         scale = float(query.shape[-1]) ** -0.5
-        return block_sparse_attention(query, key, value, index, scale, key_mask, square)
+        return block_sparse_attention(query, key, value, index, scale, key_mask, tiles)
