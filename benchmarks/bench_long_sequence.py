@@ -6,7 +6,7 @@
 
 Sparse: forward+backward time of `ops.sparse_attention.SparseSelfAttention` (fixed and BigBird
 layouts, causal mask inside the blocks) next to SDPA given the same layout as a boolean mask, and SDPA
-causal (the dense lower bound); medians of `--repeats` runs. Memory: on CUDA the peak allocated
+causal (the dense lower bound); medians of `--repeats` runs, CPU time of this process on CPU. Memory: on CUDA the peak allocated
 during the step; on CPU, which has no allocator statistics, the bytes autograd holds for backward
 (`engine.checkpointing.SavedActivationProbe`), which is where attention's memory goes.
 Checkpointing: the example GPT's forward+backward with none / full / selective checkpointing of its
@@ -38,13 +38,16 @@ def _sync(device) -> None:
 
 def measure(step, device, repeats: int, params=()) -> tuple[float, int]:
     """(median ms, peak bytes) of `step()` (forward + backward)."""
+    # On CPU, this process's CPU time: the 2 cores of a shared machine make wall time the neighbours'
+    # (run with --threads 1 so that CPU time is elapsed time). On CUDA, wall time after a synchronise.
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     times = []
-    for _ in range(repeats + 1):  # the first run warms up
+    for _ in range(max(repeats, 1) + 1):  # the first run warms up
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         step()
         _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((clock() - t0) * 1e3)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -101,7 +104,7 @@ def checkpointing_table(args, device) -> None:
           f"batch {args.batch}, {device}\n")
     print("| policy | step ms | step time vs none | saved activations MB | memory vs none |")
     print("|---|---|---|---|---|")
-    rows = {}
+    steps, params = {}, {}
     for policy in ("none", "full", "selective"):
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
@@ -109,11 +112,18 @@ def checkpointing_table(args, device) -> None:
             checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy=policy))
         idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=device)
 
-        def step():
+        def step(model=model, idx=idx):
             model.zero_grad(set_to_none=True)
             model(idx, idx).backward()
 
-        rows[policy] = measure(step, device, args.repeats, list(model.parameters()))
+        steps[policy], params[policy] = step, list(model.parameters())
+    # interleaved, one step of each policy per round: a machine shared with other jobs slows all alike
+    times = {policy: [] for policy in steps}
+    for _ in range(args.repeats):
+        for policy, step in steps.items():
+            times[policy].append(measure(step, device, 1)[0])
+    rows = {policy: (statistics.median(times[policy]), measure(step, device, 0, params[policy])[1])
+            for policy, step in steps.items()}
     base_ms, base_b = rows["none"]
     for policy, (ms, b) in rows.items():
         print(f"| {policy} | {ms:.1f} | {ms / base_ms - 1:+.0%} | {b / 2**20:.1f} | {b / base_b:.2f} |")
