@@ -320,3 +320,20 @@ def test_partition_activations_keeps_half_and_stays_exact(runs, cpu):
         assert whole["exact"] and halves["exact"], f"rank {rank}"
         # 4 checkpointed inputs of 8 x D fp32 each; a rank keeps half of each, the rest is unchanged
         assert whole["held"] - halves["held"] == 4 * 8 * D * 4 // 2, (halves, whole)
+
+
+def test_the_probe_counts_each_saved_storage_once_and_releases_it():
+    x = torch.randn(1000, requires_grad=True)
+    w = nn.Parameter(torch.randn(1000))
+    with ckpt.SavedActivationProbe([w]) as probe:
+        y = x.exp()  # saves its output: 4000 bytes
+        z = (y * y * w).sum()  # y saved (same storage: not again); w is a parameter: not counted
+        assert probe.live_bytes == 4000 + 4000  # y, and y * y (saved by the product with w)
+        z.backward()
+        del y, z
+    assert probe.peak_bytes == 8000 and probe.live_bytes == 0
+
+
+def test_from_engine_checkpointing_import_works():
+    from engine.checkpointing import checkpoint, configure, non_reentrant_checkpoint  # noqa: F401
+    assert engine.checkpointing.checkpoint is checkpoint
