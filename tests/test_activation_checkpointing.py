@@ -162,6 +162,9 @@ def test_configure_reads_the_section_and_explicit_arguments_win():
     ckpt.configure(deepspeed_config={**BASE, "activation_checkpointing": section}, checkpoint_in_cpu=False)
     settings = ckpt_settings.STATE.settings
     assert ckpt.is_configured() and settings.profile and settings.synchronize and not settings.cpu_checkpointing
+    # initialize() configures from the section again: the explicit argument still wins
+    ckpt.configure(deepspeed_config={**BASE, "activation_checkpointing": {"cpu_checkpointing": True}})
+    assert not ckpt_settings.STATE.settings.cpu_checkpointing and not ckpt_settings.STATE.settings.profile
     ckpt.reset()
     assert not ckpt.is_configured() and not ckpt_settings.STATE.settings.profile
 

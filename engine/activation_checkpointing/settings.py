@@ -3,8 +3,9 @@ module globals; here they are one `CheckpointSettings` object that `configure`/`
 
 [Note: who configures] DeepSpeed's engine never applies its `activation_checkpointing` section: the
 user calls `deepspeed.checkpointing.configure(mpu, deepspeed_config=...)`. Here `initialize()` calls
-`configure(deepspeed_config=config)` itself, and a later explicit `configure(...)` call still works and
-overrides the section with its explicit arguments, as DeepSpeed's does.
+`configure(deepspeed_config=config)` itself; a user's `configure(...)` call, before or after
+`initialize`, still works, and its explicit arguments override the section (as DeepSpeed's do) until
+`reset()`.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class CheckpointSettings:
 class _State:
     settings: CheckpointSettings = field(default_factory=CheckpointSettings)
     configured: bool = False
+    explicit: dict = field(default_factory=dict)  # every explicit configure() argument since reset()
     # profile: (checkpoint call index, "forward" | "recompute", seconds), in the order they ran
     timings: list = field(default_factory=list)
     calls: int = 0
@@ -63,9 +65,12 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
         base = CheckpointSettings(partition_activations=section.partition_activations,
                                   cpu_checkpointing=section.cpu_checkpointing,
                                   synchronize=section.synchronize_checkpoint_boundary, profile=section.profile)
-    explicit = {k: v for k, v in dict(partition_activations=partition_activations, cpu_checkpointing=checkpoint_in_cpu,
-                                      synchronize=synchronize, profile=profile).items() if v is not None}
-    STATE.settings = replace(base, mpu=mpu_ if mpu_ is not None else STATE.settings.mpu, **explicit)
+    # [Note: who configures] initialize() configures from the section too; the user's explicit
+    # arguments, before or after it, keep winning over any section until reset()
+    STATE.explicit.update({k: v for k, v in dict(partition_activations=partition_activations,
+                                                 cpu_checkpointing=checkpoint_in_cpu, synchronize=synchronize,
+                                                 profile=profile).items() if v is not None})
+    STATE.settings = replace(base, mpu=mpu_ if mpu_ is not None else STATE.settings.mpu, **STATE.explicit)
     STATE.configured = True
 
 
@@ -77,6 +82,7 @@ def reset() -> None:
     """Forget what `configure` set and the profile's timings (DeepSpeed's `reset`)."""
     STATE.settings = CheckpointSettings()
     STATE.configured = False
+    STATE.explicit.clear()
     STATE.timings.clear()
     STATE.calls = 0
 
