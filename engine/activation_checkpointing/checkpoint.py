@@ -125,6 +125,9 @@ def checkpoint(function, *args, **kwargs):
     return out
 
 
+_TORCH_OPTIONS = ("preserve_rng_state", "determinism_check", "debug")  # torch's own, not the function's
+
+
 def non_reentrant_checkpoint(function, *args, context_fn=None, **kwargs):
     """Torch's non-reentrant checkpoint (keyword arguments, inputs without gradients, nested regions,
     `context_fn` for a selective policy) with `cpu_checkpointing`, the RNG streams and `profile`.
@@ -135,7 +138,9 @@ def non_reentrant_checkpoint(function, *args, context_fn=None, **kwargs):
                                   "with engine.checkpointing.checkpoint (reentrant) only; use that for this region")
     synchronize_boundary()
     run = _instrumented(function)
-    extra = {} if context_fn is None else {"context_fn": context_fn}
+    extra = {k: kwargs.pop(k) for k in _TORCH_OPTIONS if k in kwargs}
+    if context_fn is not None:
+        extra["context_fn"] = context_fn
     if settings.cpu_checkpointing:
         devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
         host_args = [a.to("cpu", copy=True) if isinstance(a, torch.Tensor) else a for a in args]
