@@ -137,7 +137,7 @@ def _cpu_jiffies(pids: list[int]) -> tuple[int, int, int]:
 
 
 def _set_async(eng, on: bool) -> None:
-    ckpt = eng.checkpointing  # the engine's config is frozen: give its checkpointing a changed copy
+    ckpt = eng.checkpoint_io  # the engine's config is frozen: give its checkpointing a changed copy
     ckpt.cfg = ckpt.cfg.model_copy(update={"async_save": on})
 
 

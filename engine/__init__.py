@@ -7,6 +7,7 @@
         eng.backward(loss)
         eng.step()
 
+`engine.checkpointing`: activation checkpointing (DeepSpeed's `deepspeed.checkpointing`).
 Also: `init_distributed()` (env from dslaunch, torchrun, SLURM or MPI), `add_config_arguments(parser)`.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
+    if name == "checkpointing":  # activation checkpointing (DeepSpeed's deepspeed.checkpointing)
+        return importlib.import_module(".checkpointing", __name__)
     if name == "zero":  # engine.zero.Init, engine.zero.GatheredParameters (DeepSpeed's deepspeed.zero)
         return importlib.import_module(".zero", __name__)
     if name in _LAZY:

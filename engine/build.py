@@ -81,6 +81,16 @@ def _seed(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
+def _apply_activation_checkpointing(model: torch.nn.Module, cfg) -> None:
+    """The `activation_checkpointing` section takes effect from the config alone (DeepSpeed's needs a
+    `deepspeed.checkpointing.configure` call): configure, then checkpoint the blocks it names."""
+    from . import activation_checkpointing as ac
+    ac.configure(deepspeed_config=cfg)
+    section = cfg.activation_checkpointing
+    if section.checkpoint_blocks or section.checkpoint_module_classes:
+        ac.checkpoint_blocks(model, section)
+
+
 def _param_groups(model: torch.nn.Module, model_parameters) -> list:
     if model_parameters is None:
         return [p for p in model.parameters()]
@@ -126,6 +136,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     _seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
     _broadcast_model(model, comm)
+    _apply_activation_checkpointing(model, cfg)
     base_optimizer = resolve_optimizer(optimizer, _param_groups(model, model_parameters), cfg.optimizer)
     zero_optimizer = build_zero_optimizer(base_optimizer, comm, cfg, model) if base_optimizer is not None else None
     if zero_optimizer is not None and cfg.gradient_compression is not None:  # stage 0 only (schemas/checks.py)
@@ -138,7 +149,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     comm.stats.reset()
     eng = Engine(model, zero_optimizer, scheduler, loader, cfg, comm)
     if cfg.checkpoint.auto_resume:  # a restarted job continues from <save_dir>/latest (engine/checkpoint)
-        eng.checkpointing.auto_resume()
+        eng.checkpoint_io.auto_resume()
     if cfg.dump_state and comm.rank == 0:  # logs are shared: secrets redacted as in checkpoints
         from .checkpoint.format import redact_secrets
         shown = {"world_size": cfg.world_size, **redact_secrets(cfg.to_dict())}

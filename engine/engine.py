@@ -84,7 +84,7 @@ class Engine(torch.nn.Module):
             heartbeat.beat(self.global_steps)
             self._maybe_log()
             if self.config.checkpoint.save_interval:  # periodic saving (engine/checkpoint)
-                self.checkpointing.after_step()
+                self.checkpoint_io.after_step()
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -141,30 +141,31 @@ class Engine(torch.nn.Module):
 
     # -- checkpoints (engine/checkpoint; docs/checkpoints.md) ------------------------------------
     @property
-    def checkpointing(self):
-        """The engine's `Checkpointing` (built on first use: it owns the checkpoint process group)."""
-        if getattr(self, "_checkpointing", None) is None:
+    def checkpoint_io(self):
+        """The engine's save/load `Checkpointing` (built on first use: it owns the checkpoint process
+        group). Not `checkpointing`: that name is activation checkpointing (`engine.checkpointing`)."""
+        if getattr(self, "_checkpoint_io", None) is None:
             from .checkpoint import Checkpointing
-            self._checkpointing = Checkpointing(self)
-        return self._checkpointing
+            self._checkpoint_io = Checkpointing(self)
+        return self._checkpoint_io
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
         """Call on every rank. Each rank writes its shards; the tag (default `global_step{N}`) becomes
         visible, and `latest` names it, only once every rank finished. Returns True."""
-        return self.checkpointing.save(save_dir, tag, client_state, save_latest)
+        return self.checkpoint_io.save(save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         """Call on every rank, at any world size and ZeRO stage. Returns (path, client_state), or
         (None, None) with a warning when there is no checkpoint to load."""
-        return self.checkpointing.load(load_dir, tag, load_module_strict, load_optimizer_states,
+        return self.checkpoint_io.load(load_dir, tag, load_module_strict, load_optimizer_states,
                                        load_lr_scheduler_states, load_module_only)
 
     def wait_for_checkpoint(self) -> None:
         """Block until an async save (`checkpoint.async_save`) is committed; re-raise its error."""
-        if getattr(self, "_checkpointing", None) is not None:
-            self._checkpointing.wait()
+        if getattr(self, "_checkpoint_io", None) is not None:
+            self._checkpoint_io.wait()
 
     def destroy(self) -> None:
         """The end of training (DeepSpeed's `engine.destroy()`): waits for an async checkpoint save,
@@ -181,7 +182,7 @@ class Engine(torch.nn.Module):
             if coordinator is not None and coordinator.comm is not self.comm:
                 groups.append(coordinator.comm.group)
                 coordinator.comm = self.comm
-        writer = getattr(getattr(self, "_checkpointing", None), "writer", None)
+        writer = getattr(getattr(self, "_checkpoint_io", None), "writer", None)
         if writer is not None and writer._comm is not None:
             groups.append(writer._comm.group)
             writer._comm = None

@@ -24,6 +24,9 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 128
     dropout: float = 0.0
+    # An `ops.sparse_attention` sparsity pattern (e.g. from the config's `sparse_attention` section):
+    # attention over its blocks, causal inside them; None: dense causal SDPA.
+    sparsity: object = None
 
 
 # The benchmark workload of shared/reference/baselines.md: 25.12M parameters.
@@ -41,13 +44,21 @@ class Block(nn.Module):
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
+        self.sparse = None
+        if cfg.sparsity is not None:
+            from ops.sparse_attention import SparseSelfAttention
+            self.sparse = SparseSelfAttention(cfg.sparsity, max_seq_length=cfg.seq_len)
+            self.register_buffer("causal", torch.tril(torch.ones(cfg.seq_len, cfg.seq_len)), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.sparse is not None:
+            y = self.sparse(q, k, v, attn_mask=self.causal[:t, :t])
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     torch.manual_seed(0)
-    model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.layers, d_model=args.d_model, n_head=4))
+    model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.layers, d_model=args.d_model, n_head=4,
+                          sparsity=_sparsity(args.deepspeed_config, n_head=4)))
     data = ByteCorpus(seq_len=args.seq_len)
     eng, _, loader, _ = engine.initialize(args=args, model=model, training_data=data)
     rank = dist.get_rank()
@@ -67,6 +68,15 @@ def main(argv=None) -> int:
         progress.stop()
     _summary(eng, losses, tokens, elapsed, args, resumed=start_step > 0)
     return 0
+
+
+def _sparsity(config_path: str, n_head: int):
+    """The config's `sparse_attention` section as the model's attention pattern (DeepSpeed parses the
+    section and leaves it to the model; this is the model's side), or None without the section."""
+    import schemas
+    from ops.sparse_attention import sparsity_config_from
+    section = schemas.load_config(config_path, world_size=int(os.environ.get("WORLD_SIZE", "1"))).sparse_attention
+    return None if section is None else sparsity_config_from(section, n_head)
 
 
 def _forever(loader):

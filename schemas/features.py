@@ -31,20 +31,31 @@ class AioConfig(StrictModel):
 
 
 class ActivationCheckpointingConfig(StrictModel):
-    """`activation_checkpointing`: options for `engine.checkpointing.checkpoint`."""
+    """`activation_checkpointing`: `initialize()` applies it (`engine.checkpointing.configure`), unlike
+    DeepSpeed, which leaves that call to the user. See docs/activation_checkpointing.md."""
 
     partition_activations: bool = False
-    """Partition checkpointed activations across model-parallel ranks."""
+    """Keep 1/tp of each input saved by `engine.checkpointing.checkpoint` per tensor-parallel rank (the
+    group of the `mpu` given to `configure`); all-gathered back in backward. No-op without one."""
     cpu_checkpointing: bool = False
-    """Move checkpointed activations to CPU memory (needs partition_activations)."""
+    """Keep the inputs saved by checkpointed regions in host memory (pinned, asynchronous on an
+    accelerator); with partition_activations, this rank's slice."""
     contiguous_memory_optimization: bool = False
-    """Copy checkpointed activations into one contiguous buffer."""
+    """Copy partitioned checkpointed activations into one preallocated buffer (not built yet)."""
     number_checkpoints: Optional[int] = Field(None, ge=1)
-    """Checkpoints in the model, used to size the contiguous buffer."""
+    """Checkpoints in the model, used to size the contiguous buffer (not built yet)."""
     synchronize_checkpoint_boundary: bool = False
-    """Synchronise the device at each checkpoint boundary (for profiling)."""
+    """Synchronise the accelerator at each checkpoint's start and end (for profiling); no-op on CPU."""
     profile: bool = False
-    """Time the forward and recompute of each checkpoint."""
+    """Time each checkpoint's forward and recompute (`engine.checkpointing.profile_summary()`)."""
+    checkpoint_blocks: bool = False
+    """dstrain: checkpoint every repeated block of the model (the children of each ModuleList or
+    Sequential of two or more modules of one class) without editing it."""
+    checkpoint_module_classes: list[str] = []
+    """dstrain: also checkpoint every module whose class has one of these names."""
+    policy: Literal["full", "selective"] = "full"
+    """dstrain: for the blocks above, "full" recomputes everything; "selective" keeps the outputs of
+    matrix products, attention and collectives and recomputes the rest."""
 
 
 class SparseAttentionConfig(StrictModel):

@@ -89,7 +89,7 @@ def _save_both(root: str, stage: int):
     for _ in range(2):
         eng.backward(eng(torch.randn(1, 256)).square().sum())
         eng.step()
-    ckpt = eng.checkpointing
+    ckpt = eng.checkpoint_io
     ckpt.cfg = ckpt.cfg.model_copy(update={"async_save": False})
     eng.save_checkpoint(root, tag="sync")
     ckpt.cfg = ckpt.cfg.model_copy(update={"async_save": True})

@@ -1,0 +1,23 @@
+"""Activation checkpointing — `engine.checkpointing`, DeepSpeed's `deepspeed.checkpointing` (not the
+save/load of training state: that is `engine/checkpoint/`, the engine's `checkpoint_io`).
+
+- `checkpoint(fn, *args)`: reentrant, as DeepSpeed's and Megatron's; `non_reentrant_checkpoint`.
+- `configure(mpu_, deepspeed_config, partition_activations, ..., checkpoint_in_cpu, synchronize,
+  profile)`, `is_configured()`, `reset()`; `initialize()` configures from the config section itself.
+- `get_cuda_rng_tracker()`, `model_parallel_cuda_manual_seed(seed)`: named RNG streams, replayed in
+  recomputes.
+- `checkpoint_blocks(model, section)`: checkpoint every repeated block (or named classes) of a model
+  without editing it, with full recomputation or the selective policy (`policy.py`).
+- `SavedActivationProbe`: the peak bytes of activations held for backward, to measure all of this.
+See docs/activation_checkpointing.md.
+"""
+from .apply import checkpoint_blocks, repeated_blocks
+from .checkpoint import checkpoint, non_reentrant_checkpoint
+from .policy import save_expensive_ops, selective_context
+from .probe import SavedActivationProbe
+from .rng import RNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from .settings import configure, is_configured, profile_summary, reset
+
+__all__ = ["RNGStatesTracker", "SavedActivationProbe", "checkpoint", "checkpoint_blocks", "configure",
+           "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint",
+           "profile_summary", "repeated_blocks", "reset", "save_expensive_ops", "selective_context"]

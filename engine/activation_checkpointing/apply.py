@@ -1,0 +1,58 @@
+"""Checkpoint a model's blocks without editing it: what `initialize()` does with the section's
+`checkpoint_blocks` / `checkpoint_module_classes` / `policy` keys (dstrain's own).
+
+[Note: patching forward] Each chosen module's `forward` is replaced, on the instance, by one that runs
+the original forward inside `non_reentrant_checkpoint`. The module stays where it was, so parameter
+names, state dicts, checkpoints and ZeRO-3's units (whose hooks sit on the module's `__call__`, outside
+the patched forward, and gather again before the module's backward, i.e. before the recompute) are
+unchanged. The non-reentrant checkpoint takes keyword arguments and inputs that need no gradient,
+which a block's forward may have; the selective policy needs it too.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from .checkpoint import non_reentrant_checkpoint
+from .policy import selective_context
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of every ModuleList/Sequential holding two or more modules of one class."""
+    blocks = []
+    for container in model.modules():
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            children = list(container.children())
+            if len(children) >= 2 and len({type(c) for c in children}) == 1:
+                blocks.extend(children)
+    return blocks
+
+
+def _chosen(model: nn.Module, section) -> list[nn.Module]:
+    chosen = repeated_blocks(model) if section.checkpoint_blocks else []
+    names = set(section.checkpoint_module_classes)
+    present = {type(m).__name__ for m in model.modules()}
+    missing = sorted(names - present)
+    if missing:
+        raise ValueError(f"activation_checkpointing.checkpoint_module_classes: {missing} are not classes of any "
+                         f"module of the model; use class names of its modules (e.g. {sorted(present)[:5]})")
+    chosen += [m for m in model.modules() if type(m).__name__ in names]
+    # a module inside another chosen one is recomputed with it already
+    inside = {id(d) for m in chosen for d in list(m.modules())[1:]}
+    return [m for m in dict.fromkeys(chosen) if id(m) not in inside]
+
+
+def checkpoint_blocks(model: nn.Module, section) -> list[nn.Module]:
+    """Patch the chosen modules' forward to run checkpointed (see the module note); returns them.
+    Calling it again on a patched module leaves it as it is."""
+    context = selective_context if section.policy == "selective" else None
+    blocks = _chosen(model, section)
+    for block in blocks:
+        if "forward" in vars(block):  # patched already (or by the user)
+            continue
+        original = block.forward
+
+        def forward(*args, _original=original, **kwargs):
+            return non_reentrant_checkpoint(_original, *args, context_fn=context, **kwargs)
+
+        block.forward = forward
+    return blocks

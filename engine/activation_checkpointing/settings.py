@@ -1,0 +1,109 @@
+"""What `configure()` set: the process-wide options `checkpoint()` reads (DeepSpeed keeps them as
+module globals; here they are one `CheckpointSettings` object that `configure`/`reset` replace).
+
+[Note: who configures] DeepSpeed's engine never applies its `activation_checkpointing` section: the
+user calls `deepspeed.checkpointing.configure(mpu, deepspeed_config=...)`. Here `initialize()` calls
+`configure(deepspeed_config=config)` itself; a user's `configure(...)` call, before or after
+`initialize`, still works, and its explicit arguments override the section (as DeepSpeed's do) until
+`reset()`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    synchronize: bool = False
+    profile: bool = False
+    mpu: Any = None  # Megatron-style: get_model_parallel_{group,rank,world_size}()
+
+
+@dataclass
+class _State:
+    settings: CheckpointSettings = field(default_factory=CheckpointSettings)
+    configured: bool = False
+    explicit: dict = field(default_factory=dict)  # every explicit configure() argument since reset()
+    # profile: (checkpoint call index, "forward" | "recompute", seconds), in the order they ran
+    timings: list = field(default_factory=list)
+    calls: int = 0
+
+
+STATE = _State()
+
+
+def _section(deepspeed_config) -> Any:
+    """The `activation_checkpointing` section of a `Config`, or of a config source (path, dict) loaded
+    as `initialize` would load it (so its errors name their key paths)."""
+    if deepspeed_config is None or hasattr(deepspeed_config, "activation_checkpointing"):
+        return getattr(deepspeed_config, "activation_checkpointing", None)
+    import torch.distributed as dist
+
+    import schemas
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return schemas.load_config(deepspeed_config, world_size=world).activation_checkpointing
+
+
+def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[bool] = None,
+              contiguous_checkpointing: Optional[bool] = None, num_checkpoints: Optional[int] = None,
+              checkpoint_in_cpu: Optional[bool] = None, synchronize: Optional[bool] = None,
+              profile: Optional[bool] = None) -> None:
+    """DeepSpeed's `deepspeed.checkpointing.configure`: the config section's values, then each explicit
+    argument that is not None over them."""
+    if contiguous_checkpointing or num_checkpoints is not None:
+        raise NotImplementedError("configure(contiguous_checkpointing=, num_checkpoints=): "
+                                  "activation_checkpointing.contiguous_memory_optimization is not built yet in "
+                                  "dstrain; leave them unset")
+    section = _section(deepspeed_config)
+    base = CheckpointSettings()
+    if section is not None:
+        base = CheckpointSettings(partition_activations=section.partition_activations,
+                                  cpu_checkpointing=section.cpu_checkpointing,
+                                  synchronize=section.synchronize_checkpoint_boundary, profile=section.profile)
+    # [Note: who configures] initialize() configures from the section too; the user's explicit
+    # arguments, before or after it, keep winning over any section until reset()
+    STATE.explicit.update({k: v for k, v in dict(partition_activations=partition_activations,
+                                                 cpu_checkpointing=checkpoint_in_cpu, synchronize=synchronize,
+                                                 profile=profile).items() if v is not None})
+    STATE.settings = replace(base, mpu=mpu_ if mpu_ is not None else STATE.settings.mpu, **STATE.explicit)
+    STATE.configured = True
+
+
+def is_configured() -> bool:
+    return STATE.configured
+
+
+def reset() -> None:
+    """Forget what `configure` set and the profile's timings (DeepSpeed's `reset`)."""
+    STATE.settings = CheckpointSettings()
+    STATE.configured = False
+    STATE.explicit.clear()
+    STATE.timings.clear()
+    STATE.calls = 0
+
+
+def model_parallel_info() -> tuple[Any, int, int]:
+    """(group, rank, world size) of the tensor-parallel group; (None, 0, 1) without an mpu."""
+    mpu = STATE.settings.mpu
+    if mpu is None:
+        return None, 0, 1
+    return mpu.get_model_parallel_group(), mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
+
+
+def synchronize_boundary() -> None:
+    if STATE.settings.synchronize and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_summary() -> dict[int, dict[str, float]]:
+    """With `profile` on: seconds per checkpoint call, {call index: {"forward": s, "recompute": s}}."""
+    summary: dict[int, dict[str, float]] = {}
+    for index, phase, seconds in STATE.timings:
+        summary.setdefault(index, {}).setdefault(phase, 0.0)
+        summary[index][phase] += seconds
+    return summary

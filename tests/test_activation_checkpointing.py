@@ -1,0 +1,342 @@
+"""Activation checkpointing (`engine.checkpointing`, the `activation_checkpointing` section) changes
+memory, never the math.
+
+Oracles: with dropout on, a checkpointed model gives bit-identical losses and gradients to the plain
+one on one process (the recompute replays the RNG); through `initialize` at ZeRO stages 0-3 on 2 ranks
+the weights after SGD steps (no momentum, no clipping: the update is linear in the gradient) equal a
+single-process reference without checkpointing that replays each rank's RNG stream (atol 2e-6: only
+the order of the rank sum differs). Memory: `SavedActivationProbe` counts the bytes autograd holds for
+backward at the peak, and full checkpointing of a 24-block model must hold at most 1/4 of the plain one.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import engine
+import schemas
+from engine.utils import safe_get_full_fp32_param
+from schemas.features import ActivationCheckpointingConfig
+from tests.harness import run_distributed
+
+ckpt = engine.checkpointing
+from engine.activation_checkpointing import settings as ckpt_settings  # noqa: E402
+D = 16
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.up, self.down, self.norm = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.LayerNorm(d)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, h):
+        return self.norm(h + self.drop(self.down(torch.nn.functional.gelu(self.up(h)))))
+
+
+class BlockNet(nn.Module):
+    """`layers` blocks in a ModuleList (what `checkpoint_blocks` finds), dropout inside each; with
+    `api` set, the forward checkpoints each block itself with that engine.checkpointing function,
+    and with `shared`, one block is reached twice in one backward."""
+
+    def __init__(self, layers: int = 3, api=None, shared: bool = False, d_in: int = 7):
+        super().__init__()
+        self.inp, self.out = nn.Linear(d_in, D), nn.Linear(D, 3)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.api, self.shared = api, shared
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        order = list(self.blocks) + ([self.blocks[0]] if self.shared else [])
+        for block in order:
+            h = block(h) if self.api is None else self.api(block, h)
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+def _loss_and_grads(model, x, y, seed=5):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = model(x, y)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings():
+    ckpt.reset()
+    yield
+    ckpt.reset()
+
+
+def _selective(fn, *args):
+    return ckpt.non_reentrant_checkpoint(fn, *args, context_fn=ckpt.selective_context)
+
+
+def _tracked(block, h):
+    """The checkpointed function draws dropout on the tracked model-parallel stream."""
+    def run(t):
+        with ckpt.get_cuda_rng_tracker().fork():
+            return block(t)
+    return ckpt.checkpoint(run, h)
+
+
+VARIANTS = {"reentrant": (ckpt.checkpoint, {}), "non_reentrant": (ckpt.non_reentrant_checkpoint, {}),
+            "selective": (_selective, {}), "reentrant-cpu": (ckpt.checkpoint, {"checkpoint_in_cpu": True}),
+            "non_reentrant-cpu": (ckpt.non_reentrant_checkpoint, {"checkpoint_in_cpu": True}),
+            "rng-tracker": (_tracked, {})}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["once", "block-reached-twice"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_checkpointed_model_is_bit_identical_to_the_plain_one(variant, shared):
+    api, settings = VARIANTS[variant]
+    ckpt.configure(**settings)
+    torch.manual_seed(0)
+    plain = BlockNet(shared=shared)
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.api = api
+    x, y = torch.randn(6, 7), torch.randn(6, 3)
+    if variant == "rng-tracker":
+        ckpt.model_parallel_cuda_manual_seed(11)
+        plain.api = _tracked_plain
+    want_loss, want = _loss_and_grads(plain, x, y)
+    if variant == "rng-tracker":
+        ckpt.model_parallel_cuda_manual_seed(11)
+    got_loss, got = _loss_and_grads(checkpointed, x, y)
+    assert torch.equal(got_loss, want_loss)
+    for name, g in want.items():
+        assert torch.equal(got[name], g), name
+
+
+def _tracked_plain(block, h):
+    with ckpt.get_cuda_rng_tracker().fork():
+        return block(h)
+
+
+def test_dropout_is_on_so_the_rng_replay_is_tested():
+    torch.manual_seed(0)
+    model = BlockNet()
+    x, y = torch.randn(6, 7), torch.randn(6, 3)
+    assert not torch.equal(_loss_and_grads(model, x, y, seed=1)[0], _loss_and_grads(model, x, y, seed=2)[0])
+
+
+# -- memory -----------------------------------------------------------------------------------------
+def _peak_bytes(policy: str, api=None, layers: int = 24) -> int:
+    torch.manual_seed(0)
+    model = BlockNet(layers=layers, api=api, d_in=D)
+    if policy != "none":
+        ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy=policy))
+    x, y = torch.randn(64, D), torch.randn(64, 3)
+    with ckpt.SavedActivationProbe(model.parameters()) as probe:
+        model(x, y).backward()
+    assert probe.live_bytes == 0 or policy == "selective"  # everything saved was freed by backward
+    return probe.peak_bytes
+
+
+def test_full_checkpointing_holds_at_most_a_quarter_of_the_activations():
+    none = _peak_bytes("none")
+    full_config = _peak_bytes("full")
+    full_reentrant = _peak_bytes("none", api=ckpt.checkpoint)  # the recompute runs under the probe
+    selective = _peak_bytes("selective")
+    assert none > 0
+    assert full_config <= none / 4, (full_config, none)
+    assert full_reentrant <= none / 4, (full_reentrant, none)
+    # selective keeps the matmul outputs: between full and none, and well under none
+    assert full_config < selective <= 0.75 * none, (full_config, selective, none)
+
+
+def test_cpu_checkpointing_bytes_are_reported_to_the_probe():
+    ckpt.configure(checkpoint_in_cpu=True)
+    assert _peak_bytes("none", api=ckpt.checkpoint, layers=4) > 0
+
+
+# -- config and configure() ---------------------------------------------------------------------------
+BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0}
+
+
+def test_configure_reads_the_section_and_explicit_arguments_win():
+    section = {"cpu_checkpointing": True, "profile": True, "synchronize_checkpoint_boundary": True}
+    ckpt.configure(deepspeed_config={**BASE, "activation_checkpointing": section}, checkpoint_in_cpu=False)
+    settings = ckpt_settings.STATE.settings
+    assert ckpt.is_configured() and settings.profile and settings.synchronize and not settings.cpu_checkpointing
+    # initialize() configures from the section again: the explicit argument still wins
+    ckpt.configure(deepspeed_config={**BASE, "activation_checkpointing": {"cpu_checkpointing": True}})
+    assert not ckpt_settings.STATE.settings.cpu_checkpointing and not ckpt_settings.STATE.settings.profile
+    ckpt.reset()
+    assert not ckpt.is_configured() and not ckpt_settings.STATE.settings.profile
+
+
+def test_profile_reports_forward_and_recompute_per_checkpoint():
+    ckpt.configure(profile=True)
+    torch.manual_seed(0)
+    model = BlockNet(api=ckpt.checkpoint)
+    _loss_and_grads(model, torch.randn(6, 7), torch.randn(6, 3))
+    summary = ckpt.profile_summary()
+    assert len(summary) == 3 and all(set(s) == {"forward", "recompute"} for s in summary.values())
+
+
+@pytest.mark.parametrize("section, words", [
+    ({"contiguous_memory_optimization": True}, "activation_checkpointing.contiguous_memory_optimization"),
+    ({"number_checkpoints": 4}, "activation_checkpointing.number_checkpoints"),
+    ({"policy": "some"}, "activation_checkpointing.policy"),
+    ({"checkpoint_block": True}, "checkpoint_blocks"),
+])
+def test_config_mistakes_and_unbuilt_keys_name_the_key(section, words):
+    with pytest.raises(schemas.ConfigError) as err:
+        schemas.load_config({**BASE, "activation_checkpointing": section})
+    assert words in str(err.value)
+
+
+def test_unbuilt_contiguous_checkpointing_is_refused_by_configure():
+    with pytest.raises(NotImplementedError, match="contiguous_memory_optimization"):
+        ckpt.configure(contiguous_checkpointing=True)
+
+
+def test_unknown_module_class_names_the_key():
+    with pytest.raises(ValueError, match="activation_checkpointing.checkpoint_module_classes.*Nope"):
+        ckpt.checkpoint_blocks(BlockNet(), ActivationCheckpointingConfig(checkpoint_module_classes=["Nope"]))
+
+
+def test_module_classes_choose_the_outermost_match():
+    model = BlockNet()
+    chosen = ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_module_classes=["Block",
+                                                                                                  "Linear"]))
+    assert set(map(id, chosen)) == {id(b) for b in model.blocks} | {id(model.inp), id(model.out)}
+
+
+# -- through initialize, ZeRO stages 0-3, 2 ranks -------------------------------------------------------
+STEPS, MICRO, LR, SEED = 3, 2, 0.3, 1234
+SECTIONS = {"full": {"checkpoint_blocks": True}, "selective": {"checkpoint_blocks": True, "policy": "selective"},
+            "full-cpu": {"checkpoint_module_classes": ["Block"], "cpu_checkpointing": True},
+            "api-shared": {}}
+
+
+def _batches(world: int):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(MICRO * world, 7, generator=g), torch.randn(MICRO * world, 3, generator=g))
+            for _ in range(STEPS)]
+
+
+def _model(case: str) -> BlockNet:
+    torch.manual_seed(0)
+    shared = case == "api-shared"
+    return BlockNet(api=ckpt.checkpoint if shared else None, shared=shared)
+
+
+def _train(stage: int, case: str) -> dict:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    cfg = {**BASE, "seed": SEED, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+           "zero_allow_untested_optimizer": True, "activation_checkpointing": SECTIONS[case],
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 10}}
+    eng, _, _, _ = engine.initialize(model=_model(case), config=cfg)
+    patched = sum("forward" in vars(m) for m in eng.module.modules())
+    for x, y in _batches(world):
+        eng.backward(eng(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+        eng.step()
+    ckpt.reset()
+    return {"patched": patched, "params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}}
+
+
+class WorldMpu:
+    """A tensor-parallel group of the whole world (Megatron's mpu interface)."""
+
+    def get_model_parallel_group(self):
+        return None
+
+    def get_model_parallel_rank(self):
+        return torch.distributed.get_rank()
+
+    def get_model_parallel_world_size(self):
+        return torch.distributed.get_world_size()
+
+
+def _partitioned(cpu: bool) -> dict:
+    """Replicated activations on a tensor-parallel group of 2: each rank keeps half of each saved input."""
+    torch.manual_seed(0)
+    plain = BlockNet(layers=4, d_in=D)
+    x, y = torch.randn(8, D), torch.randn(8, 3)
+    want_loss, want = _loss_and_grads(plain, x, y)
+    result = {}
+    for partition in (False, True):
+        ckpt.configure(mpu_=WorldMpu(), partition_activations=partition, checkpoint_in_cpu=cpu)
+        model = copy.deepcopy(plain)
+        model.api = ckpt.checkpoint
+        torch.manual_seed(5)
+        with ckpt.SavedActivationProbe(model.parameters()) as probe:
+            loss = model(x, y)
+            held = probe.live_bytes
+            loss.backward()
+        exact = torch.equal(loss.detach(), want_loss) and all(torch.equal(p.grad, want[n])
+                                                              for n, p in model.named_parameters())
+        result[partition] = {"exact": exact, "held": held}
+        ckpt.reset()
+    return result
+
+
+def _all_cases() -> dict:
+    out = {(stage, case): _train(stage, case) for stage in (0, 1, 2, 3) for case in SECTIONS}
+    out["partition"] = {cpu: _partitioned(cpu) for cpu in (False, True)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_all_cases, 2, timeout=240)
+
+
+def _reference(case: str, world: int = 2) -> dict:
+    """Single process, no checkpointing, each rank's micro-batch drawn on that rank's RNG stream
+    (initialize seeds rank r with seed + r), gradients averaged over the ranks, plain SGD."""
+    model = _model(case)
+    model.api = None
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    streams = [torch.Generator().manual_seed(SEED + r).get_state() for r in range(world)]
+    for x, y in _batches(world):
+        for r in range(world):
+            torch.set_rng_state(streams[r])
+            (model(x[r * MICRO:(r + 1) * MICRO], y[r * MICRO:(r + 1) * MICRO]) / world).backward()
+            streams[r] = torch.get_rng_state()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("case", list(SECTIONS))
+def test_initialize_applies_the_section_and_training_is_exact(runs, stage, case):
+    ref = _reference(case)
+    for rank, result in enumerate(runs):
+        got = result[(stage, case)]
+        assert got["patched"] == (0 if case == "api-shared" else 3), "the section did not checkpoint the blocks"
+        for name, want in ref.items():
+            err = (got["params"][name] - want).abs().max().item()
+            assert err < 2e-6, f"rank {rank} {name}: max |w - w_ref| = {err:.2e}"
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["device", "cpu"])
+def test_partition_activations_keeps_half_and_stays_exact(runs, cpu):
+    for rank, result in enumerate(runs):
+        whole, halves = result["partition"][cpu][False], result["partition"][cpu][True]
+        assert whole["exact"] and halves["exact"], f"rank {rank}"
+        # 4 checkpointed inputs of 8 x D fp32 each; a rank keeps half of each, the rest is unchanged
+        assert whole["held"] - halves["held"] == 4 * 8 * D * 4 // 2, (halves, whole)
+
+
+def test_the_probe_counts_each_saved_storage_once_and_releases_it():
+    x = torch.randn(1000, requires_grad=True)
+    w = nn.Parameter(torch.randn(1000))
+    with ckpt.SavedActivationProbe([w]) as probe:
+        y = x.exp()  # saves its output: 4000 bytes
+        z = (y * y * w).sum()  # y saved (same storage: not again); w is a parameter: not counted
+        assert probe.live_bytes == 4000 + 4000  # y, and y * y (saved by the product with w)
+        z.backward()
+        del y, z
+    assert probe.peak_bytes == 8000 and probe.live_bytes == 0
+
+
+def test_from_engine_checkpointing_import_works():
+    from engine.checkpointing import checkpoint, configure, non_reentrant_checkpoint  # noqa: F401
+    assert engine.checkpointing.checkpoint is checkpoint
