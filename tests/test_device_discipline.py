@@ -1,0 +1,113 @@
+"""Every tensor that reaches a collective names its device (DESIGN decision 9; engine/comm.py's note).
+
+On CPU with gloo a buffer made without a device lands on the CPU by luck and works; under NCCL it is a
+failed step. So the multi-process run here sets `torch.set_default_device("meta")` once the model is
+built: from then on any allocation that does not name its device lands on `meta`, and the
+communicator's device check (or the first op on it) fails, naming the call site. It covers ZeRO 1-3,
+`zero.Init` (its model names its devices, so only dstrain's own allocations are on trial),
+`GatheredParameters`, `save_16bit_model`, checkpoint save (sync and async) and load. SGD, because
+torch's Adam creates its `step` counters without a device (torch's convention, not ours).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import engine
+from engine.comm import Communicator, DeviceMismatchError
+from tests.harness import run_distributed
+from tests.models import make_batches
+
+
+class Explicit(nn.Module):
+    """Every parameter made on a named device, so the default device does not reach it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 24, device="cpu")
+        self.mid = nn.Linear(24, 24, device="cpu")
+        self.bias = nn.Parameter(torch.zeros(1, device="cpu"))  # a 1-element, persistent at stage 3
+        self.out = nn.Linear(24, 5, device="cpu")
+
+    def forward(self, x, y):
+        h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
+        return nn.functional.mse_loss(self.out(h) + self.bias, y)
+
+
+def _config(stage: int, async_save: bool = False) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 300}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=2, stage3_prefetch_bucket_size=400,
+                    stage3_max_reuse_distance=0, stage3_gather_16bit_weights_on_model_save=True)
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": zero, "checkpoint": {"async_save": async_save}}
+
+
+def _train_on_meta(root: str, stage: int, zero_init: bool, async_save: bool) -> list[float]:
+    torch.manual_seed(0)
+    cfg = _config(stage, async_save)
+    batches = make_batches(4, 4)
+    rank = torch.distributed.get_rank()
+    if zero_init:
+        torch.set_default_device("meta")  # zero.Init's own allocations are on trial too
+        with engine.zero.Init(config=cfg):
+            model = Explicit()
+    else:
+        model = Explicit()
+        torch.set_default_device("meta")
+    try:
+        eng, _, _, _ = engine.initialize(model=model, config=cfg)
+        losses = []
+        for x, y in batches[:2]:
+            xs, ys = x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]
+            loss = eng(xs, ys)
+            eng.backward(loss)
+            eng.step()
+            losses.append(float(loss))
+        eng.save_checkpoint(f"{root}/s{stage}-{zero_init}-{async_save}")
+        eng.checkpointing.wait()
+        eng.load_checkpoint(f"{root}/s{stage}-{zero_init}-{async_save}")
+        if stage == 3:
+            with engine.zero.GatheredParameters(list(eng.module.parameters()), modifier_rank=0):
+                pass
+            eng.save_16bit_model(f"{root}/16bit-{zero_init}")
+        x, y = batches[2]
+        eng.backward(eng(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]))
+        eng.step()
+        return losses
+    finally:
+        torch.set_default_device("cpu")
+
+
+def _cases(root: str) -> list:
+    cases = [(1, False, False), (2, False, True), (3, False, False), (3, True, True)]
+    return [_train_on_meta(root, *case) for case in cases]
+
+
+def test_no_collective_buffer_without_a_device(tmp_path):
+    """ZeRO 1-3, zero.Init and checkpoints with `meta` as the default device: nothing lands there."""
+    results = run_distributed(_cases, 2, args=(str(tmp_path),), timeout=150)
+    for rank_cases in results:  # every case ran to its end on every rank, with finite losses
+        assert len(rank_cases) == 4
+        assert all(len(losses) == 2 and all(abs(v) < 1e3 for v in losses) for losses in rank_cases)
+
+
+def test_communicator_refuses_a_tensor_on_another_device_and_names_the_call_site():
+    comm = Communicator(device="cpu")
+    with pytest.raises(DeviceMismatchError) as info:
+        comm.all_reduce(torch.zeros(3, device="meta"))  # the line the message must name
+    line = test_communicator_refuses_a_tensor_on_another_device_and_names_the_call_site.__code__.co_firstlineno + 3
+    assert f"test_device_discipline.py:{line}" in str(info.value), str(info.value)
+    assert "meta" in str(info.value) and "cpu" in str(info.value)
+    out = torch.empty(2)
+    for call in (lambda: comm.all_gather(out, torch.zeros(1, device="meta")),
+                 lambda: comm.reduce_scatter(torch.zeros(1, device="meta"), out),
+                 lambda: comm.broadcast(torch.zeros(1, device="meta")),
+                 lambda: comm.all_to_all(out, torch.zeros(2, device="meta"))):
+        with pytest.raises(DeviceMismatchError):
+            call()
+    comm.all_reduce(torch.zeros(3))  # its own device passes
+    assert comm.zeros(2).device == comm.empty(2).device == comm.tensor([1]).device == torch.device("cpu")
