@@ -111,3 +111,65 @@ def test_communicator_refuses_a_tensor_on_another_device_and_names_the_call_site
             call()
     comm.all_reduce(torch.zeros(3))  # its own device passes
     assert comm.zeros(2).device == comm.empty(2).device == comm.tensor([1]).device == torch.device("cpu")
+
+
+# -- process set-up (engine/dist.py): torch.cuda's answers stand in for a GPU machine ----------------
+@pytest.mark.parametrize("local_rank, visible, expected", [(2, 4, 2), (3, 1, 0), (0, 1, 0)])
+def test_each_rank_binds_its_local_gpu_or_the_only_one_it_sees(monkeypatch, local_rank, visible, expected):
+    from engine.dist import local_device_index
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert local_device_index() == expected
+
+
+def test_local_rank_beyond_the_visible_gpus_is_one_clear_error(monkeypatch):
+    from engine.dist import local_device_index
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=5, but this process sees 4 CUDA devices .*--gpus-per-task=1"):
+        local_device_index()
+
+
+def test_device_is_bound_when_the_user_created_the_process_group(monkeypatch):
+    import torch.distributed as dist
+    from engine.dist import init_distributed
+    bound = []
+    monkeypatch.setenv("DSTRAIN_DEVICE", "cuda")  # gloo with CUDA tensors: the path a CPU can take
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        init_distributed()  # already initialised: only binds
+    finally:
+        dist.destroy_process_group()
+    assert bound == [1]
+
+
+def test_cuda_rng_state_is_this_ranks_own_device(monkeypatch):
+    from engine.checkpoint.state import _own_cuda_state
+    states = [torch.tensor([0]), torch.tensor([1])]  # a checkpoint from before: every visible device's
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _own_cuda_state(states) is states[1]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # resumed where it sees fewer GPUs
+    assert _own_cuda_state(states) is states[1]
+    assert _own_cuda_state(states[0]) is states[0]  # this rank's own, as saved now
+
+
+class _OneRank:
+    world_size = 1
+
+    def all_reduce(self, tensor):
+        pass
+
+
+def test_powersgd_reads_nothing_back_from_a_device():
+    """On a device tensor (meta here: reading its values raises) PowerSGD's non-finite reset runs as
+    device ops; a host read per bucket would raise."""
+    from ops.powersgd import PowerSGD
+    psgd = PowerSGD(_OneRank(), rank=2, start_step=0)
+    flat = torch.empty(40 * 30 + 7, device="meta")
+    psgd.reduce_(0, flat, [torch.Size([40, 30]), torch.Size([7])])
+    assert psgd._qs[0][0].device.type == "meta"

@@ -205,7 +205,9 @@ def rng_state() -> dict:
     except ImportError:
         pass
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own device only (engine/dist.py binds it): all visible devices' states would not
+        # load where a resumed rank sees fewer GPUs (one per task under SLURM).
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -218,4 +220,12 @@ def set_rng_state(state: dict) -> None:
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(_own_cuda_state(state["cuda"]))
+
+
+def _own_cuda_state(saved) -> torch.Tensor:
+    """The saved CUDA generator state for this rank's device; checkpoints before it was per rank held a
+    list of every visible device's, in which this rank's device was the one it had bound."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    return saved[min(torch.cuda.current_device(), len(saved) - 1)]
