@@ -5,7 +5,8 @@ failed step. So the multi-process run here sets `torch.set_default_device("meta"
 built: from then on any allocation that does not name its device lands on `meta`, and the
 communicator's device check (or the first op on it) fails, naming the call site. It covers ZeRO 1-3,
 `zero.Init` (its model names its devices, so only dstrain's own allocations are on trial),
-`GatheredParameters`, `save_16bit_model`, checkpoint save (sync and async) and load. SGD, because
+`GatheredParameters`, `save_16bit_model`, checkpoint save (sync and async) and load, with stage 0 in
+bf16 (master weights) and stage 3 in fp16 (loss scaler) among them. SGD, because
 torch's Adam creates its `step` counters without a device (torch's convention, not ours).
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Explicit(nn.Module):
         return nn.functional.mse_loss(self.out(h) + self.bias, y)
 
 
-def _config(stage: int, async_save: bool = False) -> dict:
+def _config(stage: int, async_save: bool = False, precision: dict | None = None) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 300}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=2, stage3_prefetch_bucket_size=400,
@@ -43,13 +44,14 @@ def _config(stage: int, async_save: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
             "zero_allow_untested_optimizer": True,
-            "zero_optimization": zero, "checkpoint": {"async_save": async_save}}
+            "zero_optimization": zero, "checkpoint": {"async_save": async_save}, **(precision or {})}
 
 
-def _train_on_meta(root: str, stage: int, zero_init: bool, async_save: bool) -> list[float]:
+def _train_on_meta(root: str, stage: int, zero_init: bool, async_save: bool, precision=None) -> list[float]:
     torch.manual_seed(0)
-    cfg = _config(stage, async_save)
-    batches = make_batches(4, 4)
+    cfg = _config(stage, async_save, precision)
+    dtype = torch.bfloat16 if "bf16" in (precision or {}) else torch.float16 if precision else torch.float32
+    batches = [(x.to(dtype), y.to(dtype)) for x, y in make_batches(4, 4)]
     rank = torch.distributed.get_rank()
     if zero_init:
         torch.set_default_device("meta")  # zero.Init's own allocations are on trial too
@@ -83,7 +85,8 @@ def _train_on_meta(root: str, stage: int, zero_init: bool, async_save: bool) -> 
 
 
 def _cases(root: str) -> list:
-    cases = [(1, False, False), (2, False, True), (3, False, False), (3, True, True)]
+    cases = [(0, False, False, {"bf16": {"enabled": True}}), (1, False, False), (2, False, True),
+             (3, False, False, {"fp16": {"enabled": True}}), (3, True, True)]
     return [_train_on_meta(root, *case) for case in cases]
 
 
@@ -91,7 +94,7 @@ def test_no_collective_buffer_without_a_device(tmp_path):
     """ZeRO 1-3, zero.Init and checkpoints with `meta` as the default device: nothing lands there."""
     results = run_distributed(_cases, 2, args=(str(tmp_path),), timeout=150)
     for rank_cases in results:  # every case ran to its end on every rank, with finite losses
-        assert len(rank_cases) == 4
+        assert len(rank_cases) == 5
         assert all(len(losses) == 2 and all(abs(v) < 1e3 for v in losses) for losses in rank_cases)
 
 
@@ -173,3 +176,14 @@ def test_powersgd_reads_nothing_back_from_a_device():
     flat = torch.empty(40 * 30 + 7, device="meta")
     psgd.reduce_(0, flat, [torch.Size([40, 30]), torch.Size([7])])
     assert psgd._qs[0][0].device.type == "meta"
+
+
+def test_loaded_step_counters_stay_where_torch_keeps_them():
+    """A resumed torch Adam keeps `step` on the host (else its bias correction reads it back every step)
+    unless fused/capturable, where it lives with the parameter; moments always with the parameter."""
+    from engine.checkpoint.state import state_device
+    p, q = (torch.nn.Parameter(torch.empty(3, device="meta")) for _ in range(2))
+    opt = torch.optim.Adam([{"params": [p]}, {"params": [q], "capturable": True}])
+    assert state_device(opt, p, "step", rows=False) == torch.device("cpu")
+    assert state_device(opt, q, "step", rows=False) == torch.device("meta")
+    assert state_device(opt, p, "exp_avg", rows=True) == torch.device("meta")
