@@ -11,8 +11,9 @@ async reduces / all_reduce; all_gather / world_size async broadcasts): 20 MB on 
 18.9 ms and 23.4 / 10.5 ms; 100 MB on 2 ranks 184 / 103 / 78 ms and 144 / 41 ms; 20 MB on 4 ranks
 55.9 / 27.7 / 39.2 and 35.4 / 16.5 ms. So on gloo a reduce-scatter is one `reduce` to each owner and an
 all-gather one `broadcast` from each owner, issued together: the same bytes per rank, moved by ops
-gloo does well (what DeepSpeed's `allgather_partitions: false` does too). Other backends get the
-single collective.
+gloo does well (what DeepSpeed's `allgather_partitions: false` does too), for CUDA tensors as well:
+gloo's reduce and broadcast accept them (ProcessGroupGloo stages them through pinned host memory).
+Other backends get the single collective.
 [Note: device discipline] A communicator has one device (the NCCL rank's GPU, or the CPU under gloo)
 and every tensor handed to it must be there: one attribute compare per call, and a mismatch raises
 `DeviceMismatchError` naming the caller's file and line, instead of NCCL's "no backend for cpu" (or a
@@ -151,7 +152,7 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(input)
             return None
-        if self._split_gloo and not input.is_cuda:
+        if self._split_gloo:  # CUDA tensors too: gloo's reduce and broadcast take them (module note)
             # Every owner's chunk reduced into the input's chunk on that owner (input is clobbered).
             chunks = input.view(self.world_size, -1)
             works = [dist.reduce(chunks[r], dst=self._global(r), op=op, group=self.group, async_op=True)
@@ -167,7 +168,7 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(input.reshape(output.shape))
             return None
-        if self._split_gloo and not input.is_cuda:
+        if self._split_gloo:  # CUDA tensors too: gloo's reduce and broadcast take them (module note)
             parts = output.view(self.world_size, -1)
             parts[self.rank].copy_(input.reshape(-1))
             works = [dist.broadcast(parts[r], src=self._global(r), group=self.group, async_op=True)
