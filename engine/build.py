@@ -139,7 +139,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     eng = Engine(model, zero_optimizer, scheduler, loader, cfg, comm)
     if cfg.checkpoint.auto_resume:  # a restarted job continues from <save_dir>/latest (engine/checkpoint)
         eng.checkpointing.auto_resume()
-    if cfg.dump_state and comm.rank == 0:
-        print(f"[dstrain] config: {json.dumps({'world_size': cfg.world_size, **cfg.to_dict()}, sort_keys=True)}",
-              flush=True)
+    if cfg.dump_state and comm.rank == 0:  # logs are shared: secrets redacted as in checkpoints
+        from .checkpoint.format import redact_secrets
+        shown = {"world_size": cfg.world_size, **redact_secrets(cfg.to_dict())}
+        print(f"[dstrain] config: {json.dumps(shown, sort_keys=True)}", flush=True)
     return eng, eng.optimizer, loader, scheduler

@@ -49,7 +49,8 @@ def _check_config(args: argparse.Namespace) -> int:
         count = len(error.problems)
         print(f"{args.file}: {count} problem{'s' if count != 1 else ''} found", file=sys.stderr)
         return EXIT_INVALID
-    resolved = {"world_size": config.world_size, **config.to_dict()}
+    from .checkpoint.format import redact_secrets  # a terminal or CI log is no place for an api key
+    resolved = {"world_size": config.world_size, **redact_secrets(config.to_dict())}
     print(json.dumps(resolved, indent=2))
     return EXIT_OK
 

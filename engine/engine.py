@@ -6,6 +6,7 @@ their typed config sections when `initialize()` builds them.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 
@@ -169,6 +170,34 @@ class Engine(torch.nn.Module):
         """Block until an async save (`checkpoint.async_save`) is committed; re-raise its error."""
         if getattr(self, "_checkpointing", None) is not None:
             self._checkpointing.wait()
+
+    def destroy(self) -> None:
+        """The end of training (DeepSpeed's `engine.destroy()`): waits for an async checkpoint save,
+        removes the gradient hooks, destroys the process groups this engine created (the checkpoint
+        group, stage 3's gather group) and lets gloo's worker threads finish (engine/teardown.py).
+        The default process group stays: `torch.distributed.destroy_process_group()` is the user's."""
+        self.wait_for_checkpoint()
+        zopt = self.zero_optimizer
+        groups = []
+        if zopt is not None:
+            for hook in getattr(zopt, "_hooks", []) + getattr(getattr(zopt, "buckets", None), "_hooks", []):
+                hook.remove()
+            coordinator = getattr(zopt, "coordinator", None)
+            if coordinator is not None and coordinator.comm is not self.comm:
+                groups.append(coordinator.comm.group)
+                coordinator.comm = self.comm
+        writer = getattr(getattr(self, "_checkpointing", None), "writer", None)
+        if writer is not None and writer._comm is not None:
+            groups.append(writer._comm.group)
+            writer._comm = None
+        while groups:
+            group = groups.pop()
+            if group is not None and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group(group)
+            del group
+        gc.collect()  # the groups' last references: their worker threads are joined
+        from .teardown import release_collective_threads
+        release_collective_threads()
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -89,6 +89,7 @@ def _summary(eng, losses, tokens, elapsed, args, resumed: bool) -> None:
     rss = eng.comm.all_gather_object(round(rss_mb()))
     total_tokens = tokens * world
     eng.save_checkpoint(args.out)  # every rank writes its shards; resumable at any world size
+    eng.destroy()  # waits for the save, releases the engine's groups, lets gloo's threads finish
     if dist.get_rank() != 0:
         return
     first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])

@@ -222,3 +222,13 @@ def test_a_key_rejected_twice_does_not_hide_the_rest_of_its_section():
         load_config({"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": "x", "seed_layers": True}})
     heads = [line.split(":")[0] for line in caught.value.problems]
     assert heads == ["pipeline.stages", "pipeline.seed_layers"], caught.value.problems
+
+
+def test_check_config_prints_no_secret(tmp_path, capsys):
+    """The resolved config it prints (and `dump_state`'s) redacts credentials, as checkpoints do."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
+                                "comet": {"api_key": "sekrit-4242", "project": "p"}}))
+    assert cli_main(["check-config", str(path), "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "sekrit-4242" not in out and json.loads(out)["comet"]["api_key"] == "<redacted>"

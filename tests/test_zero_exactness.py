@@ -6,7 +6,8 @@ not divided out or a predivide factor applied twice all move the weights (AdamW 
 normalise them away). The model (tests.models.ReuseNet) has the cases a review found trained wrong: a
 head used only in micro-step 0 of 2 (stage 1 used to drop what it accumulated), a transposed weight
 and a channels_last kernel (non-contiguous), and a block whose gradient arrives in two pieces under
-reentrant checkpointing. The reported `get_global_grad_norm()` must equal the reference's norm.
+reentrant checkpointing. The reported `get_global_grad_norm()` must equal the reference's norm before
+clipping (one case clips: there the update cannot see a wrong scale, the norm can).
 
 Tolerances: fp32 weights atol 2e-6 after 4 SGD steps (only summation order differs: ranks, buckets
 and the reduce-scatter add in another order than one process; measured max 3e-7), norms rtol 1e-5.
