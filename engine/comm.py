@@ -11,16 +11,25 @@ async reduces / all_reduce; all_gather / world_size async broadcasts): 20 MB on 
 18.9 ms and 23.4 / 10.5 ms; 100 MB on 2 ranks 184 / 103 / 78 ms and 144 / 41 ms; 20 MB on 4 ranks
 55.9 / 27.7 / 39.2 and 35.4 / 16.5 ms. So on gloo a reduce-scatter is one `reduce` to each owner and an
 all-gather one `broadcast` from each owner, issued together: the same bytes per rank, moved by ops
-gloo does well (what DeepSpeed's `allgather_partitions: false` does too). Other backends get the
-single collective.
+gloo does well (what DeepSpeed's `allgather_partitions: false` does too), for CUDA tensors as well:
+gloo's reduce and broadcast accept them (ProcessGroupGloo stages them through pinned host memory).
+Other backends get the single collective.
+[Note: device discipline] A communicator has one device (the NCCL rank's GPU, or the CPU under gloo)
+and every tensor handed to it must be there: one attribute compare per call, and a mismatch raises
+`DeviceMismatchError` naming the caller's file and line, instead of NCCL's "no backend for cpu" (or a
+silent host round trip). `zeros`/`empty`/`tensor` make small buffers (flags, norms, ids) on that device,
+so code that reaches a collective allocates from the one place that knows where it runs.
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .dist import device as process_device
 
 # Units of the ZeRO paper (arXiv:1910.02054 §7): per-rank volume relative to the payload size.
 _VOLUME_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0,
@@ -58,6 +67,25 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class DeviceMismatchError(RuntimeError):
+    pass
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """'cuda' → 'cuda:<current>': tensors always carry an index, so the compare must too."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _call_site() -> str:
+    """file:line of the first frame outside this module (only built on the error path)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "<unknown>"
+
+
 class _Joined:
     """One handle for several async works, with what to do once all of them are done."""
 
@@ -75,10 +103,13 @@ class _Joined:
 
 
 class Communicator:
-    """Collectives over one process group, with byte accounting. A world of one skips the wire."""
+    """Collectives over one process group, with byte accounting. A world of one skips the wire.
+    `device`: where every tensor of this group's collectives lives (module note: device discipline);
+    by default the process's device (`engine.dist.device()`)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None):
         self.group = group
+        self.device = _indexed(torch.device(device)) if device is not None else process_device()
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.stats = CommStats()
@@ -88,7 +119,26 @@ class Communicator:
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.device != self.device:
+                raise DeviceMismatchError(
+                    f"{op} at {_call_site()}: a tensor on {t.device}, but this communicator's collectives run "
+                    f"on {self.device}; allocate the buffer with device= its source's device (or comm.device)")
+
+    # Small buffers on the communicator's device (module note: device discipline).
+    def zeros(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def empty(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def tensor(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A host value on the device: a copy from host memory, so not for a hot path on accelerators."""
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        self._check("all_reduce", tensor)
         self.stats.record("all_reduce", _nbytes(tensor))
         if self.world_size == 1:
             return None
@@ -97,11 +147,12 @@ class Communicator:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                        async_op: bool = False):
         """`input` holds world_size equal chunks; this rank's reduced chunk lands in `output`."""
+        self._check("reduce_scatter", output, input)
         self.stats.record("reduce_scatter", _nbytes(input))
         if self.world_size == 1:
             output.copy_(input)
             return None
-        if self._split_gloo and not input.is_cuda:
+        if self._split_gloo:  # CUDA tensors too: gloo's reduce and broadcast take them (module note)
             # Every owner's chunk reduced into the input's chunk on that owner (input is clobbered).
             chunks = input.view(self.world_size, -1)
             works = [dist.reduce(chunks[r], dst=self._global(r), op=op, group=self.group, async_op=True)
@@ -112,11 +163,12 @@ class Communicator:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `input` (equal sizes) into `output`."""
+        self._check("all_gather", output, input)
         self.stats.record("all_gather", _nbytes(output))
         if self.world_size == 1:
             output.copy_(input.reshape(output.shape))
             return None
-        if self._split_gloo and not input.is_cuda:
+        if self._split_gloo:  # CUDA tensors too: gloo's reduce and broadcast take them (module note)
             parts = output.view(self.world_size, -1)
             parts[self.rank].copy_(input.reshape(-1))
             works = [dist.broadcast(parts[r], src=self._global(r), group=self.group, async_op=True)
@@ -127,6 +179,7 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """`src` is a rank of this communicator's group."""
+        self._check("broadcast", tensor)
         self.stats.record("broadcast", _nbytes(tensor))
         if self.world_size == 1:
             return None
@@ -134,6 +187,7 @@ class Communicator:
         return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        self._check("all_to_all", output, input)
         self.stats.record("all_to_all", _nbytes(input))
         if self.world_size == 1:
             output.copy_(input)

@@ -6,7 +6,11 @@
   SLURM_JOB_NODELIST as the master;
 - Open MPI (`mpirun`): OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK;
 - nothing at all: a single process (world size 1, no network).
-Backend: nccl when CUDA is present, gloo otherwise. The timeout defaults to 300 s (env
+Backend: nccl when CUDA is present, gloo otherwise. Under NCCL each process binds its GPU
+(`torch.cuda.set_device`), also when the caller created the process group itself: device LOCAL_RANK,
+or device 0 when the process sees a single GPU (SLURM `--gpus-per-task=1` gives every task its own
+CUDA_VISIBLE_DEVICES, while SLURM_LOCALID still counts the node's tasks). `DSTRAIN_DEVICE=cuda` puts a
+gloo run's tensors on the GPU too (gloo's CUDA support: all-reduce, broadcast, all-gather). The timeout defaults to 300 s (env
 DSTRAIN_TIMEOUT, seconds) rather than torch's 30 minutes, so a hung collective fails while someone
 is still watching.
 """
@@ -73,9 +77,10 @@ def _release_threads_at_exit() -> None:
 def init_distributed(dist_backend: str | None = None, timeout: timedelta | float | None = None,
                      init_method: str | None = None, rank: int = -1, world_size: int = -1,
                      verbose: bool = False) -> None:
-    """Initialise the default process group once; later calls are no-ops (like DeepSpeed's)."""
+    """Initialise the default process group once; later calls only bind the device (like DeepSpeed's)."""
     _release_threads_at_exit()
     if dist.is_initialized():
+        bind_device()
         return
     if os.environ.get("DSTRAIN_HEARTBEAT_ADDR"):
         # Under dslaunch: let the agent ask for our Python stack even if rendezvous itself hangs.
@@ -98,8 +103,7 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | float
         os.environ.setdefault("LOCAL_RANK", found.get("LOCAL_RANK", "0"))
         dist.init_process_group(backend, init_method=init_method or "env://", rank=int(found["RANK"]),
                                 world_size=int(found["WORLD_SIZE"]), timeout=timeout)
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank())
+    bind_device()
     if verbose and dist.get_rank() == 0:
         print(f"[dstrain] initialised {backend} with world size {dist.get_world_size()}")
 
@@ -108,9 +112,34 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def local_device_index() -> int:
+    """The CUDA device of this process (module docstring); a LOCAL_RANK no visible device matches is an error."""
+    rank, count = local_rank(), torch.cuda.device_count()
+    if rank < count:
+        return rank
+    if count == 1:
+        return 0
+    raise RuntimeError(f"LOCAL_RANK={rank}, but this process sees {count} CUDA devices (CUDA_VISIBLE_DEVICES="
+                       f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start at most {count} ranks per node, "
+                       "or give each rank its own GPU (srun --gpus-per-task=1)")
+
+
+def _uses_cuda() -> bool:
+    if not torch.cuda.is_available() or not dist.is_initialized():
+        return False
+    return "nccl" in str(dist.get_backend()) or os.environ.get("DSTRAIN_DEVICE", "").startswith("cuda")
+
+
+def bind_device() -> None:
+    """`torch.cuda.set_device` for this process's GPU, when its collectives run on one."""
+    if _uses_cuda():
+        torch.cuda.set_device(local_device_index())
+
+
 def device() -> torch.device:
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", local_rank())
+    """Where this process's model, buffers and collectives live (DESIGN decision 9)."""
+    if _uses_cuda():
+        return torch.device("cuda", local_device_index())
     return torch.device("cpu")
 
 

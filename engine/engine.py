@@ -36,8 +36,13 @@ class Engine(torch.nn.Module):
         self._last_loss: torch.Tensor | None = None
         # fp16.auto_cast (DeepSpeed): floating-point inputs are cast to the fp16 weights' dtype.
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
-        self.timers = Timers(config.wall_clock_breakdown)
+        self.timers = Timers(config.wall_clock_breakdown, comm.device)
         self.logger = StepLogger(config.steps_per_print, comm.rank, config.train_batch_size)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model and every collective's buffers live (DeepSpeed's `engine.device`)."""
+        return self.comm.device
 
     # -- the training loop -------------------------------------------------------------------
     def forward(self, *args, **kwargs):

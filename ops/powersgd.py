@@ -17,7 +17,9 @@ layouts were 4-10x slower on one CPU thread (docs/compression.md, "Measured").
 
 [Note: non-finite gradients] An fp16 overflow makes P and Q non-finite on every rank; the engine skips
 that step. Error and Q entries that are not finite are reset (to 0 and to the previous Q), so one
-overflow does not poison later steps. With a dynamic loss scale the error is kept in scaled units; a
+overflow does not poison later steps. On the CPU that check is one reduction read back (no device to
+wait for, cheaper than rewriting the bucket every step); on an accelerator a read would be a host sync
+per bucket inside backward, so there the reset runs unconditionally, as device ops. With a dynamic loss scale the error is kept in scaled units; a
 scale change then rescales a small residual by 2, which error feedback absorbs.
 """
 from __future__ import annotations
@@ -76,7 +78,7 @@ class PowerSGD:
         # A stable seed per bucket on every rank (str hashes are salted per process).
         salt = key if isinstance(key, int) else zlib.crc32(repr(key).encode())
         gen = torch.Generator().manual_seed(self.seed + salt % 10_000)
-        return [_row_major_t(torch.randn(m, r, generator=gen)) for _, _, m, r in mats]
+        return [_row_major_t(torch.randn(m, r, generator=gen, device="cpu")) for _, _, m, r in mats]
 
     def reduce_(self, key, flat: torch.Tensor, shapes) -> None:
         world = self.comm.world_size
@@ -115,9 +117,10 @@ class PowerSGD:
         error = full.sub_(averaged)
         for (o, k) in plain:
             error[o:o + k] = 0.0  # averaged exactly: nothing to carry over
-        if not torch.isfinite(error.sum()):  # one read of the error instead of a `where` every step
+        host = error.device.type == "cpu"  # module note: non-finite gradients
+        if not host or not torch.isfinite(error.sum()):
             torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
-        if new_qs and not torch.isfinite(second).all():
+        if new_qs and (not host or not torch.isfinite(second).all()):
             new_qs = [_row_major_t(torch.where(torch.isfinite(new), new, old)) for new, old in zip(new_qs, qs)]
         self._qs[key] = new_qs
         if averaged is not flat:

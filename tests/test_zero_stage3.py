@@ -218,6 +218,38 @@ def test_rank_divergent_forward_names_the_module():
     assert "RankDivergenceError" in text and "'layers.1'" in text and "'layers.2'" in text, text
 
 
+class EqualSkipOnRank1(nn.Module):
+    """Three equal layers and nothing else, so every gather has the same size; rank 1 skips layer 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(13, 13) for _ in range(3))
+
+    def forward(self, x, y):
+        for i, layer in enumerate(self.layers):
+            if not (i == 1 and torch.distributed.get_rank() == 1):
+                x = layer(x)
+        return nn.functional.mse_loss(x[:, :5], y)
+
+
+def _divergent_eval():
+    torch.manual_seed(0)
+    cfg = _config(1, "fp32", {"stage3_param_persistence_threshold": 0})
+    eng, _, _, _ = engine.initialize(model=EqualSkipOnRank1(), config=cfg)
+    x, y = make_batches(1, MICRO)[0]
+    with torch.no_grad():
+        eng(x, y)
+
+
+def test_rank_divergent_evaluation_is_named_at_the_end_of_the_pass():
+    """Evaluation gathers compare group ids on the device and read them once per pass (prefetch.py's
+    note: no host reads per unit); a divergence is still an error naming the modules."""
+    with pytest.raises(RankFailed) as info:
+        run_distributed(_divergent_eval, 2, timeout=60)
+    text = str(info.value)
+    assert "RankDivergenceError" in text and "'layers.1'" in text and "'layers.2'" in text, text
+
+
 def test_host_memory_trimmer_trims_only_past_the_steady_state(monkeypatch):
     from engine.zero.stage3 import HostMemoryTrimmer
     monkeypatch.delenv("DSTRAIN_KEEP_MALLOC", raising=False)

@@ -49,7 +49,7 @@ def verify(path: Path, comm, manifest: dict) -> None:
         if problem is not None:
             first_bad, reason = i, problem
             break
-    flag = torch.tensor([first_bad], dtype=torch.int64)
+    flag = comm.tensor([first_bad], dtype=torch.int64)  # once per load: a host copy is fine
     comm.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     bad = int(flag.item())
     if bad != _OK:
@@ -105,7 +105,7 @@ class FragmentSource:
         if not pieces:
             shape = entry["shape"][1:] if entry["shape"] else []
             dtype = self.dtypes[name] if kind == fmt.MODULE else torch.float32
-            return torch.empty([0, *shape], dtype=dtype)
+            return torch.empty([0, *shape], dtype=dtype, device="cpu")  # like the mmap'ed fragments
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def copy_rows(self, name: str, kind: str, out: torch.Tensor) -> None:

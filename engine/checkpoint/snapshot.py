@@ -11,6 +11,10 @@ the whole parameter on every rank). For a synchronous save a run is a zero-copy 
 memory (a storage slice); for an async save it is one copy into the rank's `Arena`, buffers reused from
 save to save (one memcpy per run, no page faults on fresh allocations: the training thread's whole
 share of an async save). The file's layout is unchanged: a dict of tensors, here views of a few storages.
+[Note: accelerators] On a GPU the arena is pinned host memory and the copies are non-blocking, so the
+training thread only enqueues them: they are ordered before the next step's kernels on the same stream
+(which therefore cannot change what is copied), and the writer thread waits for the recorded event
+(`Snapshot.ready`) before it reads the arena. No host sync on the training thread.
 """
 from __future__ import annotations
 
@@ -30,14 +34,15 @@ class Arena:
     """Host buffers an async save's snapshot is copied into, one per dtype, kept for the next save (one
     save is in flight at a time, and the next waits for it before it packs: api.py)."""
 
-    def __init__(self):
+    def __init__(self, pin: bool | None = None):
         self._bufs: dict[torch.dtype, torch.Tensor] = {}
+        self.pin = torch.cuda.is_available() if pin is None else pin  # module note: accelerators
 
     def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buf = self._bufs.get(dtype)
         if buf is None or buf.numel() < numel:
             self._bufs.pop(dtype, None)  # the old buffer goes before the larger one comes
-            buf = self._bufs[dtype] = torch.empty(numel, dtype=dtype)
+            buf = self._bufs[dtype] = torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin)
         return buf[:numel]
 
 
@@ -119,7 +124,7 @@ def pack(tensors: dict, arena: Arena | None = None) -> dict:
             base = _exact(live)
         else:
             base = bufs[dtype][used[dtype]:used[dtype] + n]
-            base.copy_(live)
+            base.copy_(live, non_blocking=base.is_pinned())  # module note: accelerators
             used[dtype] += n
         for i in run.indices:
             offset = views[i].storage_offset() - run.start
@@ -237,19 +242,29 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
     entries, aliases = module_entries(eng.module, trainable)
     _entry_fragments(adapter, entries, rank, tensors, index)
     tensors = pack(tensors, arena)
+    ready = _copies_enqueued(tensors) if arena is not None else None
     nonce = new_nonce() if rank == 0 else None
     gathered = comm.all_gather_object(((tag, nonce), index))
     _validate_tags([g[0][0] for g in gathered], tag_validation)
     snap = Snapshot(Path(save_dir), tag, gathered[0][0][1], rank,
                     {"format": fmt.FORMAT_NAME, "rank": rank, "world_size": world, "tag": tag,
                      "tensors": tensors, "rng": rng_state()},
-                    save_latest=save_latest, keep_last=keep_last,
+                    save_latest=save_latest, keep_last=keep_last, ready=ready,
                     nbytes=sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)))
     if rank == 0:
         snap.engine_state = _engine_state(eng, client_state)
         check_loadable(snap.engine_state["client_state"], "client_state")
         snap.metadata = _metadata(eng, adapter, tag, gathered, trainable, entries, aliases)
     return snap
+
+
+def _copies_enqueued(tensors: dict):
+    """An event after the arena copies when any came from an accelerator (module note), else None."""
+    if torch.cuda.is_available() and any(isinstance(t, torch.Tensor) and t.is_pinned() for t in tensors.values()):
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return None
 
 
 def _validate_tags(tags: list[str], policy: str) -> None:

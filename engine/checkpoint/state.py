@@ -103,7 +103,8 @@ class DataParallelAdapter(_WholeModule):
                 continue
             if isinstance(value, torch.Tensor):
                 rows = value.dim() > 0 and value.numel() == owner.numel()
-                value = (value.reshape(owner.shape) if rows else value).clone().to(owner.device)
+                device = state_device(self.zopt.optimizer, owner, kind, rows)
+                value = (value.reshape(owner.shape) if rows else value).clone().to(device)
             state[kind] = value
         if state:
             self.zopt.optimizer.state[owner] = state
@@ -171,7 +172,9 @@ class PartitionedAdapter(_WholeModule):
                     buf = state[kind] = self._state_buffer(flat, kind, value.dtype)
                 buf[frag.offset:frag.offset + frag.numel].copy_(value.reshape(-1))
             elif (flat, kind) not in self._loaded_scalars:
-                state[kind] = value.clone().to(flat.device) if isinstance(value, torch.Tensor) else value
+                if isinstance(value, torch.Tensor):
+                    value = value.clone().to(state_device(self.zopt.optimizer, flat, kind, rows=False))
+                state[kind] = value
                 self._loaded_scalars.add((flat, kind))
 
     def finish_load(self) -> None:
@@ -194,6 +197,16 @@ def adapter_for(zopt, rank: int, world: int):
     raise NotImplementedError(f"checkpointing has no adapter for ZeRO stage {getattr(zopt, 'stage', '?')}")
 
 
+def state_device(optimizer, param, kind: str, rows: bool) -> torch.device:
+    """Where the optimizer keeps a loaded state value: with its parameter, except torch's `step` counters,
+    which stay on the host unless the group is fused or capturable (torch's own load_state_dict rule): a
+    step on the GPU would be read back (`.item()`, a host sync) for the bias correction at every step."""
+    if rows or kind != "step":
+        return param.device
+    group = next((g for g in optimizer.param_groups if any(q is param for q in g["params"])), {})
+    return param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+
+
 # -- RNG ------------------------------------------------------------------------------------------
 def rng_state() -> dict:
     """This rank's generators, as weights_only-loadable values (numpy's array becomes a tensor)."""
@@ -205,7 +218,9 @@ def rng_state() -> dict:
     except ImportError:
         pass
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own device only (engine/dist.py binds it): all visible devices' states would not
+        # load where a resumed rank sees fewer GPUs (one per task under SLURM).
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -218,4 +233,12 @@ def set_rng_state(state: dict) -> None:
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(_own_cuda_state(state["cuda"]))
+
+
+def _own_cuda_state(saved) -> torch.Tensor:
+    """The saved CUDA generator state for this rank's device; checkpoints before it was per rank held a
+    list of every visible device's, in which this rank's device was the one it had bound."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    return saved[min(torch.cuda.current_device(), len(saved) - 1)]

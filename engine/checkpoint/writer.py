@@ -49,6 +49,7 @@ class Snapshot:
     save_latest: bool = True
     keep_last: int | None = None
     nbytes: int = field(default=0)
+    ready: object = None  # a CUDA event the arena copies finish at (snapshot.py's note: accelerators)
 
 
 def new_nonce() -> str:
@@ -73,6 +74,8 @@ def _kill_after(snap: Snapshot) -> int | None:
 
 def write_and_commit(snap: Snapshot, comm: Communicator) -> None:
     """Write this rank's files, agree on the manifest, and (rank 0) commit. Collective over `comm`."""
+    if snap.ready is not None:
+        snap.ready.synchronize()
     tmp = fmt.tmp_dir(snap.save_dir, snap.tag, snap.nonce)
     tmp.mkdir(parents=True, exist_ok=True)
     entries = {fmt.rank_file(snap.rank): _save_file(tmp / fmt.rank_file(snap.rank), snap.rank_content,
@@ -147,7 +150,7 @@ class CheckpointWriter:
         """A gloo group of its own, created on the first save (all ranks save together)."""
         if self._comm is None:
             group = dist.new_group(backend="gloo") if self.world_size > 1 else None
-            self._comm = Communicator(group)
+            self._comm = Communicator(group, device="cpu")  # objects only, over gloo
         return self._comm
 
     def submit(self, snap: Snapshot, background: bool) -> None:

@@ -86,8 +86,10 @@ class Init:
             if p is None or hasattr(p, "ds_shape"):
                 continue
             with torch.no_grad():
-                if self.dtype is not None and p.is_floating_point():
-                    p.data = p.data.to(self.dtype)
+                # On the communicator's device: the broadcast needs it there, and so does the chunk kept
+                # (a chunk left on the host would put the fp32 partition there).
+                dtype = self.dtype if self.dtype is not None and p.is_floating_point() else p.dtype
+                p.data = p.data.to(device=self.comm.device, dtype=dtype)
                 self.comm.broadcast(p.data, src=0)
                 spec = spec_of(tuple(p.shape), self.comm.world_size)
                 p.ds_shape = p.shape

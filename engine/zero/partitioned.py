@@ -287,7 +287,7 @@ class PartitionedZeroOptimizer:
     def _global_norm(self, buffers: list[torch.Tensor]) -> float:
         """One all-reduce of the local sum of squares: every rank gets the same norm, and a NaN/Inf on
         any rank makes it non-finite everywhere (precision.py's note)."""
-        sq = torch.zeros((), dtype=torch.float32)
+        sq = self.comm.zeros()  # on the collective's device (comm.py's note), not torch's default
         for b in buffers:
             if b.numel():
                 sq += torch.linalg.vector_norm(b, dtype=torch.float32).square()

@@ -17,6 +17,12 @@ module the others do not — becomes an error naming the modules on every rank i
 the end of each training pass the ranks agree (one tiny all-reduce) whether to re-record the trace.
 Every data all-gather also carries the group id (stage3_params.py, note: tags), and a wait that times
 out names the module it was waiting for.
+[Note: no host reads per unit] Reading tags or ids back to the host on every gather would stall a GPU
+run's CPU run-ahead, which is what prefetching lives on. So the blocking id check runs only while a
+trace is recorded (once per trace) and outside passes (GatheredParameters, saving); in other passes the
+ids go into a fixed-size async all-gather, tags and ids are compared on the device, and the pass's
+result is read once at its end, together with the re-record flag (one host read per training pass, none
+at world size 1). A mismatch found there raises before the optimizer step can apply mixed weights.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ class ParamCoordinator:
         self.cursor = self.plan_ptr = 0
         self.diverged = False
         self.gather_log: list[tuple[str, str]] = []  # (phase, group name) per all-gather, for tests
+        self.checks: list[tuple[GatherGroup, torch.Tensor]] = []  # this pass's ids on the device (module note)
 
     # -- pass boundaries ---------------------------------------------------------------------------
     def _begin_pass(self) -> None:
@@ -72,19 +79,44 @@ class ParamCoordinator:
             if g.gathered:
                 g.release()
         self.active.clear()
-        if self.in_pass and self.training_pass:
-            self._settle_trace()
+        settle = self.in_pass and self.training_pass
         self.in_pass = self.training_pass = self.in_backward = False
+        checks, self.checks = self.checks, []
+        if settle:
+            self._settle_trace(checks)
+        elif checks:
+            self._raise_on_mismatch(checks, self._mismatches(checks).any().item())
 
-    def _settle_trace(self) -> None:
+    def _settle_trace(self, checks: list) -> None:
+        """One host read per training pass: re-record the trace? did any gather bring another group?"""
         if self.recording is not None:
             self.trace, self.recording = self.recording, None
             self.plan, self.keep = self._simulate(self.trace)
             return
-        flag = torch.tensor([1.0 if self.diverged else 0.0])
-        self.comm.all_reduce(flag)  # every rank re-records, or none does
-        if float(flag) > 0:
+        if self.comm.world_size == 1:  # a world of one cannot diverge from itself
+            rerecord = self.diverged
+        else:
+            flag = self.comm.zeros(2)
+            if self.diverged:
+                flag[0].fill_(1.0)
+            if checks:
+                flag[1].copy_(self._mismatches(checks).sum())
+            self.comm.all_reduce(flag)  # every rank re-records, or none does
+            rerecord, mismatched = flag.tolist()
+            self._raise_on_mismatch(checks, mismatched)
+        if rerecord > 0:
             self.trace, self.plan, self.keep = None, [], {}
+
+    @staticmethod
+    def _mismatches(checks: list) -> torch.Tensor:
+        return torch.stack([(ids != g.gid).any() for g, ids in checks])
+
+    def _raise_on_mismatch(self, checks: list, mismatched) -> None:
+        if not mismatched:
+            return
+        for (g, ids), bad in zip(checks, self._mismatches(checks).tolist()):  # the error path: reads are fine
+            if bad:
+                raise self._divergence(g, ids.tolist())
 
     # -- hook entry points (stage3_units.install_hooks) -------------------------------------------
     def pre_forward(self, unit: int) -> None:
@@ -192,18 +224,31 @@ class ParamCoordinator:
                 f"({e}). Another rank did not run the same module at this point: rank-divergent control "
                 "flow (a layer skipped or added on some ranks, a different number of forward passes) is "
                 "not allowed with zero_optimization.stage 3") from e
-        tags = g.tags_of(out)
-        if any(t != g.gid for t in tags):
-            raise self._divergence(g, tags)
+        if self.comm.world_size == 1:
+            pass  # a world of one gathers only its own tags
+        elif self._deferred_checks():
+            self.checks.append((g, g.tag_ids(out)))
+        else:
+            tags = g.tags_of(out)
+            if any(t != g.gid for t in tags):
+                raise self._divergence(g, tags)
         if unpack:
             g.unpack(out)
+
+    def _deferred_checks(self) -> bool:
+        """Compare ids on the device and read them at pass end (module note: no host reads per unit)?"""
+        return self.in_pass and self.recording is None
 
     def _check_same_group(self, g: GatherGroup) -> None:
         """On-demand gathers: agree on the group first with a fixed-size all-gather (module note)."""
         if self.comm.world_size == 1:
             return
-        mine = torch.tensor([g.gid], dtype=torch.int64)
-        out = torch.empty(self.comm.world_size, dtype=torch.int64)
+        mine = self.comm.zeros(1, dtype=torch.int64).fill_(g.gid)
+        out = self.comm.empty(self.comm.world_size, dtype=torch.int64)
+        if self._deferred_checks():  # on NCCL the wait orders streams; only a read would block the host
+            self.comm.all_gather(out, mine)
+            self.checks.append((g, out))
+            return
         try:
             self.comm.all_gather(out, mine)
         except RuntimeError as e:

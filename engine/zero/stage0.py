@@ -36,10 +36,10 @@ def reduction_settings(world_size: int, gradient_clipping: float, prescale_gradi
             GradientScaling(world_size, prescale_gradients, gradient_predivide_factor), comm_dtype)
 
 
-def global_norm(buffers: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over flat fp32 buffers: one reduction per buffer, one host sync for the caller."""
-    norms = [torch.linalg.vector_norm(b, dtype=torch.float32) for b in buffers if b.numel()]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+def global_norm(buffers: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """L2 norm over flat fp32 buffers, on `device`: one reduction per buffer, one host sync for the caller."""
+    norms = [torch.linalg.vector_norm(b, dtype=torch.float32).to(device) for b in buffers if b.numel()]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
 
 
 def clip_(buffers: list[torch.Tensor], total_norm: float, max_norm: float) -> None:
@@ -152,7 +152,7 @@ class DataParallelOptimizer:
         """Unscale, check, clip and apply the optimizer. Returns whether the step was applied."""
         self.arrivals.check_unused(self.params, self.ignore_unused)
         buffers = self._grad_buffers()
-        norm = float(global_norm(buffers)) if self.engine_all_reduce else self._rms_local_norm(buffers)
+        norm = float(global_norm(buffers, self.comm.device)) if self.engine_all_reduce else self._rms_local_norm(buffers)
         applied = checked_step(self, buffers, norm, step_number)
         if applied and self.master is not None:
             self.master.copy_to_model()
@@ -164,7 +164,7 @@ class DataParallelOptimizer:
     def _rms_local_norm(self, buffers: list[torch.Tensor]) -> float:
         """Gradients left local: √(mean over ranks of local norm²), the same value on every rank (a
         non-finite gradient anywhere makes it non-finite everywhere). One float on the wire."""
-        square = global_norm(buffers).square().reshape(1)
+        square = global_norm(buffers, self.comm.device).square().reshape(1)
         self.comm.all_reduce(square)
         return float((square / self.comm.world_size).sqrt())
 

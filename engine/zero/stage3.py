@@ -8,8 +8,8 @@ gives the same 16-bit weights. Full parameters exist only while their unit is co
 reuse, `max_reuse_distance`, `max_live_parameters`).
 Communication per step (ZeRO paper §7): all-gather Ψ before forward, Ψ again before backward,
 reduce-scatter Ψ of gradients as backward produces them (3Ψ), plus one all-gather of the persistent
-parameters after the step and two scalar all-reduces (the gradient norm; whether to re-record the
-trace). With the defaults (`max_reuse_distance` 1e9, as in DeepSpeed) a model that fits is gathered
+parameters after the step and two tiny all-reduces (the gradient norm; whether to re-record the
+trace, with the pass's tag check: prefetch.py's note). With the defaults (`max_reuse_distance` 1e9, as in DeepSpeed) a model that fits is gathered
 once per pass and kept through backward: 2Ψ.
 
 Parts: `stage3_units` (which module gathers what; hooks), `prefetch` (gather/release/prefetch by the
@@ -198,9 +198,9 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         """After the step: gathered copies are stale (released); persistent parameters are refreshed."""
         self.coordinator.release_all()
         for params, layout in self._persistent_layouts:
-            send = torch.empty(layout.segment, dtype=params[0].dtype)
+            send = self.comm.empty(layout.segment, dtype=params[0].dtype)
             torch._foreach_copy_(layout.segment_slots(send), [self.partition.slot(p, self.partition.flat) for p in params])
-            out = torch.empty(layout.numel, dtype=send.dtype)
+            out = self.comm.empty(layout.numel, dtype=send.dtype)
             self.comm.all_gather(out, send)
             layout.unpack(out, [p.data for p in params])
 

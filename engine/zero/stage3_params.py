@@ -73,7 +73,7 @@ class Stage3Partition(PartitionedParams):
                                          (stop - start,) + shape[1:], spec)
             chunks.append(local_chunk(p, spec, self.rank))
             offset += spec.padded
-        flat = torch.cat([c.float() for c in chunks]) if chunks else torch.zeros(0)
+        flat = torch.cat([c.float() for c in chunks])  # a key exists only with a member (PartitionedParams)
         self.flat[key] = torch.nn.Parameter(flat)
         self.flat_grad[key] = torch.zeros_like(flat)
         self.flat[key].grad = self.flat_grad[key]
@@ -99,7 +99,7 @@ class GatherGroup:
         for f in self.fulls:
             f.untyped_storage().resize_(0)
         self.gathered = False
-        self.tag = torch.tensor([gid // 256, gid % 256], dtype=self.dtype)
+        self.tag = torch.tensor([gid // 256, gid % 256], dtype=self.dtype, device=self.placeholder.device)
 
     def send_buffer(self) -> torch.Tensor:
         """This rank's segment: every chunk (cast to the model dtype) and the tag."""
@@ -110,10 +110,15 @@ class GatherGroup:
     def output_buffer(self) -> torch.Tensor:
         return torch.empty(self.layout.numel, dtype=self.dtype, device=self.placeholder.device)
 
+    def tag_ids(self, out: torch.Tensor) -> torch.Tensor:
+        """The group id each rank sent, from a finished all-gather's output: a new int64 tensor on its
+        device (no host read, and no view that would keep `out` alive)."""
+        tags = out.view(self.world, self.layout.segment)[:, -TAG:].long()
+        return tags[:, 0] * 256 + tags[:, 1]
+
     def tags_of(self, out: torch.Tensor) -> list[int]:
-        """The group id each rank sent, from a finished all-gather's output."""
-        tags = out.view(self.world, self.layout.segment)[:, -TAG:].float().tolist()
-        return [int(hi) * 256 + int(lo) for hi, lo in tags]
+        """`tag_ids` read to the host (a sync on accelerators: outside hot paths only)."""
+        return self.tag_ids(out).tolist()
 
     @torch.no_grad()
     def unpack(self, out: torch.Tensor) -> None:

@@ -2,8 +2,8 @@
 
 At stage 3 the module's parameters are empty placeholders between uses, so `module.state_dict()` would
 save `torch.Size([0])` tensors (DeepSpeed's most reported ZeRO-3 surprise). Here every rank takes part
-in gathering one unit at a time; rank 0 keeps a copy of each full parameter, writes the file and
-returns True; tied parameters stay one tensor under both names. As in DeepSpeed this needs
+in gathering one unit at a time; rank 0 copies each full parameter to host memory as it comes (so the
+whole model never sits on rank 0's GPU), writes the file and returns True; tied parameters stay one tensor under both names. As in DeepSpeed this needs
 `zero_optimization.stage3_gather_16bit_weights_on_model_save: true` at stage 3; without it nothing is
 written, rank 0 says why, and the call returns False.
 """
@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 
 import torch
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
 
 
 def consolidated_state_dict(module: torch.nn.Module, zopt, rank: int, exclude_frozen: bool = False) -> dict:
@@ -23,7 +27,7 @@ def consolidated_state_dict(module: torch.nn.Module, zopt, rank: int, exclude_fr
             gathered = coordinator.gather_now([group])
             if rank == 0:
                 for p in group.params:
-                    full[id(p)] = p.data.detach().clone()
+                    full[id(p)] = _to_host(p.data)
             for g in gathered:
                 g.release()
     if rank != 0:
@@ -33,7 +37,7 @@ def consolidated_state_dict(module: torch.nn.Module, zopt, rank: int, exclude_fr
         if exclude_frozen and isinstance(t, torch.nn.Parameter) and not t.requires_grad:
             continue
         if id(t) not in full:
-            full[id(t)] = t.detach().clone()
+            full[id(t)] = _to_host(t)
         state[name] = full[id(t)]
     return state
 

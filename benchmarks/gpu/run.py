@@ -1,0 +1,364 @@
+"""The one GPU script (issue 15): does dstrain run on an NVIDIA GPU, and how fast? One markdown report.
+
+    python benchmarks/gpu/run.py --out benchmarks/results/gpu_h200.md    # one GPU, NCCL; < 8 minutes on an H200
+    python benchmarks/gpu/run.py --cpu --out /tmp/gpu_checks_cpu.md      # the same checks on CPU/gloo (CI runs it)
+
+1. Placement at world size 1 (NCCL there; a world-1 group still makes the communicator check every
+   tensor's device, engine/comm.py's note): ZeRO stages 0-3 x fp32/bf16/fp16 train a small GPT; every
+   parameter and fp32 partition must sit on the device; fp32 stages 1-3 must agree with stage 0. On a
+   GPU each step after the first runs under `torch.cuda.set_sync_debug_mode("warn")`, and the report
+   counts the host syncs per step and where they come from.
+2. Checkpoints: save (sync and async) -> load into a fresh engine -> resume gives the same losses as
+   training on; `zero.Init`, `GatheredParameters` (a modifier edit) and `save_16bit_model` at stage 3.
+3. The same checks on 2 ranks over gloo (CUDA tensors on a GPU, `DSTRAIN_DEVICE=cuda`, as far as
+   gloo supports CUDA collectives; the report says which failed and why).
+4. Throughput in bf16: the 25M benchmark GPT and a ~1B GPT, plain torch (autocast), FSDP2 and dstrain
+   stages 0 and 3 on the same device in the same run: step time (median after warm-up), tokens/s, MFU
+   against the GPU's bf16 dense peak (6N + attention FLOPs per token), peak memory. `--cpu` runs a tiny
+   GPT only (the code path, not a measurement).
+The script exits non-zero when a check fails; the report is written either way.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import engine  # noqa: E402
+from benchmarks.bench_training import _torch_step  # noqa: E402  (plain torch's step, as the CPU benchmark's)
+from engine.comm import Communicator  # noqa: E402
+from engine.dist import init_distributed  # noqa: E402
+from engine.utils import safe_get_full_fp32_param  # noqa: E402
+from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, RandomTokens, count_parameters  # noqa: E402
+
+TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+ONE_B = GPTConfig(vocab_size=50_304, seq_len=1024, n_layer=20, n_head=16, d_model=2048)
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense, per the vendor's data sheets
+MICRO, STEPS = 2, 4
+
+
+# -- 1, 2: checks (each returns a detail string, raises on failure) ------------------------------
+def _config(stage: int, precision: str, extra: dict | None = None) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 2000}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=40, stage3_prefetch_bucket_size=3000,
+                    stage3_gather_16bit_weights_on_model_save=True)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero, "steps_per_print": 10**9,
+           **PRECISIONS[precision]}
+    cfg.update(extra or {})
+    return cfg
+
+
+def _batches(n: int, cfg: GPTConfig, micro: int, rank: int = 0):
+    data = RandomTokens(n * micro, cfg.seq_len, cfg.vocab_size, seed=rank)
+    return [data[i * micro:(i + 1) * micro] for i in range(n)]
+
+
+def _train(eng, batches, count_syncs: bool = False) -> tuple[list[float], list[str]]:
+    """Losses (read once, at the end) and the host syncs of every step but the first (GPU only)."""
+    losses, syncs, dev = [], [], eng.device
+    for i, (x, y) in enumerate(batches):
+        x, y = x.to(dev), y.to(dev)
+        watch = count_syncs and i > 0 and dev.type == "cuda"
+        with _sync_watch(syncs) if watch else contextlib.nullcontext():
+            loss = eng(x, y)
+            eng.backward(loss)
+            eng.step()
+        losses.append(loss.detach())
+    return [float(v) for v in losses], syncs
+
+
+@contextlib.contextmanager
+def _sync_watch(out: list[str]):
+    """Record where the host waited for the GPU (torch's sync debug mode warns at each such op)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:  # a warning from C++ carries the innermost Python caller's file and line
+        if "synchroniz" in str(w.message):
+            path = Path(w.filename)
+            out.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{w.lineno}")
+
+
+def _on_device(eng) -> None:
+    dev = eng.device
+    where = {p.device for p in eng.module.parameters()}
+    zopt = eng.zero_optimizer
+    if hasattr(zopt, "partition"):
+        where |= {f.device for f in zopt.partition.flat.values()}
+    if where != {dev}:
+        raise AssertionError(f"parameters/partitions on {sorted(map(str, where))}, expected {dev}")
+
+
+def check_stage(stage: int, precision: str, world: int = 1, rank: int = 0, syncs: dict | None = None) -> str:
+    torch.manual_seed(0)
+    eng, _, _, _ = engine.initialize(model=GPT(TINY), config=_config(stage, precision))
+    _on_device(eng)
+    losses, found = _train(eng, _batches(STEPS, TINY, MICRO, rank), count_syncs=syncs is not None)
+    if not all(v == v and abs(v) < 1e4 for v in losses):
+        raise AssertionError(f"losses {losses}")
+    if syncs is not None:
+        syncs[(stage, precision)] = found
+    if precision == "fp32":
+        full = {n: safe_get_full_fp32_param(p).cpu() for n, p in eng.module.named_parameters()}
+        check_stage.fp32[stage] = full
+        base = check_stage.fp32.get(0)
+        if base is not None and stage:
+            worst = max((full[n] - base[n]).abs().max().item() for n in base)
+            if worst > 1e-5:
+                raise AssertionError(f"stage {stage} differs from stage 0 by {worst:.2e}")
+            return f"losses {losses[0]:.4f} -> {losses[-1]:.4f}; max |w - w(stage 0)| {worst:.1e}"
+    return f"losses {losses[0]:.4f} -> {losses[-1]:.4f}"
+
+
+check_stage.fp32 = {}
+
+
+def check_resume(stage: int, root: str, async_save: bool, rank: int = 0) -> str:
+    torch.manual_seed(0)
+    cfg = _config(stage, "fp32", {"checkpoint": {"async_save": async_save}})
+    batches = _batches(4, TINY, MICRO, rank)
+    eng, _, _, _ = engine.initialize(model=GPT(TINY), config=cfg)
+    _train(eng, batches[:2])
+    eng.save_checkpoint(root, tag="t")
+    straight, _ = _train(eng, batches[2:])
+    eng.checkpointing.wait()
+    torch.manual_seed(1)  # a different start: everything must come from the checkpoint
+    fresh, _, _, _ = engine.initialize(model=GPT(TINY), config=cfg)
+    fresh.load_checkpoint(root, tag="t")
+    _on_device(fresh)
+    resumed, _ = _train(fresh, batches[2:])
+    if max(abs(a - b) for a, b in zip(straight, resumed)) > 1e-6:
+        raise AssertionError(f"resumed losses {resumed} != {straight}")
+    return f"losses after resume {[round(v, 5) for v in resumed]} (same as without)"
+
+
+def check_zero_init(root: str, rank: int = 0) -> str:
+    torch.manual_seed(0)
+    cfg = _config(3, "bf16")
+    with engine.zero.Init(config=cfg):
+        model = GPT(TINY)
+    chunks = {p._z3_chunk.device for p in model.parameters() if hasattr(p, "_z3_chunk")}
+    eng, _, _, _ = engine.initialize(model=model, config=cfg)
+    if chunks != {eng.device}:
+        raise AssertionError(f"zero.Init kept chunks on {chunks}, expected {eng.device}")
+    _on_device(eng)
+    with engine.zero.GatheredParameters(model.ln_f.weight, modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            model.ln_f.weight.fill_(2.0)
+    if not torch.all(safe_get_full_fp32_param(model.ln_f.weight) == 2.0):
+        raise AssertionError("GatheredParameters(modifier_rank=0): the edit did not reach the partition")
+    _train(eng, _batches(2, TINY, MICRO, rank))
+    eng.save_16bit_model(root)
+    if rank == 0:
+        state = torch.load(Path(root) / "pytorch_model.bin", weights_only=True)
+        bad = [k for k, t in state.items() if t.device.type != "cpu" or t.numel() == 0]
+        if bad or tuple(state["tok.weight"].shape) != (TINY.vocab_size, TINY.d_model):
+            raise AssertionError(f"save_16bit_model: empty or device tensors {bad}")
+    return "chunks on the device; modifier edit kept; save_16bit_model full and on the host"
+
+
+def run_checks(world: int = 1, syncs: dict | None = None) -> list[tuple[str, str, str]]:
+    """(check, PASS/FAIL, detail) for every check, on this rank."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    check_stage.fp32 = {}
+    cases = [(f"ZeRO-{s} {p}", check_stage, (s, p, world, rank, syncs)) for p in PRECISIONS for s in range(4)]
+    tmp = tempfile.mkdtemp(prefix="dstrain-gpu-") if rank == 0 else None
+    tmp = Communicator(device="cpu").all_gather_object(tmp)[0] if world > 1 else tmp
+    for s in (0, 1, 3):
+        for async_save in (False, True):
+            cases.append((f"resume ZeRO-{s} {'async' if async_save else 'sync'} save", check_resume,
+                          (s, f"{tmp}/ck{s}{async_save}", async_save, rank)))
+    cases.append(("zero.Init + GatheredParameters + save_16bit_model", check_zero_init, (f"{tmp}/16bit", rank)))
+    rows = []
+    for name, fn, args in cases:
+        try:
+            rows.append((name, "PASS", fn(*args)))
+        except Exception as e:  # noqa: BLE001 - the report names every failure; the exit code says it
+            rows.append((name, "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+    return rows
+
+
+def _multirank(gpu: bool) -> list[tuple[str, str, str]]:
+    from tests.harness import RankFailed, run_distributed
+    env = {"DSTRAIN_DEVICE": "cuda"} if gpu else {}
+    try:
+        per_rank = run_distributed(run_checks, 2, kwargs={"world": 2}, timeout=400, env=env)
+    except RankFailed as e:
+        return [("2 ranks, gloo", "FAIL", str(e).strip().splitlines()[-1][:300])]
+    return [(f"2 ranks: {n}", r0 if r0 == r1 else "FAIL", d0) for (n, r0, d0), (_, r1, _) in zip(*per_rank)]
+
+
+# -- 4: throughput ------------------------------------------------------------------------------------
+def _flops_per_token(cfg: GPTConfig, n_params: int) -> float:
+    return 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len  # Kaplan et al. 2020, with attention
+
+
+def _timed(step, batches, dev) -> tuple[float, float]:
+    """Median step time (s) after 2 warm-up steps, and peak memory (GiB; host RSS on CPU)."""
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = []
+    for x, y in batches:
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        step(x, y)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev) / 2**30
+    else:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return statistics.median(times[2:]), peak
+
+
+def _plain(cfg, dev):
+    with torch.device(dev):  # built where it runs: a 1B model's init on the host takes seconds
+        model = GPT(cfg)
+    model.forward = torch.autocast(dev.type, dtype=torch.bfloat16)(model.forward)
+    return _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda"))
+
+
+def _fsdp2(cfg, dev):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    with torch.device(dev):
+        model = GPT(cfg)
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda"))
+
+
+def _dstrain(stage: int):
+    def build(cfg, dev):
+        config = {"train_micro_batch_size_per_gpu": _dstrain.micro, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 1.0, "bf16": {"enabled": True}, "steps_per_print": 10**9,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "fused": dev.type == "cuda"}},
+                  "zero_optimization": {"stage": stage, "overlap_comm": True}}
+        with torch.device(dev):
+            model = GPT(cfg)
+        eng, _, _, _ = engine.initialize(model=model, config=config)
+
+        def step(x, y):
+            eng.backward(eng(x, y))
+            eng.step()
+        return step
+    return build
+
+
+SYSTEMS = {"torch (autocast bf16)": _plain, "FSDP2 (bf16)": _fsdp2, "dstrain ZeRO-0 bf16": _dstrain(0),
+           "dstrain ZeRO-3 bf16": _dstrain(3)}
+
+
+def run_throughput(models: list[tuple[str, GPTConfig, int, int]], dev, peak_tflops: float | None) -> list[tuple]:
+    rows = []
+    for label, cfg, micro, steps in models:
+        _dstrain.micro = micro
+        for system, build in SYSTEMS.items():
+            torch.manual_seed(0)
+            try:
+                step = build(cfg, dev)
+                n = _n_params(cfg)
+                seconds, peak = _timed(step, _batches(steps, cfg, micro), dev)
+                tokens = micro * cfg.seq_len / seconds
+                mfu = (f"{100 * tokens * _flops_per_token(cfg, n) / (peak_tflops * 1e12):.1f}%"
+                       if peak_tflops else "n/a")
+                rows.append((label, system, f"{seconds * 1e3:.1f}", f"{tokens:,.0f}", mfu, f"{peak:.2f}"))
+            except Exception as e:  # noqa: BLE001 - one system's failure is a row, not the end of the run
+                rows.append((label, system, "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", "", ""))
+            del step
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _n_params(cfg: GPTConfig) -> int:
+    with torch.device("meta"):
+        return count_parameters(GPT(cfg))
+
+
+# -- the report -----------------------------------------------------------------------------------------
+def _table(header: tuple, rows: list) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows])
+
+
+def _syncs_table(syncs: dict) -> str:
+    rows = []
+    for (stage, precision), found in syncs.items():
+        where = {}
+        for site in found:
+            where[site] = where.get(site, 0) + 1
+        per_step = len(found) / (STEPS - 1)
+        rows.append((f"ZeRO-{stage} {precision}", f"{per_step:g}",
+                     ", ".join(f"{s} ({n // (STEPS - 1)}/step)" for s, n in sorted(where.items())) or "-"))
+    return _table(("case", "host syncs per step", "where"), rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="run the same checks on CPU with gloo (CI)")
+    parser.add_argument("--out", default=None, help="the markdown report (default: benchmarks/results/gpu_<gpu>.md)")
+    parser.add_argument("--skip-throughput", action="store_true", help="checks only")
+    args = parser.parse_args(argv)
+    gpu = not args.cpu
+    if gpu and not torch.cuda.is_available():
+        parser.error("no CUDA device visible: run on a GPU machine, or pass --cpu")
+    init_distributed(dist_backend="nccl" if gpu else "gloo")
+    dev = engine.dist.device()
+    name = torch.cuda.get_device_name(dev) if gpu else "CPU"
+    t0 = time.perf_counter()
+    syncs: dict = {}
+    checks = run_checks(syncs=syncs if gpu else None)
+    checks += _multirank(gpu)
+    bench = []
+    if not args.skip_throughput:
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None) if gpu else None
+        models = ([("25M GPT", BENCH_CONFIG, 8, 12), ("1B GPT", ONE_B, 8, 10)] if gpu
+                  else [("tiny GPT (code path only)", TINY, 2, 4)])
+        bench = run_throughput(models, dev, peak)
+    failed = [c for c in checks if c[1] != "PASS"] + [b for b in bench if b[2] == "FAIL"]
+    report = [f"# dstrain on {name}", "",
+              f"`python benchmarks/gpu/run.py{' --cpu' if args.cpu else ''}`: torch {torch.__version__}, "
+              f"backend {dist.get_backend()}, device {dev}, {time.perf_counter() - t0:.0f} s, "
+              f"{len(failed)} failure(s).", "", "## Checks", "", _table(("check", "result", "detail"), checks)]
+    if gpu:
+        report += ["", "## Host syncs per training step (world size 1, steps 2-4)", "", _syncs_table(syncs)]
+    if bench:
+        report += ["", "## Throughput (bf16, world size 1)", "",
+                   _table(("model", "system", "step ms", "tokens/s", "MFU", "peak GiB" if gpu else "peak RSS GiB"),
+                          bench)]
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"gpu_{name.split()[-1].lower()}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(report) + "\n")
+    print("\n".join(report))
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
