@@ -70,7 +70,7 @@ def _train_on_meta(root: str, stage: int, zero_init: bool, async_save: bool, pre
             eng.step()
             losses.append(float(loss))
         eng.save_checkpoint(f"{root}/s{stage}-{zero_init}-{async_save}")
-        eng.checkpointing.wait()
+        eng.wait_for_checkpoint()
         eng.load_checkpoint(f"{root}/s{stage}-{zero_init}-{async_save}")
         if stage == 3:
             with engine.zero.GatheredParameters(list(eng.module.parameters()), modifier_rank=0):

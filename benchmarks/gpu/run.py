@@ -139,7 +139,7 @@ def check_resume(stage: int, root: str, async_save: bool, rank: int = 0) -> str:
     _train(eng, batches[:2])
     eng.save_checkpoint(root, tag="t")
     straight, _ = _train(eng, batches[2:])
-    eng.checkpointing.wait()
+    eng.wait_for_checkpoint()
     torch.manual_seed(1)  # a different start: everything must come from the checkpoint
     fresh, _, _, _ = engine.initialize(model=GPT(TINY), config=cfg)
     fresh.load_checkpoint(root, tag="t")
