@@ -179,23 +179,13 @@ class Engine(torch.nn.Module):
         The default process group stays: `torch.distributed.destroy_process_group()` is the user's."""
         self.wait_for_checkpoint()
         zopt = self.zero_optimizer
-        groups = []
         if zopt is not None:
             for hook in getattr(zopt, "_hooks", []) + getattr(getattr(zopt, "buckets", None), "_hooks", []):
                 hook.remove()
-            coordinator = getattr(zopt, "coordinator", None)
-            if coordinator is not None and coordinator.comm is not self.comm:
-                groups.append(coordinator.comm.group)
-                coordinator.comm = self.comm
-        writer = getattr(getattr(self, "_checkpoint_io", None), "writer", None)
-        if writer is not None and writer._comm is not None:
-            groups.append(writer._comm.group)
-            writer._comm = None
-        while groups:
-            group = groups.pop()
-            if group is not None and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group(group)
-            del group
+            if hasattr(zopt, "release_gather_group"):
+                zopt.release_gather_group()
+        if getattr(self, "_checkpoint_io", None) is not None:
+            self._checkpoint_io.writer.close()
         gc.collect()  # the groups' last references: their worker threads are joined
         from .teardown import release_collective_threads
         release_collective_threads()

@@ -172,6 +172,14 @@ class CheckpointWriter:
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def close(self) -> None:
+        """Wait for the save in flight, then destroy this writer's gloo group (`Engine.destroy`); the
+        next save makes a new one."""
+        self.wait()
+        if self._comm is not None and self._comm.group is not None:
+            dist.destroy_process_group(self._comm.group)
+        self._comm = None
+
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; re-raise its error here."""
         if self._thread is not None:

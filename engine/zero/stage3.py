@@ -204,6 +204,14 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             self.comm.all_gather(out, send)
             layout.unpack(out, [p.data for p in params])
 
+    def release_gather_group(self) -> None:
+        """`Engine.destroy`: the parameter all-gathers' own process group is destroyed; gathers (if any
+        follow) use the reduction group."""
+        gather = self.coordinator.comm
+        if gather is not self.comm and gather.group is not None:
+            dist.destroy_process_group(gather.group)
+            self.coordinator.comm = self.comm
+
     def refresh_after_load(self) -> None:
         """Added for checkpoint loading (engine/checkpoint/stage3.py), which writes the fp32 partition and
         frozen chunks directly: drop gathered copies, re-gather persistent parameters, as after a step."""
