@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from schemas.config import Config
+from schemas.features import contiguous_checkpointing_problems
 from schemas.optimizer import ONEBIT_OPTIMIZERS, ZERO_TESTED_TYPES
 from schemas.zero import OffloadOptimizerConfig, OffloadParamConfig
 
@@ -101,6 +102,12 @@ def _compression_needs_stage0(config: Config) -> list[str]:
     return problems
 
 
+def _contiguous_checkpointing(config: Config) -> list[str]:
+    section = config.activation_checkpointing
+    return contiguous_checkpointing_problems(section.partition_activations, section.contiguous_memory_optimization,
+                                             section.number_checkpoints)
+
+
 CROSS_FIELD_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _fp16_and_bf16,
     _min_loss_scale,
@@ -109,6 +116,7 @@ CROSS_FIELD_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _checkpoint,
     _amp_with_mixed_precision,
     _compression_needs_stage0,
+    _contiguous_checkpointing,
 )
 
 

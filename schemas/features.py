@@ -41,9 +41,10 @@ class ActivationCheckpointingConfig(StrictModel):
     """Keep the inputs saved by checkpointed regions in host memory (pinned, asynchronous on an
     accelerator); with partition_activations, this rank's slice."""
     contiguous_memory_optimization: bool = False
-    """Copy partitioned checkpointed activations into one preallocated buffer (not built yet)."""
+    """Copy the partitioned inputs `checkpoint()` saves into one preallocated buffer per input position,
+    `number_checkpoints` slots long (against fragmentation). Needs partition_activations."""
     number_checkpoints: Optional[int] = Field(None, ge=1)
-    """Checkpoints in the model, used to size the contiguous buffer (not built yet)."""
+    """Checkpoints in one forward: the slots of the contiguous buffer."""
     synchronize_checkpoint_boundary: bool = False
     """Synchronise the accelerator at each checkpoint's start and end (for profiling); no-op on CPU."""
     profile: bool = False
@@ -53,9 +54,10 @@ class ActivationCheckpointingConfig(StrictModel):
     Sequential of two or more modules of one class) without editing it."""
     checkpoint_module_classes: list[str] = []
     """dstrain: also checkpoint every module whose class has one of these names."""
-    policy: Literal["full", "selective"] = "full"
+    policy: Literal["full", "selective", "selective_all_matmuls"] = "full"
     """dstrain: for the blocks above, "full" recomputes everything; "selective" keeps the outputs of
-    matrix products, attention and collectives and recomputes the rest."""
+    matrix products (but not of those that widen 4x or more, an MLP's up projection), attention and
+    collectives and recomputes the rest; "selective_all_matmuls" keeps every matrix product's output."""
 
 
 class SparseAttentionConfig(StrictModel):
@@ -131,3 +133,23 @@ class ElasticityConfig(StrictModel):
     """GPUs per node (version 0.2)."""
     model_parallel_size: int = Field(1, ge=1)
     """Model-parallel degree (version 0.2)."""
+
+
+def contiguous_checkpointing_problems(partition: bool, contiguous: bool, number: Optional[int],
+                                      keys: tuple[str, str, str] = ("activation_checkpointing.partition_activations",
+                                                                    "activation_checkpointing.contiguous_memory_optimization",
+                                                                    "activation_checkpointing.number_checkpoints")
+                                      ) -> list[str]:
+    """DeepSpeed's two `configure` assertions on contiguous checkpointing, as problem lines naming
+    `keys` (the config's key paths, or `configure()`'s argument names)."""
+    partition_key, contiguous_key, number_key = keys
+    if not contiguous:
+        return []
+    problems = []
+    if not partition:
+        problems.append(f"{contiguous_key}: true needs {partition_key}: true (it lays out the partitioned "
+                        f"activations); set {partition_key} to true or {contiguous_key} to false")
+    if number is None:
+        problems.append(f"{contiguous_key}: true needs {number_key} (the checkpoints in one forward, the "
+                        f"slots of the buffer); set it to the model's number of checkpointed layers")
+    return problems

@@ -83,9 +83,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("bf16.check_grad_overflow", "dstrain always checks bf16 gradients; fault_tolerance.nan_policy "
             "says what a non-finite one does; remove it", built=_is(True)),
     Unbuilt("aio"),
-    Unbuilt("activation_checkpointing.contiguous_memory_optimization", "remove it or use false"),
-    Unbuilt("activation_checkpointing.number_checkpoints", "it sizes the buffer of contiguous_memory_optimization, "
-            "which is not built yet; remove it"),
     Unbuilt("pipeline"),
     Unbuilt("tensorboard.enabled"),
     Unbuilt("csv_monitor.enabled"),

@@ -11,6 +11,7 @@ backward at the peak, and full checkpointing of a 24-block model must hold at mo
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from schemas.features import ActivationCheckpointingConfig
 from tests.harness import run_distributed
 
 ckpt = engine.checkpointing
+from engine.activation_checkpointing import contiguous as ckpt_contiguous  # noqa: E402
 from engine.activation_checkpointing import settings as ckpt_settings  # noqa: E402
 D = 16
 
@@ -75,6 +77,10 @@ def _selective(fn, *args):
     return ckpt.non_reentrant_checkpoint(fn, *args, context_fn=ckpt.selective_context)
 
 
+def _all_matmuls(fn, *args):
+    return ckpt.non_reentrant_checkpoint(fn, *args, context_fn=ckpt.all_matmuls_context)
+
+
 def _tracked(block, h):
     """The checkpointed function draws dropout on the tracked model-parallel stream."""
     def run(t):
@@ -84,7 +90,7 @@ def _tracked(block, h):
 
 
 VARIANTS = {"reentrant": (ckpt.checkpoint, {}), "non_reentrant": (ckpt.non_reentrant_checkpoint, {}),
-            "selective": (_selective, {}), "reentrant-cpu": (ckpt.checkpoint, {"checkpoint_in_cpu": True}),
+            "selective": (_selective, {}), "selective_all_matmuls": (_all_matmuls, {}), "reentrant-cpu": (ckpt.checkpoint, {"checkpoint_in_cpu": True}),
             "non_reentrant-cpu": (ckpt.non_reentrant_checkpoint, {"checkpoint_in_cpu": True}),
             "rng-tracker": (_tracked, {})}
 
@@ -140,12 +146,16 @@ def test_full_checkpointing_holds_at_most_a_quarter_of_the_activations():
     none = _peak_bytes("none")
     full_config = _peak_bytes("full")
     full_reentrant = _peak_bytes("none", api=ckpt.checkpoint)  # the recompute runs under the probe
-    selective = _peak_bytes("selective")
+    selective, all_matmuls = _peak_bytes("selective"), _peak_bytes("selective_all_matmuls")
     assert none > 0
     assert full_config <= none / 4, (full_config, none)
     assert full_reentrant <= none / 4, (full_reentrant, none)
-    # selective keeps the matmul outputs: between full and none, and well under none
-    assert full_config < selective <= 0.75 * none, (full_config, selective, none)
+    # the selective rules keep matmul outputs: between full and none; the default one at most half of none
+    assert full_config < selective <= none / 2, (full_config, selective, none)
+    assert selective < all_matmuls <= 0.75 * none, (selective, all_matmuls, none)
+    # what "selective" recomputes and "selective_all_matmuls" keeps: the 4x-wide up projection's
+    # output, 64 x 4D fp32 per block (policy.py); both keep the down projection's
+    assert all_matmuls - selective == 24 * 64 * 4 * D * 4, (all_matmuls, selective)
 
 
 def test_cpu_checkpointing_bytes_are_reported_to_the_probe():
@@ -179,8 +189,10 @@ def test_profile_reports_forward_and_recompute_per_checkpoint():
 
 
 @pytest.mark.parametrize("section, words", [
-    ({"contiguous_memory_optimization": True}, "activation_checkpointing.contiguous_memory_optimization"),
-    ({"number_checkpoints": 4}, "activation_checkpointing.number_checkpoints"),
+    ({"contiguous_memory_optimization": True, "number_checkpoints": 4},
+     "activation_checkpointing.contiguous_memory_optimization: true needs activation_checkpointing.partition_"),
+    ({"contiguous_memory_optimization": True, "partition_activations": True},
+     "contiguous_memory_optimization: true needs activation_checkpointing.number_checkpoints"),
     ({"policy": "some"}, "activation_checkpointing.policy"),
     ({"checkpoint_block": True}, "checkpoint_blocks"),
 ])
@@ -190,9 +202,65 @@ def test_config_mistakes_and_unbuilt_keys_name_the_key(section, words):
     assert words in str(err.value)
 
 
-def test_unbuilt_contiguous_checkpointing_is_refused_by_configure():
-    with pytest.raises(NotImplementedError, match="contiguous_memory_optimization"):
-        ckpt.configure(contiguous_checkpointing=True)
+def test_contiguous_checkpointing_assertions_are_errors_in_configure_too():
+    """DeepSpeed's two assertions, after the explicit arguments are applied; a refused call changes nothing."""
+    with pytest.raises(ValueError, match=r"contiguous_checkpointing=\)\): true needs .*partition_activations"):
+        ckpt.configure(contiguous_checkpointing=True, num_checkpoints=3)
+    with pytest.raises(ValueError, match=r"needs activation_checkpointing.number_checkpoints \(configure\(num_check"):
+        ckpt.configure(partition_activations=True, contiguous_checkpointing=True)
+    assert not ckpt.is_configured() and not ckpt_settings.STATE.explicit
+    section = {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 3}
+    ckpt.configure(deepspeed_config={**BASE, "activation_checkpointing": section})
+    assert ckpt_settings.STATE.settings.num_checkpoints == 3 and ckpt_settings.STATE.settings.contiguous_checkpointing
+
+
+def _recording(api, log):
+    """`api`, logging each block input: a weak reference to it (is it still held?) and a copy of it."""
+    def call(block, h):
+        log.append((weakref.ref(h), h.detach().clone()))
+        return api(block, h)
+    return call
+
+
+@pytest.mark.parametrize("api", ["checkpoint", "non_reentrant_checkpoint"])
+def test_contiguous_buffer_holds_the_saved_inputs_and_gradients_stay_identical(api):
+    """One rank (a group of one): every checkpoint input is copied into slot k of one (slots, numel)
+    buffer, the block inputs themselves are freed, gradients are bit-identical, a second step after
+    backward fills a fresh buffer, and a third, whose buffer is overwritten before backward, shows
+    that the recompute reads its inputs from the slots."""
+    torch.manual_seed(0)
+    plain = BlockNet(layers=3)
+    x, y = torch.randn(6, 7), torch.randn(6, 3)
+    want_loss, want = _loss_and_grads(plain, x, y)
+    ckpt.configure(partition_activations=True, contiguous_checkpointing=True, num_checkpoints=4)
+    model = copy.deepcopy(plain)
+    for step in range(3):
+        log = []
+        model.api = _recording(getattr(ckpt, api), log)
+        torch.manual_seed(5)
+        model.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        (buffer,) = ckpt_contiguous.SLOTS.buffers()
+        assert buffer.shape == (4, 6 * D) and buffer.device == x.device
+        for k, (ref, copied) in enumerate(log):
+            assert torch.equal(buffer[k], copied.reshape(-1)), f"step {step}: slot {k}"
+            assert ref() is None, f"step {step}: block {k}'s input is still held whole"
+        if step == 2:  # the recompute reads the slots: overwrite them and the gradients change
+            buffer.fill_(0.5)
+        loss.backward()
+        assert torch.equal(loss.detach(), want_loss)
+        same = {name: torch.equal(model.get_parameter(name).grad, g) for name, g in want.items()}
+        if step < 2:
+            assert all(same.values()), (step, same)
+        else:  # what depends on the recomputed activations of block 0 (not, e.g., the head's gradient)
+            assert not same["blocks.0.up.weight"] and not same["inp.weight"], same
+
+
+def test_more_checkpoints_than_number_checkpoints_names_the_key():
+    ckpt.configure(partition_activations=True, contiguous_checkpointing=True, num_checkpoints=2)
+    model = BlockNet(layers=3, api=ckpt.checkpoint)
+    with pytest.raises(RuntimeError, match="activation_checkpointing.number_checkpoints: 2 slots are full"):
+        model(torch.randn(6, 7), torch.randn(6, 3))
 
 
 def test_unknown_module_class_names_the_key():
@@ -253,32 +321,48 @@ class WorldMpu:
         return torch.distributed.get_world_size()
 
 
-def _partitioned(cpu: bool) -> dict:
+PARTITIONED = {"reentrant": ("checkpoint", {}), "reentrant-cpu": ("checkpoint", {"checkpoint_in_cpu": True}),
+               "non_reentrant": ("non_reentrant_checkpoint", {}),
+               "non_reentrant-cpu": ("non_reentrant_checkpoint", {"checkpoint_in_cpu": True}),
+               "reentrant-contiguous": ("checkpoint", {"contiguous_checkpointing": True, "num_checkpoints": 4}),
+               "non_reentrant-contiguous": ("non_reentrant_checkpoint",
+                                            {"contiguous_checkpointing": True, "num_checkpoints": 4})}
+
+
+def _partitioned(case: str) -> dict:
     """Replicated activations on a tensor-parallel group of 2: each rank keeps half of each saved input."""
+    api, settings = PARTITIONED[case]
     torch.manual_seed(0)
     plain = BlockNet(layers=4, d_in=D)
     x, y = torch.randn(8, D), torch.randn(8, 3)
     want_loss, want = _loss_and_grads(plain, x, y)
     result = {}
     for partition in (False, True):
-        ckpt.configure(mpu_=WorldMpu(), partition_activations=partition, checkpoint_in_cpu=cpu)
-        model = copy.deepcopy(plain)
-        model.api = ckpt.checkpoint
+        if partition or "contiguous" not in case:
+            ckpt.configure(mpu_=WorldMpu(), partition_activations=partition, **settings)
+        model, log = copy.deepcopy(plain), []
+        model.api = _recording(getattr(ckpt, api), log)
         torch.manual_seed(5)
         with ckpt.SavedActivationProbe(model.parameters()) as probe:
             loss = model(x, y)
             held = probe.live_bytes
+            alive = sum(ref() is not None for ref, _ in log)
+            buffers = [b.clone() for b in ckpt_contiguous.SLOTS.buffers()]
+            rank = torch.distributed.get_rank()
+            slots_hold_my_halves = bool(buffers) and all(
+                torch.equal(buffers[0][k], copied.reshape(-1).chunk(2)[rank]) for k, (_, copied) in enumerate(log))
             loss.backward()
         exact = torch.equal(loss.detach(), want_loss) and all(torch.equal(p.grad, want[n])
                                                               for n, p in model.named_parameters())
-        result[partition] = {"exact": exact, "held": held}
+        result[partition] = {"exact": exact, "held": held, "alive": alive, "buffers": [b.shape for b in buffers],
+                             "slots_hold_my_halves": slots_hold_my_halves}
         ckpt.reset()
     return result
 
 
 def _all_cases() -> dict:
     out = {(stage, case): _train(stage, case) for stage in (0, 1, 2, 3) for case in SECTIONS}
-    out["partition"] = {cpu: _partitioned(cpu) for cpu in (False, True)}
+    out["partition"] = {case: _partitioned(case) for case in PARTITIONED}
     return out
 
 
@@ -316,13 +400,20 @@ def test_initialize_applies_the_section_and_training_is_exact(runs, stage, case)
             assert err < 2e-6, f"rank {rank} {name}: max |w - w_ref| = {err:.2e}"
 
 
-@pytest.mark.parametrize("cpu", [False, True], ids=["device", "cpu"])
-def test_partition_activations_keeps_half_and_stays_exact(runs, cpu):
+@pytest.mark.parametrize("case", list(PARTITIONED))
+def test_partition_activations_keeps_half_and_stays_exact(runs, case):
+    half = 8 * D * 4 // 2  # a rank keeps half of each 8 x D fp32 block input
     for rank, result in enumerate(runs):
-        whole, halves = result["partition"][cpu][False], result["partition"][cpu][True]
+        whole, halves = result["partition"][case][False], result["partition"][case][True]
         assert whole["exact"] and halves["exact"], f"rank {rank}"
-        # 4 checkpointed inputs of 8 x D fp32 each; a rank keeps half of each, the rest is unchanged
-        assert whole["held"] - halves["held"] == 4 * 8 * D * 4 // 2, (halves, whole)
+        # the checkpoint holds each block input whole without partitioning (a host copy of it with
+        # cpu_checkpointing), only the slice with it
+        held_whole = 0 if case.endswith("-cpu") else 4
+        assert (whole["alive"], halves["alive"]) == (held_whole, 0), (rank, whole["alive"], halves["alive"])
+        if "contiguous" in case:  # one (4 slots, half) buffer, slot k = this rank's half of block k's input
+            assert halves["buffers"] == [(4, 8 * D // 2)] and halves["slots_hold_my_halves"], (rank, halves)
+        # what the checkpoints hold for backward (4 slices, or the 4 slots of the buffer), by the probe
+        assert whole["held"] - halves["held"] == 4 * half, (rank, halves, whole)
 
 
 def test_the_probe_counts_each_saved_storage_once_and_releases_it():

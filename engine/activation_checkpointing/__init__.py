@@ -13,11 +13,12 @@ See docs/activation_checkpointing.md.
 """
 from .apply import checkpoint_blocks, repeated_blocks
 from .checkpoint import checkpoint, non_reentrant_checkpoint
-from .policy import save_expensive_ops, selective_context
+from .policy import all_matmuls_context, save_expensive_but_widening, save_expensive_ops, selective_context
 from .probe import SavedActivationProbe
 from .rng import RNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from .settings import configure, is_configured, profile_summary, reset
 
-__all__ = ["RNGStatesTracker", "SavedActivationProbe", "checkpoint", "checkpoint_blocks", "configure",
+__all__ = ["RNGStatesTracker", "SavedActivationProbe", "all_matmuls_context", "checkpoint", "checkpoint_blocks", "configure",
            "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint",
-           "profile_summary", "repeated_blocks", "reset", "save_expensive_ops", "selective_context"]
+           "profile_summary", "repeated_blocks", "reset", "save_expensive_but_widening", "save_expensive_ops",
+           "selective_context"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .checkpoint import non_reentrant_checkpoint
-from .policy import selective_context
+from .policy import CONTEXTS
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -44,7 +44,7 @@ def _chosen(model: nn.Module, section) -> list[nn.Module]:
 def checkpoint_blocks(model: nn.Module, section) -> list[nn.Module]:
     """Patch the chosen modules' forward to run checkpointed (see the module note); returns them.
     Calling it again on a patched module leaves it as it is."""
-    context = selective_context if section.policy == "selective" else None
+    context = CONTEXTS.get(section.policy)  # None: "full"
     blocks = _chosen(model, section)
     for block in blocks:
         if "forward" in vars(block):  # patched already (or by the user)

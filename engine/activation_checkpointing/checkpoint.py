@@ -8,75 +8,66 @@ runs without grad), with `save_for_backward`, so saved-tensor hooks around the c
 `cpu_checkpointing` packs each to host memory (pinned, copied asynchronously on an accelerator; the
 same code on CPU), `partition_activations` keeps this rank's 1/tp slice of each floating input and
 all-gathers it back when backward unpacks it (every tensor-parallel rank unpacks the same inputs in
-the same order: the ranks replicate the activations). Autograd restores the unpacked tensor's graph
-metadata itself. The non-reentrant checkpoint saves nothing but holds its inputs for the recompute:
-for `cpu_checkpointing` they go to host memory before the region and back inside it.
+the same order: the ranks replicate the activations; `partition.py`). Autograd restores the unpacked
+tensor's graph metadata itself. The non-reentrant checkpoint saves nothing but holds its inputs for
+the recompute, so the region is handed what should be held instead: this rank's slice (made whole
+inside the region, `partition.py`) or a host copy (moved back inside it).
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from .contiguous import SLOTS
+from .partition import Gather, Layout, Partition, Scatter, to_host
 from .probe import report_held
 from .rng import get_cuda_rng_tracker
 from .settings import STATE, model_parallel_info, synchronize_boundary
 
 
-def _to_host(t: torch.Tensor):
-    pinned = t.device.type != "cpu"
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
-    host.copy_(t, non_blocking=pinned)
-    return t.device, host
-
-
-class _Partition:
-    """This rank's slice of a flattened tensor, and how to make it whole again."""
-
-    def __init__(self, t: torch.Tensor, group, rank: int, world: int, to_host: bool):
-        self.shape, self.numel, self.device, self.group, self.world = t.shape, t.numel(), t.device, group, world
-        per = -(-self.numel // world)
-        flat = torch.nn.functional.pad(t.reshape(-1), (0, per * world - self.numel))
-        self.slice = flat[rank * per:(rank + 1) * per].clone()
-        self.on_host = to_host
-        if to_host:
-            _, self.slice = _to_host(self.slice)
-        self.token = report_held(self.slice.numel() * self.slice.element_size())
-
-    def whole(self) -> torch.Tensor:
-        mine = self.slice.to(self.device, non_blocking=True)
-        pieces = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(pieces, mine, group=self.group)
-        return torch.cat(pieces)[:self.numel].view(self.shape)
-
-
 class _Host:
     def __init__(self, t: torch.Tensor):
-        self.device, self.host = _to_host(t)
+        self.device, self.host = t.device, to_host(t)
         self.token = report_held(self.host.numel() * self.host.element_size())
 
     def whole(self) -> torch.Tensor:
         return self.host.to(self.device, non_blocking=True)
 
 
+def _partitioning():
+    """(group, rank, world) when checkpoint inputs are partitioned, else None. With
+    contiguous_memory_optimization a group of one is partitioned too (the whole tensor is the slice),
+    so its buffers are used as in DeepSpeed."""
+    settings = STATE.settings
+    group, rank, world = model_parallel_info()
+    if settings.partition_activations and (world > 1 or settings.contiguous_checkpointing):
+        return group, rank, world
+    return None
+
+
+def _partitions(t, group_info) -> bool:
+    return group_info is not None and t.is_floating_point() and t.numel() >= group_info[2]
+
+
 def _packing_hooks():
     """Saved-tensor hooks for the reentrant checkpoint's inputs, or None when nothing is packed."""
     settings = STATE.settings
-    group, rank, world = model_parallel_info()
-    partition = settings.partition_activations and world > 1
-    if not (partition or settings.cpu_checkpointing):
+    group_info = _partitioning()
+    if not (group_info or settings.cpu_checkpointing):
         return None
+    positions = itertools.count()  # the input position of each partitioned tensor (contiguous.py)
 
     def pack(t: torch.Tensor):
-        if partition and t.is_floating_point() and t.numel() >= world:
-            return _Partition(t, group, rank, world, settings.cpu_checkpointing)
+        if _partitions(t, group_info):
+            return Partition(t, Layout(t, *group_info), next(positions), settings)
         return _Host(t) if settings.cpu_checkpointing else t
 
     def unpack(packed):
-        return packed.whole() if isinstance(packed, (_Partition, _Host)) else packed
+        return packed.whole() if isinstance(packed, (Partition, _Host)) else packed
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -96,6 +87,7 @@ def _instrumented(function):
         outer_states = tracker.get_states()
         if recompute:
             tracker.set_states(forward_states)
+            SLOTS.release()  # backward has begun: the next forward fills fresh buffers (contiguous.py)
         start = time.perf_counter() if profile else 0.0
         try:
             return function(*args, **kwargs)
@@ -128,28 +120,39 @@ def checkpoint(function, *args, **kwargs):
 _TORCH_OPTIONS = ("preserve_rng_state", "determinism_check", "debug")  # torch's own, not the function's
 
 
+def _held_inputs(args):
+    """What the non-reentrant checkpoint holds for each argument, and how the region rebuilds it:
+    this rank's slice (partition.py), a host copy (cpu_checkpointing), or the argument itself."""
+    settings, group_info = STATE.settings, _partitioning()
+    held, rebuild, positions = [], [], itertools.count()
+    for a in args:
+        if isinstance(a, torch.Tensor) and _partitions(a, group_info):
+            layout = Layout(a, *group_info)
+            held.append(Scatter.apply(a, layout, next(positions), settings))
+            rebuild.append(lambda h, layout=layout: Gather.apply(h, layout))
+        elif isinstance(a, torch.Tensor) and settings.cpu_checkpointing:
+            held.append(a.to("cpu", copy=True))  # differentiable: the gradient goes back to a's device
+            rebuild.append(lambda h, device=a.device: h.to(device))
+        else:
+            held.append(a)
+            rebuild.append(None)
+    return held, rebuild
+
+
 def non_reentrant_checkpoint(function, *args, context_fn=None, **kwargs):
     """Torch's non-reentrant checkpoint (keyword arguments, inputs without gradients, nested regions,
-    `context_fn` for a selective policy) with `cpu_checkpointing`, the RNG streams and `profile`.
-    `partition_activations` with a tensor-parallel group needs the reentrant `checkpoint`."""
-    settings = STATE.settings
-    if settings.partition_activations and model_parallel_info()[2] > 1:
-        raise NotImplementedError("activation_checkpointing.partition_activations with tensor parallelism works "
-                                  "with engine.checkpointing.checkpoint (reentrant) only; use that for this region")
+    `context_fn` for a selective policy) with `partition_activations` (its tensor arguments; keyword
+    arguments are held whole), `cpu_checkpointing`, the RNG streams and `profile`."""
     synchronize_boundary()
     run = _instrumented(function)
     extra = {k: kwargs.pop(k) for k in _TORCH_OPTIONS if k in kwargs}
     if context_fn is not None:
         extra["context_fn"] = context_fn
-    if settings.cpu_checkpointing:
-        devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
-        host_args = [a.to("cpu", copy=True) if isinstance(a, torch.Tensor) else a for a in args]
+    held, rebuild = _held_inputs(args)
 
-        def on_device(*host):
-            return run(*[h.to(d) if d is not None else h for h, d in zip(host, devices)], **kwargs)
+    def region(*inputs):
+        return run(*[r(h) if r is not None else h for h, r in zip(inputs, rebuild)], **kwargs)
 
-        out = torch_checkpoint(on_device, *host_args, use_reentrant=False, **extra)
-    else:
-        out = torch_checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
+    out = torch_checkpoint(region, *held, use_reentrant=False, **extra)
     synchronize_boundary()
     return out

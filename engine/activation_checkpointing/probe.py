@@ -16,6 +16,7 @@ tensors itself and is not seen: at most one checkpointed region's activations at
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -92,6 +93,17 @@ def report_held(nbytes: int) -> object | None:
         probe._hold(key, nbytes)
         tokens.append(_Held(None, probe, key))
     return tokens
+
+
+@contextlib.contextmanager
+def no_probe():
+    """Nothing reported to the probes inside (for what they will see as saved tensors themselves)."""
+    active = _ACTIVE[:]
+    _ACTIVE.clear()
+    try:
+        yield
+    finally:
+        _ACTIVE.extend(active)
 
 
 _KEPT: list = []  # tokens of what selective policies keep, dropped when the last probe exits

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from schemas.features import contiguous_checkpointing_problems
+
 
 @dataclass(frozen=True)
 class CheckpointSettings:
@@ -21,7 +23,9 @@ class CheckpointSettings:
     cpu_checkpointing: bool = False
     synchronize: bool = False
     profile: bool = False
-    mpu: Any = None  # Megatron-style: get_model_parallel_{group,rank,world_size}()
+    contiguous_checkpointing: bool = False
+    num_checkpoints: Optional[int] = None
+    mpu: Any = None  # Megatron-style: get_[tensor_]model_parallel_{group,rank,world_size}()
 
 
 @dataclass
@@ -55,23 +59,34 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
               profile: Optional[bool] = None) -> None:
     """DeepSpeed's `deepspeed.checkpointing.configure`: the config section's values, then each explicit
     argument that is not None over them."""
-    if contiguous_checkpointing or num_checkpoints is not None:
-        raise NotImplementedError("configure(contiguous_checkpointing=, num_checkpoints=): "
-                                  "activation_checkpointing.contiguous_memory_optimization is not built yet in "
-                                  "dstrain; leave them unset")
     section = _section(deepspeed_config)
     base = CheckpointSettings()
     if section is not None:
         base = CheckpointSettings(partition_activations=section.partition_activations,
                                   cpu_checkpointing=section.cpu_checkpointing,
-                                  synchronize=section.synchronize_checkpoint_boundary, profile=section.profile)
+                                  synchronize=section.synchronize_checkpoint_boundary, profile=section.profile,
+                                  contiguous_checkpointing=section.contiguous_memory_optimization,
+                                  num_checkpoints=section.number_checkpoints)
     # [Note: who configures] initialize() configures from the section too; the user's explicit
     # arguments, before or after it, keep winning over any section until reset()
-    STATE.explicit.update({k: v for k, v in dict(partition_activations=partition_activations,
+    explicit = {**STATE.explicit, **{k: v for k, v in dict(partition_activations=partition_activations,
                                                  cpu_checkpointing=checkpoint_in_cpu, synchronize=synchronize,
-                                                 profile=profile).items() if v is not None})
-    STATE.settings = replace(base, mpu=mpu_ if mpu_ is not None else STATE.settings.mpu, **STATE.explicit)
+                                                 profile=profile, contiguous_checkpointing=contiguous_checkpointing,
+                                                 num_checkpoints=num_checkpoints).items() if v is not None}}
+    settings = replace(base, mpu=mpu_ if mpu_ is not None else STATE.settings.mpu, **explicit)
+    # DeepSpeed asserts these after the overrides; here a one-line error naming both spellings
+    problems = contiguous_checkpointing_problems(settings.partition_activations, settings.contiguous_checkpointing,
+                                                 settings.num_checkpoints, keys=_ARGUMENT_KEYS)
+    if problems:
+        raise ValueError(problems[0])
+    STATE.settings, STATE.explicit = settings, explicit
     STATE.configured = True
+
+
+_ARGUMENT_KEYS = tuple(f"{key} (configure({arg}=))" for key, arg in (
+    ("activation_checkpointing.partition_activations", "partition_activations"),
+    ("activation_checkpointing.contiguous_memory_optimization", "contiguous_checkpointing"),
+    ("activation_checkpointing.number_checkpoints", "num_checkpoints")))
 
 
 def is_configured() -> bool:
@@ -92,7 +107,10 @@ def model_parallel_info() -> tuple[Any, int, int]:
     mpu = STATE.settings.mpu
     if mpu is None:
         return None, 0, 1
-    return mpu.get_model_parallel_group(), mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
+    # DeepSpeed prefers Megatron's newer tensor-parallel names when the mpu has them
+    kind = "tensor_model_parallel" if hasattr(mpu, "get_tensor_model_parallel_rank") else "model_parallel"
+    return (getattr(mpu, f"get_{kind}_group")(), getattr(mpu, f"get_{kind}_rank")(),
+            getattr(mpu, f"get_{kind}_world_size")())
 
 
 def synchronize_boundary() -> None:
