@@ -105,7 +105,7 @@ def checkpointing_table(args, device) -> None:
     print("| policy | step ms | step time vs none | saved activations MB | memory vs none |")
     print("|---|---|---|---|---|")
     steps, params = {}, {}
-    for policy in ("none", "full", "selective"):
+    for policy in ("none", "full", "selective", "selective_all_matmuls"):
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
         if policy != "none":

@@ -68,9 +68,9 @@ def _loss_and_grads(model, x, y, seed=5):
 
 @pytest.fixture(autouse=True)
 def _fresh_settings():
-    ckpt.reset()
+    ckpt.unconfigure()
     yield
-    ckpt.reset()
+    ckpt.unconfigure()
 
 
 def _selective(fn, *args):
@@ -175,7 +175,7 @@ def test_configure_reads_the_section_and_explicit_arguments_win():
     # initialize() configures from the section again: the explicit argument still wins
     ckpt.configure(deepspeed_config={**BASE, "activation_checkpointing": {"cpu_checkpointing": True}})
     assert not ckpt_settings.STATE.settings.cpu_checkpointing and not ckpt_settings.STATE.settings.profile
-    ckpt.reset()
+    ckpt.unconfigure()
     assert not ckpt.is_configured() and not ckpt_settings.STATE.settings.profile
 
 
@@ -263,6 +263,29 @@ def test_more_checkpoints_than_number_checkpoints_names_the_key():
         model(torch.randn(6, 7), torch.randn(6, 3))
 
 
+def test_reset_is_deepspeeds_the_buffers_go_and_the_configuration_stays():
+    """Two forwards without a backward fill 2 x 2 slots; reset() between them, as DeepSpeed says for
+    evaluation, makes room and keeps what configure() set."""
+    ckpt.configure(partition_activations=True, contiguous_checkpointing=True, num_checkpoints=2)
+    model = BlockNet(layers=2, api=ckpt.checkpoint)
+    x, y = torch.randn(6, 7), torch.randn(6, 3)
+    model(x, y)
+    with pytest.raises(RuntimeError, match="number_checkpoints: 2 slots are full"):
+        model(x, y)
+    ckpt.reset()
+    assert ckpt.is_configured() and ckpt_settings.STATE.settings.contiguous_checkpointing
+    model(x, y).backward()
+    ckpt.unconfigure()
+    assert not ckpt.is_configured()
+
+
+def test_rng_tracker_refuses_a_second_stream_on_one_seed():
+    tracker = ckpt.RNGStatesTracker()
+    tracker.add("a", 7)
+    with pytest.raises(ValueError, match="RNG seed 7 is used by another stream"):
+        tracker.add("b", 7)
+
+
 def test_unknown_module_class_names_the_key():
     with pytest.raises(ValueError, match="activation_checkpointing.checkpoint_module_classes.*Nope"):
         ckpt.checkpoint_blocks(BlockNet(), ActivationCheckpointingConfig(checkpoint_module_classes=["Nope"]))
@@ -304,7 +327,7 @@ def _train(stage: int, case: str) -> dict:
     for x, y in _batches(world):
         eng.backward(eng(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
         eng.step()
-    ckpt.reset()
+    ckpt.unconfigure()
     return {"patched": patched, "params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}}
 
 
@@ -356,7 +379,7 @@ def _partitioned(case: str) -> dict:
                                                               for n, p in model.named_parameters())
         result[partition] = {"exact": exact, "held": held, "alive": alive, "buffers": [b.shape for b in buffers],
                              "slots_hold_my_halves": slots_hold_my_halves}
-        ckpt.reset()
+        ckpt.unconfigure()
     return result
 
 

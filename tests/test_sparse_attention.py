@@ -278,8 +278,9 @@ def test_bf16_matches_fp32_within_bf16_rounding():
 
 
 def test_work_grows_with_the_non_zero_blocks_not_seq_squared():
-    """The largest intermediate (the score tiles) is nnz x block² floats: at a fixed number of
-    blocks per row it doubles with the sequence, where dense scores quadruple."""
+    """What backward keeps (the gathered key/value tiles, outputs, log-sum-exps; no score tiles) is
+    O(nnz x block x dim): at a fixed number of blocks per row it about doubles with the sequence,
+    where dense scores alone quadruple."""
     sizes = {}
     for s in (256, 512):
         attn = SparseSelfAttention(BigBirdSparsityConfig(1, block=16, num_random_blocks=1), max_seq_length=s)
@@ -292,8 +293,8 @@ def test_work_grows_with_the_non_zero_blocks_not_seq_squared():
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             attn(q, k, v)
-        sizes[s] = max(biggest)
-    assert sizes[512] <= 2.6 * sizes[256] and sizes[512] < 512 * 512 / 2
+        sizes[s] = sum(biggest)
+    assert sizes[512] <= 2.3 * sizes[256] and sizes[512] < 512 * 512 / 2, sizes
 
 
 def test_shape_and_length_errors_are_clear():

@@ -3,7 +3,8 @@ save/load of training state: that is `engine/checkpoint/`, the engine's `checkpo
 
 - `checkpoint(fn, *args)`: reentrant, as DeepSpeed's and Megatron's; `non_reentrant_checkpoint`.
 - `configure(mpu_, deepspeed_config, partition_activations, ..., checkpoint_in_cpu, synchronize,
-  profile)`, `is_configured()`, `reset()`; `initialize()` configures from the config section itself.
+  profile)`, `is_configured()`, `reset()` (DeepSpeed's: the contiguous buffers let go), `unconfigure()`;
+  `initialize()` configures from the config section itself.
 - `get_cuda_rng_tracker()`, `model_parallel_cuda_manual_seed(seed)`: named RNG streams, replayed in
   recomputes.
 - `checkpoint_blocks(model, section)`: checkpoint every repeated block (or named classes) of a model
@@ -16,9 +17,9 @@ from .checkpoint import checkpoint, non_reentrant_checkpoint
 from .policy import all_matmuls_context, save_expensive_but_widening, save_expensive_ops, selective_context
 from .probe import SavedActivationProbe
 from .rng import RNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-from .settings import configure, is_configured, profile_summary, reset
+from .settings import configure, is_configured, profile_summary, reset, unconfigure
 
 __all__ = ["RNGStatesTracker", "SavedActivationProbe", "all_matmuls_context", "checkpoint", "checkpoint_blocks", "configure",
            "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint",
            "profile_summary", "repeated_blocks", "reset", "save_expensive_but_widening", "save_expensive_ops",
-           "selective_context"]
+           "selective_context", "unconfigure"]

@@ -9,7 +9,8 @@ cpu_checkpointing); the k-th checkpoint of a forward writes its partition into s
 another size or dtype at one position get a buffer of their own. When the first backward unpacks
 a partition, the buffers are let go (as DeepSpeed does at its first backward): the slots already
 handed out keep their buffer alive until autograd frees them, and the next forward allocates
-fresh ones. More checkpoints in one forward than `number_checkpoints` is an error naming the key.
+fresh ones; `reset()` lets go of them too (DeepSpeed's, for forwards without a backward, e.g. in
+evaluation). More checkpoints in one forward than `number_checkpoints` is an error naming the key.
 """
 from __future__ import annotations
 

@@ -28,9 +28,11 @@ class RNGStatesTracker:
 
     def __init__(self):
         self.states: dict[str, torch.Tensor] = {}
+        self.seeds: set[int] = set()  # as DeepSpeed's: two streams on one seed would draw the same numbers
 
     def reset(self) -> None:
         self.states = {}
+        self.seeds = set()
 
     def get_states(self) -> dict[str, torch.Tensor]:
         return dict(self.states)
@@ -41,6 +43,9 @@ class RNGStatesTracker:
     def add(self, name: str, seed: int) -> None:
         if name in self.states:
             raise ValueError(f"RNG stream {name!r} already exists; call reset() first")
+        if seed in self.seeds:
+            raise ValueError(f"RNG seed {seed} is used by another stream already; give stream {name!r} its own seed")
+        self.seeds.add(seed)
         saved = _get_state()
         if torch.cuda.is_available():
             torch.cuda.manual_seed(seed)

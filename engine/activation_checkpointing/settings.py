@@ -1,11 +1,12 @@
 """What `configure()` set: the process-wide options `checkpoint()` reads (DeepSpeed keeps them as
-module globals; here they are one `CheckpointSettings` object that `configure`/`reset` replace).
+module globals; here they are one `CheckpointSettings` object that `configure`/`unconfigure` replace).
 
 [Note: who configures] DeepSpeed's engine never applies its `activation_checkpointing` section: the
 user calls `deepspeed.checkpointing.configure(mpu, deepspeed_config=...)`. Here `initialize()` calls
 `configure(deepspeed_config=config)` itself; a user's `configure(...)` call, before or after
 `initialize`, still works, and its explicit arguments override the section (as DeepSpeed's do) until
-`reset()`.
+`unconfigure()`. `reset()` is DeepSpeed's: it lets go of the contiguous buffers (for evaluation, where
+forwards run without the backward that otherwise frees them) and leaves the configuration alone.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class CheckpointSettings:
 class _State:
     settings: CheckpointSettings = field(default_factory=CheckpointSettings)
     configured: bool = False
-    explicit: dict = field(default_factory=dict)  # every explicit configure() argument since reset()
+    explicit: dict = field(default_factory=dict)  # every explicit configure() argument since unconfigure()
     # profile: (checkpoint call index, "forward" | "recompute", seconds), in the order they ran
     timings: list = field(default_factory=list)
     calls: int = 0
@@ -68,7 +69,7 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
                                   contiguous_checkpointing=section.contiguous_memory_optimization,
                                   num_checkpoints=section.number_checkpoints)
     # [Note: who configures] initialize() configures from the section too; the user's explicit
-    # arguments, before or after it, keep winning over any section until reset()
+    # arguments, before or after it, keep winning over any section until unconfigure()
     explicit = {**STATE.explicit, **{k: v for k, v in dict(partition_activations=partition_activations,
                                                  cpu_checkpointing=checkpoint_in_cpu, synchronize=synchronize,
                                                  profile=profile, contiguous_checkpointing=contiguous_checkpointing,
@@ -94,7 +95,15 @@ def is_configured() -> bool:
 
 
 def reset() -> None:
-    """Forget what `configure` set and the profile's timings (DeepSpeed's `reset`)."""
+    """DeepSpeed's `reset`: let go of the contiguous_memory_optimization buffers, so that the next
+    forward starts at slot 0 (call it between forwards that have no backward, e.g. in evaluation)."""
+    from .contiguous import SLOTS
+    SLOTS.release()
+
+
+def unconfigure() -> None:
+    """dstrain: forget what `configure` set (explicit arguments included) and the profile's timings."""
+    reset()
     STATE.settings = CheckpointSettings()
     STATE.configured = False
     STATE.explicit.clear()
