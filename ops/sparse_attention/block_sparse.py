@@ -42,6 +42,10 @@ class BlockIndex:
     key_blocks: torch.Tensor  # (nnz,) key block alone
     groups: tuple  # RowGroup per distinct count of key blocks
     order: torch.Tensor  # (heads * blocks,) where each row's output sits in the groups' outputs, then a zero tile
+    group_rows: torch.Tensor  # the groups' rows, concatenated
+    group_cols: torch.Tensor  # the groups' key columns, concatenated (row by row)
+    pairs: torch.Tensor  # (U,) the distinct query block * blocks + key block over all heads
+    pair_of_tile: torch.Tensor  # (nnz,) each non-zero block's position in `pairs`
 
     @classmethod
     def of(cls, layout: torch.Tensor, block: int, device) -> "BlockIndex":
@@ -60,55 +64,92 @@ class BlockIndex:
         if placed:
             members = torch.cat(placed)
             order[members] = torch.arange(members.numel())
+        pairs, pair_of_tile = torch.unique(i * blocks + j, return_inverse=True)
+        group_rows = torch.cat([g.rows for g in groups]) if groups else torch.zeros(0, dtype=torch.long, device=device)
+        group_cols = (torch.cat([g.cols.reshape(-1) for g in groups]) if groups
+                      else torch.zeros(0, dtype=torch.long, device=device))
         return cls(heads, blocks, block, rows.to(device), cols.to(device), j.to(device), tuple(groups),
-                   order.to(device))
+                   order.to(device), group_rows, group_cols, pairs.to(device), pair_of_tile.to(device))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A square mask cut to the non-zero blocks: `values` (T, block, block), and for each of the nnz
+    blocks the row of `values` that is its tile (a (seq, seq) mask shared by the heads is cut once
+    per distinct block, not once per head)."""
+
+    values: torch.Tensor
+    of_tile: torch.Tensor  # (nnz,)
+
+    def map(self, fn) -> "Tiles":
+        return Tiles(fn(self.values), self.of_tile)
 
 
 def _group_mask(group: RowGroup, index: BlockIndex, key_mask, tile_masks, dtype):
-    """The additive mask of one group, (batch or 1, R, block, c·block), or None without masks."""
+    """The mask of one group, (batch or 1, R, block, c·block): boolean (keep) when every mask is
+    boolean, else additive in `dtype`; None without masks."""
     r, c = group.cols.shape
     blk = index.block
-    mask = None
-    for tiles in tile_masks:  # (nnz, blk, blk) → (R, c, blk, blk) → (R, blk, c·blk)
-        part = tiles.index_select(0, group.tiles.reshape(-1)).view(r, c, blk, blk).transpose(1, 2)
-        part = part.reshape(1, r, blk, c * blk).to(dtype)
-        mask = part if mask is None else mask + part
+    parts = []
+    for tiles in tile_masks:  # (T, blk, blk) → (R, c, blk, blk) → (R, blk, c·blk)
+        part = tiles.values.index_select(0, tiles.of_tile[group.tiles.reshape(-1)]).view(r, c, blk, blk)
+        parts.append(part.transpose(1, 2).reshape(1, r, blk, c * blk))
     if key_mask is not None:
         b = key_mask.shape[0]
         keys = key_mask.reshape(b, index.blocks, blk).index_select(1, group.key_blocks.reshape(-1))
-        keys = keys.reshape(b, r, 1, c * blk).to(dtype)
-        mask = keys if mask is None else mask + keys
+        parts.append(keys.reshape(b, r, 1, c * blk))
+    if not parts:
+        return None
+    if all(p.dtype == torch.bool for p in parts):
+        mask = parts[0]
+        for p in parts[1:]:
+            mask = mask & p
+        return mask
+    mask = None
+    for p in parts:
+        p = torch.zeros(p.shape, dtype=dtype, device=p.device).masked_fill(~p, float("-inf")) if p.dtype == torch.bool \
+            else p.to(dtype)
+        mask = p if mask is None else mask + p
     return mask
 
 
-def square_tiles(mask: torch.Tensor, index: BlockIndex) -> torch.Tensor:
-    """A (seq, seq) or (heads, seq, seq) mask → its tiles (nnz, block, block), read in place
-    (never expanded over heads: that would be heads × seq²)."""
+def _rows_without_keys(mask: torch.Tensor):
+    """(batch or 1, R, block, 1) True where a query row has no key to attend to, or None if none has."""
+    keep = mask if mask.dtype == torch.bool else mask > float("-inf")
+    empty = ~keep.any(-1, keepdim=True)
+    return empty if bool(empty.any()) else None  # one host sync per group: rarely any row is empty
+
+
+def square_tiles(mask: torch.Tensor, index: BlockIndex) -> Tiles:
+    """A (seq, seq) or (heads, seq, seq) mask → its `Tiles`, read in place (never expanded over
+    heads: that would be heads × seq²)."""
     blk, n = index.block, index.blocks
-    query_blocks = index.rows % n
     if mask.dim() == 2:
-        return mask.view(n, blk, n, blk)[query_blocks, :, index.key_blocks, :]
-    return mask.view(index.heads, n, blk, n, blk)[index.rows // n, query_blocks, :, index.key_blocks, :]
+        return Tiles(mask.view(n, blk, n, blk)[index.pairs // n, :, index.pairs % n, :], index.pair_of_tile)
+    values = mask.view(index.heads, n, blk, n, blk)[index.rows // n, index.rows % n, :, index.key_blocks, :]
+    return Tiles(values, torch.arange(values.shape[0], device=values.device))
 
 
 def block_sparse_attention(q, k, v, index: BlockIndex, scale: float, key_mask=None, tile_masks=()):
     """softmax(q kᵀ · scale + masks) v over the blocks of `index`; q, k, v: (batch, heads, seq, dim).
-    `key_mask`: additive (batch, seq); `tile_masks`: additive, per tile (nnz, block, block) — the
-    `square_tiles` of a (seq, seq) mask, so that no seq² work is done here."""
+    `key_mask`: additive (batch, seq); `tile_masks`: additive `Tiles` — the `square_tiles` of a
+    (seq, seq) or (heads, seq, seq) mask, so that no seq² work is done here."""
     b, h, s, d = q.shape
     blk = index.block
     tiles = [t.reshape(b, h * index.blocks, blk, d) for t in (q, k, v)]
+    # one gather each for all groups (one scatter each in backward), then split per group
+    sizes = [g.cols.numel() for g in index.groups]
+    rows = tiles[0].index_select(1, index.group_rows).split([g.rows.numel() for g in index.groups], 1)
+    keys, values = (t.index_select(1, index.group_cols).split(sizes, 1) for t in tiles[1:])
     outs = []
-    for group in index.groups:
+    for group, qg, kg, vg in zip(index.groups, rows, keys, values):
         r, c = group.cols.shape
-        qg = tiles[0].index_select(1, group.rows)
-        kg, vg = (t.index_select(1, group.cols.reshape(-1)).view(b, r, c * blk, d) for t in tiles[1:])
+        kg, vg = kg.reshape(b, r, c * blk, d), vg.reshape(b, r, c * blk, d)
         mask = _group_mask(group, index, key_mask, tile_masks, q.dtype)
-        alive = None
-        if mask is not None:
-            alive = (mask > float("-inf")).any(-1, keepdim=True)  # a row with a key to attend to
-            mask = mask.masked_fill(~alive, 0.0)  # a finite row for the kernel; its output is zeroed below
+        empty = None if mask is None else _rows_without_keys(mask)
+        if empty is not None:  # let the kernel see a row it can normalise; its output is zeroed below
+            mask = mask.masked_fill(empty, True if mask.dtype == torch.bool else 0.0)
         out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
-        outs.append(out if alive is None else out.masked_fill(~alive, 0.0))
+        outs.append(out if empty is None else out.masked_fill(empty, 0.0))
     outs.append(q.new_zeros((b, 1, blk, d)))  # the output of rows without blocks
     return torch.cat(outs, 1).index_select(1, index.order).reshape(b, h, s, d)

@@ -12,10 +12,11 @@ _MODES = ("add", "mul")
 
 
 def _additive(mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """'add' masks are added to the scores as they are; 'mul' masks keep where non-zero (DeepSpeed)."""
+    """'add' masks are added to the scores as they are; 'mul' masks keep where non-zero (DeepSpeed):
+    a boolean keep-mask (what the attention kernel takes without conversion when it is the only one)."""
     if mode == "add":
         return mask
-    return torch.zeros_like(mask, dtype=torch.float32).masked_fill(mask == 0, float("-inf"))
+    return mask != 0
 
 
 class SparseSelfAttention(nn.Module):
@@ -74,6 +75,6 @@ class SparseSelfAttention(nn.Module):
         # tiles first, then the mode's conversion: work on the non-zero blocks only, never on seq²
         tiles = [] if rpe is None else [square_tiles(rpe, index)]
         if attn_mask is not None:
-            tiles.append(_additive(square_tiles(attn_mask, index), self.attn_mask_mode))
+            tiles.append(square_tiles(attn_mask, index).map(lambda t: _additive(t, self.attn_mask_mode)))
         scale = float(query.shape[-1]) ** -0.5
         return block_sparse_attention(query, key, value, index, scale, key_mask, tiles)
