@@ -135,11 +135,12 @@ class ElasticityConfig(StrictModel):
     """Model-parallel degree (version 0.2)."""
 
 
+CONTIGUOUS_KEYS = tuple(f"activation_checkpointing.{key}" for key in (
+    "partition_activations", "contiguous_memory_optimization", "number_checkpoints"))
+
+
 def contiguous_checkpointing_problems(partition: bool, contiguous: bool, number: Optional[int],
-                                      keys: tuple[str, str, str] = ("activation_checkpointing.partition_activations",
-                                                                    "activation_checkpointing.contiguous_memory_optimization",
-                                                                    "activation_checkpointing.number_checkpoints")
-                                      ) -> list[str]:
+                                      keys: tuple[str, ...] = CONTIGUOUS_KEYS) -> list[str]:
     """DeepSpeed's two `configure` assertions on contiguous checkpointing, as problem lines naming
     `keys` (the config's key paths, or `configure()`'s argument names)."""
     partition_key, contiguous_key, number_key = keys

@@ -90,7 +90,8 @@ def _tracked(block, h):
 
 
 VARIANTS = {"reentrant": (ckpt.checkpoint, {}), "non_reentrant": (ckpt.non_reentrant_checkpoint, {}),
-            "selective": (_selective, {}), "selective_all_matmuls": (_all_matmuls, {}), "reentrant-cpu": (ckpt.checkpoint, {"checkpoint_in_cpu": True}),
+            "selective": (_selective, {}), "selective_all_matmuls": (_all_matmuls, {}),
+            "reentrant-cpu": (ckpt.checkpoint, {"checkpoint_in_cpu": True}),
             "non_reentrant-cpu": (ckpt.non_reentrant_checkpoint, {"checkpoint_in_cpu": True}),
             "rng-tracker": (_tracked, {})}
 
@@ -302,6 +303,9 @@ def test_module_classes_choose_the_outermost_match():
 STEPS, MICRO, LR, SEED = 3, 2, 0.3, 1234
 SECTIONS = {"full": {"checkpoint_blocks": True}, "selective": {"checkpoint_blocks": True, "policy": "selective"},
             "full-cpu": {"checkpoint_module_classes": ["Block"], "cpu_checkpointing": True},
+            # no mpu from a config alone: a group of one, whose slices are the whole inputs, in the buffer
+            "full-contiguous": {"checkpoint_blocks": True, "partition_activations": True,
+                                "contiguous_memory_optimization": True, "number_checkpoints": 3},
             "api-shared": {}}
 
 

@@ -19,7 +19,7 @@ from .probe import SavedActivationProbe
 from .rng import RNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from .settings import configure, is_configured, profile_summary, reset, unconfigure
 
-__all__ = ["RNGStatesTracker", "SavedActivationProbe", "all_matmuls_context", "checkpoint", "checkpoint_blocks", "configure",
-           "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint",
-           "profile_summary", "repeated_blocks", "reset", "save_expensive_but_widening", "save_expensive_ops",
-           "selective_context", "unconfigure"]
+__all__ = ["RNGStatesTracker", "SavedActivationProbe", "all_matmuls_context", "checkpoint", "checkpoint_blocks",
+           "configure", "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed",
+           "non_reentrant_checkpoint", "profile_summary", "repeated_blocks", "reset", "save_expensive_but_widening",
+           "save_expensive_ops", "selective_context", "unconfigure"]

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from schemas.features import contiguous_checkpointing_problems
+from schemas.features import CONTIGUOUS_KEYS, contiguous_checkpointing_problems
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,8 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
     STATE.configured = True
 
 
-_ARGUMENT_KEYS = tuple(f"{key} (configure({arg}=))" for key, arg in (
-    ("activation_checkpointing.partition_activations", "partition_activations"),
-    ("activation_checkpointing.contiguous_memory_optimization", "contiguous_checkpointing"),
-    ("activation_checkpointing.number_checkpoints", "num_checkpoints")))
+_ARGUMENT_KEYS = tuple(f"{key} (configure({arg}=))" for key, arg in zip(
+    CONTIGUOUS_KEYS, ("partition_activations", "contiguous_checkpointing", "num_checkpoints")))
 
 
 def is_configured() -> bool:
