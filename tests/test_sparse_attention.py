@@ -9,6 +9,7 @@ layout expanded to tokens (and, for the dense layout, against torch's SDPA). fp3
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 
@@ -264,6 +265,28 @@ def test_key_padding_causal_masks_and_rpe(kp_mode, attn_mode):
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     for got, ref in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v))):
         torch.testing.assert_close(got.double(), ref.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["default", "math"])
+def test_a_row_with_nothing_to_attend_to_gives_zeros(backend):
+    """Query rows 0-5 may attend to no key: zeros out, zero gradients, the other rows as the dense
+    reference; with torch's default CPU kernel (flash) and its math kernel, on whose safe softmax for
+    such rows block_sparse relies."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    attn = SparseSelfAttention(FixedSparsityConfig(3, block=4, num_local_blocks=2), max_seq_length=32)
+    q, k, v = _qkv()
+    allowed = torch.tril(torch.ones(32, 32))
+    allowed[:6] = 0
+    rpe = torch.randn(32, 32, generator=torch.Generator().manual_seed(4))  # an additive mask as well
+    kernel = sdpa_kernel(SDPBackend.MATH) if backend == "math" else contextlib.nullcontext()
+    with kernel:
+        out = attn(q, k, v, rpe=rpe, attn_mask=allowed)
+        grads = _grads(out, (q, k, v))
+    assert torch.equal(out[:, :, :6], torch.zeros_like(out[:, :, :6]))
+    assert all(torch.isfinite(g).all() for g in grads) and torch.equal(grads[0][:, :, :6], torch.zeros(2, 3, 6, 8))
+    causal_add = torch.zeros(32, 32).masked_fill(allowed == 0, float("-inf"))
+    want = dense_reference(q, k, v, attn.get_layout(32), 4, None, (rpe, causal_add))
+    torch.testing.assert_close(out[:, :, 6:].double(), want[:, :, 6:], rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_matches_fp32_within_bf16_rounding():
