@@ -30,6 +30,8 @@ from .settings import STATE, model_parallel_info, synchronize_boundary
 
 
 class _Host:
+    """A reentrant checkpoint's saved input in host memory (cpu_checkpointing without partitioning)."""
+
     def __init__(self, t: torch.Tensor):
         self.device, self.host = t.device, to_host(t)
         self.token = report_held(self.host.numel() * self.host.element_size())

@@ -12,7 +12,9 @@ transient tensors count. What the innermost hooks hide is reported to the probe 
 the saved inputs `checkpoint()` moves to CPU or partitions (their packed bytes), and the op outputs a
 selective policy keeps (counted from the forward to the end of the probe: torch frees them with the
 region, which the policy cannot see). The recompute inside torch's non-reentrant checkpoint keeps its
-tensors itself and is not seen: at most one checkpointed region's activations at a time.
+tensors itself and is not seen: at most one checkpointed region's activations at a time; the inputs it
+holds for the recompute are saved tensors, and are seen (a partitioned slice, or the contiguous
+buffer it lies in, by its storage).
 """
 from __future__ import annotations
 
