@@ -1,0 +1,201 @@
+"""Tensor parallelism equals the dense model.
+
+Layers (2 ranks over gloo): each parallel layer's forward output, its input's gradient and its
+parameters' gradients (this rank's slice of the dense gradient) equal the dense layer built from the
+same seed. fp32 throughout; the only difference is the order a split matmul sums in (two half-sums
+added by the all-reduce), so atol 1e-6 on values of order 1 (measured: below 3e-7).
+Vocab-parallel cross-entropy equals `F.cross_entropy` (loss and gradient, with ignored targets), and
+moves 3 floats per token in forward and nothing in backward: the vocabulary is never gathered.
+Replicated parameters' gradients are bit-identical on both ranks (grads.py's note). Dropout: the
+tracked stream differs per rank and leaves the default stream alone; the default stream agrees.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.harness import run_distributed
+
+ATOL = 1e-6
+
+
+def _slice(full: torch.Tensor, dim: int, rank: int, world: int, parts: int = 1) -> torch.Tensor:
+    return torch.cat([s.chunk(world, dim=dim)[rank] for s in full.chunk(parts, dim=dim)], dim=dim)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def _linear_cases(comm, errors: dict, replicated: dict) -> None:
+    from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    rank, world = comm.rank, comm.world_size
+    for name, parts, gather in (("column", 1, False), ("column_gathered", 1, True), ("column_fused_qkv", 3, False)):
+        torch.manual_seed(1)
+        dense = nn.Linear(8, 12)
+        torch.manual_seed(1)
+        layer = ColumnParallelLinear(8, 12, gather_output=gather, parts=parts, group=comm)
+        x = torch.randn(3, 5, 8, requires_grad=True)
+        xd = x.detach().clone().requires_grad_()
+        y, yd = layer(x), dense(xd)
+        expected = yd if gather else _slice(yd, -1, rank, world, parts)
+        weights = torch.randn_like(expected)  # a loss that weights every output differently
+        (y * weights).sum().backward()
+        upstream = torch.zeros_like(yd)  # the dense loss: every rank's weights in their places
+        upstream_parts = [torch.zeros_like(weights) for _ in range(world)]
+        torch.distributed.all_gather(upstream_parts, weights.contiguous())
+        upstream = upstream_parts[0] if gather else _unslice(upstream_parts, parts)
+        (yd * upstream).sum().backward()
+        errors[name] = max(_err(y, expected), _err(x.grad, xd.grad),
+                           _err(layer.weight.grad, _slice(dense.weight.grad, 0, rank, world, parts)),
+                           _err(layer.bias.grad, _slice(dense.bias.grad, 0, rank, world, parts)))
+        replicated[f"{name}.input_grad"] = x.grad
+    for name, parallel_input in (("row", False), ("row_parallel_input", True)):
+        torch.manual_seed(2)
+        dense = nn.Linear(12, 6)
+        torch.manual_seed(2)
+        layer = RowParallelLinear(12, 6, input_is_parallel=parallel_input, group=comm)
+        x_full = torch.randn(3, 5, 12)
+        x = (_slice(x_full, -1, rank, world) if parallel_input else x_full).clone().requires_grad_()
+        xd = x_full.clone().requires_grad_()
+        y, yd = layer(x), dense(xd)
+        weights = torch.randn_like(yd)
+        (y * weights).sum().backward()
+        (yd * weights).sum().backward()
+        expected_xgrad = _slice(xd.grad, -1, rank, world) if parallel_input else xd.grad
+        errors[name] = max(_err(y, yd), _err(x.grad, expected_xgrad),
+                           _err(layer.weight.grad, _slice(dense.weight.grad, 1, rank, world)),
+                           _err(layer.bias.grad, dense.bias.grad))
+        replicated[f"{name}.bias_grad"] = layer.bias.grad
+
+
+def _unslice(per_rank: list, parts: int) -> torch.Tensor:
+    """Inverse of _slice over the ranks' pieces (each holding `parts` sections)."""
+    sections = [p.chunk(parts, dim=-1) for p in per_rank]
+    return torch.cat([torch.cat([s[i] for s in sections], dim=-1) for i in range(parts)], dim=-1)
+
+
+def _embedding_case(comm, errors: dict) -> None:
+    from engine.tensor_parallel import VocabParallelEmbedding
+    torch.manual_seed(3)
+    dense = nn.Embedding(10, 4)
+    torch.manual_seed(3)
+    layer = VocabParallelEmbedding(10, 4, group=comm)
+    ids = torch.tensor([[0, 9, 4, 5, 5], [7, 1, 2, 3, 8]])
+    weights = torch.randn(2, 5, 4)
+    (layer(ids) * weights).sum().backward()
+    (dense(ids) * weights).sum().backward()
+    errors["embedding"] = max(_err(layer(ids), dense(ids)),
+                              _err(layer.weight.grad, _slice(dense.weight.grad, 0, comm.rank, comm.world_size)))
+
+
+def _block_cases(comm, errors: dict, replicated: dict) -> None:
+    from engine.tensor_parallel import ParallelMLP, ParallelSelfAttention
+    rank, world = comm.rank, comm.world_size
+    torch.manual_seed(4)
+    qkv, proj = nn.Linear(16, 48), nn.Linear(16, 16)
+    torch.manual_seed(4)
+    attn = ParallelSelfAttention(16, n_head=4, group=comm)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    xd = x.detach().clone().requires_grad_()
+    q, k, v = (z.view(2, 6, 4, 4).transpose(1, 2) for z in qkv(xd).chunk(3, dim=-1))
+    yd = proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 6, 16))
+    y = attn(x)
+    weights = torch.randn_like(yd)
+    (y * weights).sum().backward()
+    (yd * weights).sum().backward()
+    errors["attention"] = max(_err(y, yd), _err(x.grad, xd.grad),
+                              _err(attn.qkv.weight.grad, _slice(qkv.weight.grad, 0, rank, world, 3)),
+                              _err(attn.proj.weight.grad, _slice(proj.weight.grad, 1, rank, world)),
+                              _err(attn.proj.bias.grad, proj.bias.grad))
+    torch.manual_seed(5)
+    fc, out = nn.Linear(16, 64), nn.Linear(64, 16)
+    torch.manual_seed(5)
+    mlp = ParallelMLP(16, 64, group=comm)
+    yd = out(F.gelu(fc(xd)))
+    errors["mlp"] = _err(mlp(x), yd)
+    replicated["attention.input_grad"] = x.grad
+
+
+def _cross_entropy_case(comm, errors: dict, counts: dict) -> None:
+    from engine.tensor_parallel import vocab_parallel_cross_entropy
+    rank, world = comm.rank, comm.world_size
+    torch.manual_seed(6)
+    full = (torch.randn(4, 7, 20) * 3).requires_grad_()
+    target = torch.randint(0, 20, (4, 7))
+    target[0, :3] = -100  # ignored, as F.cross_entropy's default ignore_index
+    local = _slice(full.detach(), -1, rank, world).requires_grad_()
+    comm.stats.reset()
+    loss = vocab_parallel_cross_entropy(local, target, group=comm)
+    counts["forward"] = dict(comm.stats.bytes)
+    comm.stats.reset()
+    loss.backward()
+    counts["backward"] = dict(comm.stats.bytes)
+    reference = F.cross_entropy(full.view(-1, 20), target.view(-1))
+    reference.backward()
+    errors["cross_entropy"] = max(abs(loss.item() - reference.item()),
+                                  _err(local.grad, _slice(full.grad, -1, rank, world)))
+
+
+def _dropout_case(comm, out: dict) -> None:
+    import engine.checkpointing as ac
+    from engine.tensor_parallel import ModelParallelUnit, ParallelSelfAttention
+    ac.configure(mpu_=ModelParallelUnit(comm))
+    ac.model_parallel_cuda_manual_seed(1234)
+    with ac.get_cuda_rng_tracker().fork():
+        out["partitioned"] = torch.rand(16)
+    out["replicated"] = F.dropout(torch.ones(16), p=0.5)
+    attn = ParallelSelfAttention(16, n_head=4, dropout=0.5, group=comm)
+    before = torch.get_rng_state()
+    attn(torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0)))
+    out["default_stream_untouched"] = torch.equal(before, torch.get_rng_state())
+    ac.reset()
+
+
+def _layers_on_rank():
+    from engine.comm import Communicator
+    comm = Communicator(None)
+    errors, replicated, counts, dropout = {}, {}, {}, {}
+    _linear_cases(comm, errors, replicated)
+    _embedding_case(comm, errors)
+    _block_cases(comm, errors, replicated)
+    _cross_entropy_case(comm, errors, counts)
+    _dropout_case(comm, dropout)
+    return {"errors": errors, "replicated": replicated, "counts": counts, "dropout": dropout}
+
+
+@pytest.fixture(scope="module")
+def layer_results():
+    return run_distributed(_layers_on_rank, world_size=2, timeout=120)
+
+
+@pytest.mark.parametrize("layer", ["column", "column_gathered", "column_fused_qkv", "row", "row_parallel_input",
+                                   "embedding", "attention", "mlp", "cross_entropy"])
+def test_parallel_layer_equals_dense(layer_results, layer):
+    for rank, result in enumerate(layer_results):
+        assert result["errors"][layer] < ATOL, f"rank {rank}: {layer} max error {result['errors'][layer]:.3g}"
+
+
+def test_replicated_gradients_are_identical_on_every_rank(layer_results):
+    first, second = (r["replicated"] for r in layer_results)
+    assert first.keys() == second.keys() and first
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_vocab_parallel_cross_entropy_never_gathers_the_vocabulary(layer_results):
+    tokens = 4 * 7
+    for result in layer_results:
+        # max (1 float) + [sum-exp, target logit] (2 floats) per token, all-reduced; backward is local
+        assert result["counts"]["forward"] == {"all_reduce": 3 * tokens * 4}
+        assert result["counts"]["backward"] == {}
+
+
+def test_dropout_streams(layer_results):
+    first, second = (r["dropout"] for r in layer_results)
+    assert torch.equal(first["replicated"], second["replicated"])  # replicated region: same mask
+    assert not torch.equal(first["partitioned"], second["partitioned"])  # partitioned: different
+    assert first["default_stream_untouched"] and second["default_stream_untouched"]
