@@ -167,9 +167,20 @@ def _layers_on_rank():
     return {"errors": errors, "replicated": replicated, "counts": counts, "dropout": dropout}
 
 
+def _two_rank_checks():
+    """Everything that runs on 2 plain ranks, in one spawn (each spawn costs a torch import per rank)."""
+    return {"layers": _layers_on_rank(), "gpt": _autotp_model_on_rank("gpt"),
+            "hf_gpt2": _autotp_model_on_rank("hf_gpt2")}
+
+
 @pytest.fixture(scope="module")
-def layer_results():
-    return run_distributed(_layers_on_rank, world_size=2, timeout=120)
+def two_rank_results():
+    return run_distributed(_two_rank_checks, world_size=2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def layer_results(two_rank_results):
+    return [r["layers"] for r in two_rank_results]
 
 
 @pytest.mark.parametrize("layer", ["column", "column_gathered", "column_fused_qkv", "row", "row_parallel_input",
@@ -199,3 +210,85 @@ def test_dropout_streams(layer_results):
     assert torch.equal(first["replicated"], second["replicated"])  # replicated region: same mask
     assert not torch.equal(first["partitioned"], second["partitioned"])  # partitioned: different
     assert first["default_stream_untouched"] and second["default_stream_untouched"]
+
+
+# -- whole models: AutoTP on an unmodified model equals the dense model after 5 SGD steps ---------------
+# SGD without momentum or clipping: the update is linear in the gradient, so a gradient off by the
+# tensor-parallel size (or a replicated parameter's gradient counted twice) moves the weights.
+# Both ranks see the same batch (tensor parallelism splits the model, not the data). fp32, atol 1e-5
+# after 5 steps at lr 0.5 (summation order only; measured below 1e-6); norms rtol 1e-5.
+MODEL_ATOL, STEPS, LR = 1e-5, 5, 0.5
+
+
+def _tiny_gpt():
+    from examples.gpt import GPT, GPTConfig
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
+
+
+def _tiny_hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _loss(model, kind: str, x, y):
+    return model(x, y) if kind == "gpt" else model(input_ids=x, labels=x).loss
+
+
+def _full_of(reference: nn.Module, name: str) -> torch.Tensor:
+    from engine.tensor_parallel.layers import dense_weight
+    module_path, _, leaf = name.rpartition(".")
+    module = reference.get_submodule(module_path)
+    return dense_weight(module) if leaf == "weight" else getattr(module, leaf)
+
+
+def _autotp_model_on_rank(kind: str):
+    import copy
+
+    from engine.comm import Communicator
+    from engine.tensor_parallel import is_partitioned, tensor_parallel_grad_norm
+    from engine.tensor_parallel.autotp import shard_model
+    from engine.tensor_parallel.layers import shard
+    comm = Communicator(None)
+    torch.manual_seed(0)
+    model = _tiny_gpt() if kind == "gpt" else _tiny_hf_gpt2()
+    reference = copy.deepcopy(model)
+    replaced = shard_model(model, comm)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 64, (4, 17), generator=g) for _ in range(STEPS)]
+    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (model, reference)]
+    loss_err = norm_err = 0.0
+    for batch in data:
+        x, y = batch[:, :-1], batch[:, 1:]
+        losses = [_loss(m, kind, x, y) for m in (model, reference)]
+        for loss in losses:
+            loss.backward()
+        loss_err = max(loss_err, abs(losses[0].item() - losses[1].item()))
+        norm = tensor_parallel_grad_norm(list(model.parameters()), comm).item()
+        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+        norm_err = max(norm_err, abs(norm - ref_norm) / ref_norm)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    param_err = 0.0
+    for name, p in model.named_parameters():
+        full = _full_of(reference, name)
+        if is_partitioned(p):
+            full = shard(full, p.tensor_parallel_dim, comm.rank, comm.world_size, p.tensor_parallel_parts)
+        param_err = max(param_err, _err(p.detach(), full.detach()))
+    return {"replaced": replaced, "loss": loss_err, "norm": norm_err, "params": param_err,
+            "partitioned": sum(is_partitioned(p) for p in model.parameters())}
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf_gpt2"])  # transformers is a test extra (pyproject): never skipped
+def test_autotp_model_equals_dense_after_sgd_steps(two_rank_results, kind):
+    results = [r[kind] for r in two_rank_results]
+    expected = (["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc", "blocks.0.out"] if kind == "gpt"
+                else ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+                      "transformer.h.0.mlp.c_proj"])
+    for rank, r in enumerate(results):
+        assert r["replaced"][:4] == expected and len(r["replaced"]) == 8, r["replaced"]
+        assert r["partitioned"] == 8 * 2 - 4, r["partitioned"]  # weights + column biases (row biases replicated)
+        assert r["loss"] < MODEL_ATOL and r["params"] < MODEL_ATOL, (rank, r)
+        assert r["norm"] < 1e-5, (rank, r)

@@ -2,8 +2,9 @@
 is counted and device-checked like the rest of the engine's, engine/comm.py).
 
 A layer takes `group=` explicitly; without one it uses the current topology's model group
-(`engine.topology.current()`, built by `initialize` from `tensor_parallel.autotp_size`). One
-communicator per group, so the byte counts of every layer on a group add up in one place.
+(`engine.topology.current()`, which `initialize` sets from `tensor_parallel.autotp_size`; with no
+topology set, a model axis of one rank: the layer is then the dense one). Layers built by one call
+(AutoTP's `shard_model`) share one communicator, so their byte counts add up in one place.
 """
 from __future__ import annotations
 
@@ -11,31 +12,15 @@ import torch.distributed as dist
 
 from ..comm import Communicator
 
-_COMMS: dict[int, Communicator] = {}
-
-
-def _current_model_group() -> dist.ProcessGroup | None:
-    try:
-        from ..topology import current
-    except ImportError:  # the topology module arrives with the pipeline branch
-        current = None
-    topology = current() if current is not None else None
-    if topology is None:
-        raise RuntimeError("tensor-parallel layer without a group: pass group= (a torch.distributed ProcessGroup), "
-                           "or build it after engine.initialize() with tensor_parallel.autotp_size in the config")
-    return topology.model_group
-
 
 def tensor_parallel_comm(group: dist.ProcessGroup | Communicator | None = None) -> Communicator:
     """The communicator of `group` (a ProcessGroup, a Communicator, or None: the topology's model group)."""
     if isinstance(group, Communicator):
         return group
     if group is None:
-        group = _current_model_group()
-    key = id(group)
-    if key not in _COMMS:
-        _COMMS[key] = Communicator(group)
-    return _COMMS[key]
+        from ..topology import current
+        group = current().model_group  # collective the first time (it creates the groups)
+    return Communicator(group)
 
 
 class ModelParallelUnit:
