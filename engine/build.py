@@ -21,7 +21,9 @@ import schemas
 
 from .comm import Communicator
 from .data import DistributedDataLoader
-from .dist import Topology, device, init_distributed
+from .dist import device, init_distributed
+from .tensor_parallel import from_config as tensor_parallel
+from .topology import ProcessGroups, set_current
 from .engine import Engine
 from .precision import model_dtype
 from .optimizers import resolve_optimizer
@@ -130,14 +132,22 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise NotImplementedError("mpu= (Megatron-style model parallelism) is not built yet in dstrain")
     source = _config_source(args, config, config_params)
     _start_process_group(distributed_port, dist_init_required)
-    topology = Topology.from_world()
-    comm = Communicator(topology.data_parallel_group())
-    cfg = schemas.load_config(source, world_size=topology.data, overrides=config_overrides)
+    # tensor_parallel/from_config.py's note: the degree first, the model sharded before its optimizer
+    degree = tensor_parallel.requested_degree(source, config_overrides)
+    groups = ProcessGroups(tensor_parallel.tensor_parallel_topology(dist.get_world_size(), degree))
+    set_current(groups)
+    comm = Communicator(groups.data_group)
+    cfg = schemas.load_config(source, world_size=groups.topology.data, overrides=config_overrides)
     _seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
-    _broadcast_model(model, comm)
+    _broadcast_model(model, comm if degree == 1 else Communicator(None))
+    if degree > 1:
+        tensor_parallel.apply_tensor_parallel(model, cfg, groups)
     _apply_activation_checkpointing(model, cfg)
-    base_optimizer = resolve_optimizer(optimizer, _param_groups(model, model_parameters), cfg.optimizer)
+    params = _param_groups(model, model_parameters)
+    if degree > 1:
+        tensor_parallel.check_parameters(model, params, optimizer)
+    base_optimizer = resolve_optimizer(optimizer, params, cfg.optimizer)
     zero_optimizer = build_zero_optimizer(base_optimizer, comm, cfg, model) if base_optimizer is not None else None
     if zero_optimizer is not None and cfg.gradient_compression is not None:  # stage 0 only (schemas/checks.py)
         zero_optimizer.enable_gradient_compression(cfg.gradient_compression)

@@ -292,3 +292,73 @@ def test_autotp_model_equals_dense_after_sgd_steps(two_rank_results, kind):
         assert r["partitioned"] == 8 * 2 - 4, r["partitioned"]  # weights + column biases (row biases replicated)
         assert r["loss"] < MODEL_ATOL and r["params"] < MODEL_ATOL, (rank, r)
         assert r["norm"] < 1e-5, (rank, r)
+
+
+# -- from the config: initialize() with tensor_parallel.autotp_size -----------------------------------
+# The reference trains the dense GPT in one process on the global batch (both data ranks' samples);
+# SGD, no clipping (tests.models.reference_train). ZeRO-1 partitions the optimizer over the data axis.
+def _config(stage: int, data: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4 // data, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": stage},
+            "tensor_parallel": {"autotp_size": 2}}
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (4, 17), generator=g) for _ in range(STEPS)]
+
+
+def _initialize_on_rank(stage: int):
+    import torch.distributed as dist
+
+    import engine
+    from engine.tensor_parallel import is_partitioned
+    from engine.tensor_parallel.layers import shard
+    from engine.topology import current
+    torch.manual_seed(0)
+    model = _tiny_gpt()
+    reference = _tiny_gpt()
+    reference.load_state_dict(model.state_dict())
+    data = dist.get_world_size() // 2
+    eng, *_ = engine.initialize(model=model, config=_config(stage, data))
+    coord = current().coord
+    micro = 4 // data
+    losses = []
+    for batch in _batches():
+        mine = batch[coord.data * micro:(coord.data + 1) * micro]
+        loss = eng(mine[:, :-1], mine[:, 1:])
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    ref_losses = []
+    for batch in _batches():
+        loss = reference(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    err = 0.0
+    for name, p in eng.module.named_parameters():
+        full = _full_of(reference, name)
+        if is_partitioned(p):
+            full = shard(full, p.tensor_parallel_dim, coord.model, 2, p.tensor_parallel_parts)
+        err = max(err, _err(p.detach(), full.detach()))
+    eng.destroy()
+    return {"coord": tuple(coord), "losses": losses, "ref_losses": ref_losses, "params": err}
+
+
+@pytest.mark.parametrize("world, stage", [(2, 0), (4, 1)], ids=["tp2", "tp2xdp2-zero1"])
+def test_initialize_with_autotp_equals_reference(world, stage):
+    results = run_distributed(_initialize_on_rank, world_size=world, args=(stage,), timeout=240)
+    assert sorted(r["coord"] for r in results) == sorted((0, d, m) for d in range(world // 2) for m in range(2))
+    for r in results:
+        assert r["params"] < MODEL_ATOL, r
+        if world == 2:  # one data rank: its loss is the global batch's
+            assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < MODEL_ATOL, r
+    if world == 4:  # the mean of the two data ranks' losses is the global batch's
+        by_data = {r["coord"][1]: r["losses"] for r in results}
+        mean = [(a + b) / 2 for a, b in zip(by_data[0], by_data[1])]
+        assert max(abs(a - b) for a, b in zip(mean, results[0]["ref_losses"])) < MODEL_ATOL
