@@ -134,10 +134,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     _start_process_group(distributed_port, dist_init_required)
     # tensor_parallel/from_config.py's note: the degree first, the model sharded before its optimizer
     degree = tensor_parallel.requested_degree(source, config_overrides)
+    cfg = schemas.load_config(source, world_size=max(1, dist.get_world_size() // degree), overrides=config_overrides)
     groups = ProcessGroups(tensor_parallel.tensor_parallel_topology(dist.get_world_size(), degree))
     set_current(groups)
     comm = Communicator(groups.data_group)
-    cfg = schemas.load_config(source, world_size=groups.topology.data, overrides=config_overrides)
     _seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
     _broadcast_model(model, comm if degree == 1 else Communicator(None))

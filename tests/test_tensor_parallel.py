@@ -167,10 +167,30 @@ def _layers_on_rank():
     return {"errors": errors, "replicated": replicated, "counts": counts, "dropout": dropout}
 
 
+def _refusals() -> dict:
+    """initialize()'s one-line errors for what does not compose with AutoTP yet."""
+    import engine
+    import schemas
+    found = {}
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "tensor_parallel": {"autotp_size": 2}}
+    cases = {"clipping": {}, "fp16": {"gradient_clipping": 0, "fp16": {"enabled": True}},
+             "zero2": {"gradient_clipping": 0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True},
+             "stale_parameters": {"gradient_clipping": 0}}
+    for name, extra in cases.items():
+        model = _tiny_gpt()
+        params = list(model.parameters()) if name == "stale_parameters" else None
+        try:
+            engine.initialize(model=model, model_parameters=params, config={**base, **extra})
+        except (schemas.ConfigError, ValueError) as err:
+            found[name] = str(err)
+    return found
+
+
 def _two_rank_checks():
     """Everything that runs on 2 plain ranks, in one spawn (each spawn costs a torch import per rank)."""
     return {"layers": _layers_on_rank(), "gpt": _autotp_model_on_rank("gpt"),
-            "hf_gpt2": _autotp_model_on_rank("hf_gpt2")}
+            "hf_gpt2": _autotp_model_on_rank("hf_gpt2"), "refusals": _refusals()}
 
 
 @pytest.fixture(scope="module")
@@ -362,3 +382,12 @@ def test_initialize_with_autotp_equals_reference(world, stage):
         by_data = {r["coord"][1]: r["losses"] for r in results}
         mean = [(a + b) / 2 for a, b in zip(by_data[0], by_data[1])]
         assert max(abs(a - b) for a, b in zip(mean, results[0]["ref_losses"])) < MODEL_ATOL
+
+
+def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):
+    refusals = two_rank_results[0]["refusals"]
+    assert "gradient_clipping: 1.0 (1.0 when absent) with tensor_parallel.autotp_size > 1 is not built" \
+        in refusals["clipping"]
+    assert "fp16.enabled with tensor_parallel.autotp_size > 1 is not built yet" in refusals["fp16"]
+    assert "zero_optimization.stage 2 with tensor_parallel.autotp_size > 1 is not built yet" in refusals["zero2"]
+    assert "pass model_parameters=None or model.parameters()" in refusals["stale_parameters"]
