@@ -84,3 +84,12 @@ def check_parameters(model: nn.Module, param_groups: list, optimizer) -> None:
                          "(a list passed as model_parameters=, or an optimizer built on them) are not the model's; "
                          "pass model_parameters=None or model.parameters() and let the config build the optimizer, "
                          "or pass optimizer= as a callable taking the parameters")
+
+
+def refuse_checkpoint_io(what: str) -> None:
+    """Checkpoints of a tensor-parallel engine are not built yet: two ranks of one data coordinate
+    would write the same rank file. Called by engine/checkpoint/api.py before any file is touched."""
+    from ..topology import current
+    if current().topology.model > 1:
+        raise NotImplementedError(f"{what} with {KEY} > 1 is not built yet in dstrain (tensor-parallel shards are "
+                                  "not recorded in checkpoints); train without saving, or with autotp_size 1")
