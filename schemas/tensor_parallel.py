@@ -6,7 +6,7 @@ rejected by name until built (schemas/unbuilt.py).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field
 
@@ -33,6 +33,11 @@ class TensorParallelConfig(StrictModel):
     """DeepSpeed converts the model to this dtype; here the precision comes from fp16/bf16."""
     tp_overlap_comm: bool = False
     """Overlap the row-parallel all-reduce with computation."""
+    vocab_parallel_lm_head: Optional[bool] = None
+    """Shard the LM head (and a tied embedding) by vocabulary. dstrain keeps it whole, which is what None
+    and false ask of DeepSpeed for a model outside its HF plan; true is refused."""
+    vocab_parallel_ce_backend: Literal["torch", "liger"] = "torch"
+    """The vocab-parallel cross-entropy kernel."""
     tensor_parallel: TPGroupConfig = Field(TPGroupConfig(), alias="tp")
     """DeepSpeed's nested TP settings."""
     injection_policy_tuple: Optional[list[Any]] = None

@@ -89,6 +89,10 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("pipeline"),
     Unbuilt("tensor_parallel.dtype", "the model's precision comes from the fp16/bf16 sections; remove it"),
     Unbuilt("tensor_parallel.tp_overlap_comm", "remove it or use false"),
+    Unbuilt("tensor_parallel.vocab_parallel_lm_head", "AutoTP keeps the LM head whole (a model can use "
+            "engine.tensor_parallel.VocabParallelEmbedding and vocab_parallel_cross_entropy); remove it",
+            built=lambda v: v is None or v is False),
+    Unbuilt("tensor_parallel.vocab_parallel_ce_backend", 'remove it or use "torch"'),
     Unbuilt("tensor_parallel.tensor_parallel", "for training use tensor_parallel.autotp_size; remove it"),
     Unbuilt("tensor_parallel.injection_policy_tuple", "AutoTP picks projections by name (docs: README, Tensor "
             "parallelism); remove it"),
