@@ -190,7 +190,8 @@ def _refusals() -> dict:
 def _two_rank_checks():
     """Everything that runs on 2 plain ranks, in one spawn (each spawn costs a torch import per rank)."""
     return {"layers": _layers_on_rank(), "gpt": _autotp_model_on_rank("gpt"),
-            "hf_gpt2": _autotp_model_on_rank("hf_gpt2"), "refusals": _refusals()}
+            "hf_gpt2": _autotp_model_on_rank("hf_gpt2"), "hf_llama": _autotp_model_on_rank("hf_llama"),
+            "refusals": _refusals()}
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +253,13 @@ def _tiny_hf_gpt2():
     return GPT2LMHeadModel(cfg)
 
 
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=16)
+    return LlamaForCausalLM(cfg)
+
+
 def _loss(model, kind: str, x, y):
     return model(x, y) if kind == "gpt" else model(input_ids=x, labels=x).loss
 
@@ -272,7 +280,7 @@ def _autotp_model_on_rank(kind: str):
     from engine.tensor_parallel.layers import shard
     comm = Communicator(None)
     torch.manual_seed(0)
-    model = _tiny_gpt() if kind == "gpt" else _tiny_hf_gpt2()
+    model = {"gpt": _tiny_gpt, "hf_gpt2": _tiny_hf_gpt2, "hf_llama": _tiny_llama}[kind]()
     reference = copy.deepcopy(model)
     replaced = shard_model(model, comm)
     g = torch.Generator().manual_seed(1)
@@ -301,15 +309,23 @@ def _autotp_model_on_rank(kind: str):
             "partitioned": sum(is_partitioned(p) for p in model.parameters())}
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hf_gpt2"])  # transformers is a test extra (pyproject): never skipped
+AUTOTP_FIRST_BLOCK = {
+    "gpt": ["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc", "blocks.0.out"],
+    "hf_gpt2": ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+                "transformer.h.0.mlp.c_proj"],
+    "hf_llama": [f"model.layers.0.self_attn.{n}_proj" for n in "qkvo"]
+                + [f"model.layers.0.mlp.{n}_proj" for n in ("gate", "up", "down")]}
+# sharded parameters of the 2-layer models: weights, plus column-parallel biases (row biases stay whole)
+AUTOTP_PARTITIONED = {"gpt": 2 * (4 + 2), "hf_gpt2": 2 * (4 + 2), "hf_llama": 2 * 7}
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf_gpt2", "hf_llama"])  # transformers is a test extra: never skipped
 def test_autotp_model_equals_dense_after_sgd_steps(two_rank_results, kind):
     results = [r[kind] for r in two_rank_results]
-    expected = (["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc", "blocks.0.out"] if kind == "gpt"
-                else ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
-                      "transformer.h.0.mlp.c_proj"])
+    expected = AUTOTP_FIRST_BLOCK[kind]
     for rank, r in enumerate(results):
-        assert r["replaced"][:4] == expected and len(r["replaced"]) == 8, r["replaced"]
-        assert r["partitioned"] == 8 * 2 - 4, r["partitioned"]  # weights + column biases (row biases replicated)
+        assert r["replaced"][:len(expected)] == expected and len(r["replaced"]) == 2 * len(expected), r["replaced"]
+        assert r["partitioned"] == AUTOTP_PARTITIONED[kind], r["partitioned"]
         assert r["loss"] < MODEL_ATOL and r["params"] < MODEL_ATOL, (rank, r)
         assert r["norm"] < 1e-5, (rank, r)
 
