@@ -11,6 +11,8 @@ tracked stream differs per rank and leaves the default stream alone; the default
 """
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 import torch.nn as nn
@@ -184,6 +186,12 @@ def _refusals() -> dict:
             engine.initialize(model=model, model_parameters=params, config={**base, **extra})
         except (schemas.ConfigError, ValueError) as err:
             found[name] = str(err)
+    eng, *_ = engine.initialize(model=_tiny_gpt(), config={**base, "gradient_clipping": 0})
+    try:
+        eng.save_checkpoint(tempfile.mkdtemp())
+    except NotImplementedError as err:
+        found["checkpoint"] = str(err)
+    eng.destroy()
     return found
 
 
@@ -407,3 +415,4 @@ def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):
     assert "fp16.enabled with tensor_parallel.autotp_size > 1 is not built yet" in refusals["fp16"]
     assert "zero_optimization.stage 2 with tensor_parallel.autotp_size > 1 is not built yet" in refusals["zero2"]
     assert "pass model_parameters=None or model.parameters()" in refusals["stale_parameters"]
+    assert "save_checkpoint with tensor_parallel.autotp_size > 1 is not built yet" in refusals["checkpoint"]

@@ -22,7 +22,7 @@ class Checkpointing:
         self.resumed: tuple[str | None, dict | None] = (None, None)
 
     def save(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
-        refuse_checkpoint_io("save_checkpoint")
+        refuse_checkpoint_io(self.eng.module, "save_checkpoint")
         eng = self.eng
         tag = fmt.validate_tag(tag if tag is not None else f"global_step{eng.global_steps}")
         save_dir = Path(save_dir)
@@ -39,7 +39,7 @@ class Checkpointing:
 
     def load(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
              load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        refuse_checkpoint_io("load_checkpoint")
+        refuse_checkpoint_io(self.eng.module, "load_checkpoint")
         self.writer.wait()
         path = resolve(load_dir, tag)
         if path is None:

@@ -20,6 +20,7 @@ import schemas
 from ..topology import ProcessGroups, Topology
 from .autotp import shard_model
 from .group import ModelParallelUnit, tensor_parallel_comm
+from .layers import is_partitioned
 
 KEY = "tensor_parallel.autotp_size"
 
@@ -34,6 +35,8 @@ def requested_degree(source: Any, overrides: dict | None) -> int:
         raw, _ = schemas.read_config_source(source)
         section = raw.get("tensor_parallel") if isinstance(raw, dict) else None
         value = section.get("autotp_size", 0) if isinstance(section, dict) else 0
+    if isinstance(value, float) and value.is_integer():  # 2.0: the schema takes integral floats as ints
+        value = int(value)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
@@ -86,10 +89,9 @@ def check_parameters(model: nn.Module, param_groups: list, optimizer) -> None:
                          "or pass optimizer= as a callable taking the parameters")
 
 
-def refuse_checkpoint_io(what: str) -> None:
-    """Checkpoints of a tensor-parallel engine are not built yet: two ranks of one data coordinate
+def refuse_checkpoint_io(model: nn.Module, what: str) -> None:
+    """Checkpoints of a tensor-parallel model are not built yet: two ranks of one data coordinate
     would write the same rank file. Called by engine/checkpoint/api.py before any file is touched."""
-    from ..topology import current
-    if current().topology.model > 1:
+    if any(is_partitioned(p) for p in model.parameters()):
         raise NotImplementedError(f"{what} with {KEY} > 1 is not built yet in dstrain (tensor-parallel shards are "
                                   "not recorded in checkpoints); train without saving, or with autotp_size 1")
