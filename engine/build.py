@@ -23,7 +23,6 @@ from .comm import Communicator
 from .data import DistributedDataLoader
 from .dist import device, init_distributed
 from .tensor_parallel import from_config as tensor_parallel
-from .topology import ProcessGroups, set_current
 from .engine import Engine
 from .precision import model_dtype
 from .optimizers import resolve_optimizer
@@ -135,9 +134,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # tensor_parallel/from_config.py's note: the degree first, the model sharded before its optimizer
     degree = tensor_parallel.requested_degree(source, config_overrides)
     cfg = schemas.load_config(source, world_size=max(1, dist.get_world_size() // degree), overrides=config_overrides)
-    groups = ProcessGroups(tensor_parallel.tensor_parallel_topology(dist.get_world_size(), degree))
-    set_current(groups)
-    comm = Communicator(groups.data_group)
+    groups = tensor_parallel.tensor_parallel_groups(degree)  # None without tensor parallelism
+    comm = Communicator(groups.data_group if groups is not None else None)
     _seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
     _broadcast_model(model, comm if degree == 1 else Communicator(None))

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 import torch.nn as nn
 
 import schemas
 
-from ..topology import ProcessGroups, Topology
+from ..topology import ProcessGroups, Topology, set_current
 from .autotp import shard_model
 from .group import ModelParallelUnit, tensor_parallel_comm
 from .layers import is_partitioned
@@ -40,11 +41,18 @@ def requested_degree(source: Any, overrides: dict | None) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
-def tensor_parallel_topology(world: int, degree: int) -> Topology:
+def tensor_parallel_groups(degree: int) -> ProcessGroups | None:
+    """The process groups of world = data × `degree` (model innermost), made the current topology;
+    None for degree 1 (pure data parallelism needs no groups of its own). Collective."""
+    if degree == 1:
+        return None
+    world = dist.get_world_size()
     if world % degree:
         raise schemas.ConfigError([f"{KEY}: {degree} does not divide the world size {world}; start a multiple of "
                                    f"{degree} processes or choose a degree that divides {world}"])
-    return Topology.for_world(world, model=degree)
+    groups = ProcessGroups(Topology.for_world(world, model=degree))
+    set_current(groups)
+    return groups
 
 
 def refused_with_tensor_parallel(cfg: schemas.Config) -> list[str]:
