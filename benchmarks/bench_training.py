@@ -194,13 +194,17 @@ def main(argv=None) -> int:
             print(f"{name:>16}: {step:8.1f} ms/step  peak RSS/rank {rss:7.0f} MB", flush=True)
             if name not in best or step < best[name][0]:
                 best[name] = (step, rss)
-    rows = [(name, *best[name]) for name in systems]
+    print_ratio_table([(name, *best[name]) for name in systems])
+    return 0
+
+
+def print_ratio_table(rows: list[tuple[str, float, float]]) -> None:
+    """(system, ms/step, peak RSS MB) rows as a markdown table, with ratios to the first row."""
     base_step, base_rss = rows[0][1], rows[0][2]
     print(f"\n| system | ms/step | ratio vs {rows[0][0]} | peak RSS/rank MB | RSS ratio |")
     print("|---|---|---|---|---|")
     for name, step, rss in rows:
         print(f"| {name} | {step:.0f} | {step / base_step:.3f} | {rss:.0f} | {rss / base_rss:.3f} |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import schemas
 
 from .comm import Communicator
 from .data import DistributedDataLoader
-from .dist import Topology, device, init_distributed
+from .dist import device, init_distributed
+from .tensor_parallel import from_config as tensor_parallel
 from .engine import Engine
 from .precision import model_dtype
 from .optimizers import resolve_optimizer
@@ -130,14 +131,21 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise NotImplementedError("mpu= (Megatron-style model parallelism) is not built yet in dstrain")
     source = _config_source(args, config, config_params)
     _start_process_group(distributed_port, dist_init_required)
-    topology = Topology.from_world()
-    comm = Communicator(topology.data_parallel_group())
-    cfg = schemas.load_config(source, world_size=topology.data, overrides=config_overrides)
+    # tensor_parallel/from_config.py's note: the degree first, the model sharded before its optimizer
+    degree = tensor_parallel.requested_degree(source, config_overrides)
+    cfg = schemas.load_config(source, world_size=max(1, dist.get_world_size() // degree), overrides=config_overrides)
+    groups = tensor_parallel.tensor_parallel_groups(degree)  # None without tensor parallelism
+    comm = Communicator(groups.data_group if groups is not None else None)
     _seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
-    _broadcast_model(model, comm)
+    _broadcast_model(model, comm if degree == 1 else Communicator(None))
+    if degree > 1:
+        tensor_parallel.apply_tensor_parallel(model, cfg, groups)
     _apply_activation_checkpointing(model, cfg)
-    base_optimizer = resolve_optimizer(optimizer, _param_groups(model, model_parameters), cfg.optimizer)
+    params = _param_groups(model, model_parameters)
+    if degree > 1:
+        tensor_parallel.check_parameters(model, params, optimizer)
+    base_optimizer = resolve_optimizer(optimizer, params, cfg.optimizer)
     zero_optimizer = build_zero_optimizer(base_optimizer, comm, cfg, model) if base_optimizer is not None else None
     if zero_optimizer is not None and cfg.gradient_compression is not None:  # stage 0 only (schemas/checks.py)
         zero_optimizer.enable_gradient_compression(cfg.gradient_compression)

@@ -3,6 +3,7 @@
     dstrain check-config ds_config.json [--world-size N] [--set KEY=VALUE ...]
     dstrain ckpt consolidate CKPT_DIR [--tag TAG] --out FILE [--safetensors] [--dtype fp32|fp16|bf16]
     dstrain ckpt info CKPT_DIR [--no-verify]
+    dstrain topology --world N [--pipe P] [--model T]
 
 `check-config` prints the resolved config as JSON (batch keys derived for the given data-parallel
 world size) and exits 0, or prints one line per problem and exits 2. It runs every check
@@ -12,7 +13,7 @@ key first (the values of a template's "auto" keys; VALUE is read as JSON, else a
 default are reported as warnings on stderr. `ckpt consolidate` writes one plain state dict (fp32 by
 default; safetensors or torch format) that `model.load_state_dict` takes without dstrain; `ckpt info`
 lists the tags of a checkpoint directory with world size, ZeRO stage, size and checksum status
-(docs/checkpoints.md).
+(docs/checkpoints.md). `topology` prints the rank map of a pipe × data × model grid (docs/parallelism.md).
 
 Exit codes: 0 ok, 1 bad or corrupted checkpoint, 2 invalid config or usage. This module imports no torch at import time, so that
 checking a config stays fast; subcommands that need torch import it inside their handler.
@@ -125,8 +126,27 @@ def _add_ckpt(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_ckpt)
 
 
+def _topology(args: argparse.Namespace) -> int:
+    from .topology import Topology
+    try:
+        print(Topology.for_world(args.world, pipe=args.pipe, model=args.model).rank_map())
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+def _add_topology(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("topology", help="print the rank map of a pipe × data × model grid",
+                                   description="Coordinates and groups of every rank (model axis innermost).")
+    parser.add_argument("--world", type=_positive_int, required=True, help="number of ranks")
+    parser.add_argument("--pipe", type=_positive_int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--model", type=_positive_int, default=1, help="tensor-parallel degree (default 1)")
+    parser.set_defaults(handler=_topology)
+
+
 # Each entry adds one subcommand; later issues append theirs (report).
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_check_config, _add_ckpt]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_check_config, _add_ckpt, _add_topology]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""Process-group set-up and the parallel topology.
+"""Process-group set-up (the parallel topology and its groups: topology.py).
 
 `init_distributed()` reads the environment the way the launchers write it:
 - dslaunch / torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import os
 import re
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -143,36 +142,5 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-@dataclass(frozen=True)
-class Topology:
-    """The grid of ranks: `arange(world).view(pipe, data, model)`, as in picotron and DeepSpeed's
-    PipeModelDataParallelTopology. Only the data axis is populated until pipeline and tensor
-    parallelism land; the shape is here so they slot in without changing callers."""
-
-    data: int
-    pipe: int = 1
-    model: int = 1
-
-    @classmethod
-    def from_world(cls) -> "Topology":
-        return cls(data=dist.get_world_size() if dist.is_initialized() else 1)
-
-    @property
-    def world_size(self) -> int:
-        return self.data * self.pipe * self.model
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pipe, data, model) coordinates of a global rank."""
-        pipe, rest = divmod(rank, self.data * self.model)
-        data, model = divmod(rest, self.model)
-        return pipe, data, model
-
-    def data_parallel_ranks(self, rank: int) -> list[int]:
-        pipe, _, model = self.coords(rank)
-        return [pipe * self.data * self.model + d * self.model + model for d in range(self.data)]
-
-    def data_parallel_group(self) -> dist.ProcessGroup | None:
-        """None means the default (world) group, which is what a pure data-parallel job uses."""
-        if self.world_size == self.data:
-            return None
-        raise NotImplementedError("pipeline/tensor parallel process groups are not built yet")
+# The grid and its process groups live in topology.py; the name stays importable from here.
+from .topology import Topology  # noqa: E402,F401

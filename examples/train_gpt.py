@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import engine  # noqa: E402
 from engine.monitor import rss_mb  # noqa: E402
+from engine.topology import current  # noqa: E402
 from examples.gpt import GPT, ByteCorpus, GPTConfig, uniform_loss  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "sample_configs" / "ddp.json"
@@ -97,8 +98,10 @@ def _progress(rank: int, steps: int):
 def _summary(eng, losses, tokens, elapsed, args, resumed: bool) -> None:
     world = dist.get_world_size()
     rss = eng.comm.all_gather_object(round(rss_mb()))
-    total_tokens = tokens * world
-    eng.save_checkpoint(args.out)  # every rank writes its shards; resumable at any world size
+    total_tokens = tokens * eng.comm.world_size  # data-parallel ranks: tensor-parallel ones share a batch
+    saved = current().topology.model == 1  # tensor-parallel checkpoints are not built yet
+    if saved:
+        eng.save_checkpoint(args.out)  # every rank writes its shards; resumable at any world size
     eng.destroy()  # waits for the save, releases the engine's groups, lets gloo's threads finish
     if dist.get_rank() != 0:
         return
@@ -106,7 +109,8 @@ def _summary(eng, losses, tokens, elapsed, args, resumed: bool) -> None:
     print(f"[dstrain] demo done: {eng.global_steps} steps on {world} rank(s), "
           f"loss {first:.3f} -> {last:.3f} (uniform would be {uniform_loss(256):.3f}), "
           f"{total_tokens / elapsed:,.0f} tokens/s, peak RSS per rank {rss} MB, "
-          f"skipped steps {eng.skipped_steps}, checkpoint in {args.out}/global_step{eng.global_steps}")
+          f"skipped steps {eng.skipped_steps}, "
+          + (f"checkpoint in {args.out}/global_step{eng.global_steps}" if saved else "no checkpoint (tensor parallel)"))
     if not resumed and not last < first:
         raise SystemExit("[dstrain] the loss did not fall — something is wrong")
 

@@ -31,6 +31,7 @@ from schemas.monitoring import (
 from schemas.optimizer import OptimizerConfig
 from schemas.precision import AmpConfig, BF16Config, DataTypesConfig, FP16Config
 from schemas.scheduler import SchedulerConfig
+from schemas.tensor_parallel import TensorParallelConfig
 from schemas.zero import ZeroConfig
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -99,6 +100,8 @@ class Config(StrictModel):
     """Checkpoint validation, periodic saving and auto-resume."""
     pipeline: PipelineConfig = PipelineConfig()
     """Pipeline parallelism."""
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    """Tensor parallelism (AutoTP): `autotp_size`."""
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     """TensorBoard monitor."""
     csv_monitor: CSVMonitorConfig = CSVMonitorConfig()

@@ -1,0 +1,75 @@
+"""AutoTP: shard an unmodified model (HF GPT-2, Llama-style, examples/gpt.py) by replacing its
+projections in place with the parallel layers (DeepSpeed's `tensor_parallel.autotp_size` route).
+
+Which projection is which is read from the module's own name, as in Megatron's layout of a block:
+column-parallel (output features split) for the projections into the attention heads and the MLP's
+hidden layer, row-parallel (input features split, one all-reduce) for the projections out of them.
+GPT-2's `c_attn` and examples/gpt.py's `qkv` fuse q|k|v and are split section by section
+(layers.py, note on fused projections); `Conv1D`'s transposed weight is handled by `from_dense`.
+Embeddings, the LM head and norms stay whole (replicated; grads.py's note).
+[Note: head counts] A module that owns a sharded attention projection runs on n_head/T heads: its
+head-count attributes (`HEAD_COUNT_ATTRIBUTES`) and GPT-2's `split_size` are divided by T. head_dim is
+unchanged. A model whose forward hard-codes the full width elsewhere is not shardable this way.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..comm import Communicator
+from .layers import ColumnParallelLinear, RowParallelLinear
+
+# leaf name -> number of fused sections
+COLUMN_PARALLEL = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_proj": 1, "c_fc": 1, "fc": 1,
+                   "c_attn": 3, "qkv": 3}
+ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "proj", "out")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv")
+HEAD_COUNT_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "split_size")
+
+
+def _is_projection(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def _divide_head_counts(owner: nn.Module, world: int, where: str) -> None:
+    for attribute in HEAD_COUNT_ATTRIBUTES:
+        value = getattr(owner, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value % world:
+                raise ValueError(f"tensor_parallel.autotp_size: {where}.{attribute} = {value} does not divide by "
+                                 f"{world}; use an autotp_size that divides the head count")
+            setattr(owner, attribute, value // world)
+
+
+def shard_model(model: nn.Module, comm: Communicator) -> list[str]:
+    """Replace `model`'s projections in place with parallel layers over `comm`; returns their names.
+    Every tensor-parallel rank must hold the same full weights when this runs."""
+    if comm.world_size == 1:
+        return []
+    replaced = []
+    for owner_name, owner in list(model.named_modules()):
+        children = {name: child for name, child in owner.named_children() if _is_projection(child)
+                    and (name in COLUMN_PARALLEL or name in ROW_PARALLEL)}
+        # a row-parallel layer needs its input split by a column-parallel sibling: shard only pairs
+        if not (children.keys() & COLUMN_PARALLEL.keys() and children.keys() & set(ROW_PARALLEL)):
+            continue
+        sharded_attention = False
+        for name, child in children.items():
+            path = f"{owner_name}.{name}" if owner_name else name
+            try:
+                if name in COLUMN_PARALLEL:
+                    layer = ColumnParallelLinear.from_dense(child, parts=COLUMN_PARALLEL[name], group=comm)
+                else:
+                    layer = RowParallelLinear.from_dense(child, input_is_parallel=True, group=comm)
+            except ValueError as err:
+                raise ValueError(f"tensor_parallel.autotp_size: cannot shard {path} "
+                                 f"({type(child).__name__}): {err}") from None
+            setattr(owner, name, layer)
+            replaced.append(path)
+            sharded_attention |= name in ATTENTION_PROJECTIONS
+        if sharded_attention:
+            _divide_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
+    if not replaced:
+        raise ValueError(f"tensor_parallel.autotp_size: {comm.world_size}, but no projection of "
+                         f"{type(model).__name__} has a name AutoTP knows (column: {sorted(COLUMN_PARALLEL)}; "
+                         f"row: {list(ROW_PARALLEL)}); shard it with engine.tensor_parallel's layers instead")
+    return replaced
