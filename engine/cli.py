@@ -3,6 +3,7 @@
     dstrain check-config ds_config.json [--world-size N] [--set KEY=VALUE ...]
     dstrain ckpt consolidate CKPT_DIR [--tag TAG] --out FILE [--safetensors] [--dtype fp32|fp16|bf16]
     dstrain ckpt info CKPT_DIR [--no-verify]
+    dstrain estimate --params N | --model module:factory [--nodes N] [--gpus-per-node G] (estimate_cli.py)
 
 `check-config` prints the resolved config as JSON (batch keys derived for the given data-parallel
 world size) and exits 0, or prints one line per problem and exits 2. It runs every check
@@ -126,7 +127,9 @@ def _add_ckpt(subparsers: argparse._SubParsersAction) -> None:
 
 
 # Each entry adds one subcommand; later issues append theirs (report).
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_check_config, _add_ckpt]
+from .estimate_cli import add_estimate  # noqa: E402 (no torch at import time either)
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_check_config, _add_ckpt, add_estimate]
 
 
 def build_parser() -> argparse.ArgumentParser:

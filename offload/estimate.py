@@ -98,7 +98,7 @@ def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings) -
 def _buckets(stage: int, psi: int, s: EstimateSettings, wbytes: int) -> int:
     if stage == 0:
         return 0  # stage 0 all-reduces the gradients in place
-    return REDUCE_DEPTH * wbytes * min(psi, s.reduce_bucket_size)
+    return wbytes * min(psi, REDUCE_DEPTH * s.reduce_bucket_size)  # never more in flight than the model
 
 
 def _optimizer_pool(partition: int, s: EstimateSettings) -> int:

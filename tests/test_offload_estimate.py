@@ -154,3 +154,15 @@ def test_estimate_matches_the_swap_stepper_host_memory(tmp_path):
     est = row(estimate_memory(numel, settings=EstimateSettings(precision="fp32", sub_group_size=sub_group,
                                                                optimizer_buffer_count=count)), 1, "nvme optimizer")
     assert abs(peak - est.host_bytes) <= TOLERANCE * est.host_bytes + SLACK, (peak / 2**20, est.host_bytes / 2**20)
+
+
+def test_cli_table_and_errors(capsys):
+    from engine.cli import main
+    assert main(["estimate", "--params", "1.3e9", "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "1,300,000,000 parameters, 16 data-parallel rank(s), fp16" in out and "nvme params+optimizer" in out
+    assert "19.37 GiB" in out  # stage 0: 16 bytes x 1.3e9
+    assert main(["estimate", "--model", "tests.models:OddMLP", "--precision", "fp32"]) == 0
+    assert main(["estimate", "--model", "no_such_module:Model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model 'no_such_module:Model'" in err
