@@ -53,7 +53,7 @@ def remove_stale(nvme_path: Path) -> list[Path]:
             if owner["host"] != host or _owner_alive(owner):
                 continue
         except FileNotFoundError:
-            continue  # being created right now by its owner (owner.json is written last... first)
+            continue  # its owner is between mkdir and writing owner.json; never taken for stale
         except (OSError, ValueError, KeyError, TypeError):
             warnings.warn(f"{entry}: unreadable {OWNER_FILE}; left alone (remove it by hand if no job uses it)",
                           OffloadIOWarning, stacklevel=2)
