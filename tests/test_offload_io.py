@@ -1,7 +1,8 @@
 """The swap tier's file I/O (offload/aio.py), its buffer pool and its per-job directory.
 
 - Bytes round-trip exactly at random sizes and byte offsets, aligned or not, under every `aio` shape
-  (threads, batched or single submission, overlapped or serialised operations), many at once.
+  (threads, batched or single submission, overlapped or serialised operations), many at once; on a
+  file system without O_DIRECT (ramfs, mounted here) with one warning and buffered I/O.
 - Disk full (a 1 MiB tmpfs mounted here, we run as root), a read-only or missing directory, a file
   denied to the user, a short read and a file replaced, truncated or modified underneath: each is one
   `OffloadIOError` line naming the path and the config key to change; no traceback text, no garbage.
@@ -46,11 +47,11 @@ def io():
 
 
 @contextlib.contextmanager
-def tmpfs(path: Path, options: str):
+def tmpfs(path: Path, options: str, fstype: str = "tmpfs"):
     path.mkdir(exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    result = subprocess.run(["mount", "-t", fstype, "-o", options, fstype, str(path)], capture_output=True, text=True)
     if result.returncode != 0:  # skip-free on purpose: the disk-full path must be exercised, not assumed
-        pytest.fail(f"cannot mount a tmpfs for this test (needs root): {result.stderr.strip()}")
+        pytest.fail(f"cannot mount a {fstype} for this test (needs root): {result.stderr.strip()}")
     try:
         yield path
     finally:
@@ -94,6 +95,20 @@ def test_float_tensors_and_unaligned_lengths(io, tmp_path):
         back = aligned_empty(numel, torch.float32)
         engine.read(path, back, 0).wait()
         assert torch.equal(back, src), numel
+
+
+def test_file_system_without_o_direct_warns_once_and_falls_back(io, tmp_path):
+    with tmpfs(tmp_path / "ram", "mode=0700", fstype="ramfs") as ram:  # ramfs refuses O_DIRECT
+        engine = io(block_size=4096)
+        with pytest.warns(UserWarning, match="does not support O_DIRECT") as caught:
+            for name in ("a.bin", "b.bin"):
+                src = aligned_empty(10_001, torch.float32).normal_()
+                engine.write(str(ram / name), src, 4096).wait()
+                back = torch.empty_like(src)
+                engine.read(str(ram / name), back, 4096).wait()
+                assert torch.equal(back, src)
+                engine.forget(str(ram / name))
+        assert sum("O_DIRECT" in str(w.message) for w in caught) == 1
 
 
 def test_many_concurrent_requests(io, tmp_path):
