@@ -162,6 +162,26 @@ def test_state_streams_out_and_loads_at_other_boundaries(tmp_path):
         second.close()
 
 
+def test_lr_set_through_param_groups_is_the_one_used(tmp_path):
+    """An LR schedule writes `param_groups[i]["lr"]`; SGD's update is linear in it, so a stale lr shows."""
+    make = OPTIMIZERS["sgd-momentum"]
+    master, grads = data(steps=4)
+    param = torch.nn.Parameter(master.clone())
+    ref = make([param])
+    swapped = Swapped(tmp_path, make, NUMEL, 1536, pipeline=(True, True))
+    try:
+        swapped.part.initialize(lambda s, e: master[s:e])
+        for k, grad in enumerate(grads):
+            for group in ref.param_groups + swapped.part.param_groups:
+                group["lr"] = 0.1 / (k + 1)
+            param.grad = grad.clone()
+            ref.step()
+            swapped.step(grad)
+        assert torch.equal(swapped.model, param.detach())
+    finally:
+        swapped.close()
+
+
 def test_too_few_buffers_is_a_clear_error(tmp_path):
     swap = SwapDir.create(tmp_path, path_key=KEY)
     io = AsyncFileIO(AioConfig(), path_key=KEY)
