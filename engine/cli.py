@@ -4,6 +4,7 @@
     dstrain ckpt consolidate CKPT_DIR [--tag TAG] --out FILE [--safetensors] [--dtype fp32|fp16|bf16]
     dstrain ckpt info CKPT_DIR [--no-verify]
     dstrain topology --world N [--pipe P] [--model T]
+    dstrain estimate --params N | --model module:factory [--nodes N] [--gpus-per-node G] (estimate_cli.py)
 
 `check-config` prints the resolved config as JSON (batch keys derived for the given data-parallel
 world size) and exits 0, or prints one line per problem and exits 2. It runs every check
@@ -146,7 +147,10 @@ def _add_topology(subparsers: argparse._SubParsersAction) -> None:
 
 
 # Each entry adds one subcommand; later issues append theirs (report).
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_check_config, _add_ckpt, _add_topology]
+from .estimate_cli import add_estimate  # noqa: E402 (no torch at import time either)
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_check_config, _add_ckpt, _add_topology,
+                                                                    add_estimate]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,128 @@
+"""Per-rank memory of model state for each ZeRO stage x offload choice: `dstrain estimate`.
+
+    from offload.estimate import estimate_memory
+    rows = estimate_memory(params=1_300_000_000, nodes=1, gpus_per_node=8)   # list[MemoryEstimate]
+
+Ψ parameters, N = nodes x gpus_per_node data-parallel ranks, Adam (two fp32 moments). The ZeRO paper's
+accounting (arXiv:1910.02054 §3.1, §5), mixed precision: 2Ψ bytes of 16-bit weights, 2Ψ of 16-bit
+gradients, 12Ψ of fp32 master weights and moments; stage 1 divides the 12Ψ by N, stage 2 the
+gradients too, stage 3 everything. fp32 (`precision="fp32"`) is dstrain's layout: 4Ψ weights, 4Ψ
+gradients, 8Ψ moments, and at stages 1-2 a separate fp32 master partition (4Ψ/N); at stage 3 the fp32
+partition is the parameter. Offload moves the optimizer's share (master, moments and the fp32
+partition gradient, 16Ψ/N) to host memory, or to NVMe where only the swap pool stays on the host;
+parameter offload (stage 3) moves the 16-bit (or fp32) parameter partition too. Added on top:
+gradient buckets in flight (REDUCE_DEPTH x `reduce_bucket_size`, stages 0-2), the stage-3 gathered
+parameters (`max_live_parameters`, or the whole model when it fits), and the swap pools. Activations
+and the framework's own memory are not model state and are not counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+OFFLOADS = ("none", "cpu optimizer", "nvme optimizer", "cpu params+optimizer", "nvme params+optimizer")
+REDUCE_DEPTH = 4  # buckets in flight at stages 1-2 (engine/zero/partitioned.py)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    stage: int
+    offload: str
+    accelerator_bytes: int
+    host_bytes: int
+    nvme_bytes: int
+
+
+@dataclass(frozen=True)
+class EstimateSettings:
+    """The config values the estimate depends on (DeepSpeed's defaults)."""
+
+    precision: str = "fp16"  # "fp16" | "bf16" | "fp32"
+    reduce_bucket_size: int = 500_000_000
+    max_live_parameters: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000
+    optimizer_buffer_count: int = 4
+    param_buffer_count: int = 5
+    param_buffer_size: int = 100_000_000
+
+
+def estimate_memory(params: int, nodes: int = 1, gpus_per_node: int = 1,
+                    settings: EstimateSettings = EstimateSettings()) -> list[MemoryEstimate]:
+    """One row per (stage 0-3, offload choice) that DeepSpeed's config can express."""
+    if params < 1 or nodes < 1 or gpus_per_node < 1:
+        raise ValueError("params, nodes and gpus_per_node must be positive")
+    rows = []
+    for stage in range(4):
+        for offload in OFFLOADS:
+            row = _estimate(stage, offload, params, nodes * gpus_per_node, settings)
+            if row is not None:
+                rows.append(row)
+    return rows
+
+
+def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings) -> Optional[MemoryEstimate]:
+    if stage == 0 and offload != "none":
+        return None  # offload moves a partition; stage 0 has none (DeepSpeed refuses it as well)
+    if "params" in offload and stage != 3:
+        return None  # parameter offload is a stage-3 feature
+    half = s.precision in ("fp16", "bf16")
+    wbytes = 2 if half else 4
+    shard = n if stage >= 1 else 1
+    weights = wbytes * psi if stage < 3 else wbytes * psi // n
+    grads = wbytes * psi if stage < 2 else 0  # stage 2/3 keep only the fp32 partition gradient
+    master = 4 * psi // shard if (half or stage in (1, 2)) else 0  # fp32 at stage 0/3: the parameter itself
+    moments = 8 * psi // shard
+    partition_grad = 4 * psi // n if stage >= 1 else 0
+    buckets = _buckets(stage, psi, s, wbytes)
+    optimizer_state = master + moments + partition_grad
+    accel, host, nvme = weights + grads + buckets, 0, 0
+    if offload == "none":
+        accel += optimizer_state
+    elif offload in ("cpu optimizer", "cpu params+optimizer"):
+        host += optimizer_state
+    else:
+        host += partition_grad + _optimizer_pool(psi // n, s)
+        nvme += 2 * (master + moments)  # two slots (offload/swapped_partition.py's note)
+    if offload.endswith("params+optimizer"):
+        accel -= weights
+        if offload.startswith("cpu"):
+            host += weights
+        else:
+            host += s.param_buffer_count * s.param_buffer_size * wbytes
+            nvme += weights
+    if stage == 3:
+        accel += wbytes * min(psi, s.max_live_parameters)  # gathered parameters while a unit runs
+    return MemoryEstimate(stage, offload, accel, host, nvme)
+
+
+def _buckets(stage: int, psi: int, s: EstimateSettings, wbytes: int) -> int:
+    if stage == 0:
+        return 0  # stage 0 all-reduces the gradients in place
+    return wbytes * min(psi, REDUCE_DEPTH * s.reduce_bucket_size)  # never more in flight than the model
+
+
+def _optimizer_pool(partition: int, s: EstimateSettings) -> int:
+    from offload.swapped_partition import sub_group_buffer_elements
+    return s.optimizer_buffer_count * 4 * sub_group_buffer_elements(partition, s.sub_group_size)
+
+
+def count_parameters(spec: str) -> int:
+    """Trainable parameters of `module:factory` (the factory is called with no arguments)."""
+    import importlib
+
+    module_name, sep, factory = spec.partition(":")
+    if not sep or not module_name or not factory:
+        raise ValueError(f"--model {spec!r}: expected module:factory, e.g. examples.gpt:GPT")
+    try:
+        model = getattr(importlib.import_module(module_name), factory)()
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"--model {spec!r}: {err}") from None
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)

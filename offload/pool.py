@@ -1,0 +1,67 @@
+"""`SwapBufferPool`: a fixed set of aligned host buffers that swap I/O goes through.
+
+Every swap read and write uses one of `buffer_count` buffers of `buffer_size` elements, so the host
+memory used for swapping is `buffer_count * buffer_size * itemsize` bytes, whatever is swapped.
+`acquire()` blocks until a buffer is free (a finished write gives its buffer back), which is what keeps
+a pipelined stepper within that bound. Buffers are page-aligned (O_DIRECT, see offload/aio.py) and
+pinned when an accelerator is present and `pin_memory` is set, so host<->device copies of them can be
+asynchronous; on a CPU-only machine pinning means nothing and is skipped.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from offload.aio import aligned_empty
+
+
+def accelerator_present() -> bool:
+    return torch.cuda.is_available()
+
+
+class SwapBufferPool:
+    def __init__(self, buffer_count: int, buffer_size: int, dtype: torch.dtype = torch.float32,
+                 pin_memory: bool = True, count_key: str = "zero_optimization.offload_optimizer.buffer_count"):
+        if buffer_count < 1 or buffer_size < 1:
+            raise ValueError(f"{count_key} must be at least 1 (got buffer_count={buffer_count}, "
+                             f"buffer_size={buffer_size})")
+        self.buffer_size, self.dtype, self.count_key = int(buffer_size), dtype, count_key
+        self.pinned = bool(pin_memory) and accelerator_present()
+        # host buffers on purpose (device="cpu" inside aligned_empty): the swap tier is host memory
+        self._buffers = [aligned_empty(self.buffer_size, dtype, pin_memory=self.pinned)
+                         for _ in range(buffer_count)]
+        for buf in self._buffers:
+            buf.zero_()  # touch every page now: the bound is paid at construction, not mid-step
+        self._free = list(range(buffer_count))
+        self._ids = {buf.data_ptr(): i for i, buf in enumerate(self._buffers)}
+        self._cond = threading.Condition()
+
+    @property
+    def buffer_count(self) -> int:
+        return len(self._buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    def free_count(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def acquire(self, timeout: float | None = None) -> torch.Tensor:
+        """A free buffer (all `buffer_size` elements); blocks until one is released."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout=timeout):
+                raise TimeoutError(f"no swap buffer free after {timeout}s; raise {self.count_key}")
+            return self._buffers[self._free.pop()]
+
+    def release(self, buffer: torch.Tensor) -> None:
+        index = self._ids.get(buffer.data_ptr())
+        if index is None:
+            raise ValueError("release() of a tensor that is not one of this pool's buffers")
+        with self._cond:
+            if index in self._free:
+                raise ValueError("release() of a swap buffer that is already free")
+            self._free.append(index)
+            self._cond.notify()

@@ -1,0 +1,324 @@
+"""`SwappedPartition`: an optimizer step over a flat fp32 partition whose master weights and optimizer
+state live in swap files, one sub-group of `sub_group_size` elements at a time (ZeRO-Infinity).
+
+The step loop is "for each sub-group: wait for its read, start the next read, step, start its write":
+with `pipeline_read` the read of sub-group k+1 runs while k is stepped, with `pipeline_write` the write
+of k-1 runs meanwhile too; without them each transfer finishes before the loop goes on. All bytes pass
+through a `SwapBufferPool`, so the host memory held for optimizer state is the pool, whatever `numel`.
+
+[Note: any elementwise optimizer] The optimizer is a plain `torch.optim` optimizer over one placeholder
+parameter. For each sub-group the placeholder's `.data` and `.grad` become the sub-group's master and
+gradient slices, and its `state` entries become views of the pool buffers the state was read into,
+so fused CPU AdamW (or SGD, Adagrad, ...) updates them in place. Which state tensors are elementwise
+(swapped) and which are per-step scalars (`step`, kept in memory per sub-group) is learnt once, by
+stepping a throw-away copy of the optimizer on a tiny parameter. The first real step lets the
+optimizer create its state as it always does; from then on the state comes from the files.
+
+[Note: two slots] Every file exists twice; a step reads slot s and writes slot 1-s, and flips only
+when every sub-group's write has finished. A step that fails halfway (disk full, a bad gradient slice)
+leaves slot s, the state the previous step produced, bit for bit as it was; a skipped step (overflow)
+is simply not taken. Disk use is twice the state, I/O per step is the same as one slot.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up
+from offload.pool import SwapBufferPool
+from offload.swap_dir import SwapDir
+
+MASTER = "master"
+SUB_GROUP_KEY = "zero_optimization.sub_group_size"
+COUNT_KEY = "zero_optimization.offload_optimizer.buffer_count"
+
+
+def sub_group_buffer_elements(numel: int, sub_group_size: int) -> int:
+    """Elements one pool buffer needs for this partition: a sub-group, rounded up to the O_DIRECT block."""
+    return round_up(min(max(numel, 1), sub_group_size) * 4) // 4
+
+
+def learn_state_layout(make_optimizer: Callable[[list], torch.optim.Optimizer]) -> tuple[list[str], list[str]]:
+    """(elementwise state keys, other state keys) of the optimizer `make_optimizer` builds."""
+    probe = torch.nn.Parameter(torch.zeros(7, dtype=torch.float32, device="cpu"))
+    optimizer = make_optimizer([probe])
+    probe.grad = torch.ones(7, dtype=torch.float32, device="cpu")
+    optimizer.step()
+    elementwise, other = [], []
+    for key, value in optimizer.state[probe].items():
+        if torch.is_tensor(value) and value.shape == probe.shape:
+            if value.dtype != torch.float32:
+                raise OffloadIOError(f"optimizer state {key!r} is {value.dtype}; NVMe offload swaps fp32 state only")
+            elementwise.append(key)
+        else:
+            other.append(key)
+    return sorted(elementwise), sorted(other)
+
+
+class SwappedPartition:
+    """See the module docstring and offload/__init__.py for the interface the engine calls."""
+
+    def __init__(self, numel: int, make_optimizer: Callable[[list], torch.optim.Optimizer], swap_dir: SwapDir,
+                 aio: AsyncFileIO, pool: SwapBufferPool, sub_group_size: int, pipeline_read: bool = False,
+                 pipeline_write: bool = False, name: str = "partition"):
+        if sub_group_size < 1:
+            raise ValueError(f"{SUB_GROUP_KEY} must be at least 1 element (got {sub_group_size})")
+        self.numel, self.aio, self.pool, self.name = int(numel), aio, pool, name
+        self.groups = [(s, min(s + sub_group_size, self.numel)) for s in range(0, self.numel, sub_group_size)]
+        self.buffer_elements = sub_group_buffer_elements(self.numel, sub_group_size)
+        self.stride_bytes = self.buffer_elements * 4
+        if pool.dtype != torch.float32 or pool.buffer_size < self.buffer_elements:
+            raise ValueError(f"swap pool buffers hold {pool.buffer_size} {pool.dtype} elements; a sub-group "
+                             f"needs {self.buffer_elements} float32 (lower {SUB_GROUP_KEY} or enlarge the pool)")
+        self.state_keys, self.scalar_keys = learn_state_layout(make_optimizer)
+        self.per_group = 1 + len(self.state_keys)
+        if pool.buffer_count < self.per_group:
+            raise ValueError(f"{COUNT_KEY} is {pool.buffer_count}; this optimizer swaps {self.per_group} "
+                             f"tensors per sub-group (master + {', '.join(self.state_keys) or 'no state'}); "
+                             f"set it to at least {self.per_group}")
+        self.pipeline_read, self.pipeline_write = self._fit_pipeline(pipeline_read, pipeline_write)
+        self._param = torch.nn.Parameter(torch.zeros(0, dtype=torch.float32, device="cpu"))
+        self.optimizer = make_optimizer([self._param])
+        self._files = {(key, slot): swap_dir.file(f"{name}.{key}.{slot}.swp")
+                       for key in [MASTER, *self.state_keys] for slot in (0, 1)}
+        self._slot = 0
+        self._has_state = False  # false until the first step (or a load) wrote optimizer state
+        self._scalars: list[dict] = [{} for _ in self.groups]
+        self._writes: deque[tuple[list[IOHandle], list[torch.Tensor]]] = deque()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's param groups: set `lr` etc. here (LR schedules)."""
+        return self.optimizer.param_groups
+
+    def _fit_pipeline(self, pipeline_read: bool, pipeline_write: bool) -> tuple[bool, bool]:
+        """Pipelining needs a sub-group's buffers per stage in flight; fewer buffers mean less overlap."""
+        fits = self.pool.buffer_count // self.per_group
+        wanted = 1 + bool(pipeline_read) + bool(pipeline_write)
+        if fits >= wanted:
+            return bool(pipeline_read), bool(pipeline_write)
+        warnings.warn(f"{COUNT_KEY} is {self.pool.buffer_count}: room for {fits} sub-group(s) of {self.per_group} "
+                      f"buffers, pipelining wants {wanted}; set it to {wanted * self.per_group} for full overlap",
+                      OffloadIOWarning, stacklevel=3)
+        read = bool(pipeline_read) and fits >= 2
+        return read, bool(pipeline_write) and fits >= 2 + read
+
+    # -- buffers and transfers -----------------------------------------------------------------
+    def _acquire(self) -> list[torch.Tensor]:
+        while self.pool.free_count() < self.per_group and self._writes:
+            self._finish_oldest_write()
+        return [self.pool.acquire() for _ in range(self.per_group)]
+
+    def _release(self, buffers: list[torch.Tensor]) -> None:
+        for buf in buffers:
+            self.pool.release(buf)
+
+    def _finish_oldest_write(self) -> None:
+        handles, buffers = self._writes.popleft()
+        try:
+            for handle in handles:
+                handle.wait()
+        finally:
+            self._release(buffers)
+
+    def _finish_writes(self) -> None:
+        while self._writes:
+            self._finish_oldest_write()
+
+    def _keys(self, with_state: bool) -> list[str]:
+        return [MASTER, *self.state_keys] if with_state else [MASTER]
+
+    def _transfer(self, k: int, buffers, slot: int, write: bool, with_state: bool) -> list[IOHandle]:
+        op = self.aio.write if write else self.aio.read
+        return [op(self._files[key, slot], buf, k * self.stride_bytes)
+                for key, buf in zip(self._keys(with_state), buffers)]
+
+    def _start_read(self, k: int, slot: int, with_state: bool):
+        buffers = self._acquire()
+        try:
+            return buffers, self._transfer(k, buffers, slot, write=False, with_state=with_state)
+        except BaseException:
+            self._release(buffers)
+            raise
+
+    def _start_write(self, k: int, buffers, slot: int, with_state: bool) -> None:
+        try:
+            handles = self._transfer(k, buffers, slot, write=True, with_state=with_state)
+        except BaseException:
+            self._release(buffers)
+            raise
+        self._writes.append((handles, buffers))
+        if not self.pipeline_write:
+            self._finish_writes()
+
+    def _abandon(self, reads: dict) -> None:
+        """After an error: let in-flight transfers land before their buffers go back to the pool."""
+        for buffers, handles in reads.values():
+            for handle in handles:
+                try:
+                    handle.wait()
+                except OffloadIOError:
+                    pass
+            self._release(buffers)
+        while self._writes:
+            try:
+                self._finish_oldest_write()
+            except OffloadIOError:
+                pass
+
+    # -- the interface -------------------------------------------------------------------------
+    def initialize(self, read_master_slice: Callable[[int, int], torch.Tensor]) -> None:
+        """Write the initial fp32 master weights, sub-group by sub-group; the optimizer state starts
+        empty (the first step creates it, as the optimizer would in memory)."""
+        target = 1 - self._slot
+        try:
+            for k, (s, e) in enumerate(self.groups):
+                buffers = self._acquire()
+                try:
+                    buffers[0][:e - s].copy_(read_master_slice(s, e))
+                except BaseException:
+                    self._release(buffers)
+                    raise
+                self._start_write(k, buffers, target, with_state=False)
+            self._finish_writes()
+        except BaseException:
+            self._abandon({})
+            raise
+        self._slot, self._has_state, self._scalars = target, False, [{} for _ in self.groups]
+
+    def step(self, grad_slice: Callable[[int, int], torch.Tensor],
+             on_updated: Optional[Callable[[int, int, torch.Tensor], None]] = None) -> None:
+        """One optimizer step over every sub-group. `grad_slice(start, end)` gives the fp32 gradient of
+        elements [start, end) (a CPU tensor); `on_updated(start, end, master)` sees the updated master
+        slice, valid only during the call (copy it to the model there)."""
+        source, target, had_state = self._slot, 1 - self._slot, self._has_state
+        scalars = [dict() for _ in self.groups]
+        reads: dict = {}
+        try:
+            for k, (s, e) in enumerate(self.groups):
+                if k not in reads:
+                    reads[k] = self._start_read(k, source, had_state)
+                buffers, handles = reads[k]
+                for handle in handles:
+                    handle.wait()
+                if self.pipeline_read and k + 1 < len(self.groups):
+                    reads[k + 1] = self._start_read(k + 1, source, had_state)
+                del reads[k]
+                try:
+                    scalars[k] = self._step_sub_group(k, buffers, grad_slice(s, e), had_state)
+                    if on_updated is not None:
+                        on_updated(s, e, buffers[0][:e - s])
+                except BaseException:
+                    self._release(buffers)
+                    raise
+                self._start_write(k, buffers, target, with_state=True)
+            self._finish_writes()
+        except BaseException:
+            self._abandon(reads)
+            raise
+        self._slot, self._has_state, self._scalars = target, True, scalars
+
+    def _step_sub_group(self, k: int, buffers, grad: torch.Tensor, had_state: bool) -> dict:
+        s, e = self.groups[k]
+        n = e - s
+        if grad.shape != (n,) or grad.dtype != torch.float32 or grad.device.type != "cpu":
+            raise ValueError(f"grad_slice({s}, {e}) gave {tuple(grad.shape)} {grad.dtype} on {grad.device}; "
+                             f"expected ({n},) torch.float32 on cpu")
+        param = self._param
+        param.data = buffers[0][:n]
+        param.grad = grad
+        state = self.optimizer.state[param]
+        state.clear()
+        if had_state:
+            state.update({key: buf[:n] for key, buf in zip(self.state_keys, buffers[1:])})
+            state.update({key: _copy(value) for key, value in self._scalars[k].items()})
+        self.optimizer.step()
+        for key, buf in zip(self.state_keys, buffers[1:]):
+            value = state[key]
+            if value.data_ptr() != buf.data_ptr():  # created by the optimizer, or replaced rather than updated
+                buf[:n].copy_(value)
+        kept = {key: state[key] for key in self.scalar_keys if key in state}
+        state.clear()
+        param.grad = None
+        param.data = torch.zeros(0, dtype=torch.float32, device="cpu")
+        return kept
+
+    def state_chunks(self) -> Iterator[dict]:
+        """The state, one sub-group at a time: {"start", "end", "master", "state": {key: tensor},
+        "scalars": {key: value}}; tensors are copies owned by the caller (one sub-group each)."""
+        for k, (s, e) in enumerate(self.groups):
+            buffers, handles = self._start_read(k, self._slot, self._has_state)
+            try:
+                for handle in handles:
+                    handle.wait()
+                n = e - s
+                state = {key: buf[:n].clone() for key, buf in zip(self.state_keys, buffers[1:])} \
+                    if self._has_state else {}
+                chunk = {"start": s, "end": e, "master": buffers[0][:n].clone(), "state": state,
+                         "scalars": {key: _copy(v) for key, v in self._scalars[k].items()}}
+            finally:
+                self._release(buffers)
+            yield chunk
+
+    def load_chunks(self, chunks: Iterable[dict]) -> None:
+        """Load state from chunks as `state_chunks` yields them, cut at any boundaries (another
+        sub_group_size or partitioning), in ascending order and covering [0, numel) exactly once."""
+        target = 1 - self._slot
+        scalars = [dict() for _ in self.groups]
+        with_state: Optional[bool] = None
+        k, buffers, filled = 0, None, 0
+        try:
+            for chunk in chunks:
+                has = bool(chunk["state"])
+                with_state = has if with_state is None else with_state
+                if has != with_state:
+                    raise ValueError("load_chunks: some chunks carry optimizer state and some do not")
+                pos = chunk["start"]
+                while pos < chunk["end"]:
+                    if k >= len(self.groups):
+                        raise ValueError(f"load_chunks: chunk [{chunk['start']}, {chunk['end']}) runs past numel {self.numel}")
+                    s, e = self.groups[k]
+                    if pos != s + filled:
+                        raise ValueError(f"load_chunks: expected element {s + filled} next, chunk gives {pos}")
+                    if buffers is None:
+                        buffers = self._acquire()
+                        scalars[k] = {key: _copy(v) for key, v in chunk["scalars"].items()}
+                    take = min(chunk["end"], e) - pos
+                    lo = pos - chunk["start"]
+                    tensors = [chunk["master"]] + [chunk["state"][key] for key in self.state_keys] if has \
+                        else [chunk["master"]]
+                    for buf, src in zip(buffers, tensors):
+                        buf[filled:filled + take].copy_(src[lo:lo + take])
+                    filled, pos = filled + take, pos + take
+                    if s + filled == e:
+                        self._start_write(k, buffers, target, with_state=has)
+                        k, buffers, filled = k + 1, None, 0
+            if k != len(self.groups):
+                raise ValueError(f"load_chunks: chunks end at element {self.groups[k][0] + filled}, numel is {self.numel}")
+            self._finish_writes()
+        except BaseException:
+            if buffers is not None:
+                self._release(buffers)
+            self._abandon({})
+            raise
+        self._slot, self._has_state, self._scalars = target, bool(with_state), scalars
+
+    def close(self) -> None:
+        """Finish outstanding writes and delete this partition's swap files."""
+        try:
+            self._finish_writes()
+        finally:
+            import os
+            for path in self._files.values():
+                self.aio.forget(path)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+
+def _copy(value):
+    return value.clone() if torch.is_tensor(value) else value
