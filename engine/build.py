@@ -24,7 +24,7 @@ from .data import DistributedDataLoader
 from .dist import Topology, device, init_distributed
 from .engine import Engine
 from .precision import model_dtype
-from .optimizers import resolve_optimizer
+from .optimizers import resolve_optimizer, tag_muon_parameters
 from .schedules import resolve_scheduler
 from .zero import build_zero_optimizer
 
@@ -137,6 +137,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
     _broadcast_model(model, comm)
     _apply_activation_checkpointing(model, cfg)
+    tag_muon_parameters(model, cfg.optimizer)  # DeepSpeed's set_optimizer_flags
     base_optimizer = resolve_optimizer(optimizer, _param_groups(model, model_parameters), cfg.optimizer)
     zero_optimizer = build_zero_optimizer(base_optimizer, comm, cfg, model) if base_optimizer is not None else None
     if zero_optimizer is not None and cfg.gradient_compression is not None:  # stage 0 only (schemas/checks.py)
