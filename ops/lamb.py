@@ -60,24 +60,22 @@ class Lamb(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(params, defaults)
-        self.step_count = 0
         self.segmented: SegmentedReduction | None = None  # set by ZeRO (module note)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = evaluate_closure(closure)
-        self.step_count += 1
         if self.segmented is None:
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        lamb_update(p, p.grad, self.state[p], group, self.step_count)
+                        lamb_update(p, p.grad, self.state[p], group, _advance(self.state[p]))
             return loss
         self._segmented_step()
         return loss
 
     def _segmented_step(self) -> None:
-        items = [(group, p, lamb_direction(p, p.grad, self.state[p], group, self.step_count))
+        items = [(group, p, lamb_direction(p, p.grad, self.state[p], group, _advance(self.state[p])))
                  for group in self.param_groups for p in group["params"] if p.grad is not None]
         device = self.segmented.segments[next(iter(self.segmented.segments))].ids.device
         w_sq, u_sq = sums_of_squares([p for _, p, _ in items], [u for _, _, u in items], self.segmented, device)
@@ -87,10 +85,12 @@ class Lamb(torch.optim.Optimizer):
             ratio = clipped_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])[ids]
             p.sub_(update * (ratio.to(p.device) * group["lr"]))
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "step_count": self.step_count}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        self.step_count = state_dict.pop("step_count", 0)
-        super().load_state_dict(state_dict)
+
+def _advance(state: dict) -> int:
+    """Count this tensor's steps in its state (a host scalar, as torch's `step`), so that checkpoints,
+    which save per-parameter state, resume the bias correction where it was."""
+    if "step" not in state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+    state["step"] += 1
+    return int(state["step"])
