@@ -140,7 +140,7 @@ def _build_muon(groups: list, params: MuonParams) -> torch.optim.Optimizer:
                 out.append({"params": half, "use_muon": use_muon, **settings,
                             **{k: v for k, v in overrides.items() if k in keys}})
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[params.ns_dtype]
-    return ops.MuonWithAuxAdam(out, adam_w_mode=params.adam_w_mode, ns_dtype=dtype)
+    return ops.MuonWithAuxAdam(out, adam_w_mode=params.adam_w_mode, ns_dtype=dtype, ns_method=params.ns_method)
 
 
 def _build_torch(name: str) -> Callable[[list, Any], torch.optim.Optimizer]:

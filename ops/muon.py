@@ -28,6 +28,7 @@ from .moments import evaluate_closure
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
+NS_METHODS = {"standard"}  # DeepSpeed's "gram" form is not built (schemas/optimizer.py MuonParams.ns_method)
 MUON_DEFAULTS = dict(lr=0.02, momentum=0.95, weight_decay=0.0)
 ADAM_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
 
@@ -60,7 +61,10 @@ def muon_cost(rows: int, cols: int) -> int:
 class MuonWithAuxAdam(torch.optim.Optimizer):
     """Param groups carry `use_muon`; missing settings take DeepSpeed's defaults for their half."""
 
-    def __init__(self, param_groups, adam_w_mode: bool = True, ns_dtype: torch.dtype = torch.float32):
+    def __init__(self, param_groups, adam_w_mode: bool = True, ns_dtype: torch.dtype = torch.float32,
+                 ns_method: str = "standard"):
+        if ns_method not in NS_METHODS:
+            raise ValueError(f"ns_method must be one of {sorted(NS_METHODS)}, got {ns_method!r}")
         groups = []
         for group in param_groups:
             if "use_muon" not in group:

@@ -358,12 +358,21 @@ class MuonParams(StrictModel):
     """Decoupled weight decay of both halves."""
     adam_w_mode: bool = True
     """The non-Muon half: decoupled weight decay (true) or L2 (false), as DeepSpeed."""
-    ns_method: Literal["gram", "standard"] = "gram"
-    """DeepSpeed's Newton-Schulz variant. Both are the same quintic polynomial iteration (gram evaluates
-    it on X·Xᵀ for speed in half precision); dstrain runs the standard form for both, in `ns_dtype`."""
+    ns_method: Literal["standard", "gram"] = "standard"
+    """The Newton-Schulz form: "standard" (the quintic iteration on X). DeepSpeed's default "gram" (the same
+    polynomial evaluated on X·Xᵀ, restarted, in fp16) is not built yet; a config without the key gets
+    "standard", which equals it up to rounding."""
     ns_dtype: Literal["fp32", "bf16"] = "fp32"
     """dstrain: the Newton-Schulz matmul dtype. fp32 (default; bf16 matmuls are ~400x slower on CPUs
     without bf16 units); bf16 only on accelerators."""
+
+    @field_validator("ns_method")
+    @classmethod
+    def _gram_not_built(cls, value: str) -> str:
+        if value == "gram":
+            raise ValueError("'gram' (DeepSpeed's Gram-matrix Newton-Schulz) is not built yet in dstrain; use "
+                             "'standard' (the same iteration on X, equal up to rounding) or remove the key")
+        return value
 
 
 OptimizerParams = Union[AdamParams, SGDParams, LambParams, OneBitAdamParams, ZeroOneAdamParams, OneBitLambParams,
