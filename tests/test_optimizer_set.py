@@ -26,6 +26,8 @@ from tests.harness import run_distributed
 from tests.models import make_batches, micro_batches
 
 STEPS, MICRO = 5, 2
+# a torch class by name is stepped like any elementwise optimizer: a few cases show it (time budget)
+RMSPROP_CASES = {(0, 1), (1, 2), (3, 1)}
 OPTIMIZERS = {
     "Adagrad": {"lr": 0.05, "weight_decay": 0.01},
     "Lion": {"lr": 0.01, "betas": [0.9, 0.99], "weight_decay": 0.1},
@@ -73,8 +75,8 @@ def _train(kind: str, stage: int, gas: int) -> dict:
     return result
 
 
-def _runs(kinds, stages, gases) -> dict:
-    return {(k, s, g): _train(k, s, g) for k in kinds for s in stages for g in gases}
+def _runs(cases) -> dict:
+    return {case: _train(*case) for case in cases}
 
 
 # -- references, per tensor, from the equations -------------------------------------------------------
@@ -191,14 +193,16 @@ def _initial() -> dict:
 
 
 # -- 2 ranks: every optimizer x stage x accumulation in one spawn --------------------------------------
+TWO_RANK_CASES = [(k, s, g) for k in OPTIMIZERS for s in (0, 1, 2, 3) for g in (1, 2)
+                  if k != "RMSprop" or (s, g) in RMSPROP_CASES]
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_distributed(_runs, 2, args=(tuple(OPTIMIZERS), (0, 1, 2, 3), (1, 2)), timeout=300)
+    return run_distributed(_runs, 2, args=(TWO_RANK_CASES,), timeout=300)
 
 
-@pytest.mark.parametrize("kind", list(OPTIMIZERS))
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("kind, stage, gas", TWO_RANK_CASES, ids=lambda v: str(v))
 def test_optimizer_matches_single_process(two_ranks, kind, stage, gas):
     for rank, results in enumerate(two_ranks):
         _assert_matches(results[(kind, stage, gas)], kind, 2, gas, f"rank {rank} {kind} stage {stage} gas {gas}")
@@ -207,7 +211,7 @@ def test_optimizer_matches_single_process(two_ranks, kind, stage, gas):
 # -- Muon and Lamb on 4 ranks: a rank without rows of a matrix; owners spread ----------------------------
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_distributed(_runs, 4, args=(("Muon", "Lamb"), (1, 3), (2,)), timeout=300)
+    return run_distributed(_runs, 4, args=([(k, s, 2) for k in ("Muon", "Lamb") for s in (1, 3)],), timeout=300)
 
 
 @pytest.mark.parametrize("kind", ["Muon", "Lamb"])
