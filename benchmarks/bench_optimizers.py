@@ -125,10 +125,11 @@ def _gpt_rank(cfg: dict, steps: int) -> float:
     return statistics.median(times[2:])
 
 
-def gpt(steps: int, venv: Path | None) -> list[dict]:
+def gpt(steps: int, venv: Path | None, names: list[str]) -> list[dict]:
     from tests.harness import run_distributed
     rows = []
-    for name, cfg in CONFIGS.items():
+    for name in names:
+        cfg = CONFIGS[name]
         row = {"optimizer": name, "dstrain_ms": max(run_distributed(_gpt_rank, 2, args=(cfg, steps), timeout=1800))}
         if venv is not None and name in DEEPSPEED_ON_CPU:
             out = subprocess.run([str(venv / "bin" / "python"), str(Path(__file__).parent / "deepspeed_peer.py"),
@@ -149,6 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--deepspeed-venv", type=Path, default=None)
+    p.add_argument("--optimizers", default=",".join(CONFIGS), help="gpt part: which of " + ", ".join(CONFIGS))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.part == "kernels":
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
     elif args.part == "muon":
         result = muon(args.world, args.repeats)
     else:
-        result = gpt(args.steps, args.deepspeed_venv)
+        result = gpt(args.steps, args.deepspeed_venv, args.optimizers.split(","))
     print(json.dumps(result, indent=1))
     return 0
 

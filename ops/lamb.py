@@ -91,6 +91,6 @@ def _advance(state: dict) -> int:
     """Count this tensor's steps in its state (a host scalar, as torch's `step`), so that checkpoints,
     which save per-parameter state, resume the bias correction where it was."""
     if "step" not in state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=torch.device("cpu"))  # read on the host
     state["step"] += 1
     return int(state["step"])

@@ -106,14 +106,15 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
+        fused_devices = set(_get_fused_kernels_supported_devices())
+        fused = all(p.is_floating_point() and p.device.type in fused_devices for p in params)
         for p in params:
             state = self.state[p]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                # torch's rule: the fused kernel reads `step` on the parameter's device, the others on the host
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else torch.device("cpu"))
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        fused_devices = set(_get_fused_kernels_supported_devices())
-        fused = all(p.is_floating_point() and p.device.type in fused_devices for p in params)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         adam_kernel(params, [p.grad for p in params], [s["exp_avg"] for s in states],
