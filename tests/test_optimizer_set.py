@@ -62,13 +62,18 @@ def _train(kind: str, stage: int, gas: int) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     eng, _, _, _ = engine.initialize(model=Net(), config=_config(kind, stage, gas))
-    norms = []
+    norms, step_calls = [], []
+    stats = eng.zero_optimizer.comm.stats
     for x, y in make_batches(STEPS, MICRO * gas * world):
-        for xm, ym in micro_batches(x, y, rank, world, gas):
+        for k, (xm, ym) in enumerate(micro_batches(x, y, rank, world, gas)):
             eng.backward(eng(xm, ym))
+            if k == gas - 1:  # the boundary: count what the step itself sends
+                stats.reset()
             eng.step()
+        step_calls.append({op: stats.calls[op] for op in ("all_reduce", "all_to_all")})
         norms.append(eng.get_global_grad_norm())
-    result = {"params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}, "norms": norms}
+    result = {"params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}, "norms": norms,
+              "step_calls": step_calls}
     orthogonalizer = getattr(eng.zero_optimizer.optimizer, "orthogonalize_flats", None)
     if orthogonalizer is not None:
         result["owned_cost"] = orthogonalizer.owned_cost()
@@ -206,6 +211,17 @@ def two_ranks():
 def test_optimizer_matches_single_process(two_ranks, kind, stage, gas):
     for rank, results in enumerate(two_ranks):
         _assert_matches(results[(kind, stage, gas)], kind, 2, gas, f"rank {rank} {kind} stage {stage} gas {gas}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_per_tensor_steps_communicate_once_per_step(two_ranks, stage):
+    """The step's own collectives: the gradient norm's all-reduce (every optimizer), plus Lamb's one
+    all-reduce of all per-parameter partial norms, plus Muon's two all-to-alls (fragments to owners, slices back)."""
+    for results in two_ranks:
+        for gas in (1, 2):
+            assert results[("Lion", stage, gas)]["step_calls"] == [{"all_reduce": 1, "all_to_all": 0}] * STEPS
+            assert results[("Lamb", stage, gas)]["step_calls"] == [{"all_reduce": 2, "all_to_all": 0}] * STEPS
+            assert results[("Muon", stage, gas)]["step_calls"] == [{"all_reduce": 1, "all_to_all": 2}] * STEPS
 
 
 # -- Muon and Lamb on 4 ranks: a rank without rows of a matrix; owners spread ----------------------------
