@@ -21,10 +21,12 @@ from tests.models import make_batches, micro_batches
 from tests.test_optimizer_set import OPTIMIZERS, Net
 
 GLOBAL_BATCH, STEPS, SAVE_AT, SAVED_STAGE = 8, 5, 3, 1
-CLASS_OF = {"Adagrad": "Adagrad", "Lion": "Lion", "Lamb": "Lamb", "Muon": "MuonWithAuxAdam", "RMSprop": "RMSprop"}
+CLASS_OF = {"Adagrad": "Adagrad", "Lion": "Lion", "Lamb": "Lamb", "Muon": "MuonWithAuxAdam"}
 # world -> [(stage, optimizers)] each saved 2-rank stage-1 checkpoint is loaded into; at 4 ranks
 # (oversubscribed) the per-tensor ones, whose state layout differs most from the elementwise.
-ALL = tuple(OPTIMIZERS)
+# RMSprop (a torch class by name) is left out for time: its state goes through the same declared-layout
+# path as Adagrad's, and test_optimizer_set.py steps it at stages 0-3.
+ALL = ("Adagrad", "Lion", "Lamb", "Muon")
 TARGETS = {1: [(0, ALL)], 2: [(SAVED_STAGE, ALL), (3, ALL)], 4: [(2, ("Lamb", "Muon"))]}
 
 
@@ -64,7 +66,7 @@ def _weights(eng) -> dict:
 
 def _save_all(root: str) -> dict:
     out = {}
-    for kind in OPTIMIZERS:
+    for kind in ALL:
         eng = _engine(kind, SAVED_STAGE)
         _train(eng, 0, SAVE_AT)
         eng.save_checkpoint(Path(root) / kind)
@@ -95,7 +97,7 @@ def runs():
     return full, loaded
 
 
-@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("kind", ALL)
 def test_resume_at_the_same_stage_is_bit_for_bit(runs, kind):
     full, loaded = runs
     got = loaded[2][(kind, SAVED_STAGE)]
