@@ -30,7 +30,7 @@ from examples.gpt import BENCH_CONFIG, GPT, RandomTokens  # noqa: E402
 MICRO, LR = 8, 1e-4
 
 
-def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str) -> None:
+def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str, optimizer: dict | None = None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -38,7 +38,7 @@ def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+           "optimizer": optimizer or {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
            "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 5e6}}
     model = GPT(BENCH_CONFIG)
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -62,13 +62,15 @@ def main() -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--port", type=int, default=0, help="rendezvous port; 0: a free one (a fixed one can still be in "
                    "TIME_WAIT from the previous system's run)")
+    p.add_argument("--optimizer", type=json.loads, default=None,
+                   help='the config\'s "optimizer" section as JSON (default: torch AdamW); bench_optimizers.py')
     args = p.parse_args()
     if not args.port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_rank, args=(args.world, args.port, args.stage, args.steps, outdir), nprocs=args.world)
+        mp.spawn(_rank, args=(args.world, args.port, args.stage, args.steps, outdir, args.optimizer), nprocs=args.world)
         rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
     print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows)}))
     return 0

@@ -25,7 +25,7 @@ from .dist import device, init_distributed
 from .tensor_parallel import from_config as tensor_parallel
 from .engine import Engine
 from .precision import model_dtype
-from .optimizers import resolve_optimizer
+from .optimizers import resolve_optimizer, tag_muon_parameters
 from .schedules import resolve_scheduler
 from .zero import build_zero_optimizer
 
@@ -142,6 +142,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if degree > 1:
         tensor_parallel.apply_tensor_parallel(model, cfg, groups)
     _apply_activation_checkpointing(model, cfg)
+    tag_muon_parameters(model, cfg.optimizer)  # DeepSpeed's set_optimizer_flags
     params = _param_groups(model, model_parameters)
     if degree > 1:
         tensor_parallel.check_parameters(model, params, optimizer)

@@ -20,15 +20,20 @@ import torch
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 import ops
-from schemas.optimizer import AdamParams, OptimizerConfig, SGDParams
+import schemas
+from schemas.optimizer import AdagradParams, AdamParams, MuonParams, OptimizerConfig, SGDParams
+from schemas.optimizer_torch import TORCH_NAMES, torch_kwargs
 
 logger = logging.getLogger(__name__)
 
 # The torch optimizer classes ZeRO wraps without `zero_allow_untested_optimizer` (DeepSpeed's list,
 # less its own C++ optimizers, plus the bias-uncorrected Adam that stands for FusedAdam's option).
 # The check is on the exact class, as in DeepSpeed.
+# dstrain's Lion and Muon stand for DeepSpeed's FusedLion/CPU Lion and MuonWithAuxAdam; its Lamb is
+# listed because its trust ratio is per tensor under ZeRO (ops/lamb.py), unlike DeepSpeed's FusedLamb.
 ZERO_SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, ops.UncorrectedAdam)
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, ops.UncorrectedAdam, ops.Adagrad, ops.Lion, ops.Lamb,
+    ops.MuonWithAuxAdam)
 
 ParamGroups = Iterable[Union[torch.Tensor, dict]]
 
@@ -87,6 +92,67 @@ def _build_sgd(groups: list, params: SGDParams) -> torch.optim.Optimizer:
                            **_kernel_choice(groups, params.fused))
 
 
+def _build_adagrad(groups: list, params: AdagradParams) -> torch.optim.Optimizer:
+    return ops.Adagrad(groups, lr=params.lr, eps=params.eps, weight_decay=params.weight_decay,
+                          lr_decay=params.lr_decay, initial_accumulator_value=params.initial_accumulator_value,
+                          **_kernel_choice(groups, params.fused))
+
+
+# [Note: which parameters Muon takes] DeepSpeed 0.19 (`deepspeed.set_optimizer_flags`): a parameter whose
+# layer shape (ds_shape under ZeRO-3) has >= 2 dims and whose name contains neither "embed" nor
+# "lm_head" steps with Muon; everything else with AdamW. Each incoming group splits into its two halves,
+# keeping its own overrides; the config's `lr` is shared unless `muon_lr`/`adam_lr` set a half's own.
+MUON_EXCLUDED_NAMES = ("embed", "lm_head")
+_MUON_HALF_KEYS = ("lr", "momentum", "weight_decay")
+_ADAM_HALF_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def tag_muon_parameters(model: torch.nn.Module, cfg: Optional[OptimizerConfig]) -> None:
+    """Set `use_muon` on every parameter of `model` when the config's optimizer is Muon (note above)."""
+    if cfg is None or cfg.type != "Muon":
+        return
+    for name, p in model.named_parameters():
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        p.use_muon = len(shape) >= 2 and not any(word in name.lower() for word in MUON_EXCLUDED_NAMES)
+
+
+def _half_settings(params: MuonParams, keys: tuple[str, ...], lr: Optional[float]) -> dict:
+    settings = {k: getattr(params, k) for k in keys if k != "lr"}
+    if lr is not None or params.lr is not None:
+        settings["lr"] = lr if lr is not None else params.lr
+    return settings
+
+
+def _build_muon(groups: list, params: MuonParams) -> torch.optim.Optimizer:
+    halves = ((True, _half_settings(params, _MUON_HALF_KEYS, params.muon_lr), _MUON_HALF_KEYS),
+              (False, _half_settings(params, _ADAM_HALF_KEYS, params.adam_lr), _ADAM_HALF_KEYS))
+    out = []
+    for group in groups:
+        group = group if isinstance(group, dict) else {"params": [group]}
+        missing = [p for p in group["params"] if not hasattr(p, "use_muon")]
+        if missing:
+            raise ValueError(f"optimizer.type Muon: {len(missing)} parameter(s) in model_parameters are not the "
+                             "model's (they carry no use_muon tag); set p.use_muon = True/False on them")
+        overrides = {k: v for k, v in group.items() if k != "params"}
+        for use_muon, settings, keys in halves:
+            half = [p for p in group["params"] if p.requires_grad and bool(p.use_muon) is use_muon]
+            if half:
+                out.append({"params": half, "use_muon": use_muon, **settings,
+                            **{k: v for k, v in overrides.items() if k in keys}})
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[params.ns_dtype]
+    return ops.MuonWithAuxAdam(out, adam_w_mode=params.adam_w_mode, ns_dtype=dtype, ns_method=params.ns_method)
+
+
+def _build_torch(name: str) -> Callable[[list, Any], torch.optim.Optimizer]:
+    """A torch.optim class by name; torch's own value checks become config errors naming the params."""
+    def build(groups: list, params: Any) -> torch.optim.Optimizer:
+        try:
+            return getattr(torch.optim, name)(groups, **torch_kwargs(params))
+        except (TypeError, ValueError) as exc:
+            raise schemas.ConfigError([f"optimizer.params: torch.optim.{name} refused them: {exc}"]) from None
+    return build
+
+
 def _build_from_ops(cls: type[torch.optim.Optimizer]) -> Callable[[list, Any], torch.optim.Optimizer]:
     """Lamb and the 1-bit optimizers take their params' keys as keyword arguments. The 1-bit ones get
     their communicator from ZeRO stage 0 (see ops.compressed_optimizer)."""
@@ -99,9 +165,13 @@ _BUILDERS: dict[str, Callable[[list, Any], torch.optim.Optimizer]] = {
     "AdamW": lambda groups, params: _build_adam(groups, params, always_decoupled=True),
     "SGD": _build_sgd,
     "Lamb": _build_from_ops(ops.Lamb),
+    "Lion": _build_from_ops(ops.Lion),
+    "Adagrad": _build_adagrad,
+    "Muon": _build_muon,
     "OneBitAdam": _build_from_ops(ops.OneBitAdam),
     "ZeroOneAdam": _build_from_ops(ops.ZeroOneAdam),
     "OneBitLamb": _build_from_ops(ops.OneBitLamb),
+    **{name: _build_torch(name) for name in TORCH_NAMES},
 }
 
 

@@ -1,24 +1,36 @@
-"""LAMB (You et al., arXiv:1904.00962, Algorithm 2; DeepSpeed's `FusedLamb` semantics).
+"""LAMB (You et al., arXiv:1904.00962, Algorithm 2; DeepSpeed's `FusedLamb` params and defaults).
 
 update = m̂/(√v̂ + ε) + wd·x;  trust ratio r = ‖x‖/‖update‖ clipped to [min_coeff, max_coeff]
 (1 when either norm is 0);  x ← x − lr·r·update. Per parameter tensor. The trust ratio stays a
-0-dim tensor: no host sync per parameter.
+tensor: no host sync per parameter.
+
+[Note: per tensor under ZeRO] Under ZeRO stages 1-3 a group's "parameter" is a flat partition holding
+dim-0 chunks of many tensors. ZeRO sets `segmented` (ops.tensor_segments) and the ratio is taken per
+original tensor: the partial Σx² and Σu² of every fragment go into one vector that is summed over
+ranks once per step, then each element gets the ratio of its own tensor. DeepSpeed's FusedLamb takes
+the norms of the flat chunk instead (its issue #88), which is neither the paper's rule nor stable
+across world sizes.
 """
 from __future__ import annotations
 
 import torch
 
 from .moments import adam_denominator, evaluate_closure
+from .tensor_segments import SegmentedReduction, sums_of_squares
+
+
+def clipped_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, max_coeff: float, min_coeff: float) -> torch.Tensor:
+    """‖x‖/‖u‖ clipped to [min_coeff, max_coeff]; 1 where either norm is 0 (elementwise over vectors too)."""
+    ratio = (w_norm / u_norm.clamp_min(torch.finfo(u_norm.dtype).tiny)).clamp(min_coeff, max_coeff)
+    return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
 
 
 def trust_ratio(param: torch.Tensor, update: torch.Tensor, max_coeff: float, min_coeff: float) -> torch.Tensor:
-    w, u = torch.linalg.vector_norm(param), torch.linalg.vector_norm(update)
-    ratio = (w / u.clamp_min(torch.finfo(u.dtype).tiny)).clamp(min_coeff, max_coeff)
-    return torch.where((w > 0) & (u > 0), ratio, torch.ones_like(ratio))
+    return clipped_ratio(torch.linalg.vector_norm(param), torch.linalg.vector_norm(update), max_coeff, min_coeff)
 
 
-def lamb_update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
-    """One LAMB step of `p` in place; returns the trust ratio used (0-dim tensor)."""
+def lamb_direction(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
+    """Advance the moments of `p` and return its unscaled LAMB update m̂/(√v̂ + ε) + wd·x."""
     beta1, beta2 = group["betas"]
     if "exp_avg" not in state:
         state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
@@ -29,6 +41,12 @@ def lamb_update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, s
     update = (state["exp_avg"] / bc1).div_(adam_denominator(state["exp_avg_sq"], bc2, group["eps"]))
     if group["weight_decay"]:
         update.add_(p, alpha=group["weight_decay"])
+    return update
+
+
+def lamb_update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
+    """One LAMB step of a whole tensor `p` in place; returns the trust ratio used (0-dim tensor)."""
+    update = lamb_direction(p, grad, state, group, step)
     coeff = trust_ratio(p, update, group["max_coeff"], group["min_coeff"])
     p.sub_(update * (coeff * group["lr"]))
     return coeff
@@ -42,22 +60,37 @@ class Lamb(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(params, defaults)
-        self.step_count = 0
+        self.segmented: SegmentedReduction | None = None  # set by ZeRO (module note)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = evaluate_closure(closure)
-        self.step_count += 1
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    lamb_update(p, p.grad, self.state[p], group, self.step_count)
+        if self.segmented is None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        lamb_update(p, p.grad, self.state[p], group, _advance(self.state[p]))
+            return loss
+        self._segmented_step()
         return loss
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "step_count": self.step_count}
+    def _segmented_step(self) -> None:
+        items = [(group, p, lamb_direction(p, p.grad, self.state[p], group, _advance(self.state[p])))
+                 for group in self.param_groups for p in group["params"] if p.grad is not None]
+        device = self.segmented.segments[next(iter(self.segmented.segments))].ids.device
+        w_sq, u_sq = sums_of_squares([p for _, p, _ in items], [u for _, _, u in items], self.segmented, device)
+        w_norm, u_norm = w_sq.sqrt(), u_sq.sqrt()
+        for group, p, update in items:
+            ids = self.segmented.segments[p].ids
+            ratio = clipped_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])[ids]
+            p.sub_(update * (ratio.to(p.device) * group["lr"]))
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        self.step_count = state_dict.pop("step_count", 0)
-        super().load_state_dict(state_dict)
+
+
+def _advance(state: dict) -> int:
+    """Count this tensor's steps in its state (a host scalar, as torch's `step`), so that checkpoints,
+    which save per-parameter state, resume the bias correction where it was."""
+    if "step" not in state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=torch.device("cpu"))  # read on the host
+    state["step"] += 1
+    return int(state["step"])

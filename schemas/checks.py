@@ -10,6 +10,7 @@ from typing import Callable, Optional
 from schemas.config import Config
 from schemas.features import contiguous_checkpointing_problems
 from schemas.optimizer import ONEBIT_OPTIMIZERS, ZERO_TESTED_TYPES
+from schemas.optimizer_torch import TORCH_NEEDS_CLOSURE, TORCH_PER_TENSOR
 from schemas.zero import OffloadOptimizerConfig, OffloadParamConfig
 
 
@@ -33,11 +34,23 @@ def _untested_zero_optimizer(config: Config) -> list[str]:
     optimizer object; here for the one the config names, so check-config says it too."""
     stage = config.zero_optimization.stage
     kind = config.optimizer.type if config.optimizer is not None else None
-    has_own_rule = (*ONEBIT_OPTIMIZERS, "Lamb")  # _compression_needs_stage0 says what they need
+    has_own_rule = (*ONEBIT_OPTIMIZERS, *TORCH_PER_TENSOR, *TORCH_NEEDS_CLOSURE)  # refused with their reason
     if stage == 0 or kind in (None, *ZERO_TESTED_TYPES, *has_own_rule) or config.zero_allow_untested_optimizer:
         return []
     return [f"optimizer.type: {kind} at zero_optimization.stage {stage}, which ZeRO has not been tested with "
             f"(tested: {', '.join(ZERO_TESTED_TYPES)}); set \"zero_allow_untested_optimizer\": true to use it anyway"]
+
+
+def _whole_tensor_types(config: Config) -> list[str]:
+    """torch.optim classes that need whole tensors (schemas/optimizer_torch.py's note) or a closure."""
+    stage = config.zero_optimization.stage
+    kind = config.optimizer.type if config.optimizer is not None else None
+    if kind in TORCH_NEEDS_CLOSURE:
+        return [f"optimizer.type: {kind} is not supported through the config: {TORCH_NEEDS_CLOSURE[kind]}"]
+    if kind in TORCH_PER_TENSOR and stage > 0:
+        return [f"optimizer.type: {kind} cannot run at zero_optimization.stage {stage}: {TORCH_PER_TENSOR[kind]}, "
+                "and ZeRO hands the optimizer dim-0 chunks of each tensor; use zero_optimization.stage 0"]
+    return []
 
 
 def _nvme_path(name: str, section: Optional[OffloadParamConfig | OffloadOptimizerConfig]) -> list[str]:
@@ -84,15 +97,12 @@ def _amp_with_mixed_precision(config: Config) -> list[str]:
 def _compression_needs_stage0(config: Config) -> list[str]:
     """1-bit optimizers average full momenta and PowerSGD full gradients: both need every rank to hold
     the whole optimizer state, i.e. ZeRO stage 0 (DeepSpeed rejects 1-bit optimizers under ZeRO too).
-    LAMB's trust ratio is per tensor, which the flat ZeRO partitions do not keep."""
+    LAMB's trust ratio is per tensor even under ZeRO (engine/zero/per_tensor.py)."""
     stage, problems = config.zero_optimization.stage, []
     kind = config.optimizer.type if config.optimizer is not None else None
     if kind in ONEBIT_OPTIMIZERS and stage > 0:
         problems.append(f"optimizer.type: {kind} needs zero_optimization.stage 0 (stage is {stage}): it averages "
                         "whole momenta across ranks, which ZeRO partitions; use stage 0 or an Adam-type optimizer")
-    if kind == "Lamb" and stage > 0:
-        problems.append(f"optimizer.type: Lamb needs zero_optimization.stage 0 (stage is {stage}): its trust ratio "
-                        "is per parameter tensor, which ZeRO's flat partitions do not keep; use stage 0")
     if config.gradient_compression is not None and stage > 0:
         problems.append(f"gradient_compression: PowerSGD needs zero_optimization.stage 0 (stage is {stage}); "
                         "remove the section or use stage 0")
@@ -112,6 +122,7 @@ CROSS_FIELD_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _fp16_and_bf16,
     _min_loss_scale,
     _untested_zero_optimizer,
+    _whole_tensor_types,
     _offload,
     _checkpoint,
     _amp_with_mixed_precision,

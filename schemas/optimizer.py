@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, Va
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from schemas.base import StrictModel
+from schemas.optimizer_torch import TORCH_NAMES, LazyParamsModels
 
 # Hints for keys that other tools put in optimizer params but that live elsewhere in the config.
 _KEY_HINTS = {
@@ -308,28 +309,92 @@ class OneBitLambParams(_OneBitCommParams):
     """Largest relative change of the factor from one step to the next."""
 
 
-OptimizerParams = Union[AdamParams, SGDParams, LambParams, OneBitAdamParams, ZeroOneAdamParams, OneBitLambParams]
+class LionParams(StrictModel):
+    """Params of `Lion` (ops.Lion: Chen et al., arXiv:2302.06675; DeepSpeed's FusedLion/CPU Lion defaults)."""
 
-# Canonical type name -> its params model. The order is the order of error messages.
-PARAMS_MODELS: dict[str, type[StrictModel]] = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams,
-                                               "Lamb": LambParams, "OneBitAdam": OneBitAdamParams,
-                                               "ZeroOneAdam": ZeroOneAdamParams, "OneBitLamb": OneBitLambParams}
+    lr: float = Field(1e-3, ge=0.0)
+    """Learning rate (DeepSpeed's default 1e-3; the paper suggests 3-10x smaller than AdamW's)."""
+    betas: UnitBetas = (0.9, 0.999)
+    """β1 interpolates the update direction sign(β1·m + (1−β1)·g); β2 is the momentum's decay."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay: x ← x·(1 − lr·wd) before the signed step."""
 
-# The config types ZeRO stages 1-3 take without `zero_allow_untested_optimizer` (DeepSpeed's list).
-ZERO_TESTED_TYPES = ("Adam", "AdamW")
+
+class AdagradParams(StrictModel):
+    """Params of `Adagrad` (torch.optim.Adagrad, whose update is DeepSpeed's CPU Adagrad's:
+    s ← s + g², x ← x − lr·g/(√s + ε), with L2 weight decay added to g)."""
+
+    lr: float = Field(1e-2, ge=0.0)
+    """Learning rate (default 1e-2, DeepSpeed's CPU Adagrad and torch's)."""
+    eps: float = Field(1e-10, ge=0.0)
+    """Added to √s (default 1e-10)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """L2 penalty added to the gradient."""
+    lr_decay: float = Field(0.0, ge=0.0)
+    """torch's: lr/(1 + (t−1)·lr_decay) (0 = DeepSpeed's constant lr)."""
+    initial_accumulator_value: float = Field(0.0, ge=0.0)
+    """torch's: the starting value of s (0 as DeepSpeed)."""
+    fused: Optional[bool] = None
+    """dstrain: torch's fused CPU kernel (true), its default kernel (false), or fused where supported (unset)."""
+
+
+class MuonParams(StrictModel):
+    """Params of `Muon` (ops.MuonWithAuxAdam, DeepSpeed 0.19's `MuonWithAuxAdam`): hidden 2-D weights
+    (ndim ≥ 2, name without "embed"/"lm_head") step with Muon, every other parameter with AdamW."""
+
+    lr: Optional[float] = Field(None, ge=0.0)
+    """Shared learning rate of both halves, unless `muon_lr` / `adam_lr` set theirs."""
+    muon_lr: Optional[float] = Field(None, ge=0.0)
+    """Learning rate of the Muon half (else `lr`, else 0.02)."""
+    adam_lr: Optional[float] = Field(None, ge=0.0)
+    """Learning rate of the AdamW half (else `lr`, else 3e-4)."""
+    momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    """Muon's momentum β: m ← β·m + (1−β)·g, Nesterov update (1−β)·g + β·m."""
+    betas: UnitBetas = (0.9, 0.95)
+    """The AdamW half's betas (DeepSpeed's Muon default)."""
+    eps: float = Field(1e-10, ge=0.0)
+    """The AdamW half's ε (DeepSpeed's Muon default)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay of both halves."""
+    adam_w_mode: bool = True
+    """The non-Muon half: decoupled weight decay (true) or L2 (false), as DeepSpeed."""
+    ns_method: Literal["standard", "gram"] = "standard"
+    """The Newton-Schulz form: "standard" (the quintic iteration on X). DeepSpeed's default "gram" (the same
+    polynomial evaluated on X·Xᵀ, restarted, in fp16) is not built yet; a config without the key gets
+    "standard", which equals it up to rounding."""
+    ns_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dstrain: the Newton-Schulz matmul dtype. fp32 (default; bf16 matmuls are ~400x slower on CPUs
+    without bf16 units); bf16 only on accelerators."""
+
+    @field_validator("ns_method")
+    @classmethod
+    def _gram_not_built(cls, value: str) -> str:
+        if value == "gram":
+            raise ValueError("'gram' (DeepSpeed's Gram-matrix Newton-Schulz) is not built yet in dstrain; use "
+                             "'standard' (the same iteration on X, equal up to rounding) or remove the key")
+        return value
+
+
+OptimizerParams = Union[AdamParams, SGDParams, LambParams, OneBitAdamParams, ZeroOneAdamParams, OneBitLambParams,
+                        LionParams, AdagradParams, MuonParams, StrictModel]
+
+# Canonical type name -> its params model (None: a torch.optim class's, made on first use by
+# schemas/optimizer_torch.py). The order is the order of error messages.
+PARAMS_MODELS: dict[str, Optional[type[StrictModel]]] = LazyParamsModels(
+    {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams, "Lamb": LambParams, "Lion": LionParams,
+     "Adagrad": AdagradParams, "Muon": MuonParams, "OneBitAdam": OneBitAdamParams,
+     "ZeroOneAdam": ZeroOneAdamParams, "OneBitLamb": OneBitLambParams, **{name: None for name in TORCH_NAMES}})
+
+# The config types ZeRO stages 1-3 take without `zero_allow_untested_optimizer`: DeepSpeed's list
+# (Adam, AdamW, Adagrad, Lion, Muon) and Lamb, whose trust ratio dstrain computes per tensor under ZeRO.
+ZERO_TESTED_TYPES = ("Adam", "AdamW", "Adagrad", "Lion", "Lamb", "Muon")
 
 # The types that average their momentum themselves after warm-up (ZeRO stage 0 only).
 ONEBIT_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
-# DeepSpeed optimizer types that dstrain will build later; naming one is a clear error until then.
-NOT_BUILT_OPTIMIZERS = ["Adagrad", "Lion", "MuAdam", "MuAdamW", "MuSGD", "Muon"]
-
-# DeepSpeed also looks names up in torch.optim; say how to use those instead of "unknown type".
-_TORCH_OPTIMIZERS = ["Adadelta", "Adafactor", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop",
-                     "Rprop", "SparseAdam"]
-_TORCH_HINTS = {name.lower(): f"'{name}' (a torch.optim class) is not built yet as a config type in dstrain; "
-                f"pass the optimizer object or a callable f(params) as initialize(optimizer=...)"
-                for name in _TORCH_OPTIMIZERS}
+# DeepSpeed optimizer types that dstrain does not build: mup's MuAdam/MuAdamW/MuSGD need the `mup`
+# package, which dstrain does not depend on. Naming one is a clear "not built yet" error.
+NOT_BUILT_OPTIMIZERS = ["MuAdam", "MuAdamW", "MuSGD"]
 
 
 class OptimizerConfig(TypedSection):
@@ -339,13 +404,14 @@ class OptimizerConfig(TypedSection):
     section: ClassVar[str] = "optimizer"
     params_models: ClassVar[dict[str, type[StrictModel]]] = PARAMS_MODELS
     not_built: ClassVar[list[str]] = NOT_BUILT_OPTIMIZERS
-    other_hints: ClassVar[dict[str, str]] = _TORCH_HINTS
 
     type: str
-    """Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam or OneBitLamb (case-insensitive; stored canonically)."""
+    """Adam, AdamW, SGD, Lamb, Lion, Adagrad, Muon, OneBitAdam, ZeroOneAdam, OneBitLamb, or a torch.optim
+    class name (ASGD, Adadelta, Adamax, NAdam, RAdam, RMSprop, Rprop, Adafactor, SparseAdam, LBFGS);
+    case-insensitive, stored canonically."""
     params: OptimizerParams = Field(default_factory=dict)
-    """Hyperparameters of `type`; see AdamParams, SGDParams, LambParams, OneBitAdamParams, ZeroOneAdamParams
-    and OneBitLambParams. Missing keys take their defaults."""
+    """Hyperparameters of `type`; see the *Params models here, and for a torch.optim class its
+    constructor's keyword arguments. Missing keys take their defaults."""
     legacy_fusion: bool = False
     """DeepSpeed's legacy fused fp16 optimizer (not built yet: true is rejected)."""
 

@@ -21,6 +21,7 @@ import torch
 
 from ..zero.partition import ChunkSpec
 from .format import FP32, MODULE  # noqa: F401 - re-exported for snapshot/reader
+from .state_layout import elementwise_kinds
 
 
 def rows_of(t: torch.Tensor) -> torch.Tensor:
@@ -29,13 +30,9 @@ def rows_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def row_kinds(optimizer) -> set[str]:
-    """State names whose tensors are shaped like their parameter (exp_avg, ...), as opposed to scalar
-    state (step). Decided over parameters with dim >= 1, where the two cannot be confused."""
-    kinds = set()
-    for owner, state in optimizer.state.items():
-        if owner.dim() >= 1:
-            kinds.update(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == owner.shape)
-    return kinds
+    """State names stored per element, as rows of their parameter (exp_avg, ...), as opposed to scalar
+    state (step): the optimizer's declared layout (state_layout.py)."""
+    return elementwise_kinds(optimizer)
 
 
 def _split_state(state: dict, kinds: set[str], cut) -> dict:

@@ -14,6 +14,7 @@ import schemas
 from ..optimizers import is_zero_supported_optimizer
 from ..precision import build_guard
 from ..utils import tag_parameters
+from .per_tensor import attach_per_tensor, closure_problem, per_tensor_problem
 from .stage0 import DataParallelOptimizer
 from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
@@ -26,9 +27,13 @@ PARTITIONED_STAGES = {1: ZeroStage1Optimizer, 2: ZeroStage2Optimizer}
 def _partitioned_problems(optimizer, cfg) -> list[str]:
     """Settings stages 1/2 cannot honour, one line each, naming the key."""
     zero, problems = cfg.zero_optimization, []
+    from_config = cfg.optimizer is not None and type(optimizer).__name__ == cfg.optimizer.type
+    whole_tensors = per_tensor_problem(optimizer, zero.stage, from_config)
+    if whole_tensors:  # never applied to chunks, whatever zero_allow_untested_optimizer says
+        return [whole_tensors]
     if not is_zero_supported_optimizer(optimizer) and not cfg.zero_allow_untested_optimizer:
         problems.append(f"zero_optimization.stage: {zero.stage} with optimizer {type(optimizer).__name__}, which "
-                        "ZeRO has not been tested with (supported: Adam, AdamW, Adagrad); set "
+                        "ZeRO has not been tested with (supported: Adam, AdamW, Adagrad, Lion, Lamb, Muon); set "
                         '"zero_allow_untested_optimizer": true to use it anyway')
     # contiguous_gradients and round_robin_gradients are met by construction (schemas/zero.py).
     return problems
@@ -36,6 +41,9 @@ def _partitioned_problems(optimizer, cfg) -> list[str]:
 
 def build_zero_optimizer(optimizer, comm, cfg, module=None):
     zero = cfg.zero_optimization
+    closure = closure_problem(optimizer, cfg.optimizer is not None and type(optimizer).__name__ == cfg.optimizer.type)
+    if closure:
+        raise schemas.ConfigError([closure])
     guard = build_guard(cfg, comm.rank)
     common = dict(overlap_comm=zero.overlap_comm, grad_accum_dtype=cfg.data_types.grad_accum_dtype,
                   gradient_clipping=cfg.gradient_clipping, prescale_gradients=cfg.prescale_gradients,
@@ -55,6 +63,7 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
             optimizer, comm, guard, reduce_bucket_numel=zero.reduce_bucket_size,
             allgather_bucket_numel=zero.allgather_bucket_size, reduce_scatter=zero.reduce_scatter,
             allgather_partitions=zero.allgather_partitions, **common)
+        attach_per_tensor(zopt)
         tag_parameters(zopt, zopt.params)
         return zopt
     if zero.stage == 3:
@@ -63,6 +72,7 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
         if problems:
             raise schemas.ConfigError(problems)
         zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, **common)
+        attach_per_tensor(zopt)
         tag_parameters(zopt, zopt.params)
         return zopt
     raise NotImplementedError(f"zero_optimization.stage: {zero.stage} is not built yet in dstrain")

@@ -1,0 +1,167 @@
+"""The optimizer set, measured three ways in one run (docs/optimizers.md has the figures).
+
+    python benchmarks/bench_optimizers.py --part kernels --numel 1e8
+    python benchmarks/bench_optimizers.py --part muon
+    python benchmarks/bench_optimizers.py --part gpt --steps 8 --deepspeed-venv /tmp/ds-venv
+
+- kernels: one optimizer step over `--numel` fp32 parameters (one flat tensor, as a ZeRO partition),
+  each optimizer's median time against its memory-bandwidth bound: the bytes it must read and write
+  per parameter (below) at the `add_` bandwidth measured in the same run (a.add_(b): 12 bytes/element).
+- muon: Newton-Schulz time of the benchmark GPT's Muon matrices, owner-based (the most loaded rank's
+  share under engine/zero/per_tensor.py's assignment) against redundant (every rank all of them).
+- gpt: step time of each optimizer on the benchmark GPT (examples/gpt.py BENCH_CONFIG), 2 ranks, ZeRO-2,
+  and DeepSpeed's same config in its venv where DeepSpeed can build that optimizer on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ops  # noqa: E402
+from engine.zero.per_tensor import assign_owners  # noqa: E402
+from examples.gpt import BENCH_CONFIG, GPT  # noqa: E402
+from ops.muon import muon_cost, orthogonalized  # noqa: E402
+
+# fp32 bytes each step must move per parameter: reads + writes of weight, gradient and state.
+BYTES_PER_PARAM = {
+    "AdamW": 4 * (4 + 3),       # read w, g, m, v; write w, m, v
+    "Adagrad": 4 * (3 + 2),     # read w, g, s; write w, s
+    "Lion": 4 * (3 + 2),        # read w, g, m; write w, m
+    "Lamb": 4 * (4 + 3 + 4),    # Adam's, plus the update written and read back, and w, u read for the norms
+}
+CONFIGS = {  # the config's optimizer sections benchmarked on the GPT
+    "AdamW": {"type": "AdamW", "params": {"lr": 1e-4}},
+    "Adagrad": {"type": "Adagrad", "params": {"lr": 1e-2}},
+    "Lion": {"type": "Lion", "params": {"lr": 1e-5}},
+    "Lamb": {"type": "Lamb", "params": {"lr": 1e-3}},
+    "Muon": {"type": "Muon", "params": {"lr": 1e-3}},
+}
+# What DeepSpeed 0.19.8 builds for each type on a CPU-only machine (DS_BUILD_OPS=0): FusedLion and
+# FusedLamb are CUDA ops, so only these run there.
+DEEPSPEED_ON_CPU = {"AdamW": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+                    "Adagrad": CONFIGS["Adagrad"], "Muon": CONFIGS["Muon"]}
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up: state allocation, first-touch page faults
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _make(name: str, p: torch.Tensor) -> torch.optim.Optimizer:
+    return {"AdamW": lambda: torch.optim.AdamW([p], lr=1e-4, fused=True),
+            "Adagrad": lambda: ops.Adagrad([p], lr=1e-2, fused=True),
+            "Lion": lambda: ops.Lion([p], lr=1e-5),
+            "Lamb": lambda: ops.Lamb([p], lr=1e-3)}[name]()
+
+
+def kernels(numel: int, repeats: int) -> list[dict]:
+    a = torch.randn(numel, dtype=torch.float32, device="cpu")
+    b = torch.randn(numel, dtype=torch.float32, device="cpu")
+    add_ms = _median_ms(lambda: a.add_(b), repeats)
+    bandwidth = 12 * numel / (add_ms / 1e3)  # bytes/s
+    del a, b
+    rows = [{"kernel": "add_", "ms": add_ms, "GB/s": bandwidth / 1e9}]
+    for name, nbytes in BYTES_PER_PARAM.items():
+        p = torch.nn.Parameter(torch.randn(numel, dtype=torch.float32, device="cpu") * 0.02)
+        p.grad = torch.randn(numel, dtype=torch.float32, device="cpu") * 1e-3
+        opt = _make(name, p)
+        ms = _median_ms(opt.step, repeats)
+        bound = nbytes * numel / bandwidth * 1e3
+        rows.append({"kernel": name, "ms": ms, "bound_ms": bound, "of_bound": bound / ms, "bytes/param": nbytes})
+        del opt, p
+    return rows
+
+
+def muon_matrices() -> list[tuple[str, tuple[int, int]]]:
+    """The benchmark GPT's Muon matrices (engine/optimizers.py's rule: >= 2 dims, no embed/lm_head)."""
+    model = GPT(BENCH_CONFIG)
+    return [(n, (p.shape[0], p[0].numel())) for n, p in model.named_parameters()
+            if p.dim() >= 2 and not any(w in n.lower() for w in ("embed", "lm_head"))]
+
+
+def muon(world: int, repeats: int) -> dict:
+    shapes = [s for _, s in muon_matrices()]
+    times = []
+    for rows, cols in shapes:
+        m = torch.randn(rows, cols, device="cpu")
+        times.append(_median_ms(lambda m=m: orthogonalized(m), repeats))
+    owners = assign_owners([muon_cost(r, c) for r, c in shapes], world)
+    per_rank = [sum(t for t, o in zip(times, owners) if o == r) for r in range(world)]
+    return {"matrices": len(shapes), "redundant_ms": sum(times), "owner_ms_per_rank": per_rank,
+            "owner_max_ms": max(per_rank), "speedup": sum(times) / max(per_rank)}
+
+
+def _gpt_rank(cfg: dict, steps: int) -> float:
+    import torch.distributed as dist
+
+    import engine
+    from examples.gpt import RandomTokens
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "optimizer": cfg, "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}}
+    eng, _, _, _ = engine.initialize(model=GPT(BENCH_CONFIG), config=config)
+    data = RandomTokens(steps * 8, BENCH_CONFIG.seq_len, BENCH_CONFIG.vocab_size, seed=dist.get_rank())
+    times = []
+    for i in range(steps):
+        x, y = data[i * 8:(i + 1) * 8]
+        t0 = time.perf_counter()
+        eng.backward(eng(x, y))
+        eng.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[2:])
+
+
+def gpt(steps: int, venv: Path | None, names: list[str]) -> list[dict]:
+    from tests.harness import run_distributed
+    rows = []
+    for name in names:
+        cfg = CONFIGS[name]
+        row = {"optimizer": name, "dstrain_ms": max(run_distributed(_gpt_rank, 2, args=(cfg, steps), timeout=1800))}
+        if venv is not None and name in DEEPSPEED_ON_CPU:
+            out = subprocess.run([str(venv / "bin" / "python"), str(Path(__file__).parent / "deepspeed_peer.py"),
+                                  "--stage", "2", "--steps", str(steps), "--world", "2",
+                                  "--optimizer", json.dumps(DEEPSPEED_ON_CPU[name])],
+                                 capture_output=True, text=True, timeout=1800)
+            row["deepspeed_ms"] = (json.loads(out.stdout.strip().splitlines()[-1])["step_ms"] if out.returncode == 0
+                                   else f"failed: {out.stderr.strip().splitlines()[-1][:200]}")
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["kernels", "muon", "gpt"], required=True)
+    p.add_argument("--numel", type=float, default=1e8)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--deepspeed-venv", type=Path, default=None)
+    p.add_argument("--optimizers", default=",".join(CONFIGS), help="gpt part: which of " + ", ".join(CONFIGS))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.part == "kernels":
+        result = kernels(int(args.numel), args.repeats)
+    elif args.part == "muon":
+        result = muon(args.world, args.repeats)
+    else:
+        result = gpt(args.steps, args.deepspeed_venv, args.optimizers.split(","))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""DeepSpeed's optimizer set (Adagrad, Lion, Lamb, Muon) and a torch.optim class by name equal
+single-process training at every ZeRO stage, with and without gradient accumulation.
+
+References: torch's own class where one exists (Adagrad, RMSprop; AdamW for Muon's non-matrix half);
+for Lion, Lamb and Muon's matrix half a plain per-tensor implementation written here from the papers'
+equations (Lion: arXiv:2302.06675 Alg. 2; LAMB: arXiv:1904.00962 Alg. 2 with DeepSpeed's ratio clip;
+Muon: Jordan 2024, DeepSpeed's Nesterov form and aspect-ratio scale). The model's matrices are
+non-square and their dim-0 chunks cross the partition boundary; at 4 ranks one rank holds no row of
+`mid`. Tolerance: fp32, atol 2e-5 after 5 steps — only summation order differs between the ranks'
+reductions and one process (measured below 2e-6 for the elementwise optimizers; Lamb's and Muon's
+norms amplify it slightly, measured below 5e-6).
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import engine
+from engine.utils import safe_get_full_fp32_param
+from engine.zero.per_tensor import assign_owners
+from tests.harness import run_distributed
+from tests.models import make_batches, micro_batches
+
+STEPS, MICRO = 5, 2
+# a torch class by name is stepped like any elementwise optimizer: a few cases show it (time budget)
+RMSPROP_CASES = {(0, 1), (1, 2), (3, 1)}
+OPTIMIZERS = {
+    "Adagrad": {"lr": 0.05, "weight_decay": 0.01},
+    "Lion": {"lr": 0.01, "betas": [0.9, 0.99], "weight_decay": 0.1},
+    "Lamb": {"lr": 0.02, "weight_decay": 0.01, "max_coeff": 2.0, "min_coeff": 0.05},
+    "Muon": {"muon_lr": 0.03, "adam_lr": 0.01, "momentum": 0.9, "weight_decay": 0.1},
+    "RMSprop": {"lr": 0.005, "momentum": 0.5},  # a torch.optim class by name (elementwise)
+}
+
+
+class Net(nn.Module):
+    """Non-square matrices (9x13, 7x9, 5x7), biases, and a matrix Muon must leave to AdamW ("embed")."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_proj = nn.Parameter(torch.randn(13, 13) * 0.3)
+        self.inp, self.mid, self.out = nn.Linear(13, 9), nn.Linear(9, 7), nn.Linear(7, 5)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x @ self.embed_proj))
+        return nn.functional.mse_loss(self.out(torch.tanh(self.mid(h))), y)
+
+
+def _config(kind: str, stage: int, gas: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+            "optimizer": {"type": kind.lower(), "params": OPTIMIZERS[kind]},
+            "zero_allow_untested_optimizer": kind == "RMSprop",
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 150, "allgather_bucket_size": 200,
+                                  "stage3_param_persistence_threshold": 10}}
+
+
+def _train(kind: str, stage: int, gas: int) -> dict:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    eng, _, _, _ = engine.initialize(model=Net(), config=_config(kind, stage, gas))
+    norms, step_calls = [], []
+    stats = eng.zero_optimizer.comm.stats
+    for x, y in make_batches(STEPS, MICRO * gas * world):
+        for k, (xm, ym) in enumerate(micro_batches(x, y, rank, world, gas)):
+            eng.backward(eng(xm, ym))
+            if k == gas - 1:  # the boundary: count what the step itself sends
+                stats.reset()
+            eng.step()
+        step_calls.append({op: stats.calls[op] for op in ("all_reduce", "all_to_all")})
+        norms.append(eng.get_global_grad_norm())
+    result = {"params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}, "norms": norms,
+              "step_calls": step_calls}
+    orthogonalizer = getattr(eng.zero_optimizer.optimizer, "orthogonalize_flats", None)
+    if orthogonalizer is not None:
+        result["owned_cost"] = orthogonalizer.owned_cost()
+    return result
+
+
+def _runs(cases) -> dict:
+    return {case: _train(*case) for case in cases}
+
+
+# -- references, per tensor, from the equations -------------------------------------------------------
+class PaperLion(torch.optim.Optimizer):
+    def __init__(self, params, lr, betas, weight_decay):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                c = g["betas"][0] * m + (1 - g["betas"][0]) * p.grad
+                p.mul_(1 - g["lr"] * g["weight_decay"]).sub_(g["lr"] * torch.sign(c))
+                m.mul_(g["betas"][1]).add_((1 - g["betas"][1]) * p.grad)
+
+
+class PaperLamb(torch.optim.Optimizer):
+    def __init__(self, params, lr, weight_decay, max_coeff, min_coeff, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, dict(lr=lr, wd=weight_decay, hi=max_coeff, lo=min_coeff, betas=betas, eps=eps))
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            for p in g["params"]:
+                st = self.state[p]
+                m, v = st.setdefault("m", torch.zeros_like(p)), st.setdefault("v", torch.zeros_like(p))
+                m.mul_(b1).add_((1 - b1) * p.grad)
+                v.mul_(b2).add_((1 - b2) * p.grad * p.grad)
+                u = (m / (1 - b1 ** self.t)) / ((v / (1 - b2 ** self.t)).sqrt() + g["eps"]) + g["wd"] * p
+                w_norm, u_norm = p.norm().item(), u.norm().item()
+                ratio = min(max(w_norm / u_norm, g["lo"]), g["hi"]) if w_norm > 0 and u_norm > 0 else 1.0
+                p.sub_(g["lr"] * ratio * u)
+
+
+class PaperMuon(torch.optim.Optimizer):
+    """Muon for the matrices; the rest go to torch's AdamW (see `_reference_optimizer`)."""
+
+    def __init__(self, params, lr, momentum, weight_decay):
+        super().__init__(params, dict(lr=lr, beta=momentum, wd=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                m.mul_(g["beta"]).add_((1 - g["beta"]) * p.grad)
+                x = (1 - g["beta"]) * p.grad + g["beta"] * m
+                rows, cols = x.shape
+                x = x.T if rows > cols else x
+                x = x / (x.norm() + 1e-7)
+                for _ in range(5):
+                    a = x @ x.T
+                    x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+                x = (x.T if rows > cols else x) * math.sqrt(max(1.0, rows / cols))
+                p.mul_(1 - g["lr"] * g["wd"]).sub_(g["lr"] * x)
+
+
+class Both:
+    def __init__(self, *opts):
+        self.opts = opts
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+
+def _reference_optimizer(kind: str, model: Net):
+    cfg = OPTIMIZERS[kind]
+    if kind == "Adagrad":
+        return torch.optim.Adagrad(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], eps=1e-10)
+    if kind == "Lion":
+        return PaperLion(model.parameters(), cfg["lr"], tuple(cfg["betas"]), cfg["weight_decay"])
+    if kind == "Lamb":
+        return PaperLamb(model.parameters(), cfg["lr"], cfg["weight_decay"], cfg["max_coeff"], cfg["min_coeff"])
+    if kind == "RMSprop":
+        return torch.optim.RMSprop(model.parameters(), **cfg)
+    matrices = [model.inp.weight, model.mid.weight, model.out.weight]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    return Both(PaperMuon(matrices, cfg["muon_lr"], cfg["momentum"], cfg["weight_decay"]),
+                torch.optim.AdamW(rest, lr=cfg["adam_lr"], betas=(0.9, 0.95), eps=1e-10,
+                                  weight_decay=cfg["weight_decay"]))
+
+
+def _reference(kind: str, world: int, gas: int):
+    torch.manual_seed(0)
+    model = copy.deepcopy(Net())
+    opt, norms = _reference_optimizer(kind, model), []
+    for x, y in make_batches(STEPS, MICRO * gas * world):
+        model(x, y).backward()  # the mean over the global batch: what the ranks' averaged micro-batches give
+        norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+        opt.step()
+        for p in model.parameters():
+            p.grad = None
+    return {n: p.detach() for n, p in model.named_parameters()}, norms
+
+
+def _assert_matches(got: dict, kind: str, world: int, gas: int, label: str) -> None:
+    want, want_norms = _reference(kind, world, gas)
+    for name, w in want.items():
+        err = (got["params"][name] - w).abs().max().item()
+        assert err < 2e-5, f"{label} {name}: max |w - w_ref| = {err:.2e}"
+        moved = (w - _initial()[name]).abs().max().item()
+        assert moved > 1e-3, f"{label} {name}: the reference did not move ({moved:.1e})"
+    assert got["norms"] == pytest.approx(want_norms, rel=1e-5), f"{label}: grad norms"
+
+
+def _initial() -> dict:
+    torch.manual_seed(0)
+    return {n: p.detach() for n, p in Net().named_parameters()}
+
+
+# -- 2 ranks: every optimizer x stage x accumulation in one spawn --------------------------------------
+TWO_RANK_CASES = [(k, s, g) for k in OPTIMIZERS for s in (0, 1, 2, 3) for g in (1, 2)
+                  if k != "RMSprop" or (s, g) in RMSPROP_CASES]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(_runs, 2, args=(TWO_RANK_CASES,), timeout=300)
+
+
+@pytest.mark.parametrize("kind, stage, gas", TWO_RANK_CASES, ids=lambda v: str(v))
+def test_optimizer_matches_single_process(two_ranks, kind, stage, gas):
+    for rank, results in enumerate(two_ranks):
+        _assert_matches(results[(kind, stage, gas)], kind, 2, gas, f"rank {rank} {kind} stage {stage} gas {gas}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_per_tensor_steps_communicate_once_per_step(two_ranks, stage):
+    """The step's own collectives: the gradient norm's all-reduce (every optimizer), plus Lamb's one
+    all-reduce of all per-parameter partial norms, plus Muon's two all-to-alls (fragments to owners, slices back)."""
+    for results in two_ranks:
+        for gas in (1, 2):
+            assert results[("Lion", stage, gas)]["step_calls"] == [{"all_reduce": 1, "all_to_all": 0}] * STEPS
+            assert results[("Lamb", stage, gas)]["step_calls"] == [{"all_reduce": 2, "all_to_all": 0}] * STEPS
+            assert results[("Muon", stage, gas)]["step_calls"] == [{"all_reduce": 1, "all_to_all": 2}] * STEPS
+
+
+# -- Muon and Lamb on 4 ranks: a rank without rows of a matrix; owners spread ----------------------------
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(_runs, 4, args=([(k, s, 2) for k in ("Muon", "Lamb") for s in (1, 3)],), timeout=300)
+
+
+@pytest.mark.parametrize("kind", ["Muon", "Lamb"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_per_tensor_optimizers_on_four_ranks(four_ranks, kind, stage):
+    for rank, results in enumerate(four_ranks):
+        _assert_matches(results[(kind, stage, 2)], kind, 4, 2, f"rank {rank} {kind} stage {stage}")
+
+
+def test_muon_owners_spread_the_newton_schulz_cost(four_ranks):
+    costs = four_ranks[0][("Muon", 1, 2)]["owned_cost"]
+    # three Muon matrices (9x13, 7x9, 5x7) on four ranks: each on its own rank, none twice
+    assert sorted(costs) == sorted([0, 9 * 13 * 9, 7 * 9 * 7, 5 * 7 * 5])
+    assert all(r[("Muon", 1, 2)]["owned_cost"] == costs for r in four_ranks)  # every rank agrees
+
+
+def test_owner_assignment_is_balanced_largest_first():
+    owners = assign_owners([8, 7, 6, 5, 4], world=2)
+    loads = [sum(c for c, o in zip([8, 7, 6, 5, 4], owners) if o == r) for r in range(2)]
+    assert loads == [17, 13]  # LPT: within 4/3 of the best split (15, 15)
+    assert assign_owners([5, 5, 5], world=4) == [0, 1, 2]
