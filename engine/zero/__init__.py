@@ -17,6 +17,7 @@ from ..utils import tag_parameters
 from .stage0 import DataParallelOptimizer
 from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
+from .tier import PartitionTier
 from .init import (GatheredParameters, Init, register_external_parameter,  # noqa: F401  (deepspeed.zero's names)
                    unregister_external_parameter)
 
@@ -54,7 +55,7 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
         zopt = PARTITIONED_STAGES[zero.stage](
             optimizer, comm, guard, reduce_bucket_numel=zero.reduce_bucket_size,
             allgather_bucket_numel=zero.allgather_bucket_size, reduce_scatter=zero.reduce_scatter,
-            allgather_partitions=zero.allgather_partitions, **common)
+            allgather_partitions=zero.allgather_partitions, tier=PartitionTier.for_zero(comm.device, zero), **common)
         tag_parameters(zopt, zopt.params)
         return zopt
     if zero.stage == 3:
@@ -62,7 +63,8 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
         problems = _partitioned_problems(optimizer, cfg)
         if problems:
             raise schemas.ConfigError(problems)
-        zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, **common)
+        zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, tier=PartitionTier.for_zero(comm.device, zero),
+                                   **common)
         tag_parameters(zopt, zopt.params)
         return zopt
     raise NotImplementedError(f"zero_optimization.stage: {zero.stage} is not built yet in dstrain")
