@@ -67,19 +67,31 @@ def _state_snapshot(zopt) -> list[torch.Tensor]:
 
 
 def _train(stage: int, optimizer: str, offload: dict, precision: str = "fp32", inf: bool = False,
-           zero_init: bool = False) -> dict:
+           zero_init: bool = False, meta: bool = False) -> dict:
+    """`meta`: torch's default device is `meta` from the model's construction on, so any buffer the
+    offload path makes without naming its device fails (as in test_device_discipline.py)."""
+    try:
+        return _train_on_default_device(stage, optimizer, offload, precision, inf, zero_init, meta)
+    finally:
+        torch.set_default_device("cpu")
+
+
+def _train_on_default_device(stage, optimizer, offload, precision, inf, zero_init, meta) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     cfg = _config(stage, optimizer, offload, precision)
+    batches = make_batches(STEPS, MICRO * GAS * world)
     if zero_init:
         with engine.zero.Init(config=cfg, remote_device="cpu"):
             model = ReuseNet("reentrant")
     else:
         model = ReuseNet("reentrant")
+    if meta:
+        torch.set_default_device("meta")
     eng, _, _, _ = engine.initialize(model=model, config=cfg)
     dtype = next(eng.module.parameters()).dtype
     norms, unchanged = [], None
-    for step, (x, y) in enumerate(make_batches(STEPS, MICRO * GAS * world)):
+    for step, (x, y) in enumerate(batches):
         poison = inf and step == INF_STEP
         before = _state_snapshot(eng.zero_optimizer) if poison else None
         for k, (xm, ym) in enumerate(micro_batches(x.to(dtype), y.to(dtype), rank, world, GAS)):
@@ -117,6 +129,8 @@ def _all_cases() -> dict:
     os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "1"
     out = {key: _train(*args) for key, args in {**FP32_CASES, **MIXED_CASES, **INF_CASES}.items()}
     out[("zero_init", "both_cpu")] = _train(3, "sgd", BOTH_CPU, zero_init=True)
+    out[("meta", 2)] = _train(2, "sgd", OPT_CPU, meta=True)
+    out[("meta", 3)] = _train(3, "sgd", BOTH_CPU, meta=True)
     os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "0"  # a CPU-only machine's own path: nothing staged
     out[("unstaged", "opt_cpu")] = _train(2, "sgd", OPT_CPU)
     return out
@@ -190,3 +204,9 @@ def test_the_seed_config_trains_the_hf_gpt2_example_on_two_ranks():
     summary = re.search(r"steps (\d+)  loss ([\d.]+) -> ([\d.]+) .* zero stage 3", result.stdout + result.stderr)
     assert summary and int(summary.group(1)) == 4, result.stdout[-3000:]
     assert float(summary.group(3)) < float(summary.group(2))  # random init: ln 256 ≈ 5.5, learning from there
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_offload_buffer_names_its_device(runs, stage):
+    for rank, result in enumerate(runs):
+        _assert_same(result[("meta", stage)], result[(stage, "sgd", "none")], f"rank {rank} meta default device")
