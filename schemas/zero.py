@@ -142,9 +142,9 @@ class ZeroConfig(StrictModel):
     """DeepSpeed's removed legacy stage-1 implementation (not supported: true is rejected)."""
     round_robin_gradients: bool = False
     """Stages 1/2 with CPU offload: spread gradient copies across ranks. By construction: an ordering
-    of the copies into the offloaded buffer with the same result, and dstrain has no CPU-offload copy
-    to order; either value is accepted at stages 1-3 (true is rejected at stage 0, where it means
-    nothing)."""
+    of the copies into the offloaded buffer with the same result; dstrain's copies (engine/zero/tier.py)
+    land in the fixed bucket order whatever the value; either value is accepted at stages 1-3 (true
+    is rejected at stage 0, where it means nothing)."""
     zero_hpz_partition_size: int = Field(1, ge=0)
     """ZeRO++ hpZ: ranks in the secondary parameter partition group (not built yet: above 1 rejected)."""
     zero_quantized_weights: bool = False
