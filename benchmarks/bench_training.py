@@ -145,9 +145,10 @@ def _deepspeed_python(venv: Path) -> Path:
     return python
 
 
-def _run_deepspeed(python: Path, stage: int, steps: int, world: int) -> tuple[float, float]:
+def _run_deepspeed(python: Path, stage: int, steps: int, world: int, extra: dict | None = None) -> tuple[float, float]:
     out = subprocess.run([str(python), str(PEER), "--stage", str(stage), "--steps", str(steps),
-                          "--world", str(world)], capture_output=True, text=True, timeout=1800)
+                          "--world", str(world), "--extra", json.dumps(extra or {})],
+                         capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise SystemExit(f"DeepSpeed ZeRO-{stage} peer failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])

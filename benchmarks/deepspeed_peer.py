@@ -30,7 +30,8 @@ from examples.gpt import BENCH_CONFIG, GPT, RandomTokens  # noqa: E402
 MICRO, LR = 8, 1e-4
 
 
-def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str, optimizer: dict | None = None) -> None:
+def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str, optimizer: dict | None = None,
+          extra: str = "{}") -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -40,6 +41,9 @@ def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str,
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "optimizer": optimizer or {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
            "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 5e6}}
+    extra_cfg = json.loads(extra)  # e.g. bench_offload.py's offload sections
+    cfg["zero_optimization"].update(extra_cfg.pop("zero_optimization", {}))
+    cfg.update(extra_cfg)
     model = GPT(BENCH_CONFIG)
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     data = RandomTokens(steps * MICRO, BENCH_CONFIG.seq_len, BENCH_CONFIG.vocab_size, seed=rank)
@@ -64,13 +68,15 @@ def main() -> int:
                    "TIME_WAIT from the previous system's run)")
     p.add_argument("--optimizer", type=json.loads, default=None,
                    help='the config\'s "optimizer" section as JSON (default: torch AdamW); bench_optimizers.py')
+    p.add_argument("--extra", default="{}", help="JSON merged into the config (zero_optimization merged key by key)")
     args = p.parse_args()
     if not args.port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_rank, args=(args.world, args.port, args.stage, args.steps, outdir, args.optimizer), nprocs=args.world)
+        mp.spawn(_rank, args=(args.world, args.port, args.stage, args.steps, outdir, args.optimizer, args.extra),
+                 nprocs=args.world)
         rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
     print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows)}))
     return 0

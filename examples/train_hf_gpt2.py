@@ -2,6 +2,8 @@
 
     python examples/train_hf_gpt2.py                     # one process
     dslaunch --num_gpus 2 examples/train_hf_gpt2.py      # data parallel, ZeRO stage 2
+    dslaunch --num_gpus 2 examples/train_hf_gpt2.py --fp16 --deepspeed_config sample_configs/zero3_offload.json
+                                                         # ZeRO-3 with optimizer and parameter offload to CPU
 
 `examples/ds_config_hf_zero2.json` is HF Transformers' ZeRO-2 template with its "auto" values (lr,
 betas, batch sizes, warmup, reduce_bucket_size, ...). The file is not edited: HF Trainer would fill
@@ -36,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gas", type=int, default=2, help="gradient_accumulation_steps")
     p.add_argument("--lr", type=float, default=1e-3, help="learning_rate")
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--fp16", action="store_true", help="TrainingArguments.fp16 (a config with fp16.enabled: true "
+                   "needs it, as HF Trainer does; e.g. sample_configs/zero3_offload.json)")
     p.add_argument("--out", default="runs/hf_gpt2", help="TrainingArguments.output_dir")
     engine.add_config_arguments(p)
     args = p.parse_args(argv)
@@ -52,7 +56,7 @@ def main(argv=None) -> int:
     training_args = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.gas,
         learning_rate=args.lr, weight_decay=0.01, warmup_steps=max(1, args.steps // 10), max_steps=args.steps,
-        report_to=[], use_cpu=not torch.cuda.is_available())
+        fp16=args.fp16, report_to=[], use_cpu=not torch.cuda.is_available())
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=64, n_layer=2, n_head=4,
                                        bos_token_id=0, eos_token_id=0))  # byte vocabulary
     overrides = schemas.hf_auto_values(args.deepspeed_config, training_args, model.config,

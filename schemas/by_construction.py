@@ -10,7 +10,7 @@ from __future__ import annotations
 
 BY_CONSTRUCTION: dict[str, str] = {
     "zero_optimization.contiguous_gradients": "stages 1-3 always reduce into contiguous flat partitions",
-    "zero_optimization.round_robin_gradients": "orders CPU-offload gradient copies; no such copy exists",
+    "zero_optimization.round_robin_gradients": "orders CPU-offload gradient copies; dstrain's land in fixed bucket order",
     "zero_optimization.use_multi_rank_bucket_allreduce": "one collective per bucket for all ranks already",
     "zero_optimization.memory_efficient_linear": "stage 3 keeps no gathered weight alive between forward and backward",
     "zero_optimization.elastic_checkpoint": "every checkpoint loads at any world size and stage",

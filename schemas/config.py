@@ -67,8 +67,8 @@ class Config(StrictModel):
     zero_allow_untested_optimizer: bool = False
     """Allow ZeRO with an optimizer outside the tested list."""
     zero_force_ds_cpu_optimizer: bool = True
-    """With optimizer offload, require the CPU Adam implementation. Optimizer offload is not built yet,
-    so false (which would allow another optimizer there) is rejected."""
+    """DeepSpeed: with optimizer offload, require its CPU Adam op. dstrain steps offloaded state with the
+    configured torch optimizer (fused CPU kernel for Adam/AdamW), so only the default is accepted."""
     disable_allgather: bool = False
     """Use broadcasts instead of all-gather for ZeRO parameter gathering (not built yet: true rejected)."""
     dataloader_drop_last: bool = False

@@ -41,8 +41,20 @@ def _is(value: Any) -> Callable[[Any], bool]:
 
 _ZEROPP = "ZeRO++ is not built yet; remove it"
 UNBUILT: tuple[Unbuilt, ...] = (
-    Unbuilt("zero_optimization.offload_param.device", 'use "none"'),
-    Unbuilt("zero_optimization.offload_optimizer.device", 'use "none"'),
+    # Offload (README, Offload): device "cpu" is built; NVMe and the keys only it reads are not.
+    Unbuilt("zero_optimization.offload_param.device", 'NVMe offload is not built yet; use "cpu" or "none"',
+            built=lambda v: v in ("none", "cpu")),
+    Unbuilt("zero_optimization.offload_optimizer.device", 'NVMe offload is not built yet; use "cpu" or "none"',
+            built=lambda v: v in ("none", "cpu")),
+    *(Unbuilt(f"zero_optimization.offload_param.{key}", "it applies to NVMe offload, which is not built yet; "
+              "remove it") for key in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
+    *(Unbuilt(f"zero_optimization.offload_optimizer.{key}", "it applies to NVMe offload, which is not built yet; "
+              "remove it") for key in ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")),
+    Unbuilt("zero_optimization.offload_optimizer.ratio", "partial offload (Twin-Flow) is not built yet; remove it "
+            "or use 1.0"),
+    Unbuilt("zero_optimization.offload_optimizer.super_offload", "Superchip offload is not built yet; remove it"),
+    Unbuilt("zero_optimization.offload_optimizer.cpuadam_cores_perc", "it applies to super_offload, which is not "
+            "built yet; remove it"),
     Unbuilt("zero_optimization.sub_group_size", "the optimizer steps each partition whole until offload "
             "steps in sub-groups; remove it or use the default 1000000000"),
     Unbuilt("zero_optimization.load_from_fp32_weights", "dstrain always loads the fp32 master weights; remove it",
@@ -108,8 +120,8 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("sparse_gradients"),
     Unbuilt("memory_breakdown"),
     Unbuilt("disable_allgather", "ZeRO gathers with all-gather; remove it"),
-    Unbuilt("zero_force_ds_cpu_optimizer", "it applies to optimizer offload, which is not built yet; remove it",
-            built=_is(True)),
+    Unbuilt("zero_force_ds_cpu_optimizer", "offloaded state is stepped by the configured torch optimizer (its "
+            "fused CPU kernel for Adam/AdamW); remove it", built=_is(True)),
     Unbuilt("checkpoint.load_universal", "dstrain checkpoints load at any world size and stage without it; "
             "loading DeepSpeed universal checkpoints is not built yet; remove it"),
     Unbuilt("checkpoint.use_node_local_storage", "use a shared file system (the default)"),

@@ -20,47 +20,58 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
 class OffloadParamConfig(StrictModel):
-    """`zero_optimization.offload_param`: where ZeRO-3 keeps partitioned parameters."""
+    """`zero_optimization.offload_param`: where ZeRO-3 keeps partitioned parameters (README, Offload)."""
 
     device: OffloadDevice = "none"
-    """Where parameters live between uses: "none" (accelerator), "cpu" or "nvme"."""
+    """Where the stage-3 parameter partitions live between uses: "none" (the accelerator) or "cpu" (host
+    memory; the prefetcher copies each chunk to the accelerator when it gathers). Stage 3 only; "nvme"
+    is not built yet."""
     nvme_path: Optional[str] = None
-    """Directory on the NVMe device for parameter swap files (required with device "nvme")."""
+    """Directory on the NVMe device for parameter swap files (device "nvme", not built yet)."""
     buffer_count: int = Field(5, ge=0)
-    """Buffers in the pool used to swap parameters from NVMe."""
+    """Buffers in the pool used to swap parameters from NVMe (device "nvme", not built yet)."""
     buffer_size: Size = Field(100_000_000, ge=0)
-    """Elements per NVMe parameter swap buffer."""
+    """Elements per NVMe parameter swap buffer (device "nvme", not built yet)."""
     max_in_cpu: Size = Field(1_000_000_000, ge=0)
-    """Parameter elements kept in CPU memory when offloading to NVMe."""
-    pin_memory: bool = False
-    """Use page-locked CPU memory for offloaded parameters (faster copies, more RAM)."""
+    """Parameter elements kept in CPU memory when offloading to NVMe (device "nvme", not built yet)."""
+    pin_memory: bool = True
+    """Page-locked host memory for offloaded parameters when an accelerator is present (faster, async
+    copies; more locked RAM: set false where `ulimit -l` is tight). True by default as in DeepSpeed
+    0.19.5+. Nothing to pin on a CPU-only machine."""
 
 
 class OffloadOptimizerConfig(StrictModel):
-    """`zero_optimization.offload_optimizer`: where optimizer state lives and the step runs."""
+    """`zero_optimization.offload_optimizer`: where optimizer state lives and the step runs (README, Offload)."""
 
     device: OffloadDevice = "none"
-    """Where optimizer state lives: "none" (accelerator), "cpu" or "nvme"; the step runs on CPU."""
+    """Where the fp32 master weights, optimizer state and gradient partitions live: "none" (the
+    accelerator) or "cpu" (host memory; the step runs there with torch's fused CPU kernel). Stages 1-3;
+    "nvme" is not built yet."""
     nvme_path: Optional[str] = None
-    """Directory on the NVMe device for optimizer-state swap files (required with device "nvme")."""
+    """Directory on the NVMe device for optimizer-state swap files (device "nvme", not built yet)."""
     buffer_count: int = Field(4, ge=0)
-    """Swap buffers; at least the states per parameter (Adam: param, grad, m, v = 4)."""
-    pin_memory: bool = False
-    """Use page-locked CPU memory for offloaded optimizer state."""
+    """Swap buffers; at least the states per parameter (Adam: param, grad, m, v = 4) (device "nvme", not
+    built yet)."""
+    pin_memory: bool = True
+    """Page-locked host memory for the offloaded partitions when an accelerator is present, so gradient
+    and weight copies are asynchronous. True by default as in DeepSpeed 0.19.5+; set false where
+    `ulimit -l` is tight. Nothing to pin on a CPU-only machine."""
     pipeline_read: bool = False
-    """Overlap reading the next sub-group from NVMe with the current sub-group's step."""
+    """Overlap reading the next sub-group from NVMe with the current sub-group's step (not built yet)."""
     pipeline_write: bool = False
-    """Overlap writing the previous sub-group to NVMe with the current sub-group's step."""
+    """Overlap writing the previous sub-group to NVMe with the current sub-group's step (not built yet)."""
     fast_init: bool = False
-    """Initialise NVMe-offloaded optimizer state quickly."""
+    """Initialise NVMe-offloaded optimizer state quickly (not built yet)."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
-    """Fraction of optimizer state offloaded; below 1 only with ZeRO stage 3."""
+    """Fraction of optimizer state offloaded; below 1 only with ZeRO stage 3 (not built yet: only 1)."""
     super_offload: bool = False
-    """DeepSpeed's Superchip offload path (stage 3)."""
+    """DeepSpeed's Superchip offload path (stage 3) (not built yet)."""
     convert_grad_on_cpu: bool = True
-    """Convert gradients to fp32 on CPU rather than on the accelerator."""
+    """With an accelerator: copy each reduced gradient segment to the host in its wire dtype and widen it
+    to fp32 there (true: half the bytes over PCIe for 16-bit wires), or widen it on the accelerator first
+    (false). The values are the same either way (the cast is exact)."""
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
-    """Fraction of CPU cores the CPU optimizer may use (super_offload only)."""
+    """Fraction of CPU cores the CPU optimizer may use (super_offload only) (not built yet)."""
 
 
 class ZeroConfig(StrictModel):
@@ -97,7 +108,7 @@ class ZeroConfig(StrictModel):
     offload_param: Optional[OffloadParamConfig] = None
     """Parameter offload (stage 3 only)."""
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
-    """Optimizer-state offload (CPU: stages 1-3; NVMe: stage 3)."""
+    """Optimizer-state offload (CPU: stages 1-3; NVMe is not built yet)."""
     zenflow: Optional[dict[str, Any]] = None
     """DeepSpeed's ZenFlow (stall-free offload) options (not built yet: the section is rejected)."""
     leaf_module: Optional[dict[str, Any]] = None
@@ -131,9 +142,9 @@ class ZeroConfig(StrictModel):
     """DeepSpeed's removed legacy stage-1 implementation (not supported: true is rejected)."""
     round_robin_gradients: bool = False
     """Stages 1/2 with CPU offload: spread gradient copies across ranks. By construction: an ordering
-    of the copies into the offloaded buffer with the same result, and dstrain has no CPU-offload copy
-    to order; either value is accepted at stages 1-3 (true is rejected at stage 0, where it means
-    nothing)."""
+    of the copies into the offloaded buffer with the same result; dstrain's copies (engine/zero/tier.py)
+    land in the fixed bucket order whatever the value; either value is accepted at stages 1-3 (true
+    is rejected at stage 0, where it means nothing)."""
     zero_hpz_partition_size: int = Field(1, ge=0)
     """ZeRO++ hpZ: ranks in the secondary parameter partition group (not built yet: above 1 rejected)."""
     zero_quantized_weights: bool = False

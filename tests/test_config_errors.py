@@ -147,11 +147,12 @@ def test_schema_errors_do_not_hide_not_built_and_cross_field_errors():
     with pytest.raises(ConfigError) as caught:
         load_config({"train_micro_batch_size_per_gpu": 1, "stray_key": 1, "fp16": {"enabled": True, "hysteresis": 0},
                      "bf16": {"enabled": True},
-                     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "mics_shard_size": 4},
+                     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True},
+                                           "mics_shard_size": 4},
                      "optimizer": {"type": "Adamm"}, "checkpoint": {"save_interval": 10}})
     heads = sorted(line.split(":")[0] for line in caught.value.problems)
     assert heads == ["checkpoint.save_interval", "fp16.enabled", "fp16.hysteresis", "optimizer.type", "stray_key",
-                     "zero_optimization.mics_shard_size", "zero_optimization.offload_optimizer.device"]
+                     "zero_optimization.mics_shard_size", "zero_optimization.offload_optimizer.super_offload"]
 
 
 def test_comment_keys_are_accepted_at_any_depth_and_other_underscores_are_not():

@@ -18,6 +18,7 @@ from .per_tensor import attach_per_tensor, closure_problem, per_tensor_problem
 from .stage0 import DataParallelOptimizer
 from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
+from .tier import PartitionTier
 from .init import (GatheredParameters, Init, register_external_parameter,  # noqa: F401  (deepspeed.zero's names)
                    unregister_external_parameter)
 
@@ -62,7 +63,7 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
         zopt = PARTITIONED_STAGES[zero.stage](
             optimizer, comm, guard, reduce_bucket_numel=zero.reduce_bucket_size,
             allgather_bucket_numel=zero.allgather_bucket_size, reduce_scatter=zero.reduce_scatter,
-            allgather_partitions=zero.allgather_partitions, **common)
+            allgather_partitions=zero.allgather_partitions, tier=PartitionTier.for_zero(comm.device, zero), **common)
         attach_per_tensor(zopt)
         tag_parameters(zopt, zopt.params)
         return zopt
@@ -71,7 +72,8 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
         problems = _partitioned_problems(optimizer, cfg)
         if problems:
             raise schemas.ConfigError(problems)
-        zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, **common)
+        zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, tier=PartitionTier.for_zero(comm.device, zero),
+                                   **common)
         attach_per_tensor(zopt)
         tag_parameters(zopt, zopt.params)
         return zopt

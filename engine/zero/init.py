@@ -62,8 +62,7 @@ class Init:
         # DeepSpeed's signature, so its callers run unchanged; what is not built is refused, not dropped.
         # mem_efficient_linear is met by construction (zero_optimization.memory_efficient_linear's note).
         _refuse_unbuilt_init_arguments({
-            "remote_device": (remote_device in (None, "none"), "parameter offload"),
-            "pin_memory": (not pin_memory, "parameter offload"),
+            "remote_device": (remote_device in (None, "none", "cpu"), "NVMe parameter offload"),
             "mpu": (mpu is None, "Megatron-style model parallelism"),
             "zero_param_parallel_group": (zero_param_parallel_group is None, "ZeRO++ hpZ"),
             "zero_quantized_weights": (not zero_quantized_weights, "ZeRO++ qwZ"),
@@ -78,6 +77,10 @@ class Init:
         cfg = schemas.load_config(source, world_size=self.comm.world_size) if source is not None else None
         self.dtype = dtype or (model_dtype(cfg) if cfg is not None else None)
         self.module = module
+        # remote_device "cpu": chunks are kept in host memory from the start (pinned next to an
+        # accelerator when asked), so the model is never whole on the device (tier.py's stage-3 note).
+        self.chunk_device = torch.device("cpu") if remote_device == "cpu" else self.comm.device
+        self.pin = pin_memory and remote_device == "cpu" and self.comm.device.type != "cpu"
         self._patched: list[tuple[type, str, object]] = []
 
     def partition(self, module: nn.Module) -> None:
@@ -93,7 +96,10 @@ class Init:
                 self.comm.broadcast(p.data, src=0)
                 spec = spec_of(tuple(p.shape), self.comm.world_size)
                 p.ds_shape = p.shape
-                p._z3_chunk = padded_chunk(p.data, spec, self.comm.rank)
+                chunk = padded_chunk(p.data, spec, self.comm.rank)
+                if chunk.device != self.chunk_device:
+                    chunk = chunk.to(self.chunk_device).pin_memory() if self.pin else chunk.to(self.chunk_device)
+                p._z3_chunk = chunk
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _wrap_init(self, cls: type) -> None:
@@ -183,7 +189,8 @@ class GatheredParameters(contextlib.ContextDecorator):
             if group is not None:
                 self._engine_groups += zopt.coordinator.gather_now([group])
             elif _is_partitioned(p) and hasattr(p, "_z3_chunk"):
-                p.data = gather_full(comm, spec_of(full_shape(p), comm.world_size), p._z3_chunk, full_shape(p))
+                p.data = gather_full(comm, spec_of(full_shape(p), comm.world_size), p._z3_chunk.to(comm.device),
+                                     full_shape(p))
                 self._init_params.append(p)
         return self
 
@@ -208,7 +215,7 @@ class GatheredParameters(contextlib.ContextDecorator):
         if zopt is not None:
             zopt.store_param(p)
         elif hasattr(p, "_z3_chunk"):
-            p._z3_chunk = padded_chunk(p.data, spec_of(full_shape(p), comm.world_size), comm.rank)
+            p._z3_chunk.copy_(padded_chunk(p.data, spec_of(full_shape(p), comm.world_size), comm.rank))
 
 
 _EXTERNAL = "_dstrain_external_params"

@@ -146,7 +146,8 @@ class PartitionedParams:
     """fp32 master partitions of an optimizer's trainable parameters on this rank, and the optimizer
     rewired to step them (one flat Parameter per param group and model dtype)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, world: int, rank: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, world: int, rank: int, tier=None):
+        self.tier = tier  # where the flats live (tier.py); None: on the parameters' device
         if optimizer.state:
             raise ValueError("the optimizer already has state; ZeRO stages 1-3 need a fresh optimizer "
                              "(its state is built over this rank's partition of the fp32 master weights)")
@@ -182,8 +183,15 @@ class PartitionedParams:
                 frag = self.fragments[p]
                 start = frag.spec.row_range(self.rank)[0] * frag.spec.row_numel
                 flat[frag.offset:frag.offset + frag.numel].copy_(p.detach().reshape(-1)[start:start + frag.numel])
+        self._set_flat(key, flat)
+
+    def _set_flat(self, key, flat: torch.Tensor) -> None:
+        """Make `flat` key's master partition, on its tier, with a zero gradient beside it."""
+        if self.tier is not None:
+            flat = self.tier.place(flat)
         self.flat[key] = torch.nn.Parameter(flat)
-        self.flat_grad[key] = torch.zeros_like(flat)
+        self.flat_grad[key] = torch.zeros(flat.shape, dtype=flat.dtype, device=flat.device,
+                                          pin_memory=flat.is_pinned())
         self.flat[key].grad = self.flat_grad[key]
 
     def params(self) -> list[torch.nn.Parameter]:

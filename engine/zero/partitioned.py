@@ -35,6 +35,7 @@ from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
 from .arrivals import ArrivalLog
 from .partition import REDUCE_DEPTH, InFlight, PartitionedParams, RankMajorLayout, split_runs
+from .tier import HostGradients, PartitionTier
 from .stage0 import checked_step, reduction_settings
 
 
@@ -76,7 +77,7 @@ class PartitionedZeroOptimizer:
                  gradient_predivide_factor: float = 1.0, communication_data_type: str | None = None,
                  grad_accum_dtype: str | None = None, reduce_scatter: bool = True,
                  allgather_partitions: bool = True, ignore_unused_parameters: bool = True,
-                 param_names: dict | None = None):
+                 param_names: dict | None = None, tier: PartitionTier | None = None):
         self.optimizer = optimizer
         self.comm = comm
         self.guard = guard
@@ -85,13 +86,19 @@ class PartitionedZeroOptimizer:
         self.use_reduce_scatter = reduce_scatter
         self.use_all_gather = allgather_partitions
         self.overlap = overlap_comm
-        self.partition = PartitionedParams(optimizer, comm.world_size, comm.rank)
+        self._init_tier(tier)
+        self.partition = PartitionedParams(optimizer, comm.world_size, comm.rank, self.tier)
         self.params = self.partition.params()
         self.gather_runs = self.partition.gather_runs(max(1, min(int(allgather_bucket_numel), GATHER_BUCKET_CAP)))
         self.inflight = InFlight(depth=REDUCE_DEPTH)
         self.last_grad_norm: float | None = None
         self.arrivals, self.ignore_unused = ArrivalLog(param_names), ignore_unused_parameters
         self._init_gradients(max(1, int(reduce_bucket_numel)), grad_accum_dtype)
+
+    def _init_tier(self, tier: PartitionTier | None) -> None:
+        """Where the partition lives (tier.py); staged gradient copies wait in `host_grads`."""
+        self.tier = tier if tier is not None else PartitionTier.on_device(self.comm.device)
+        self.host_grads = HostGradients(self.tier) if self.tier.staged else None
 
     # -- gradient buckets (module notes: bucket order, freeing) -----------------------------------
     def _init_gradients(self, bucket_numel: int, grad_accum_dtype: str | None) -> None:
@@ -138,6 +145,8 @@ class PartitionedZeroOptimizer:
 
     def _direct_slice(self, params: list[torch.nn.Parameter]) -> torch.Tensor | None:
         """The partition-gradient slice equal to this rank's segment of `params`, if they are neighbours."""
+        if self.tier.staged:  # the collective writes on the device, the partition is on the host
+            return None
         frags = [self.partition.fragments[p] for p in params]
         for a, b in zip(frags, frags[1:]):
             if b.key != a.key or b.offset != a.offset + a.padded:
@@ -236,6 +245,9 @@ class PartitionedZeroOptimizer:
             out = send.view(self.comm.world_size, layout.segment)[self.comm.rank]
 
         def finish() -> None:
+            if self.host_grads is not None:  # to the host partition (tier.py's note)
+                self.host_grads.arrive(bucket.targets, layout, out, accumulate, self.scaling.after)
+                return
             seg = out.float() if out.dtype != torch.float32 else out
             if self.scaling.after != 1.0:
                 seg.mul_(self.scaling.after)
@@ -265,6 +277,8 @@ class PartitionedZeroOptimizer:
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)
         self.inflight.drain()
+        if self.host_grads is not None:
+            self.host_grads.land()
         self._reset_buckets()
         self._reduced_since_step = True
         self._armed = False
@@ -290,7 +304,7 @@ class PartitionedZeroOptimizer:
         sq = self.comm.zeros()  # on the collective's device (comm.py's note), not torch's default
         for b in buffers:
             if b.numel():
-                sq += torch.linalg.vector_norm(b, dtype=torch.float32).square()
+                sq += torch.linalg.vector_norm(b, dtype=torch.float32).square().to(sq.device)
         self.comm.all_reduce(sq)
         return float(sq.sqrt())
 
@@ -317,7 +331,7 @@ class PartitionedZeroOptimizer:
         most GATHER_BUCKET_CAP elements (its note), two in flight."""
         gather = InFlight(depth=2)
         for key, start, stop, layout in self.gather_runs:
-            send = self.partition.flat[key].detach()[start:stop].to(key[1])
+            send = self.tier.to_device(self.partition.flat[key].detach()[start:stop], key[1])
             out = torch.empty(layout.numel, dtype=key[1], device=send.device)
             gather.push(self._gather_into(out, send),
                         lambda out=out, layout=layout: layout.unpack(out, [p.detach() for p in layout.params]))
@@ -370,7 +384,7 @@ class PartitionedZeroOptimizer:
         """Collective: the full fp32 tensor of `param` from every rank's slot in `flat`."""
         frag = self.partition.fragments[param]
         layout = RankMajorLayout([param], [frag.spec], self.comm.world_size)
-        send = flat.detach()[frag.offset:frag.offset + frag.padded].float().contiguous()
+        send = flat.detach()[frag.offset:frag.offset + frag.padded].float().contiguous().to(self.comm.device)
         out = torch.empty(layout.numel, dtype=torch.float32, device=send.device)
         self.comm.all_gather(out, send)
         full = torch.empty(param.shape, dtype=torch.float32, device=send.device)

@@ -34,6 +34,7 @@ from .stage2 import ZeroStage2Optimizer
 from .stage3_params import (GatherGroup, Stage3Partition, full_shape, gather_full, local_chunk, padded_chunk,
                             spec_of)
 from .stage3_units import discover_units, install_hooks, user_modules
+from .tier import copy_chunks
 
 
 class HostMemoryTrimmer:
@@ -93,7 +94,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
                  *, overlap_comm: bool, gradient_clipping: float, prescale_gradients: bool = False,
                  gradient_predivide_factor: float = 1.0, communication_data_type: str | None = None,
                  grad_accum_dtype: str | None = None, ignore_unused_parameters: bool = True,
-                 param_names: dict | None = None):
+                 param_names: dict | None = None, tier=None):
         self.optimizer, self.comm, self.guard, self.module = optimizer, comm, guard, module
         self.clip, self.scaling, self.comm_dtype = reduction_settings(
             comm.world_size, gradient_clipping, prescale_gradients, gradient_predivide_factor, communication_data_type)
@@ -101,7 +102,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self.inflight = InFlight(depth=REDUCE_DEPTH)
         self.last_grad_norm: float | None = None
         self.arrivals, self.ignore_unused = ArrivalLog(param_names), ignore_unused_parameters
-        self.partition = Stage3Partition(optimizer, comm.world_size, comm.rank)
+        self._init_tier(tier)
+        self.partition = Stage3Partition(optimizer, comm.world_size, comm.rank, self.tier)
         units = discover_units(module)
         self.persistent = self._choose_persistent(units, zero)
         self.frozen_chunks: dict = {}
@@ -149,7 +151,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             return self.partition.slot(p, self.partition.flat)
         if p not in self.frozen_chunks:
             spec = spec_of(full_shape(p), self.comm.world_size)
-            self.frozen_chunks[p] = local_chunk(p, spec, self.comm.rank).to(p.dtype)
+            self.frozen_chunks[p] = self.tier.place(local_chunk(p, spec, self.comm.rank).to(p.dtype))
         return self.frozen_chunks[p]
 
     def _build_groups(self, units) -> list[GatherGroup]:
@@ -175,7 +177,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
     def _materialize(self, p: torch.nn.Parameter) -> None:
         """A persistent parameter that zero.Init partitioned: all-gather it once."""
         spec = spec_of(full_shape(p), self.comm.world_size)
-        p.data = gather_full(self.comm, spec, p._z3_chunk.to(p.dtype), full_shape(p))
+        p.data = gather_full(self.comm, spec, p._z3_chunk.to(device=self.comm.device, dtype=p.dtype), full_shape(p))
 
     def _persistent_runs(self) -> list[tuple[list, RankMajorLayout]]:
         by_dtype: dict = {}
@@ -199,7 +201,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self.coordinator.release_all()
         for params, layout in self._persistent_layouts:
             send = self.comm.empty(layout.segment, dtype=params[0].dtype)
-            torch._foreach_copy_(layout.segment_slots(send), [self.partition.slot(p, self.partition.flat) for p in params])
+            copy_chunks(layout.segment_slots(send), [self.partition.slot(p, self.partition.flat) for p in params])
             out = self.comm.empty(layout.numel, dtype=send.dtype)
             self.comm.all_gather(out, send)
             layout.unpack(out, [p.data for p in params])
@@ -229,7 +231,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
     def _gather_full(self, param: torch.nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
         """Stage 1's query with the full shape (`param.shape` is the placeholder's between uses)."""
         frag = self.partition.fragments[param]
-        chunk = flat.detach()[frag.offset:frag.offset + frag.padded].float()
+        chunk = flat.detach()[frag.offset:frag.offset + frag.padded].float().to(self.comm.device)
         return gather_full(self.comm, frag.spec, chunk, full_shape(param))
 
     def model_state_bytes(self) -> dict[str, int]:

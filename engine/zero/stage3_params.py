@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .partition import ChunkSpec, Fragment, PartitionedParams, RankMajorLayout
+from .tier import copy_chunks
 
 TAG = 2  # trailing elements per rank in every all-gather
 
@@ -73,10 +74,7 @@ class Stage3Partition(PartitionedParams):
                                          (stop - start,) + shape[1:], spec)
             chunks.append(local_chunk(p, spec, self.rank))
             offset += spec.padded
-        flat = torch.cat([c.float() for c in chunks])  # a key exists only with a member (PartitionedParams)
-        self.flat[key] = torch.nn.Parameter(flat)
-        self.flat_grad[key] = torch.zeros_like(flat)
-        self.flat[key].grad = self.flat_grad[key]
+        self._set_flat(key, torch.cat([c.float() for c in chunks]))  # a key exists only with a member
 
 
 class GatherGroup:
@@ -104,7 +102,7 @@ class GatherGroup:
     def send_buffer(self) -> torch.Tensor:
         """This rank's segment: every chunk (cast to the model dtype) and the tag."""
         send = torch.empty(self.layout.segment, dtype=self.dtype, device=self.placeholder.device)
-        torch._foreach_copy_(self.layout.segment_slots(send), self.sources + [self.tag])
+        copy_chunks(self.layout.segment_slots(send), self.sources + [self.tag])
         return send
 
     def output_buffer(self) -> torch.Tensor:

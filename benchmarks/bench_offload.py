@@ -1,0 +1,96 @@
+"""ZeRO-Offload step time: dstrain with the optimizer offloaded to the host against dstrain without
+offload and against DeepSpeed's ZeRO-Offload (its DeepSpeedCPUAdam), side by side in one run.
+
+    python benchmarks/bench_offload.py --steps 8 --deepspeed-venv /tmp/ds-venv
+
+Workload: bench_training.py's (the 25M benchmark GPT, examples/gpt.py BENCH_CONFIG, micro-batch 8,
+AdamW, fp32, gradient_clipping 1.0, 2 ranks x 1 thread, gloo). Systems:
+- `dstrain-z2`: ZeRO-2 without offload (the baseline every ratio is against);
+- `dstrain-z2-cpu`: ZeRO-2 with `offload_optimizer: {"device": "cpu"}`;
+- `deepspeed-z2-cpu`: DeepSpeed 0.19 with the same config (its JIT-built CPU Adam, which is what
+  DeepSpeed uses with offload; the op needs a C++ compiler, and the build is cached under
+  ~/.cache/torch_extensions);
+- `dstrain-z3-nvme` / `deepspeed-z3-nvme`: ZeRO-3 with NVMe offload of optimizer and parameters: not
+  run, NVMe offload is not built in dstrain's engine yet (the row says so).
+Goals (issue 17): dstrain-z2-cpu ≤ 1.10x dstrain-z2 and faster than deepspeed-z2-cpu. On a CPU-only
+machine the offloaded partition already is where the step runs, so dstrain stages nothing
+(engine/zero/tier.py) and the ratio measures that this costs nothing; `dstrain-z2-cpu-staged` runs the
+accelerator's copy path anyway (DSTRAIN_OFFLOAD_STAGE_COPIES=1) to show what those copies cost here.
+These machines are shared and noisy: read the ratios, and the load printed before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_training as bt  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
+
+ZERO2 = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}
+CPU_OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+DSTRAIN = {"dstrain-z2": ({}, {}), "dstrain-z2-cpu": (CPU_OFFLOAD, {}),
+           "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"})}
+# DeepSpeed's offload path: without torch_adam, its AdamW with offload is DeepSpeedCPUAdam.
+DEEPSPEED = {"deepspeed-z2-cpu": {"zero_optimization": CPU_OFFLOAD,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": bt.LR}}}}
+NOT_RUN = {"dstrain-z3-nvme": "NVMe offload is not built in dstrain's engine yet",
+           "deepspeed-z3-nvme": "its dstrain counterpart is not built yet"}
+
+
+def _entry(offload: dict, steps: int):
+    torch.manual_seed(0)
+    times = bt._run_dstrain(steps, True, stage=2, extra={"zero_optimization": {**ZERO2, **offload}})
+    return {"step_ms": statistics.median(times[2:-1] if len(times) > 4 else times), "rss_mb": bt._peak_rss_mb()}
+
+
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default=",".join([*DSTRAIN, *DEEPSPEED, *NOT_RUN]))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--deepspeed-venv", type=Path, default=None, help="virtual environment with deepspeed")
+    args = p.parse_args(argv)
+    systems = args.systems.split(",")
+    print(f"before: {_load()}", flush=True)
+    rows = []
+    for name in systems:
+        if name in NOT_RUN:
+            rows.append((name, None, None, f"not run: {NOT_RUN[name]}"))
+        elif name in DEEPSPEED:
+            if args.deepspeed_venv is None:
+                rows.append((name, None, None, "not run: no --deepspeed-venv"))
+                continue
+            try:
+                step, rss = bt._run_deepspeed(bt._deepspeed_python(args.deepspeed_venv), 2, args.steps, args.world,
+                                              DEEPSPEED[name])
+                rows.append((name, step, rss, ""))
+            except SystemExit as failed:  # the peer's own error, shortened to its last line
+                rows.append((name, None, None, f"not run: {str(failed).strip().splitlines()[-1][:200]}"))
+        else:
+            offload, env = DSTRAIN[name]
+            per_rank = run_distributed(_entry, args.world, args=(offload, args.steps), timeout=1800, env=env)
+            rows.append((name, max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank), ""))
+        print(f"{name:>22}: {rows[-1][1] or 0:8.1f} ms/step  {rows[-1][3]}", flush=True)
+    print(f"after: {_load()}")
+    base = next((step for name, step, _, _ in rows if name == "dstrain-z2" and step), None)
+    print("\n| system | ms/step | ratio vs dstrain-z2 | peak RSS/rank MB | note |")
+    print("|---|---|---|---|---|")
+    for name, step, rss, note in rows:
+        ratio = f"{step / base:.3f}" if step and base else "-"
+        print(f"| {name} | {step:.0f} | {ratio} | {rss:.0f} | {note} |" if step else f"| {name} | - | - | - | {note} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
