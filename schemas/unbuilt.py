@@ -87,12 +87,7 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("activation_checkpointing.number_checkpoints", "it sizes the buffer of contiguous_memory_optimization, "
             "which is not built yet; remove it"),
     Unbuilt("pipeline"),
-    Unbuilt("tensorboard.enabled"),
-    Unbuilt("csv_monitor.enabled"),
-    Unbuilt("wandb.enabled"),
-    Unbuilt("comet.enabled"),
     Unbuilt("comms_logger.enabled"),
-    Unbuilt("flops_profiler.enabled"),
     Unbuilt("elasticity.enabled"),
     Unbuilt("amp.enabled", "use fp16 or bf16", permanent=True),
     Unbuilt("sparse_gradients"),
