@@ -21,7 +21,7 @@ class TrainingProgress:
         self.live = self.enabled and (sys.stdout.isatty() if live is None else live)
         self._start_step, self._t0 = start_step, time.perf_counter()
         self._every = max(1, (total_steps - start_step) // PLAIN_LINES)
-        self._bar = None
+        self._bar, self._last = None, start_step
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
             self._bar = Progress(TextColumn("[bold cyan]train"), BarColumn(), MofNCompleteColumn(),
@@ -34,9 +34,11 @@ class TrainingProgress:
         return (time.perf_counter() - self._t0) / done * (self.total - step) if done > 0 else float("nan")
 
     def update(self, step: int, loss: float | None, tokens_per_s: float | None) -> None:
-        if not self.enabled:
+        """Call after every micro-step; acts once per optimizer step."""
+        if not self.enabled or step == self._last:
             return
-        stats = " ".join(s for s in (f"loss {loss:.4f}" if loss is not None else "",
+        self._last = step
+        stats = ", ".join(s for s in (f"loss {loss:.4f}" if loss is not None else "",
                                      f"{tokens_per_s:,.0f} tok/s" if tokens_per_s else "") if s)
         if self._bar is not None:
             self._bar.update(self._task, completed=step, stats=stats)
