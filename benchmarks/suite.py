@@ -67,6 +67,8 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     "dstrain-pipe2": ({"pipeline": {"stages": 2}}, 0),
     "dstrain-tp2": ({"tensor_parallel": {"autotp_size": 2}}, 0),
 }
+# Strategies DeepSpeed has no counterpart for (it ignores unknown top-level keys: it would run plain Adam).
+NO_DEEPSPEED = {"dstrain-powersgd": "DeepSpeed has no PowerSGD"}
 TORCH_PEERS = {"ddp": 0, "fsdp2": 3}  # name -> the stage whose memory formula it follows
 QUICK_MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model=32)
 
@@ -160,6 +162,8 @@ def measure(system: str, world: int, steps: int, model: GPTConfig, micro: int, w
             ds_python: Path | None, ds_missing: str) -> Round:
     load = os.getloadavg()[0]
     if system.startswith("deepspeed:"):
+        if system.split(":", 1)[1] in NO_DEEPSPEED:
+            return Round(load_before=load, error=NO_DEEPSPEED[system.split(":", 1)[1]])
         if ds_python is None:
             return Round(load_before=load, error=ds_missing)
         config = deepspeed_config(strategy_config(system.split(":", 1)[1], micro))
