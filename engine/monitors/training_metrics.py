@@ -13,6 +13,7 @@ import resource
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..profiling import ModuleProfile, peak_flops_per_device
 from ..profiling.mfu import Utilisation, utilisation
@@ -32,7 +33,10 @@ def peak_memory_mb(device: torch.device) -> float:
 
 class TrainingMetrics:
     def __init__(self, config, comm, module: torch.nn.Module):
-        self.monitor = build_monitors(config, comm.rank)
+        # Global rank 0, not the data-parallel rank: with pipeline or tensor parallelism several
+        # processes are data-parallel rank 0.
+        global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.monitor = build_monitors(config, global_rank)
         # Every rank joins the loss all-reduce, so every rank reads the config, not `monitor.enabled`.
         self._reduce_loss = any_monitor_enabled(config)
         self._loss_sum: torch.Tensor | None = None
@@ -44,7 +48,7 @@ class TrainingMetrics:
         self.train_batch_size = config.train_batch_size
         wanted = self.monitor.enabled or bool(config.steps_per_print) or self.profiler_cfg.enabled
         self.count_step = self.profiler_cfg.profile_step if self.profiler_cfg.enabled else 1
-        self._count = wanted and comm.rank == 0
+        self._count = wanted and global_rank == 0
         self.fwd_flops_per_sample: float | None = None
         self.tokens_per_sample: int | None = None
         self._profile: ModuleProfile | None = None
