@@ -198,7 +198,7 @@ def _ratio(a: Result, b: Result | None, label: str) -> str:
     if a.step_ms() is None:
         return "not run"
     if b.step_ms() is None:
-        return f"not run: {label} {b.error}"
+        return f"not run: {b.error}" if b.error.startswith(label) else f"not run: {label}: {b.error}"
     return f"{a.step_ms() / b.step_ms():.2f}"
 
 
@@ -272,7 +272,9 @@ def _scaling_rows(scaling: dict, system: str) -> str:
 def deepspeed_version(python: Path) -> str:
     out = subprocess.run([str(python), "-c", "import deepspeed; print(deepspeed.__version__)"],
                          capture_output=True, text=True, timeout=300)
-    return out.stdout.strip() or f"unknown ({_last_line(out.stderr)})"
+    # DeepSpeed prints an accelerator warning on stdout before the version: keep the last line.
+    lines = out.stdout.strip().splitlines()
+    return lines[-1].strip() if lines else f"unknown ({_last_line(out.stderr)})"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
