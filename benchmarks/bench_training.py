@@ -46,9 +46,10 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _batches(steps: int, rank: int):
-    data = RandomTokens(steps * MICRO, BENCH_CONFIG.seq_len, BENCH_CONFIG.vocab_size, seed=rank)
-    return [data[i * MICRO:(i + 1) * MICRO] for i in range(steps)]
+def _batches(steps: int, rank: int, model_cfg: GPTConfig | None = None, micro: int = MICRO):
+    model_cfg = model_cfg or BENCH_CONFIG
+    data = RandomTokens(steps * micro, model_cfg.seq_len, model_cfg.vocab_size, seed=rank)
+    return [data[i * micro:(i + 1) * micro] for i in range(steps)]
 
 
 def _timed_loop(step_fn, batches) -> list[float]:
@@ -70,23 +71,24 @@ def _torch_step(model, opt):
     return step
 
 
-def _run_ddp(steps: int, fused: bool):
+# Every runner: (steps, fused, model_cfg=None → BENCH_CONFIG) → per-step times in ms, on every rank.
+def _run_ddp(steps: int, fused: bool, model_cfg: GPTConfig | None = None):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    model = DDP(GPT(BENCH_CONFIG), gradient_as_bucket_view=True)
+    model = DDP(GPT(model_cfg or BENCH_CONFIG), gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused, foreach=None if fused else True)
-    return _timed_loop(_torch_step(model, opt), _batches(steps, dist.get_rank()))
+    return _timed_loop(_torch_step(model, opt), _batches(steps, dist.get_rank(), model_cfg))
 
 
-def _run_fsdp2(steps: int, fused: bool):
+def _run_fsdp2(steps: int, fused: bool, model_cfg: GPTConfig | None = None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    model = GPT(BENCH_CONFIG)
+    model = GPT(model_cfg or BENCH_CONFIG)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-    return _timed_loop(_torch_step(model, opt), _batches(steps, dist.get_rank()))
+    return _timed_loop(_torch_step(model, opt), _batches(steps, dist.get_rank(), model_cfg))
 
 
 def _dstrain_config(stage: int, fused: bool, extra: dict | None = None) -> dict:
@@ -98,14 +100,20 @@ def _dstrain_config(stage: int, fused: bool, extra: dict | None = None) -> dict:
     return cfg
 
 
-def _run_dstrain(steps: int, fused: bool, stage: int = 0, extra: dict | None = None):
+def _run_dstrain(steps: int, fused: bool, stage: int = 0, extra: dict | None = None,
+                 model_cfg: GPTConfig | None = None, on_engine=None):
+    """`on_engine(eng)`, if given, is called after the timed steps (the suite reads bytes communicated)."""
     import engine
-    eng, _, _, _ = engine.initialize(model=GPT(BENCH_CONFIG), config=_dstrain_config(stage, fused, extra))
+    eng, _, _, _ = engine.initialize(model=GPT(model_cfg or BENCH_CONFIG), config=_dstrain_config(stage, fused, extra))
 
     def step(x, y):
         eng.backward(eng(x, y))
         eng.step()
-    return _timed_loop(step, _batches(steps, dist.get_rank()))
+    times = _timed_loop(step, _batches(steps, dist.get_rank(), model_cfg))
+    if on_engine is not None:
+        on_engine(eng)
+    eng.destroy()
+    return times
 
 
 SYSTEMS = {
@@ -145,10 +153,15 @@ def _deepspeed_python(venv: Path) -> Path:
     return python
 
 
-def _run_deepspeed(python: Path, stage: int, steps: int, world: int, extra: dict | None = None) -> tuple[float, float]:
-    out = subprocess.run([str(python), str(PEER), "--stage", str(stage), "--steps", str(steps),
-                          "--world", str(world), "--extra", json.dumps(extra or {})],
-                         capture_output=True, text=True, timeout=1800)
+def _run_deepspeed(python: Path, stage: int, steps: int, world: int, extra: dict | None = None,
+                   model: dict | None = None, config: dict | None = None) -> tuple[float, float]:
+    """DeepSpeed on the benchmark GPT (or `model`, GPTConfig fields) with AdamW at `stage` (or `config`),
+    `extra` merged into the config (bench_offload.py's offload sections)."""
+    cmd = [str(python), str(PEER), "--stage", str(stage), "--steps", str(steps), "--world", str(world)]
+    cmd += ["--model-json", json.dumps(model)] if model else []
+    cmd += ["--config-json", json.dumps(config)] if config else []
+    cmd += ["--extra", json.dumps(extra)] if extra else []
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise SystemExit(f"DeepSpeed ZeRO-{stage} peer failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])

@@ -25,37 +25,41 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples.gpt import BENCH_CONFIG, GPT, RandomTokens  # noqa: E402
+from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, RandomTokens  # noqa: E402
 
 MICRO, LR = 8, 1e-4
 
 
-def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str, optimizer: dict | None = None,
-          extra: str = "{}") -> None:
+def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str, model: dict | None = None,
+          config: dict | None = None, optimizer: dict | None = None, extra: str = "{}") -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-           "optimizer": optimizer or {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
-           "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 5e6}}
+    cfg = config or {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+                     "optimizer": optimizer or {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+                     "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 5e6}}
     extra_cfg = json.loads(extra)  # e.g. bench_offload.py's offload sections
-    cfg["zero_optimization"].update(extra_cfg.pop("zero_optimization", {}))
+    cfg.setdefault("zero_optimization", {}).update(extra_cfg.pop("zero_optimization", {}))
     cfg.update(extra_cfg)
-    model = GPT(BENCH_CONFIG)
+    model_cfg = GPTConfig(**model) if model else BENCH_CONFIG
+    micro = cfg["train_micro_batch_size_per_gpu"]
+    model = GPT(model_cfg)
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    data = RandomTokens(steps * MICRO, BENCH_CONFIG.seq_len, BENCH_CONFIG.vocab_size, seed=rank)
+    data = RandomTokens(steps * micro, model_cfg.seq_len, model_cfg.vocab_size, seed=rank)
     times = []
     for i in range(steps):
-        x, y = data[i * MICRO:(i + 1) * MICRO]
+        x, y = data[i * micro:(i + 1) * micro]
         t0 = time.perf_counter()
         eng.backward(eng(x, y))
         eng.step()
         times.append((time.perf_counter() - t0) * 1e3)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(outdir, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(times[2:-1]), "rss_mb": rss}))
+    kept = times[2:-1] if len(times) > 4 else times[1:]
+    Path(outdir, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(kept), "rss_mb": rss,
+                                                        "times_ms": times}))
     deepspeed.comm.destroy_process_group()  # or a rank may abort at teardown (baselines.md)
 
 
@@ -64,6 +68,8 @@ def main() -> int:
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--model-json", default=None, help="GPTConfig fields as JSON (default: the benchmark GPT)")
+    p.add_argument("--config-json", default=None, help="the DeepSpeed config as JSON (default: AdamW at --stage)")
     p.add_argument("--port", type=int, default=0, help="rendezvous port; 0: a free one (a fixed one can still be in "
                    "TIME_WAIT from the previous system's run)")
     p.add_argument("--optimizer", type=json.loads, default=None,
@@ -75,10 +81,13 @@ def main() -> int:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_rank, args=(args.world, args.port, args.stage, args.steps, outdir, args.optimizer, args.extra),
-                 nprocs=args.world)
+        model = json.loads(args.model_json) if args.model_json else None
+        config = json.loads(args.config_json) if args.config_json else None
+        mp.spawn(_rank, args=(args.world, args.port, args.stage, args.steps, outdir, model, config, args.optimizer,
+                              args.extra), nprocs=args.world)
         rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
-    print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows)}))
+    print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows),
+                      "rss_per_rank_mb": [r["rss_mb"] for r in rows]}))
     return 0
 
 

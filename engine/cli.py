@@ -5,6 +5,7 @@
     dstrain ckpt info CKPT_DIR [--no-verify]
     dstrain topology --world N [--pipe P] [--model T]
     dstrain estimate --params N | --model module:factory [--nodes N] [--gpus-per-node G] (estimate_cli.py)
+    dstrain plot RUN_DIR [--out FILE.png]
 
 `check-config` prints the resolved config as JSON (batch keys derived for the given data-parallel
 world size) and exits 0, or prints one line per problem and exits 2. It runs every check
@@ -146,11 +147,30 @@ def _add_topology(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_topology)
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from engine.plot import PlotError, plot_run
+    try:
+        print(f"wrote {plot_run(args.run_dir, args.out)}")
+        return EXIT_OK
+    except PlotError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+def _add_plot(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("plot", help="loss, lr, throughput and memory curves to a PNG",
+                                   description="Draw the csv monitor's files (csv_monitor: <output_path>/"
+                                               "<job_name>) as curves against global samples, in one PNG.")
+    parser.add_argument("run_dir", help="the csv monitor's <output_path>/<job_name>, or a folder above it")
+    parser.add_argument("--out", default=None, help="PNG to write (default RUN_DIR/dstrain_plot.png)")
+    parser.set_defaults(handler=_plot)
+
+
 # Each entry adds one subcommand; later issues append theirs (report).
 from .estimate_cli import add_estimate  # noqa: E402 (no torch at import time either)
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_check_config, _add_ckpt, _add_topology,
-                                                                    add_estimate]
+                                                                    add_estimate, _add_plot]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ import torch
 
 from . import heartbeat
 from .monitor import StepLogger, Timers
+from .monitors.training_metrics import TrainingMetrics
 
 
 class Engine(torch.nn.Module):
@@ -36,8 +37,11 @@ class Engine(torch.nn.Module):
         self._last_loss: torch.Tensor | None = None
         # fp16.auto_cast (DeepSpeed): floating-point inputs are cast to the fp16 weights' dtype.
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
-        self.timers = Timers(config.wall_clock_breakdown, comm.device)
+        # The FLOPs profiler reports the breakdown too, as DeepSpeed's turns wall_clock_breakdown on.
+        self.timers = Timers(config.wall_clock_breakdown or config.flops_profiler.enabled, comm.device)
         self.logger = StepLogger(config.steps_per_print, comm.rank, config.train_batch_size)
+        self.metrics = TrainingMetrics(config, comm, module)  # engine/monitors: monitors, MFU, profiler
+        self.monitor = self.metrics.monitor  # DeepSpeed's `engine.monitor.write_events([...])`
 
     @property
     def device(self) -> torch.device:
@@ -49,7 +53,8 @@ class Engine(torch.nn.Module):
         self.timers.start("forward")
         if self._cast_inputs is not None:
             args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
-        out = self.module(*args, **kwargs)
+        with self.metrics.forward_context(self.global_steps, args):
+            out = self.module(*args, **kwargs)
         self.timers.stop("forward")
         return out
 
@@ -68,6 +73,7 @@ class Engine(torch.nn.Module):
             self.zero_optimizer.after_backward()
             self.timers.stop("allreduce")
         self._last_loss = loss.detach()
+        self.metrics.record_loss(self._last_loss)
         return loss
 
     def step(self) -> None:
@@ -87,6 +93,7 @@ class Engine(torch.nn.Module):
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
             heartbeat.beat(self.global_steps)
+            self.metrics.after_step(self, self.timers.step_totals_and_reset())
             self._maybe_log()
             if self.config.checkpoint.save_interval:  # periodic saving (engine/checkpoint)
                 self.checkpoint_io.after_step()
@@ -99,7 +106,13 @@ class Engine(torch.nn.Module):
         loss = float(self._last_loss) if self._last_loss is not None else None
         breakdown = self.timers.means_and_reset() if self.timers.enabled else None
         self.logger.log(self.global_steps, loss, self.get_lr(), self.skipped_steps, breakdown,
-                        self.zero_optimizer.log_suffix())
+                        self.zero_optimizer.log_suffix() + self.metrics.log_suffix())
+
+    def log_scalars(self, scalars: dict[str, float], step: int | None = None) -> None:
+        """Write user scalars `{tag: value}` to the configured monitors (rank 0 only; a no-op without
+        monitors), at `step` or the engine's x-axis, global samples."""
+        at = self.global_samples if step is None else step
+        self.monitor.write_events([(tag, value, at) for tag, value in scalars.items()])
 
     def _require_optimizer(self, what: str) -> None:
         if self.zero_optimizer is None:
@@ -178,6 +191,7 @@ class Engine(torch.nn.Module):
         group, stage 3's gather group) and lets gloo's worker threads finish (engine/teardown.py).
         The default process group stays: `torch.distributed.destroy_process_group()` is the user's."""
         self.wait_for_checkpoint()
+        self.monitor.close()
         zopt = self.zero_optimizer
         if zopt is not None:
             for hook in getattr(zopt, "_hooks", []) + getattr(getattr(zopt, "buckets", None), "_hooks", []):

@@ -19,6 +19,7 @@ class Timers:
         self._device = device
         self.total_ms: dict[str, float] = defaultdict(float)
         self.count: dict[str, int] = defaultdict(int)
+        self._step_ms: dict[str, float] = defaultdict(float)  # since the last optimizer step (monitors)
         self._start: dict[str, float] = {}
 
     def start(self, name: str) -> None:
@@ -31,13 +32,21 @@ class Timers:
         if self.enabled and name in self._start:
             if self._sync is not None:
                 self._sync(self._device)
-            self.total_ms[name] += (time.perf_counter() - self._start.pop(name)) * 1e3
+            elapsed = (time.perf_counter() - self._start.pop(name)) * 1e3
+            self.total_ms[name] += elapsed
+            self._step_ms[name] += elapsed
             self.count[name] += 1
 
     def means_and_reset(self) -> dict[str, float]:
         out = {k: self.total_ms[k] / max(1, self.count[k]) for k in self.total_ms}
         self.total_ms.clear()
         self.count.clear()
+        return out
+
+    def step_totals_and_reset(self) -> dict[str, float]:
+        """Each timer's total over the micro-steps of the optimizer step that just ended."""
+        out = dict(self._step_ms)
+        self._step_ms.clear()
         return out
 
 

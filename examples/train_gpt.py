@@ -19,6 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import engine  # noqa: E402
+from engine.display import TrainingProgress, print_summary  # noqa: E402
 from engine.monitor import rss_mb  # noqa: E402
 from engine.topology import current  # noqa: E402
 from examples.gpt import GPT, ByteCorpus, GPTConfig, uniform_loss  # noqa: E402
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     rank = dist.get_rank()
     start_step = eng.global_steps  # > 0 when checkpoint.auto_resume picked up a previous run
     losses, tokens, t0 = [], 0, time.perf_counter()
-    progress = _progress(rank, args.steps)
+    progress = TrainingProgress(args.steps, rank, start_step=start_step)  # rank 0; a live bar on a terminal
     batches = _forever(loader)
     while eng.global_steps < args.steps:
         x, y = next(batches)
@@ -62,11 +63,9 @@ def main(argv=None) -> int:
         eng.step()
         tokens += x.numel()
         losses.append(loss.item())
-        if progress and eng.global_steps > progress.tasks[0].completed:
-            progress.update(progress.task_ids[0], completed=eng.global_steps, description=f"loss {losses[-1]:.3f}")
+        progress.update(eng.global_steps, losses[-1], tokens * dist.get_world_size() / (time.perf_counter() - t0))
     elapsed = time.perf_counter() - t0
-    if progress:
-        progress.stop()
+    progress.close()
     _summary(eng, losses, tokens, elapsed, args, resumed=start_step > 0)
     return 0
 
@@ -85,16 +84,6 @@ def _forever(loader):
         yield from loader
 
 
-def _progress(rank: int, steps: int):
-    if rank != 0 or not sys.stdout.isatty():
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    progress.add_task("training", total=steps)
-    progress.start()
-    return progress
-
-
 def _summary(eng, losses, tokens, elapsed, args, resumed: bool) -> None:
     world = dist.get_world_size()
     rss = eng.comm.all_gather_object(round(rss_mb()))
@@ -111,8 +100,19 @@ def _summary(eng, losses, tokens, elapsed, args, resumed: bool) -> None:
           f"{total_tokens / elapsed:,.0f} tokens/s, peak RSS per rank {rss} MB, "
           f"skipped steps {eng.skipped_steps}, "
           + (f"checkpoint in {args.out}/global_step{eng.global_steps}" if saved else "no checkpoint (tensor parallel)"))
+    rows = [("steps", f"{eng.global_steps} on {world} rank(s)"), ("loss", f"{first:.3f} -> {last:.3f}"),
+            ("tokens/s", f"{total_tokens / elapsed:,.0f}"), ("time", f"{elapsed:.1f} s"),
+            ("peak RSS per rank", f"{max(rss)} MB"), ("skipped steps", str(eng.skipped_steps))]
+    written = [f"{args.out}/global_step{eng.global_steps}"] if saved else []
+    print_summary("dstrain demo", rows, written + _monitor_dirs(eng.config), 0)
     if not resumed and not last < first:
         raise SystemExit("[dstrain] the loss did not fall — something is wrong")
+
+
+def _monitor_dirs(cfg) -> list[str]:
+    """Where the config's monitors wrote (`dstrain plot` reads the csv one)."""
+    return [str(Path(section.output_path, section.job_name)) for section in (cfg.tensorboard, cfg.csv_monitor)
+            if section.enabled]
 
 
 if __name__ == "__main__":

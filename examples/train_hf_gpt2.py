@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import engine  # noqa: E402
 import schemas  # noqa: E402
+from engine.display import TrainingProgress, print_summary  # noqa: E402
 from engine.dist import device  # noqa: E402
 from examples.gpt import ByteCorpus  # noqa: E402
 
@@ -65,20 +67,26 @@ def main(argv=None) -> int:
                                           training_data=ByteCorpus(args.seq_len, max_bytes=400_000),
                                           config_overrides=overrides)
     dev, losses = device(), []
+    progress, tokens, t0 = TrainingProgress(args.steps, dist.get_rank()), 0, time.perf_counter()
     while eng.global_steps < args.steps:
         for x, _ in loader:
             loss = eng(input_ids=x.to(dev), labels=x.to(dev)).loss  # GPT-2 shifts the labels itself
             eng.backward(loss)
             eng.step()
             losses.append(loss.item())
+            tokens += x.numel() * dist.get_world_size()
+            progress.update(eng.global_steps, losses[-1], tokens / (time.perf_counter() - t0))
             if eng.global_steps >= args.steps:
                 break
+    progress.close()
     if dist.get_rank() == 0:
         filled = ", ".join(f"{k}={v}" for k, v in sorted(overrides.items()))
         print(f"[hf_gpt2] filled from TrainingArguments and the model: {filled}")
         first, last = (sum(part) / len(part) for part in (losses[:args.gas], losses[-args.gas:]))
         print(f"[hf_gpt2] steps {eng.global_steps}  loss {first:.3f} -> {last:.3f}  "
               f"lr {eng.get_lr()[0]:.2e}  zero stage {eng.config.zero_optimization.stage}")
+        print_summary("hf_gpt2", [("steps", str(eng.global_steps)), ("loss", f"{first:.3f} -> {last:.3f}"),
+                                  ("tokens/s", f"{tokens / (time.perf_counter() - t0):,.0f}")], [], 0)
     return 0
 
 

@@ -25,6 +25,7 @@ from schemas.monitoring import (
     CommsLoggerConfig,
     CSVMonitorConfig,
     FlopsProfilerConfig,
+    MFUConfig,
     TensorBoardConfig,
     WandbConfig,
 )
@@ -114,6 +115,8 @@ class Config(StrictModel):
     """Collective-communication logger."""
     flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
     """FLOPs profiler."""
+    mfu: MFUConfig = MFUConfig()
+    """dstrain: the peak for MFU/HFU in the log line and the monitors."""
     elasticity: ElasticityConfig = ElasticityConfig()
     """Elastic batch sizes."""
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()

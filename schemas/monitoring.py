@@ -1,5 +1,5 @@
 """Monitoring sections: `tensorboard`, `csv_monitor`, `wandb`, `comet`, `comms_logger`,
-`flops_profiler`. Defaults are DeepSpeed 0.19.8's (`monitor/config.py`, `comm/config.py`,
+`flops_profiler`, and dstrain's own `mfu`. Defaults are DeepSpeed 0.19.8's (`monitor/config.py`, `comm/config.py`,
 `profiling/config.py`)."""
 from __future__ import annotations
 
@@ -100,3 +100,11 @@ class FlopsProfilerConfig(StrictModel):
     """Print the detailed per-module profile."""
     output_file: Optional[str] = None
     """File for the profile; None prints to stdout."""
+
+
+class MFUConfig(StrictModel):
+    """`mfu` (dstrain's own key): the peak that model FLOPs utilisation is measured against."""
+
+    peak_tflops: Optional[float] = Field(None, gt=0)
+    """Peak TFLOPS of one device. None: a table of dense bf16 peaks for known GPUs
+    (engine/profiling/peaks.py), or on a CPU an fp32 matmul measured once and cached."""

@@ -123,5 +123,5 @@ class Probe(StrictModel):
 def test_the_check_catches_a_key_nothing_reads():
     attributes, counts = runtime_attributes(), field_counts()
     assert not is_read("zero_optimization", "brand_new_key", Probe, attributes, counts | {"brand_new_key": 1})
-    assert not is_read("tensorboard", "enabled", Probe, attributes, counts)  # shared name, another section's
+    assert not is_read("comms_logger", "enabled", Probe, attributes, counts)  # shared name, another section's
     assert is_read("fp16", "enabled", Probe, attributes, counts)

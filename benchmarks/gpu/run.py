@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -36,6 +37,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402
+from benchmarks.report import command_line, header_lines, md_table  # noqa: E402
+from engine.profiling.mfu import transformer_train_flops_per_token  # noqa: E402
+from engine.profiling.peaks import gpu_peak_tflops  # noqa: E402
 from benchmarks.bench_training import _torch_step  # noqa: E402  (plain torch's step, as the CPU benchmark's)
 from engine.comm import Communicator  # noqa: E402
 from engine.dist import init_distributed  # noqa: E402
@@ -45,7 +49,6 @@ from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, RandomTokens, count_param
 TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 ONE_B = GPTConfig(vocab_size=50_304, seq_len=1024, n_layer=20, n_head=16, d_model=2048)
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense, per the vendor's data sheets
 MICRO, STEPS = 2, 4
 
 
@@ -208,7 +211,7 @@ def _multirank(gpu: bool) -> list[tuple[str, str, str]]:
 
 # -- 4: throughput ------------------------------------------------------------------------------------
 def _flops_per_token(cfg: GPTConfig, n_params: int) -> float:
-    return 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len  # Kaplan et al. 2020, with attention
+    return transformer_train_flops_per_token(n_params, cfg.n_layer, cfg.n_head, cfg.d_model // cfg.n_head, cfg.seq_len)
 
 
 def _timed(step, batches, dev) -> tuple[float, float]:
@@ -303,8 +306,7 @@ def _n_params(cfg: GPTConfig) -> int:
 
 # -- the report -----------------------------------------------------------------------------------------
 def _table(header: tuple, rows: list) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows])
+    return md_table(header, [[str(c).replace("|", "/") for c in r] for r in rows])
 
 
 def _syncs_table(syncs: dict) -> str:
@@ -331,21 +333,22 @@ def main(argv=None) -> int:
     init_distributed(dist_backend="nccl" if gpu else "gloo")
     dev = engine.dist.device()
     name = torch.cuda.get_device_name(dev) if gpu else "CPU"
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), os.getloadavg()
     syncs: dict = {}
     checks = run_checks(syncs=syncs if gpu else None)
     checks += _multirank(gpu)
     bench = []
     if not args.skip_throughput:
-        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None) if gpu else None
+        peak = gpu_peak_tflops(name) if gpu else None  # engine/profiling/peaks.py: dense bf16 table
         models = ([("25M GPT", BENCH_CONFIG, 8, 12), ("1B GPT", ONE_B, 8, 10)] if gpu
                   else [("tiny GPT (code path only)", TINY, 2, 4)])
         bench = run_throughput(models, dev, peak)
     failed = [c for c in checks if c[1] != "PASS"] + [b for b in bench if b[2] == "FAIL"]
-    report = [f"# dstrain on {name}", "",
-              f"`python benchmarks/gpu/run.py{' --cpu' if args.cpu else ''}`: torch {torch.__version__}, "
-              f"backend {dist.get_backend()}, device {dev}, {time.perf_counter() - t0:.0f} s, "
-              f"{len(failed)} failure(s).", "", "## Checks", "", _table(("check", "result", "detail"), checks)]
+    # The suite's header (benchmarks/report.py): command, versions, machine, load before and after.
+    report = header_lines(f"dstrain on {name}", command_line(), load_before, os.getloadavg(), {},
+                          [f"backend {dist.get_backend()}, device {dev}, {time.perf_counter() - t0:.0f} s, "
+                           f"{len(failed)} failure(s)"])
+    report += ["## Checks", "", _table(("check", "result", "detail"), checks)]
     if gpu:
         report += ["", "## Host syncs per training step (world size 1, steps 2-4)", "", _syncs_table(syncs)]
     if bench:

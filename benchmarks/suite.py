@@ -1,0 +1,383 @@
+"""The side-by-side benchmark suite: every built dstrain strategy against torch DDP, torch FSDP2 and
+DeepSpeed with the same config, on the benchmark GPT and 2 ranks, in one run on this machine.
+
+    python -m benchmarks.suite --deepspeed-venv /tmp/ds-venv            # full: ~25M GPT, 3 rounds
+    python -m benchmarks.suite --quick                                  # tiny GPT, few steps (a test runs it)
+
+Writes `benchmarks/results/<date>-<machine>.md` (or `--out-dir`) and PNG plots next to it. Every system
+runs in fresh processes (peak RSS is per process) with the same model, data, seeds and threads (1 per
+rank); rounds are interleaved (round 1: every system, round 2: every system, ...), so a noisy
+neighbour hurts all systems alike. Columns:
+
+- step ms: the median over rounds of the slowest rank's median step time after the warm-up steps;
+  spread: the lowest and highest round. A round whose 1-minute load average, read just before it
+  started, was above `--load-threshold` (default: the number of CPUs) is marked †.
+- vs DDP / vs FSDP2 / vs DeepSpeed: step-time ratios to those peers from the same run; "vs DeepSpeed"
+  compares with DeepSpeed running the same config.
+- vs bound: the ratio to the no-communication bound: one rank's forward, backward and AdamW step on
+  its own micro-batch, alone (world size 1), with the same threads.
+- peak RSS/rank, bytes/step/rank (what dstrain's communicator sent, payload bytes; torch's and
+  DeepSpeed's collectives are not counted), and the ZeRO paper's model-state memory (fp32 AdamW:
+  params 4Ψ + grads 4Ψ + moments 8Ψ, partitioned by stage) next to the measured RSS.
+- scaling: step time and peak RSS per rank of `--scaling-system` against model size (3 sizes) and
+  world size (`--worlds`, default 1, 2, 4).
+
+A peer or strategy that cannot run is reported "not run: why" (the error's last line), never faked.
+A strategy is one row of STRATEGIES: a name and the config it runs; DeepSpeed gets the same config.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import bench_training as bt  # noqa: E402
+from benchmarks.report import command_line, header_lines, md_table  # noqa: E402
+from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, count_parameters  # noqa: E402
+from tests.harness import RankFailed, run_distributed  # noqa: E402
+
+ADAMW = {"type": "AdamW", "params": {"lr": bt.LR}}
+# name -> (config overrides on bench_training's AdamW fp32 base config, ZeRO stage of the memory formula).
+# Offload, pipeline and tensor-parallel rows run once their keys are built (until then: "not run: ...").
+STRATEGIES: dict[str, tuple[dict, int]] = {
+    "dstrain-z0": ({"zero_optimization": {"stage": 0, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 0),
+    "dstrain-z1": ({"zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 1),
+    "dstrain-z2": ({"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 2),
+    "dstrain-z3": ({"zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 3),
+    "dstrain-1bit-adam": ({"optimizer": {"type": "OneBitAdam", "params": {"lr": bt.LR, "freeze_step": 2}}}, 0),
+    "dstrain-0/1-adam": ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": bt.LR, "var_freeze_step": 2,
+                                                                         "local_step_scaler": 2,
+                                                                         "local_step_clipper": 4}}}, 0),
+    "dstrain-powersgd": ({"gradient_compression": {"type": "powersgd", "rank": 4, "start_step": 2}}, 0),
+    "dstrain-z2-offload-cpu": ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, 2),
+    "dstrain-z3-offload-nvme": ({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/tmp/dstrain-suite-nvme"}}}, 3),
+    "dstrain-pipe2": ({"pipeline": {"stages": 2}}, 0),
+    "dstrain-tp2": ({"tensor_parallel": {"autotp_size": 2}}, 0),
+}
+# Strategies DeepSpeed has no counterpart for (it ignores unknown top-level keys: it would run plain Adam).
+NO_DEEPSPEED = {"dstrain-powersgd": "DeepSpeed has no PowerSGD"}
+TORCH_PEERS = {"ddp": 0, "fsdp2": 3}  # name -> the stage whose memory formula it follows
+QUICK_MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model=32)
+
+
+@dataclass
+class Round:
+    step_ms: float | None = None
+    rss_mb: float | None = None
+    bytes_per_step: float | None = None
+    load_before: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class Result:
+    rounds: list[Round] = field(default_factory=list)
+
+    def ok(self) -> list[Round]:
+        return [r for r in self.rounds if r.error is None]
+
+    @property
+    def error(self) -> str | None:
+        return None if self.ok() else (self.rounds[0].error if self.rounds else "not run")
+
+    def step_ms(self) -> float | None:
+        ok = self.ok()
+        return statistics.median(r.step_ms for r in ok) if ok else None
+
+
+def strategy_config(name: str, micro: int) -> dict:
+    overrides, _ = STRATEGIES[name]
+    cfg = bt._dstrain_config(0, True, copy.deepcopy(overrides))
+    cfg["train_micro_batch_size_per_gpu"] = micro
+    return cfg
+
+
+def deepspeed_config(cfg: dict) -> dict:
+    """The same config for DeepSpeed: torch's AdamW (`torch_adam`) instead of dstrain's `fused` flag."""
+    cfg = copy.deepcopy(cfg)
+    params = cfg["optimizer"].setdefault("params", {})
+    params.pop("fused", None)
+    if cfg["optimizer"]["type"] == "AdamW":
+        params["torch_adam"] = True
+    return cfg
+
+
+def zero_formula_mb(n_params: int, stage: int, world: int) -> float:
+    """Model states per rank, fp32 AdamW (ZeRO paper §5: K = 12 bytes of optimizer state per parameter)."""
+    p, g, o = 4.0 * n_params, 4.0 * n_params, 8.0 * n_params
+    shares = {0: p + g + o, 1: p + g + o / world, 2: p + (g + o) / world, 3: (p + g + o) / world}
+    return shares[stage] / 2**20
+
+
+# -- one measurement: runs inside each spawned rank -------------------------------------------------
+def _rank_entry(system: str, steps: int, model: dict, micro: int, warmup: int) -> dict:
+    torch.manual_seed(0)
+    cfg = GPTConfig(**model)
+    sent = {}
+    if system == "ddp":
+        times = bt._run_ddp(steps, True, cfg)
+    elif system == "fsdp2":
+        times = bt._run_fsdp2(steps, True, cfg)
+    elif system == "bound":
+        times = _bound(steps, cfg, micro)
+    else:
+        config = strategy_config(system, micro)
+
+        def count(eng):
+            sent["bytes"] = sum(eng.comm.stats.bytes.values()) / steps
+        times = bt._run_dstrain(steps, True, extra={k: v for k, v in config.items()}, model_cfg=cfg, on_engine=count)
+    return {"step_ms": statistics.median(times[warmup:]), "rss_mb": bt._peak_rss_mb(), "bytes": sent.get("bytes")}
+
+
+def _bound(steps: int, cfg: GPTConfig, micro: int) -> list[float]:
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=bt.LR, fused=True)
+    return bt._timed_loop(bt._torch_step(model, opt), bt._batches(steps, 0, cfg, micro))
+
+
+def _last_line(text: str) -> str:
+    """An error's last line without its exception's module path ("ConfigError: pipeline.stages: ...")."""
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    last = lines[-1] if lines else "failed"
+    head, sep, rest = last.partition(": ")
+    if sep and "." in head and " " not in head:
+        last = f"{head.rsplit('.', 1)[-1]}: {rest}"
+    return last[:200]
+
+
+def measure(system: str, world: int, steps: int, model: GPTConfig, micro: int, warmup: int,
+            ds_python: Path | None, ds_missing: str) -> Round:
+    load = os.getloadavg()[0]
+    if system.startswith("deepspeed:"):
+        if system.split(":", 1)[1] in NO_DEEPSPEED:
+            return Round(load_before=load, error=NO_DEEPSPEED[system.split(":", 1)[1]])
+        if ds_python is None:
+            return Round(load_before=load, error=ds_missing)
+        config = deepspeed_config(strategy_config(system.split(":", 1)[1], micro))
+        try:
+            step_ms, rss = bt._run_deepspeed(ds_python, 0, steps, world, model=asdict(model), config=config)
+            return Round(step_ms, rss, None, load)
+        except SystemExit as e:
+            return Round(load_before=load, error=_last_line(e))
+    try:
+        per_rank = run_distributed(_rank_entry, world, args=(system, steps, asdict(model), micro, warmup),
+                                   timeout=1800)
+    except RankFailed as e:
+        return Round(load_before=load, error=_last_line(e))
+    sent = [r["bytes"] for r in per_rank if r["bytes"] is not None]
+    return Round(max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank),
+                 max(sent) if sent else None, load)
+
+
+# -- the report -------------------------------------------------------------------------------------
+def _ms(result: Result, threshold: float) -> tuple[str, str]:
+    ok = result.ok()
+    if not ok:
+        return f"not run: {result.error}", "not run"
+    marked = any(r.load_before > threshold for r in ok)
+    low, high = min(r.step_ms for r in ok), max(r.step_ms for r in ok)
+    return f"{result.step_ms():.1f}{' †' if marked else ''}", f"{low:.1f}–{high:.1f} ({len(ok)} round(s))"
+
+
+def _ratio(a: Result, b: Result | None, label: str) -> str:
+    if b is None:
+        return f"n/a: {label}"
+    if a.step_ms() is None:
+        return "not run"
+    if b.step_ms() is None:
+        return f"not run: {b.error}" if b.error.startswith(label) else f"not run: {label}: {b.error}"
+    return f"{a.step_ms() / b.step_ms():.2f}"
+
+
+def main_table(results: dict[str, Result], n_params: int, world: int, threshold: float) -> str:
+    rows = []
+    bound = results["bound"]
+    for name, result in results.items():
+        if name == "bound":
+            continue
+        base = name.split(":", 1)[-1]
+        stage = STRATEGIES[base][1] if base in STRATEGIES else TORCH_PEERS[base]
+        ms, spread = _ms(result, threshold)
+        ds = results.get(f"deepspeed:{name}") if name in STRATEGIES else None
+        ok = result.ok()
+        rss = f"{max(r.rss_mb for r in ok):.0f}" if ok else "not run"
+        if name in STRATEGIES:
+            sent = f"{max(r.bytes_per_step for r in ok) / 2**20:.2f} MiB" if ok else "not run"
+        else:
+            sent = "not counted: torch/DeepSpeed collectives"
+        formula = zero_formula_mb(n_params, stage, world)
+        label = f"deepspeed ({base}'s config)" if name.startswith("deepspeed:") else name
+        rows.append((label, ms, spread, _ratio(result, results.get("ddp"), "ddp"),
+                     _ratio(result, results.get("fsdp2"), "fsdp2"),
+                     _ratio(result, ds, "is a peer" if ds is None else "DeepSpeed"),
+                     _ratio(result, bound, "bound"), rss, f"{formula:.0f}" if formula >= 10 else f"{formula:.2f}", sent))
+    return md_table(("system", "step ms", "spread (rounds)", "vs DDP", "vs FSDP2", "vs DeepSpeed (same config)",
+                     "vs no-comm bound", "peak RSS/rank MB", "ZeRO formula MB (model states)", "bytes/step/rank"),
+                    rows)
+
+
+def _plots(out_base: Path, results: dict[str, Result], scaling: dict) -> list[str]:
+    try:
+        import matplotlib
+    except ImportError:
+        return ["plots not made: matplotlib is not installed (pip install 'dstrain[plot]')"]
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    made = []
+    names = [n for n, r in results.items() if r.step_ms() is not None]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.barh(names, [results[n].step_ms() for n in names])
+    ax.set_xlabel("step ms (median over rounds)")
+    fig.tight_layout()
+    fig.savefig(f"{out_base}-step_time.png", dpi=100)
+    made.append(f"{out_base.name}-step_time.png")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (key, xlabel) in zip(axes, (("size", "parameters (M)"), ("world", "world size"))):
+        points = [(x, r) for x, r in scaling[key] if r.error is None]
+        ax.plot([x for x, _ in points], [r.step_ms for _, r in points], "o-", label="step ms")
+        ax2 = ax.twinx()
+        ax2.plot([x for x, _ in points], [r.rss_mb for _, r in points], "s--", color="C1", label="peak RSS/rank MB")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("step ms")
+        ax2.set_ylabel("peak RSS/rank MB")
+    fig.tight_layout()
+    fig.savefig(f"{out_base}-scaling.png", dpi=100)
+    plt.close("all")
+    made.append(f"{out_base.name}-scaling.png")
+    return made
+
+
+def _scaling_rows(scaling: dict, system: str) -> str:
+    rows = []
+    for key, label in (("size", "parameters (M)"), ("world", "world size")):
+        for x, r in scaling[key]:
+            cells = (f"{r.step_ms:.1f}", f"{r.rss_mb:.0f}") if r.error is None else (f"not run: {r.error}",) * 2
+            rows.append((f"{label} = {x}", *cells))
+    return md_table((f"{system}", "step ms", "peak RSS/rank MB"), rows)
+
+
+def deepspeed_version(python: Path) -> str:
+    out = subprocess.run([str(python), "-c", "import deepspeed; print(deepspeed.__version__)"],
+                         capture_output=True, text=True, timeout=300)
+    # DeepSpeed prints an accelerator warning on stdout before the version: keep the last line.
+    lines = out.stdout.strip().splitlines()
+    return lines[-1].strip() if lines else f"unknown ({_last_line(out.stderr)})"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny GPT, 4 steps, 1 round: checks the suite runs")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated subset of {', '.join(['ddp', 'fsdp2', *STRATEGIES])} (default: all)")
+    p.add_argument("--steps", type=int, default=None, help="steps per measurement (default 20; quick 4)")
+    p.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 3; quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; quick 1)")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--worlds", default="1,2,4", help="world sizes of the scaling table")
+    p.add_argument("--scaling-system", default="dstrain-z2")
+    p.add_argument("--load-threshold", type=float, default=float(os.cpu_count() or 1),
+                   help="mark a round whose 1-minute load average before it was above this (default: CPUs)")
+    p.add_argument("--deepspeed-venv", type=Path, default=None,
+                   help="virtual environment with deepspeed (created when missing and under /tmp)")
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = p.parse_args(argv)
+    args.steps = args.steps or (4 if args.quick else 20)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    known = ["ddp", "fsdp2", *STRATEGIES]
+    args.systems = args.systems.split(",") if args.systems else known
+    unknown = [s for s in args.systems if s not in known]
+    if unknown:
+        p.error(f"--systems: unknown {unknown}; choose from {known}")
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} leaves no step of --steps {args.steps} to measure")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model = QUICK_MODEL if args.quick else BENCH_CONFIG
+    micro = bt.MICRO
+    load_before = os.getloadavg()
+    ds_python, ds_missing = None, "no --deepspeed-venv given"
+    if args.deepspeed_venv is not None:
+        try:
+            ds_python = bt._deepspeed_python(args.deepspeed_venv)
+        except (SystemExit, subprocess.CalledProcessError) as e:
+            ds_missing = f"DeepSpeed venv unusable: {_last_line(e)}"
+    systems = ["bound", *args.systems]
+    systems += [f"deepspeed:{s}" for s in args.systems if s in STRATEGIES]
+    results = {s: Result() for s in systems}
+    for rnd in range(args.rounds):
+        for system in systems:
+            if results[system].rounds and results[system].error:
+                continue  # what could not run in round 1 (a config not built yet) will not run later either
+            ours = results.get(system.split(":", 1)[-1])
+            if system.startswith("deepspeed:") and ours is not None and ours.error:
+                results[system].rounds.append(Round(load_before=os.getloadavg()[0],
+                                                    error="dstrain's row did not run: nothing to compare"))
+                continue
+            world = 1 if system == "bound" else args.world
+            r = measure(system, world, args.steps, model, micro, args.warmup, ds_python, ds_missing)
+            results[system].rounds.append(r)
+            shown = f"{r.step_ms:.1f} ms" if r.error is None else f"not run: {r.error}"
+            print(f"[suite] round {rnd + 1}/{args.rounds} {system}: {shown} (load before {r.load_before:.2f})",
+                  flush=True)
+    scaling = _scaling(args, model, micro, results)
+    load_after = os.getloadavg()
+    return write_report(args, model, results, scaling, load_before, load_after, ds_python)
+
+
+def _scaling(args, model: GPTConfig, micro: int, results: dict) -> dict:
+    sizes = [replace(model, d_model=d, n_head=model.n_head) for d in
+             ((16, 32, 64) if args.quick else (256, 512, 768))]
+    system = args.scaling_system
+
+    def run(cfg: GPTConfig, world: int) -> Round:
+        if cfg == model and world == args.world and system in results:
+            return results[system].rounds[0]  # the main table measured this point already (round 1)
+        return measure(system, world, args.steps, cfg, micro, args.warmup, None, "")
+    out = {"size": [(f"{count_parameters(GPT(cfg)) / 1e6:.2f}", run(cfg, args.world)) for cfg in sizes]}
+    out["world"] = [(w, run(model, w)) for w in (int(x) for x in args.worlds.split(","))]
+    return out
+
+
+def write_report(args, model, results, scaling, load_before, load_after, ds_python) -> int:
+    n_params = count_parameters(GPT(model))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{_dt.date.today().isoformat()}-{platform.node() or 'machine'}{'-quick' if args.quick else ''}"
+    base = args.out_dir / stem
+    versions = {"deepspeed": deepspeed_version(ds_python) if ds_python else "not installed"}
+    marked = sum(r.load_before > args.load_threshold for res in results.values() for r in res.rounds)
+    total = sum(len(res.rounds) for res in results.values())
+    notes = [f"model: GPT {asdict(model)} ({n_params / 1e6:.2f}M parameters), micro-batch {bt.MICRO} per rank, "
+             f"fp32, AdamW (torch's, fused), gradient_clipping 1.0, {args.world} ranks x 1 thread, gloo",
+             f"{args.steps} steps per measurement, median after {args.warmup} warm-up steps, {args.rounds} "
+             f"interleaved round(s); † marks a figure with a round whose 1-minute load before it was above "
+             f"{args.load_threshold:g} ({marked} of {total} measurements)"]
+    plots = _plots(base, results, scaling)
+    lines = header_lines("dstrain benchmark suite", command_line(), load_before, load_after, versions, notes)
+    lines += ["## Strategies and peers", "", main_table(results, n_params, args.world, args.load_threshold), "",
+              f"## Scaling ({args.scaling_system}, one round each)", "", _scaling_rows(scaling, args.scaling_system),
+              "", "## Plots", "", *[f"- {p}" if p.startswith("plots") else f"![{p}]({p})" for p in plots], ""]
+    path = base.with_suffix(".md")
+    path.write_text("\n".join(lines))
+    print(f"[suite] wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""`get_model_profile`: DeepSpeed's stand-alone profiler call (`deepspeed.profiling.flops_profiler`),
+same signature and return values: `(flops, macs, params)` of one forward pass, as numbers or, with
+`as_string=True`, as text ('1.23 GFLOPS'-style). MACs are FLOPs / 2: every op torch's counter
+counts is a multiply-accumulate."""
+from __future__ import annotations
+
+import torch
+
+from .module_profile import ModuleProfile
+from .report import duration, profile_text, si
+
+
+def _inputs(model: torch.nn.Module, input_shape, args, kwargs):
+    if input_shape is None:
+        return list(args or []), dict(kwargs or {})
+    if args or kwargs:
+        raise ValueError("get_model_profile: give input_shape or args/kwargs, not both")
+    p = next(model.parameters())
+    # As DeepSpeed: one tensor of the model's dtype, on the model's device, filled with ones.
+    return [torch.ones(tuple(input_shape), dtype=p.dtype, device=p.device)], {}
+
+
+def get_model_profile(model: torch.nn.Module, input_shape=None, args=None, kwargs=None, print_profile: bool = True,
+                      detailed: bool = True, module_depth: int = -1, top_modules: int = 1, warm_up: int = 1,
+                      as_string: bool = True, output_file: str | None = None, ignore_modules=None,
+                      mode: str = "forward"):
+    """Profile one forward pass of `model` (after `warm_up` unprofiled ones); returns (flops, macs, params)."""
+    if ignore_modules:
+        raise NotImplementedError("get_model_profile(ignore_modules=...) is not built yet in dstrain")
+    call_args, call_kwargs = _inputs(model, input_shape, args, kwargs)
+    run = getattr(model, mode) if mode != "forward" else model
+    with torch.no_grad():
+        for _ in range(warm_up):
+            run(*call_args, **call_kwargs)
+        with ModuleProfile(model) as prof:
+            run(*call_args, **call_kwargs)
+    flops, params = prof.total_flops, prof.total_params
+    if print_profile:
+        latency = prof.forward_latency_s
+        summary = [("params", si(params)), ("fwd FLOPs", si(flops)), ("fwd MACs", si(flops / 2)),
+                   ("fwd latency", duration(latency)),
+                   ("fwd FLOPS", si(flops / latency if latency > 0 else 0.0, "FLOPS"))]
+        write_profile(profile_text(prof, summary, module_depth, top_modules, detailed), output_file)
+    if as_string:
+        return si(flops, "FLOPS"), si(flops / 2, "MACs"), si(params)
+    return flops, flops // 2, params
+
+
+def write_profile(text: str, output_file: str | None) -> None:
+    if output_file is None:
+        print(text, flush=True)
+        return
+    with open(output_file, "w") as f:
+        f.write(text + "\n")
