@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import schemas
+from tests.harness import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = sorted((REPO / "sample_configs").glob("*.json"))
@@ -22,7 +23,9 @@ def test_sample_config_is_valid(path):
 
 
 def _demo(tmp_path, config: str, steps: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher.cli", "--num_gpus", "2", "examples/train_gpt.py",
+    # A free rendezvous port: dslaunch's default 29500 may be held by another job on the machine.
+    return subprocess.run([sys.executable, "-m", "launcher.cli", "--num_gpus", "2", "--master_port", str(free_port()),
+                           "examples/train_gpt.py",
                            "--deepspeed_config", str(tmp_path / config), "--steps", str(steps),
                            "--out", str(tmp_path / "out")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
