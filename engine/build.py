@@ -25,6 +25,7 @@ from .dist import Topology, device, init_distributed
 from .engine import Engine
 from .precision import model_dtype
 from .optimizers import resolve_optimizer
+from .pipe.build import check_pipeline_config, pipeline_groups
 from .schedules import resolve_scheduler
 from .zero import build_zero_optimizer
 
@@ -130,9 +131,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise NotImplementedError("mpu= (Megatron-style model parallelism) is not built yet in dstrain")
     source = _config_source(args, config, config_params)
     _start_process_group(distributed_port, dist_init_required)
-    topology = Topology.from_world()
-    comm = Communicator(topology.data_parallel_group())
+    groups = pipeline_groups(model)  # a PipelineModule built its topology's groups (engine/pipe)
+    topology = groups.topology if groups is not None else Topology.from_world()
+    comm = Communicator(groups.data_group if groups is not None else None)
     cfg = schemas.load_config(source, world_size=topology.data, overrides=config_overrides)
+    check_pipeline_config(cfg, model)
     _seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
     _broadcast_model(model, comm)
@@ -147,7 +150,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu, comm.rank,
                                        comm.world_size, cfg.seed, cfg.dataloader_drop_last, collate_fn)
     comm.stats.reset()
-    eng = Engine(model, zero_optimizer, scheduler, loader, cfg, comm)
+    engine_class = Engine
+    if groups is not None:
+        from .pipe.engine import PipelineEngine  # torch.distributed.pipelining only when a pipeline runs
+        engine_class = PipelineEngine
+    eng = engine_class(model, zero_optimizer, scheduler, loader, cfg, comm)
     if cfg.checkpoint.auto_resume:  # a restarted job continues from <save_dir>/latest (engine/checkpoint)
         eng.checkpoint_io.auto_resume()
     if cfg.dump_state and comm.rank == 0:  # logs are shared: secrets redacted as in checkpoints

@@ -86,7 +86,14 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("activation_checkpointing.contiguous_memory_optimization", "remove it or use false"),
     Unbuilt("activation_checkpointing.number_checkpoints", "it sizes the buffer of contiguous_memory_optimization, "
             "which is not built yet; remove it"),
-    Unbuilt("pipeline"),
+    Unbuilt("pipeline.partition", "pass partition_method= to engine.pipe.PipelineModule; remove it"),
+    Unbuilt("pipeline.seed_layers", "pass seed_layers= to engine.pipe.PipelineModule; remove it"),
+    Unbuilt("pipeline.activation_checkpoint_interval", "pass activation_checkpoint_interval= to "
+            "engine.pipe.PipelineModule; remove it"),
+    Unbuilt("pipeline.pipe_partitioned", "it splits stage activations over tensor-parallel ranks, which is not "
+            "built yet; remove it"),
+    Unbuilt("pipeline.grad_partitioned", "it splits stage gradients over tensor-parallel ranks, which is not "
+            "built yet; remove it"),
     Unbuilt("tensorboard.enabled"),
     Unbuilt("csv_monitor.enabled"),
     Unbuilt("wandb.enabled"),
