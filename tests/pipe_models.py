@@ -74,15 +74,21 @@ class Reference(nn.Module):
         return x
 
 
-def reference_sgd(specs, batches, loss_fn, lr: float, steps: int):
-    """Plain SGD on the global batch: parameters (by name order of creation) and losses per step."""
+def reference_sgd(specs, batches, loss_fn, lr: float, steps: int, clip: float = 0.0, skip: set = frozenset(),
+                  norms: list | None = None):
+    """Plain SGD on the global batch: the model and the loss per step. `clip`: torch's clip_grad_norm_
+    (its pre-clip norms appended to `norms`); steps in `skip` are not applied (an overflow)."""
     model = Reference(specs)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    for x, y in batches[:steps]:
+    for step, (x, y) in enumerate(batches[:steps]):
         loss = loss_fn(model(x), y)
         loss.backward()
-        opt.step()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+        if norms is not None:
+            norms.append(float(norm))
+        if step not in skip:
+            opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return model, losses

@@ -55,7 +55,6 @@ class PipelineEngine(Engine):
         self.schedule_name = config.pipeline.schedule
         self._schedule_cls, self._multi = schedule_class(self.schedule_name, module.virtual_stages)
         self.tied = TiedGradients(module, groups, comm)
-        self.tied.broadcast_weights()  # stages that build a tied layer start from the first one's weights
         if zero_optimizer is not None:
             zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group), self.tied)
         self._built: dict[tuple, tuple] = {}

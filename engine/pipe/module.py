@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from .. import dist as dsdist
+from ..comm import Communicator
 from ..topology import ProcessGroups, Topology, set_current
 from .partition import balanced_bounds, layer_weights
 
@@ -110,6 +111,27 @@ class PipelineModule(nn.Module):
         self.tied_specs: dict[str, TiedLayerSpec] = {}
         self._forward_funcs: dict[int, list] = {}
         self._build(seed_layers, seed_fn, base_seed)
+        self.tie_groups = self._tie_groups()
+        self._synchronize_tied_weights()
+
+    def _tie_groups(self) -> dict:
+        """Key → this rank's tie group, for keys held by several stages (collective: every rank, key order)."""
+        found = {}
+        for key, stages in self.tie_stages().items():
+            if len(stages) > 1:
+                group = self.process_groups.tie_group(stages)
+                if key in self.tied_specs:
+                    found[key] = group
+        return found
+
+    @torch.no_grad()
+    def _synchronize_tied_weights(self) -> None:
+        """Every holder of a tied layer starts from the first holder's weights (before any optimizer
+        copies them into master weights)."""
+        for key, group in self.tie_groups.items():
+            comm = Communicator(group)
+            for p in self.tied_parameters()[key]:
+                comm.broadcast(p.data, src=0)
 
     # -- building -------------------------------------------------------------------------------
     def chunk_layers(self, chunk: int) -> range:

@@ -24,23 +24,10 @@ class TiedGradients:
     def __init__(self, module, groups, data_comm: Communicator):
         self.data_comm = data_comm
         self.params = module.tied_parameters()
-        self.comms: dict[str, Communicator] = {}
-        self.owner: dict[str, bool] = {}
         stage = groups.coord.pipe
-        for key, stages in module.tie_stages().items():
-            if len(stages) < 2:
-                continue
-            group = groups.tie_group(stages)  # collective: every rank, same order
-            if key in self.params:
-                self.comms[key] = Communicator(group)
-                self.owner[key] = stage == stages[0]
+        self.comms = {key: Communicator(group) for key, group in module.tie_groups.items()}
+        self.owner = {key: stage == module.tie_stages()[key][0] for key in self.comms}
         self.duplicate_square: torch.Tensor | None = None
-
-    def broadcast_weights(self) -> None:
-        with torch.no_grad():
-            for key, comm in self.comms.items():
-                for p in self.params[key]:
-                    comm.broadcast(p.data, src=0)
 
     def all_reduce_grads(self) -> None:
         for key, comm in self.comms.items():
