@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.pipe.schedule import formula_bubble, idle_fractions
 from tests.harness import run_distributed
 from tests.models import micro_batches
 from tests.pipe_models import (global_batches, lm_loss, mlp_specs, mse, reference_params, reference_sgd,
@@ -38,7 +39,8 @@ def _train(schedule: str, stages: int, virtual: int, gas: int, tied: bool, zero:
     losses = []
     for x, y in global_batches(steps, MICRO * gas * dp, tied):
         losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, gas))))))
-    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, eng.get_global_grad_norm()
+    idle = idle_fractions(eng.schedule_actions(), stages * virtual)[eng.stage_id]
+    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, idle
 
 
 def _check_against_reference(results, tied: bool, gas: int, dp: int, n_layers: int = 8):
@@ -75,5 +77,41 @@ CASES = {
 @pytest.mark.parametrize("stages", [2, 4])
 def test_every_schedule_matches_single_process(stages):
     per_rank = run_distributed(_train_each, world_size=stages, args=(stages, CASES[stages]), timeout=240)
+    idle = {}
     for k, (schedule, _, gas, tied, n_layers) in enumerate(CASES[stages]):
         _check_against_reference([r[k] for r in per_rank], tied, gas, dp=1, n_layers=n_layers)
+        idle[schedule] = [r[k][2] for r in per_rank]
+    # Schedule accounting: the idle slots of the executed action lists, per stage, vs the formula.
+    for schedule in ("1f1b", "gpipe"):
+        m = next(c[2] for c in CASES[stages] if c[0] == schedule)
+        assert idle[schedule] == pytest.approx([formula_bubble(schedule, stages, m)] * stages, abs=1e-9)
+    plain = formula_bubble("1f1b", stages, 4)
+    assert max(idle["interleaved_1f1b"]) < plain
+    assert max(idle["zero_bubble"]) < max(idle["interleaved_1f1b"])
+
+
+def _activation_peaks():
+    """Peak bytes of activations autograd holds on this stage during a train_batch, per schedule and m."""
+    import engine
+    from engine.checkpointing import SavedActivationProbe
+    from engine.pipe import PipelineModule
+    peaks = {}
+    for schedule, m in (("1f1b", 1), ("1f1b", 4), ("gpipe", 4)):
+        pm = PipelineModule(mlp_specs(8), num_stages=2, loss_fn=mse, seed_layers=True, partition_method="uniform")
+        eng, *_ = engine.initialize(model=pm, config=_config(schedule, m))
+        # each micro-batch its own storage: the probe counts storages, and slices of one batch share one
+        batches = [[(x.clone(), y.clone()) for x, y in micro_batches(*b, 0, 1, m)]
+                   for b in global_batches(2, MICRO * m, False)]
+        eng.train_batch(iter(batches[0]))  # builds the stages (probe.py)
+        with SavedActivationProbe(pm.parameters()) as probe:
+            eng.train_batch(iter(batches[1]))
+        peaks[(schedule, m)] = probe.peak_bytes
+    return peaks
+
+
+def test_1f1b_holds_at_most_p_micro_batches_gpipe_m():
+    for stage, peaks in enumerate(run_distributed(_activation_peaks, world_size=2, timeout=150)):
+        one = peaks[("1f1b", 1)]
+        assert one > 0
+        assert peaks[("1f1b", 4)] == min(2 - stage, 4) * one  # stage 0 holds p = 2, the last stage 1
+        assert peaks[("gpipe", 4)] == 4 * one

@@ -24,7 +24,7 @@ from ..engine import Engine
 from . import boundary
 from .probe import chunk_examples
 from .reduction import TiedGradients, agree_norm_over_world, reduce_accumulated
-from .schedule import schedule_class
+from .schedule import LoggedStage, schedule_class
 
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
 
@@ -59,7 +59,7 @@ class PipelineEngine(Engine):
             zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group), self.tied)
         self._built: dict[tuple, tuple] = {}
         self._data_iterator = None
-        self.last_schedule = None
+        self._actions: list[tuple] = []  # what this rank's stages ran in the last batch (schedule.py)
 
     # -- the schedule ---------------------------------------------------------------------------
     def _schedule_for(self, key: tuple, training: bool, m: int, first_input):
@@ -72,11 +72,18 @@ class PipelineEngine(Engine):
             mods = {c: _ChunkModule(pm, c, self.device) for c in pm.chunk_ids}
             examples = chunk_examples(mods, first_input, pm.num_stages, chunks, self.groups.pipe_group,
                                       self.stage_id, self.device, training)
-            stages = [tp.PipelineStage(mods[c], c, chunks, self.device, input_args=examples[c][0],
-                                       output_args=examples[c][1], group=self.groups.pipe_group)
+            stages = [LoggedStage(mods[c], c, chunks, self.device, input_args=examples[c][0],
+                                  output_args=examples[c][1], group=self.groups.pipe_group, action_log=self._actions)
                       for c in pm.chunk_ids]
-            sched = self._schedule_cls(stages if self._multi else stages[0], n_microbatches=m,
-                                       loss_fn=self._loss, scale_grads=False)
+            cls = self._schedule_cls
+            if cls is tp.Schedule1F1B and m < pm.num_stages:
+                cls = tp.ScheduleGPipe  # with fewer micro-batches than stages 1F1B's order is GPipe's
+            try:
+                sched = cls(stages if self._multi else stages[0], n_microbatches=m, loss_fn=self._loss,
+                            scale_grads=False)
+            except ValueError as err:
+                raise ValueError(f"pipeline.schedule: {self.schedule_name!r} with gradient_accumulation_steps={m} "
+                                 f"on {pm.num_stages} stages: {err}") from None
             sched._has_backward = training  # eval: the same schedule, forward actions only
             entry = (stages, sched)
             self._built[(key, training, m)] = entry
@@ -118,13 +125,13 @@ class PipelineEngine(Engine):
             src = dist.get_global_rank(self.groups.pipe_group, 0) if self.groups.pipe_group is not None else 0
             dist.broadcast_object_list(key, src=src, group=self.groups.pipe_group, device=self.device)
         stages, sched = self._schedule_for(key[0], training, m, inputs[0] if self.is_first_stage else None)
+        self._actions.clear()
         for st in stages:
             st.has_backward = training
             st.clear_runtime_states()
         losses: list = []
         sched._step_microbatches(inputs if self.is_first_stage else None, None,
                                  labels if self.is_last_stage else None, losses if self.is_last_stage else None)
-        self.last_schedule = sched
         return stages, losses
 
     def _agreed_loss(self, losses: list) -> torch.Tensor:
@@ -136,6 +143,11 @@ class PipelineEngine(Engine):
             loss /= self.comm.world_size
         self.pipe_comm.broadcast(loss, src=self.num_stages - 1)
         return loss
+
+    def schedule_actions(self) -> dict[int, list[tuple]]:
+        """Every stage's executed actions of the last batch, {pipe rank: [(kind, stage, mb), ...]}
+        (collective over the pipe group; for `schedule.idle_fractions`)."""
+        return dict(enumerate(self.pipe_comm.all_gather_object(list(self._actions))))
 
     # -- the public API -------------------------------------------------------------------------
     def train_batch(self, data_iter=None) -> torch.Tensor:

@@ -7,12 +7,14 @@
 | "interleaved_1f1b" | ScheduleInterleaved1F1B | V ≥ 2 | (p−1)/(V·m+p−1) |
 | "zero_bubble" | ScheduleInterleavedZeroBubble | V ≥ 2 | below interleaved: weight gradients fill the bubble |
 
-`idle_fractions` replays a schedule's own action lists (`pipeline_order`, the same lists torch's
-runtime executes) on a unit-cost clock — forward 1, full backward 2, input-gradient and weight-
-gradient halves 1 each, all divided by the chunks per rank — where an action starts once its rank
-is free and its data has arrived (the previous stage's forward, the next stage's backward). The idle
-fraction of a rank is its idle time over the makespan. Counting slots, not wall time, makes the
-number a property of the schedule, which is what the formula describes.
+`idle_fractions` replays the actions the stages executed (`LoggedStage` records every forward,
+backward, input-gradient and weight-gradient call torch's runtime makes, in order; torch's own
+`pipeline_order` of Schedule1F1B is a drawing that differs from what it runs) on a unit-cost clock —
+forward 1, full backward 2, input-gradient and weight-gradient halves 1 each, all divided by the
+chunks per rank — where an action starts once its rank is free and its data has arrived (the previous
+stage's forward, the next stage's input gradient). The idle fraction of a rank is its idle time over
+the makespan. Counting slots, not wall time, makes the number a property of the schedule, which is
+what the formula describes.
 """
 from __future__ import annotations
 
@@ -50,12 +52,34 @@ def formula_bubble(name: str, p: int, m: int, v: int = 1) -> float:
 _COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-def idle_fractions(pipeline_order: dict, num_chunks: int) -> dict[int, float]:
-    """Idle fraction per rank of a schedule's action lists (module docstring)."""
-    per_rank_chunks = num_chunks / len(pipeline_order)
+class LoggedStage(tp.PipelineStage):
+    """torch's PipelineStage, recording each computation it runs as (kind, stage, micro-batch)."""
+
+    def __init__(self, *args, action_log: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.action_log = action_log
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        self.action_log.append(("F", self.stage_index, fwd_chunk_id))
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        if self.has_backward:
+            self.action_log.append(("B" if full_backward else "I", self.stage_index, bwd_chunk_id))
+        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                          last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        if self.has_backward:
+            self.action_log.append(("W", self.stage_index, bwd_chunk_id))
+        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+
+def idle_fractions(actions: dict[int, list[tuple]], num_chunks: int) -> dict[int, float]:
+    """Idle fraction per rank of the executed actions {rank: [(kind, stage, mb), ...]} (module docstring)."""
+    per_rank_chunks = num_chunks / len(actions)
     done: dict[tuple, float] = {}  # (kind, stage, microbatch) -> finish time
-    queues = {r: [a for a in acts if a is not None and str(a.computation_type.value) in _COST]
-              for r, acts in pipeline_order.items()}
+    queues = {r: list(acts) for r, acts in actions.items()}
     clock = {r: 0.0 for r in queues}
     busy = {r: 0.0 for r in queues}
     last = num_chunks - 1
@@ -63,8 +87,7 @@ def idle_fractions(pipeline_order: dict, num_chunks: int) -> dict[int, float]:
         progressed = False
         for r, queue in queues.items():
             while queue:
-                a = queue[0]
-                kind, s, mb = a.computation_type.value, a.stage_index, a.microbatch_index
+                kind, s, mb = queue[0]
                 needs = []
                 if kind == "F" and s > 0:
                     needs.append(("F", s - 1, mb))
