@@ -105,3 +105,49 @@ def global_batches(steps: int, batch: int, tied: bool, seed: int = 0):
         return [(torch.randint(0, VOCAB, (batch, SEQ), generator=g), torch.randint(0, VOCAB, (batch, SEQ), generator=g))
                 for _ in range(steps)]
     return [(torch.randn(batch, D, generator=g), torch.randn(batch, D, generator=g)) for _ in range(steps)]
+
+
+class TokensToDict(nn.Module):
+    """First layer: tokens → what real models pass between blocks: activations with grad, an integer
+    mask, a float tensor without grad, and a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], dtype=torch.float32, device=tokens.device).expand(tokens.shape)
+        return {"h": self.embed(tokens), "mask": (tokens % 3 != 0).long(), "pos": positions, "scale": 0.5}
+
+
+class DictBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, d):
+        h = torch.tanh(self.lin(d["h"])) * d["mask"].unsqueeze(-1) + d["pos"].unsqueeze(-1) * 0.01 * d["scale"]
+        return {**d, "h": h}
+
+
+class DictHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(D, VOCAB)
+
+    def forward(self, d):
+        return self.out(d["h"])
+
+
+def dict_specs() -> list:
+    return [LayerSpec(TokensToDict), LayerSpec(DictBlock), LayerSpec(DictBlock), LayerSpec(DictHead)]
+
+
+def varying_length_batches(steps: int, batch: int, seed: int = 0):
+    """Token batches whose sequence length changes from step to step (5, 7, 5, 7, ...)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(steps):
+        seq = 5 if step % 2 == 0 else 7
+        out.append((torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g)))
+    return out

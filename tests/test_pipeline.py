@@ -11,8 +11,8 @@ import torch
 from engine.pipe.schedule import formula_bubble, idle_fractions
 from tests.harness import run_distributed
 from tests.models import micro_batches
-from tests.pipe_models import (global_batches, lm_loss, mlp_specs, mse, reference_params, reference_sgd,
-                               tied_specs, Reference)
+from tests.pipe_models import (Reference, dict_specs, global_batches, lm_loss, mlp_specs, mse, reference_params,
+                               reference_sgd, tied_specs, varying_length_batches)
 
 LR, MICRO, STEPS = 0.1, 2, 5
 
@@ -115,3 +115,37 @@ def test_1f1b_holds_at_most_p_micro_batches_gpipe_m():
         assert one > 0
         assert peaks[("1f1b", 4)] == min(2 - stage, 4) * one  # stage 0 holds p = 2, the last stage 1
         assert peaks[("gpipe", 4)] == 4 * one
+
+
+def _dicts_and_lengths():
+    """Dict boundaries (int mask, no-grad tensor, constant) with changing sequence lengths; eval; errors."""
+    import engine
+    from engine.pipe import PipelineModule
+    pm = PipelineModule(dict_specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
+    eng, *_ = engine.initialize(model=pm, config=_config("1f1b", 2))
+    losses = [float(eng.train_batch(iter(list(micro_batches(x, y, 0, 1, 2)))))
+              for x, y in varying_length_batches(STEPS, MICRO * 2)]
+    x, y = varying_length_batches(STEPS + 1, MICRO * 2)[STEPS]
+    eval_loss = float(eng.eval_batch(iter(list(micro_batches(x, y, 0, 1, 2)))))
+    errors = []
+    for call in (lambda: eng(x), lambda: eng.backward(None), lambda: eng.step()):
+        try:
+            call()
+        except RuntimeError as err:
+            errors.append(str(err))
+    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, eval_loss, errors
+
+
+def test_dicts_masks_and_changing_lengths_cross_stages():
+    per_rank = run_distributed(_dicts_and_lengths, world_size=2, timeout=150)
+    batches = varying_length_batches(STEPS + 1, MICRO * 2)
+    ref, ref_losses = reference_sgd(dict_specs(), batches, lm_loss, LR, STEPS)
+    want = reference_params(ref)
+    with torch.no_grad():
+        ref_eval = float(lm_loss(ref(batches[STEPS][0]), batches[STEPS][1]))
+    for params, losses, eval_loss, errors in per_rank:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert eval_loss == pytest.approx(ref_eval, rel=1e-5)
+        for name, p in params.items():
+            torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert len(errors) == 3 and all("train_batch" in e for e in errors)

@@ -23,7 +23,7 @@ def flatten(obj, device: torch.device) -> tuple[torch.Tensor, ...]:
     tensors, constants = [], []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            tensors.append(leaf)
+            tensors.append(leaf.contiguous())  # point-to-point sends take dense memory (an expand() is not)
         elif isinstance(leaf, _CONSTANTS):
             constants.append([i, leaf])
         else:
