@@ -173,7 +173,7 @@ class PipelineModule(nn.Module):
             self._forward_funcs[chunk] = funcs
 
     def tied_parameters(self) -> dict[str, list[nn.Parameter]]:
-        return {key: [getattr(self.tied_modules[key], attr) for attr in spec.tied_weight_attr]
+        return {key: [self.tied_modules[key].get_parameter(attr) for attr in spec.tied_weight_attr]
                 for key, spec in self.tied_specs.items()}
 
     # -- running --------------------------------------------------------------------------------
