@@ -49,7 +49,10 @@ def _check_config(path: str, capsys) -> list[str] | None:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: f"{Path(p).parent.name}/{Path(p).name}")
 def test_check_config_and_initialize_agree(path: str, initialized: dict, capsys):
-    assert _check_config(path, capsys) == initialized[path]
+    # A pipeline config needs a PipelineModule, which check-config cannot see (it has no model):
+    # initialize()'s line about the model is the one difference allowed.
+    problems = [p for p in initialized[path] or [] if "needs the model to be an engine.pipe.PipelineModule" not in p]
+    assert _check_config(path, capsys) == (problems or None if initialized[path] is not None else None)
 
 
 def test_valid_deepspeed_templates_pass_and_every_agreement_refusal_is_refused(initialized: dict):
