@@ -96,8 +96,9 @@ def _activation_peaks():
     from engine.checkpointing import SavedActivationProbe
     from engine.pipe import PipelineModule
     peaks = {}
-    for schedule, m in (("1f1b", 1), ("1f1b", 4), ("gpipe", 4)):
-        pm = PipelineModule(mlp_specs(8), num_stages=2, loss_fn=mse, seed_layers=True, partition_method="uniform")
+    for schedule, m, interval in (("1f1b", 1, 0), ("1f1b", 4, 0), ("gpipe", 4, 0), ("1f1b", 4, 2)):
+        pm = PipelineModule(mlp_specs(8), num_stages=2, loss_fn=mse, seed_layers=True, partition_method="uniform",
+                            activation_checkpoint_interval=interval)
         eng, *_ = engine.initialize(model=pm, config=_config(schedule, m))
         # each micro-batch its own storage: the probe counts storages, and slices of one batch share one
         batches = [[(x.clone(), y.clone()) for x, y in micro_batches(*b, 0, 1, m)]
@@ -105,16 +106,22 @@ def _activation_peaks():
         eng.train_batch(iter(batches[0]))  # builds the stages (probe.py)
         with SavedActivationProbe(pm.parameters()) as probe:
             eng.train_batch(iter(batches[1]))
-        peaks[(schedule, m)] = probe.peak_bytes
+        peaks[(schedule, m, interval)] = probe.peak_bytes
     return peaks
 
 
-def test_1f1b_holds_at_most_p_micro_batches_gpipe_m():
+def test_1f1b_holds_at_most_p_micro_batches_gpipe_m_and_checkpointing_less():
     for stage, peaks in enumerate(run_distributed(_activation_peaks, world_size=2, timeout=150)):
-        one = peaks[("1f1b", 1)]
+        one = peaks[("1f1b", 1, 0)]
         assert one > 0
-        assert peaks[("1f1b", 4)] == min(2 - stage, 4) * one  # stage 0 holds p = 2, the last stage 1
-        assert peaks[("gpipe", 4)] == 4 * one
+        assert peaks[("1f1b", 4, 0)] == min(2 - stage, 4) * one  # stage 0 holds p = 2, the last stage 1
+        assert peaks[("gpipe", 4, 0)] == 4 * one
+        # activation_checkpoint_interval=2: each [Linear, Tanh] pair keeps only its input. Stage 0 holds
+        # two micro-batches of pairs: less. The last stage's loss keeps as much as the pairs saved: no more.
+        if stage == 0:
+            assert 0 < peaks[("1f1b", 4, 2)] < peaks[("1f1b", 4, 0)]
+        else:
+            assert 0 < peaks[("1f1b", 4, 2)] <= peaks[("1f1b", 4, 0)]
 
 
 def _dicts_and_lengths():

@@ -60,6 +60,7 @@ class PipelineEngine(Engine):
         self._built: dict[tuple, tuple] = {}
         self._data_iterator = None
         self._actions: list[tuple] = []  # what this rank's stages ran in the last batch (schedule.py)
+        self._loss_factor = 1.0  # set per batch: the fp16 loss scale / micro-batches (see _loss)
 
     # -- the schedule ---------------------------------------------------------------------------
     def _schedule_for(self, key: tuple, training: bool, m: int, first_input):
@@ -183,10 +184,7 @@ class PipelineEngine(Engine):
             loss = [l.detach() / self._loss_factor for l in losses]
         if not return_logits:
             return loss
-        outputs = None
-        if self.is_last_stage:
-            outputs = [boundary.unflatten(tuple(o)) for o in stages[-1].output_chunks] if not self._multi else \
-                [boundary.unflatten(tuple(o)) for o in stages[-1].output_chunks]
+        outputs = [boundary.unflatten(tuple(o)) for o in stages[-1].output_chunks] if self.is_last_stage else None
         return loss, outputs
 
     def forward(self, *args, **kwargs):

@@ -187,13 +187,19 @@ class PipelineModule(nn.Module):
             return x
         for start in range(0, len(funcs), interval):
             segment = funcs[start:start + interval]
-            if not any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in segment):
+            if not any(self._checkpointable(f) for f in segment):
                 for f in segment:
                     x = f(x)
                 continue
             args = x if isinstance(x, tuple) else (x,)
             x = self.activation_checkpoint_func(_Segment(segment, isinstance(x, tuple)), *args)
         return x
+
+    def _checkpointable(self, f) -> bool:
+        """A layer with parameters, of a class `checkpointable_layers` names (all classes when None)."""
+        if not (isinstance(f, nn.Module) and any(True for _ in f.parameters())):
+            return False
+        return self.checkpointable_layers is None or type(f).__name__ in self.checkpointable_layers
 
     def forward(self, x):
         """Run every chunk of this rank in order: only meaningful for a single-stage pipeline."""
