@@ -24,6 +24,8 @@ __all__ = sorted(_LAZY)
 def __getattr__(name: str):
     if name == "checkpointing":  # activation checkpointing (DeepSpeed's deepspeed.checkpointing)
         return importlib.import_module(".checkpointing", __name__)
+    if name in ("pipe", "topology"):  # engine.pipe.PipelineModule; engine.topology.current()
+        return importlib.import_module("." + name, __name__)
     if name == "zero":  # engine.zero.Init, engine.zero.GatheredParameters (DeepSpeed's deepspeed.zero)
         return importlib.import_module(".zero", __name__)
     if name in _LAZY:

@@ -26,6 +26,7 @@ from .tensor_parallel import from_config as tensor_parallel
 from .engine import Engine
 from .precision import model_dtype
 from .optimizers import resolve_optimizer, tag_muon_parameters
+from .pipe.build import check_pipeline_config, pipeline_groups
 from .schedules import resolve_scheduler
 from .zero import build_zero_optimizer
 
@@ -133,8 +134,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     _start_process_group(distributed_port, dist_init_required)
     # tensor_parallel/from_config.py's note: the degree first, the model sharded before its optimizer
     degree = tensor_parallel.requested_degree(source, config_overrides)
-    cfg = schemas.load_config(source, world_size=max(1, dist.get_world_size() // degree), overrides=config_overrides)
-    groups = tensor_parallel.tensor_parallel_groups(degree)  # None without tensor parallelism
+    groups = pipeline_groups(model)  # a PipelineModule built its topology's groups (engine/pipe)
+    if groups is not None and degree > 1:
+        raise schemas.ConfigError([f"tensor_parallel.autotp_size: {degree} with an engine.pipe.PipelineModule is not "
+                                   "built yet in dstrain (pipeline × tensor parallelism); remove the key or use 1"])
+    data_world = groups.topology.data if groups is not None else max(1, dist.get_world_size() // degree)
+    cfg = schemas.load_config(source, world_size=data_world, overrides=config_overrides)
+    check_pipeline_config(cfg, model)
+    if groups is None:
+        groups = tensor_parallel.tensor_parallel_groups(degree)  # None without tensor parallelism
     comm = Communicator(groups.data_group if groups is not None else None)
     _seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
@@ -156,7 +164,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu, comm.rank,
                                        comm.world_size, cfg.seed, cfg.dataloader_drop_last, collate_fn)
     comm.stats.reset()
-    eng = Engine(model, zero_optimizer, scheduler, loader, cfg, comm)
+    engine_class = Engine
+    if groups is not None:
+        from .pipe.engine import PipelineEngine  # torch.distributed.pipelining only when a pipeline runs
+        engine_class = PipelineEngine
+    eng = engine_class(model, zero_optimizer, scheduler, loader, cfg, comm)
     if cfg.checkpoint.auto_resume:  # a restarted job continues from <save_dir>/latest (engine/checkpoint)
         eng.checkpoint_io.auto_resume()
     if cfg.dump_state and comm.rank == 0:  # logs are shared: secrets redacted as in checkpoints

@@ -82,23 +82,27 @@ class Engine(torch.nn.Module):
         if self._in_no_sync:
             raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first")
         if self.is_gradient_accumulation_boundary():
-            self.timers.start("step")
-            self._step_applied = self.zero_optimizer.step(self.global_steps + 1)
-            self.timers.stop("step")
-            if self._step_applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            else:
-                self.skipped_steps += 1
-            self.global_steps += 1
-            self.global_samples += self.config.train_batch_size
-            heartbeat.beat(self.global_steps)
-            self.metrics.after_step(self, self.timers.step_totals_and_reset())
-            self._maybe_log()
-            if self.config.checkpoint.save_interval:  # periodic saving (engine/checkpoint)
-                self.checkpoint_io.after_step()
+            self._boundary_step()
         self.micro_steps += 1
         self._boundary_override = None
+
+    def _boundary_step(self) -> None:
+        """The optimizer step at an accumulation boundary, the LR schedule, counters, log, saving."""
+        self.timers.start("step")
+        self._step_applied = self.zero_optimizer.step(self.global_steps + 1)
+        self.timers.stop("step")
+        if self._step_applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        heartbeat.beat(self.global_steps)
+        self.metrics.after_step(self, self.timers.step_totals_and_reset())
+        self._maybe_log()
+        if self.config.checkpoint.save_interval:  # periodic saving (engine/checkpoint)
+            self.checkpoint_io.after_step()
 
     def _maybe_log(self) -> None:
         if not self.logger.due(self.global_steps):

@@ -89,6 +89,10 @@ class Topology:
         here = self.coord(rank)._asdict()
         return [self.rank_of(**{**here, axis: i}) for i in range(getattr(self, axis))]
 
+    def data_parallel_ranks(self, rank: int) -> list[int]:
+        """The name `dist.Topology` had for `axis_ranks("data", rank)`."""
+        return self.axis_ranks("data", rank)
+
     def axis_groups(self, axis: str) -> list[list[int]]:
         """Every group along `axis`, in a fixed order (the order every rank creates them in)."""
         seen: dict[tuple, list[int]] = {}

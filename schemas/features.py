@@ -95,7 +95,11 @@ class PipelineConfig(StrictModel):
     """`pipeline`: pipeline-parallel options for `engine.pipe.PipelineModule`."""
 
     stages: Union[int, Literal["auto"]] = "auto"
-    """Pipeline stages; "auto" takes them from the model."""
+    """Pipeline stages; "auto" takes them from the model (`PipelineModule(num_stages=)`); a number must
+    equal the model's."""
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    """dstrain's: the pipeline schedule (docs/parallelism.md). "interleaved_1f1b" and "zero_bubble" need
+    `PipelineModule(virtual_stages=2)` or more."""
     partition: str = "best"
     """How layers are assigned to stages."""
     seed_layers: bool = False

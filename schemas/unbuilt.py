@@ -95,7 +95,14 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("bf16.check_grad_overflow", "dstrain always checks bf16 gradients; fault_tolerance.nan_policy "
             "says what a non-finite one does; remove it", built=_is(True)),
     Unbuilt("aio"),
-    Unbuilt("pipeline"),
+    Unbuilt("pipeline.partition", "pass partition_method= to engine.pipe.PipelineModule; remove it"),
+    Unbuilt("pipeline.seed_layers", "pass seed_layers= to engine.pipe.PipelineModule; remove it"),
+    Unbuilt("pipeline.activation_checkpoint_interval", "pass activation_checkpoint_interval= to "
+            "engine.pipe.PipelineModule; remove it"),
+    Unbuilt("pipeline.pipe_partitioned", "it splits stage activations over tensor-parallel ranks, which is not "
+            "built yet; remove it"),
+    Unbuilt("pipeline.grad_partitioned", "it splits stage gradients over tensor-parallel ranks, which is not "
+            "built yet; remove it"),
     Unbuilt("tensor_parallel.dtype", "the model's precision comes from the fp16/bf16 sections; remove it"),
     Unbuilt("tensor_parallel.tp_overlap_comm", "remove it or use false"),
     Unbuilt("tensor_parallel.vocab_parallel_lm_head", "AutoTP keeps the LM head whole (a model can use "

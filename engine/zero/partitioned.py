@@ -70,6 +70,7 @@ class PartitionedZeroOptimizer:
 
     stage = -1
     reduce_every_micro_step = True
+    norm_reduce = None  # a pipeline's: this stage's norm² → the world's (engine/pipe/reduction.py)
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, guard: NonFiniteGuard, *,
                  reduce_bucket_numel: int, allgather_bucket_numel: int, overlap_comm: bool,
@@ -272,8 +273,16 @@ class PartitionedZeroOptimizer:
         scale = self.guard.scaler.loss_scale
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._micro_steps += 1
-        if not self._armed:
-            return
+        if self._armed:
+            self._reduce_remaining()
+
+    def reduce_accumulated(self) -> None:
+        """Reduce what backward passes run outside this optimizer left in `.grad` (a pipeline schedule's
+        micro-batches), once: the tail of a reducing backward."""
+        self._armed = True
+        self._reduce_remaining()
+
+    def _reduce_remaining(self) -> None:
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)
         self.inflight.drain()
@@ -306,6 +315,8 @@ class PartitionedZeroOptimizer:
             if b.numel():
                 sq += torch.linalg.vector_norm(b, dtype=torch.float32).square().to(sq.device)
         self.comm.all_reduce(sq)
+        if self.norm_reduce is not None:
+            sq = self.norm_reduce(sq)
         return float(sq.sqrt())
 
     def step(self, step_number: int = 0) -> bool:

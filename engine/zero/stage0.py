@@ -66,6 +66,7 @@ class DataParallelOptimizer:
     """Owns the gradients of `optimizer`'s parameters and the boundary step for stage 0."""
 
     stage = 0
+    norm_reduce = None  # a pipeline's: this stage's norm² → the world's (engine/pipe/reduction.py)
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, guard: NonFiniteGuard, *,
                  bucket_numel: int, overlap_comm: bool, gradient_clipping: float,
@@ -141,6 +142,11 @@ class DataParallelOptimizer:
     def after_backward(self) -> None:
         self.buckets.flush_and_wait()
 
+    def reduce_accumulated(self) -> None:
+        """All-reduce what backward passes run outside this optimizer accumulated (a pipeline's)."""
+        self.before_backward(True)
+        self.after_backward()
+
     # -- the boundary step ---------------------------------------------------------------------
     def _grad_buffers(self) -> list[torch.Tensor]:
         if self.master is not None:
@@ -152,7 +158,12 @@ class DataParallelOptimizer:
         """Unscale, check, clip and apply the optimizer. Returns whether the step was applied."""
         self.arrivals.check_unused(self.params, self.ignore_unused)
         buffers = self._grad_buffers()
-        norm = float(global_norm(buffers, self.comm.device)) if self.engine_all_reduce else self._rms_local_norm(buffers)
+        if not self.engine_all_reduce:
+            norm = self._rms_local_norm(buffers)
+        elif self.norm_reduce is not None:
+            norm = float(self.norm_reduce(global_norm(buffers, self.comm.device).square()).sqrt())
+        else:
+            norm = float(global_norm(buffers, self.comm.device))
         applied = checked_step(self, buffers, norm, step_number)
         if applied and self.master is not None:
             self.master.copy_to_model()

@@ -80,9 +80,11 @@ class HostMemoryTrimmer:
 
 def _gather_communicator(comm: Communicator) -> Communicator:
     """A second process group for parameter all-gathers (prefetch.py's note), counted with `comm`."""
-    if comm.world_size == 1 or comm.group is not None or not dist.is_initialized():
+    if comm.world_size == 1 or not dist.is_initialized():
         return comm
-    gather = Communicator(dist.new_group(list(range(comm.world_size))))
+    from ..topology import current  # the data axis of the grid, not range(world) (DESIGN decision 11)
+    gather = Communicator(current().duplicate("data") if comm.group is not None else dist.new_group(
+        dist.get_process_group_ranks(dist.group.WORLD)))
     gather.stats = comm.stats
     return gather
 

@@ -1,0 +1,148 @@
+"""Pipeline schedules side by side: dstrain's `train_batch` with every `pipeline.schedule`, torch's own
+PipelineStage + schedule on the same layers, and (with --deepspeed-venv) DeepSpeed's PipelineEngine.
+
+    python benchmarks/bench_pipeline.py --stages 2,4 --micro-batches 1,4,8 --steps 5
+    python benchmarks/bench_pipeline.py --stages 2 --micro-batches 4 --deepspeed-venv /tmp/ds-venv
+
+Workload: benchmarks/pipe_workload.py (16 layers: 8 × Linear(512, 512) + GELU, micro-batch 16, MSE,
+SGD), one rank per stage, 1 thread each, gloo over loopback, fp32. Per row: the median train_batch
+time of steps 2..N (the first builds the stages), the bubble fraction from the executed actions
+(engine/pipe/schedule.py) next to its formula, and the peak bytes of activations autograd holds per
+stage (saved-tensor hooks). Interleaved and zero-bubble rows use 2 chunks per rank. These machines are
+shared and noisy: read ratios, and the load printed with them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import pipe_workload as wl  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
+
+
+def _dstrain(schedule: str, m: int, steps: int) -> dict:
+    import torch.distributed as dist
+    import engine
+    from engine.checkpointing import SavedActivationProbe
+    from engine.pipe import PipelineModule
+    from engine.pipe.schedule import idle_fractions
+    stages, virtual = dist.get_world_size(), 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    pm = PipelineModule(wl.layers(), num_stages=stages, loss_fn=wl.loss_fn, partition_method="uniform",
+                        virtual_stages=virtual)
+    cfg = {"train_micro_batch_size_per_gpu": wl.MICRO, "gradient_accumulation_steps": m,
+           "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "pipeline": {"schedule": schedule},
+           "steps_per_print": 10**9}
+    eng, *_ = engine.initialize(model=pm, config=cfg)
+    data = wl.micro_batches(m * steps)
+    times = []
+    for i in range(steps):
+        batch = iter(data[i * m:(i + 1) * m])
+        t0 = time.perf_counter()
+        if i == steps - 1:
+            with SavedActivationProbe(pm.parameters()) as probe:
+                eng.train_batch(batch)
+        else:
+            eng.train_batch(batch)
+        times.append((time.perf_counter() - t0) * 1e3)
+    idle = idle_fractions(eng.schedule_actions(), stages * virtual)
+    return {"step_ms": statistics.median(times[1:]), "bubble": max(idle.values()), "act_bytes": probe.peak_bytes}
+
+
+def _torch_native(m: int, steps: int) -> dict:
+    """torch's own PipelineStage + Schedule1F1B (GPipe when m < stages) on the same layers."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import pipelining as tp
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = len(wl.layers()) // world
+    mod = torch.nn.Sequential(*wl.layers()[rank * per:(rank + 1) * per])
+    stage = tp.PipelineStage(mod, rank, world, torch.device("cpu"))
+    cls = tp.Schedule1F1B if m >= world else tp.ScheduleGPipe
+    sched = cls(stage, n_microbatches=m, loss_fn=wl.loss_fn)
+    opt = torch.optim.SGD(mod.parameters(), lr=1e-3)
+    data = wl.micro_batches(m * steps)
+    times = []
+    for i in range(steps):
+        xs = torch.cat([x for x, _ in data[i * m:(i + 1) * m]])
+        ys = torch.cat([y for _, y in data[i * m:(i + 1) * m]])
+        t0 = time.perf_counter()
+        if rank == 0:
+            sched.step(xs)
+        elif rank == world - 1:
+            sched.step(target=ys)
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"step_ms": statistics.median(times[1:])}
+
+
+def _all(stages: int, ms: list[int], steps: int) -> dict:
+    out = {}
+    for m in ms:
+        for schedule in SCHEDULES:
+            if schedule in ("interleaved_1f1b", "zero_bubble") and m % stages:
+                continue  # torch's interleaved schedules need m to be a multiple of the stage count
+            out[(schedule, m)] = _dstrain(schedule, m, steps)
+        out[("torch", m)] = _torch_native(m, steps)
+    return out
+
+
+def _deepspeed(venv: str, stages: int, m: int, steps: int) -> float | None:
+    peer = Path(__file__).resolve().parent / "deepspeed_pipe_peer.py"
+    proc = subprocess.run([str(Path(venv) / "bin" / "python"), str(peer), "--stages", str(stages),
+                           "--micro-batches", str(m), "--steps", str(steps)], capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        print(f"deepspeed p={stages} m={m} failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])["step_ms"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", default="2,4")
+    p.add_argument("--micro-batches", default="1,4,8")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--deepspeed-venv", default=None)
+    args = p.parse_args()
+    from engine.pipe.schedule import formula_bubble
+    print(f"load before: {os.getloadavg()}")
+    print(f"{'p':>2} {'m':>2} {'system':<18} {'step ms':>9} {'vs DS':>6} {'bubble':>7} {'formula':>7} {'act KB/stage':>12}")
+    for stages in [int(s) for s in args.stages.split(",")]:
+        ms = [int(m) for m in args.micro_batches.split(",")]
+        rows = run_distributed(_all, world_size=stages, args=(stages, ms, args.steps), timeout=1800)
+        for m in ms:
+            ds = _deepspeed(args.deepspeed_venv, stages, m, args.steps) if args.deepspeed_venv else None
+            if ds is not None:
+                print(f"{stages:>2} {m:>2} {'deepspeed-1f1b':<18} {ds:>9.1f} {1.0:>6.2f}")
+            for system in (*SCHEDULES, "torch"):
+                if (system, m) not in rows[0]:
+                    continue
+                step = max(r[(system, m)]["step_ms"] for r in rows)
+                ratio = f"{step / ds:>6.2f}" if ds else f"{'-':>6}"
+                if system == "torch":
+                    print(f"{stages:>2} {m:>2} {'torch-native':<18} {step:>9.1f} {ratio}")
+                    continue
+                bubble = rows[0][(system, m)]["bubble"]
+                v = 2 if system in ("interleaved_1f1b", "zero_bubble") else 1
+                acts = "/".join(f"{r[(system, m)]['act_bytes'] / 1024:.0f}" for r in rows)
+                print(f"{stages:>2} {m:>2} {'dstrain-' + system:<18} {step:>9.1f} {ratio} {bubble:>7.3f} "
+                      f"{formula_bubble(system, stages, m, v):>7.3f} {acts:>12}")
+    print(f"load after: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

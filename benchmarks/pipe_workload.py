@@ -1,0 +1,25 @@
+"""The pipeline benchmark's model and data, importable by dstrain's side and by DeepSpeed's venv
+alike (torch only): a stack of Linear+GELU layers as a plain layer list, MSE loss."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+D, LAYERS, MICRO = 512, 16, 16
+
+
+def layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    out: list[nn.Module] = []
+    for _ in range(LAYERS // 2):
+        out += [nn.Linear(D, D), nn.GELU()]
+    return out
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+def micro_batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(MICRO, D, generator=g), torch.randn(MICRO, D, generator=g)) for _ in range(n)]

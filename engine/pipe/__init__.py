@@ -1,0 +1,11 @@
+"""Pipeline parallelism (DeepSpeed's `deepspeed.pipe`): a model written as a list of layers, split
+into stages, run by one of torch's schedules (`torch.distributed.pipelining`).
+
+- `PipelineModule`, `LayerSpec`, `TiedLayerSpec` (module.py); partitioning (partition.py);
+- `PipelineEngine.train_batch` / `eval_batch` (engine.py), what crosses a stage (boundary.py), the
+  once-per-step reduction and the world-wide gradient norm (reduction.py);
+- `pipeline.schedule` and bubble accounting (schedule.py). See docs/parallelism.md.
+"""
+from .module import LayerSpec, PipelineModule, TiedLayerSpec
+
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]

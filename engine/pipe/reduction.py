@@ -1,0 +1,66 @@
+"""Gradients once per pipeline step: tied weights, the data-axis reduction, and the world's norm.
+
+[Note: one norm for the world] Each stage holds different parameters, so a gradient norm computed
+by one stage's ZeRO optimizer covers only that stage. Clipping with it would scale every stage
+differently (a different model than the reference), and an Inf on one stage would make only that
+stage skip (the others step: divergence, or a deadlock at the next collective). So the square of
+the norm each stage's optimizer agreed over its data group is summed over the model-parallel group
+(pipe × model): the result is the norm of the whole model's gradient, identical on every rank of
+the world. A tied weight is held by several stages with the same (summed) gradient; the stages
+other than the first subtract their copy's square first, so it is counted once. The square of a
+non-finite gradient is non-finite, and stays so through the sum (Inf − Inf is NaN): every rank
+skips the same step without a separate flag.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Communicator
+
+
+class TiedGradients:
+    """The tied weights of one PipelineModule and their groups (created on every rank, in key order)."""
+
+    def __init__(self, module, groups, data_comm: Communicator):
+        self.data_comm = data_comm
+        self.params = module.tied_parameters()
+        stage = groups.coord.pipe
+        self.comms = {key: Communicator(group) for key, group in module.tie_groups.items()}
+        self.owner = {key: stage == module.tie_stages()[key][0] for key in self.comms}
+        self.duplicate_square: torch.Tensor | None = None
+
+    def all_reduce_grads(self) -> None:
+        for key, comm in self.comms.items():
+            for p in self.params[key]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p, device=p.device)
+                comm.all_reduce(p.grad)
+
+    def measure_duplicates(self, loss_scale: float) -> None:
+        """On the non-first holders: the square of the data-averaged, unscaled tied gradient (module note)."""
+        sq = self.data_comm.zeros()
+        for key, comm in self.comms.items():
+            if self.owner[key]:
+                continue
+            for p in self.params[key]:
+                g = p.grad.detach().float().clone()
+                self.data_comm.all_reduce(g)
+                sq += (g / (self.data_comm.world_size * loss_scale)).square().sum()
+        self.duplicate_square = sq
+
+
+def agree_norm_over_world(mp_comm: Communicator, tied: TiedGradients):
+    """The ZeRO optimizers' `norm_reduce`: data-agreed norm² of this stage → the world's norm²."""
+    def reduce(square: torch.Tensor) -> torch.Tensor:
+        square = square.reshape(1).float()
+        if tied.duplicate_square is not None:
+            square = square - tied.duplicate_square
+        mp_comm.all_reduce(square)
+        return square
+    return reduce
+
+
+def reduce_accumulated(zero_optimizer) -> None:
+    """Reduce over the data axis what the schedule's backward passes accumulated, once per step (the
+    schedule calls autograd itself, so no backward of the optimizer's was 'the boundary' one)."""
+    zero_optimizer.reduce_accumulated()

@@ -1,0 +1,114 @@
+"""Pipeline schedules by our key `pipeline.schedule`, and their bubble accounting.
+
+| key | torch class | stages per rank | bubble (p stages, m micro-batches) |
+|---|---|---|---|
+| "1f1b" (default) | Schedule1F1B | 1 | (p−1)/(m+p−1); holds ≤ p micro-batches of activations |
+| "gpipe" | ScheduleGPipe | 1 | (p−1)/(m+p−1); holds m |
+| "interleaved_1f1b" | ScheduleInterleaved1F1B | V ≥ 2 | (p−1)/(V·m+p−1) |
+| "zero_bubble" | ScheduleInterleavedZeroBubble | V ≥ 2 | below interleaved: weight gradients fill the bubble |
+
+`idle_fractions` replays the actions the stages executed (`LoggedStage` records every forward,
+backward, input-gradient and weight-gradient call torch's runtime makes, in order; torch's own
+`pipeline_order` of Schedule1F1B is a drawing that differs from what it runs) on a unit-cost clock —
+forward 1, full backward 2, input-gradient and weight-gradient halves 1 each, all divided by the
+chunks per rank — where an action starts once its rank is free and its data has arrived (the previous
+stage's forward, the next stage's input gradient). The idle fraction of a rank is its idle time over
+the makespan. Counting slots, not wall time, makes the number a property of the schedule, which is
+what the formula describes.
+"""
+from __future__ import annotations
+
+from torch.distributed import pipelining as tp
+
+SCHEDULES = {
+    "1f1b": (tp.Schedule1F1B, False),
+    "gpipe": (tp.ScheduleGPipe, False),
+    "interleaved_1f1b": (tp.ScheduleInterleaved1F1B, True),
+    "zero_bubble": (tp.ScheduleInterleavedZeroBubble, True),
+}
+
+
+def schedule_class(name: str, virtual_stages: int):
+    """The torch schedule for `pipeline.schedule: name`; a mismatch with the model is a one-line error."""
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline.schedule: {name!r} is not a schedule; use one of {', '.join(SCHEDULES)}")
+    cls, multi = SCHEDULES[name]
+    if multi and virtual_stages < 2:
+        raise ValueError(f"pipeline.schedule: {name!r} runs several stages per rank; build the model with "
+                         "PipelineModule(..., virtual_stages=2) (or more), or use \"1f1b\"")
+    if not multi and virtual_stages != 1:
+        raise ValueError(f"pipeline.schedule: {name!r} runs one stage per rank, but the PipelineModule has "
+                         f"virtual_stages={virtual_stages}; use \"interleaved_1f1b\" or \"zero_bubble\"")
+    return cls, multi
+
+
+def formula_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The textbook bubble of `name` (the table above); zero-bubble's is bounded by interleaved's."""
+    if name in ("1f1b", "gpipe"):
+        return (p - 1) / (m + p - 1)
+    return (p - 1) / (v * m + p - 1)
+
+
+_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+class LoggedStage(tp.PipelineStage):
+    """torch's PipelineStage, recording each computation it runs as (kind, stage, micro-batch)."""
+
+    def __init__(self, *args, action_log: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.action_log = action_log
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        self.action_log.append(("F", self.stage_index, fwd_chunk_id))
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        if self.has_backward:
+            self.action_log.append(("B" if full_backward else "I", self.stage_index, bwd_chunk_id))
+        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                          last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        if self.has_backward:
+            self.action_log.append(("W", self.stage_index, bwd_chunk_id))
+        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+
+def idle_fractions(actions: dict[int, list[tuple]], num_chunks: int) -> dict[int, float]:
+    """Idle fraction per rank of the executed actions {rank: [(kind, stage, mb), ...]} (module docstring)."""
+    per_rank_chunks = num_chunks / len(actions)
+    done: dict[tuple, float] = {}  # (kind, stage, microbatch) -> finish time
+    queues = {r: list(acts) for r, acts in actions.items()}
+    clock = {r: 0.0 for r in queues}
+    busy = {r: 0.0 for r in queues}
+    last = num_chunks - 1
+    while any(queues.values()):
+        progressed = False
+        for r, queue in queues.items():
+            while queue:
+                kind, s, mb = queue[0]
+                needs = []
+                if kind == "F" and s > 0:
+                    needs.append(("F", s - 1, mb))
+                if kind in ("B", "I"):
+                    needs.append(("F", s, mb))
+                    if s < last:
+                        needs.append(("I", s + 1, mb))
+                if kind == "W":
+                    needs.append(("I", s, mb))
+                if any(n not in done for n in needs):
+                    break
+                cost = _COST[kind] / per_rank_chunks
+                start = max([clock[r]] + [done[n] for n in needs])
+                clock[r] = start + cost
+                busy[r] += cost
+                done[(kind, s, mb)] = clock[r]
+                if kind == "B":  # a full backward also produces the input gradient
+                    done[("I", s, mb)] = clock[r]
+                queue.pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError("schedule replay stalled: the action lists wait on each other")
+    makespan = max(clock.values())
+    return {r: 1.0 - busy[r] / makespan for r in queues}

@@ -1,0 +1,158 @@
+"""Pipeline parallelism (engine/pipe): every schedule on 2 and 4 stages equals single-process SGD on
+the global batch after 5 steps (no clipping, so a wrong gradient scale — a missing 1/m, a doubled
+tied gradient — shows in the weights), with accumulation and tied weights; the API's errors; the
+schedule accounting (idle slots from the schedule's own actions vs the bubble formula; activations
+held per stage measured with saved-tensor hooks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.pipe.schedule import formula_bubble, idle_fractions
+from tests.harness import run_distributed
+from tests.models import micro_batches
+from tests.pipe_models import (Reference, dict_specs, global_batches, lm_loss, mlp_specs, mse, reference_params,
+                               reference_sgd, tied_specs, varying_length_batches)
+
+LR, MICRO, STEPS = 0.1, 2, 5
+
+
+def _config(schedule: str, gas: int, zero: int = 0, extra: dict | None = None) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+            "pipeline": {"schedule": schedule}, "zero_optimization": {"stage": zero}, **(extra or {})}
+
+
+def _specs(tied: bool, n_layers: int):
+    return tied_specs(n_layers - 2) if tied else mlp_specs(n_layers)
+
+
+def _train(schedule: str, stages: int, virtual: int, gas: int, tied: bool, zero: int = 0, steps: int = STEPS,
+           n_layers: int = 8):
+    import engine
+    from engine.pipe import PipelineModule
+    specs = _specs(tied, n_layers)
+    pm = PipelineModule(specs, num_stages=stages, loss_fn=lm_loss if tied else mse, seed_layers=True,
+                        partition_method="uniform", virtual_stages=virtual)
+    eng, *_ = engine.initialize(model=pm, config=_config(schedule, gas, zero))
+    dp, dp_rank = eng.comm.world_size, eng.comm.rank
+    losses = []
+    for x, y in global_batches(steps, MICRO * gas * dp, tied):
+        losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, gas))))))
+    idle = idle_fractions(eng.schedule_actions(), stages * virtual)[eng.stage_id]
+    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, idle
+
+
+def _check_against_reference(results, tied: bool, gas: int, dp: int, n_layers: int = 8):
+    specs = _specs(tied, n_layers)
+    ref, ref_losses = reference_sgd(specs, global_batches(STEPS, MICRO * gas * dp, tied), lm_loss if tied else mse,
+                                    LR, STEPS)
+    want = reference_params(ref)
+    seen = set()
+    for params, losses, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)  # every stage returns the loss
+        for name, p in params.items():
+            torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=f"parameter {name}")
+            seen.add(name)
+    assert seen == set(want)  # the stages together hold the whole model
+    # the model moved: the comparison is not between two untouched initialisations
+    init = reference_params(Reference(specs))
+    assert any(not torch.allclose(init[n], want[n]) for n in want)
+
+
+def _train_each(stages: int, cases: list):
+    """Several runs in one set of processes (spawning and rendezvous cost more than the training)."""
+    return [_train(schedule, stages, virtual, gas, tied, n_layers=n_layers) for schedule, virtual, gas, tied, n_layers in cases]
+
+
+# (schedule, virtual stages per rank, accumulation steps = micro-batches, tied weights, layers)
+CASES = {
+    2: [("1f1b", 1, 4, True, 6), ("gpipe", 1, 3, False, 8), ("interleaved_1f1b", 2, 4, True, 8),
+        ("zero_bubble", 2, 4, False, 8)],
+    4: [("1f1b", 1, 4, True, 8), ("gpipe", 1, 2, True, 8), ("interleaved_1f1b", 2, 4, False, 16),
+        ("zero_bubble", 2, 4, False, 16)],
+}
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_every_schedule_matches_single_process(stages):
+    per_rank = run_distributed(_train_each, world_size=stages, args=(stages, CASES[stages]), timeout=240)
+    idle = {}
+    for k, (schedule, _, gas, tied, n_layers) in enumerate(CASES[stages]):
+        _check_against_reference([r[k] for r in per_rank], tied, gas, dp=1, n_layers=n_layers)
+        idle[schedule] = [r[k][2] for r in per_rank]
+    # Schedule accounting: the idle slots of the executed action lists, per stage, vs the formula.
+    for schedule in ("1f1b", "gpipe"):
+        m = next(c[2] for c in CASES[stages] if c[0] == schedule)
+        assert idle[schedule] == pytest.approx([formula_bubble(schedule, stages, m)] * stages, abs=1e-9)
+    plain = formula_bubble("1f1b", stages, 4)
+    assert max(idle["interleaved_1f1b"]) < plain
+    assert max(idle["zero_bubble"]) < max(idle["interleaved_1f1b"])
+
+
+def _activation_peaks():
+    """Peak bytes of activations autograd holds on this stage during a train_batch, per schedule and m."""
+    import engine
+    from engine.checkpointing import SavedActivationProbe
+    from engine.pipe import PipelineModule
+    peaks = {}
+    for schedule, m, interval in (("1f1b", 1, 0), ("1f1b", 4, 0), ("gpipe", 4, 0), ("1f1b", 4, 2)):
+        pm = PipelineModule(mlp_specs(8), num_stages=2, loss_fn=mse, seed_layers=True, partition_method="uniform",
+                            activation_checkpoint_interval=interval)
+        eng, *_ = engine.initialize(model=pm, config=_config(schedule, m))
+        # each micro-batch its own storage: the probe counts storages, and slices of one batch share one
+        batches = [[(x.clone(), y.clone()) for x, y in micro_batches(*b, 0, 1, m)]
+                   for b in global_batches(2, MICRO * m, False)]
+        eng.train_batch(iter(batches[0]))  # builds the stages (probe.py)
+        with SavedActivationProbe(pm.parameters()) as probe:
+            eng.train_batch(iter(batches[1]))
+        peaks[(schedule, m, interval)] = probe.peak_bytes
+    return peaks
+
+
+def test_1f1b_holds_at_most_p_micro_batches_gpipe_m_and_checkpointing_less():
+    for stage, peaks in enumerate(run_distributed(_activation_peaks, world_size=2, timeout=150)):
+        one = peaks[("1f1b", 1, 0)]
+        assert one > 0
+        assert peaks[("1f1b", 4, 0)] == min(2 - stage, 4) * one  # stage 0 holds p = 2, the last stage 1
+        assert peaks[("gpipe", 4, 0)] == 4 * one
+        # activation_checkpoint_interval=2: each [Linear, Tanh] pair keeps only its input. Stage 0 holds
+        # two micro-batches of pairs: less. The last stage's loss keeps as much as the pairs saved: no more.
+        if stage == 0:
+            assert 0 < peaks[("1f1b", 4, 2)] < peaks[("1f1b", 4, 0)]
+        else:
+            assert 0 < peaks[("1f1b", 4, 2)] <= peaks[("1f1b", 4, 0)]
+
+
+def _dicts_and_lengths():
+    """Dict boundaries (int mask, no-grad tensor, constant) with changing sequence lengths; eval; errors."""
+    import engine
+    from engine.pipe import PipelineModule
+    pm = PipelineModule(dict_specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
+    eng, *_ = engine.initialize(model=pm, config=_config("1f1b", 2))
+    losses = [float(eng.train_batch(iter(list(micro_batches(x, y, 0, 1, 2)))))
+              for x, y in varying_length_batches(STEPS, MICRO * 2)]
+    x, y = varying_length_batches(STEPS + 1, MICRO * 2)[STEPS]
+    eval_loss = float(eng.eval_batch(iter(list(micro_batches(x, y, 0, 1, 2)))))
+    errors = []
+    for call in (lambda: eng(x), lambda: eng.backward(None), lambda: eng.step()):
+        try:
+            call()
+        except RuntimeError as err:
+            errors.append(str(err))
+    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, eval_loss, errors
+
+
+def test_dicts_masks_and_changing_lengths_cross_stages():
+    per_rank = run_distributed(_dicts_and_lengths, world_size=2, timeout=150)
+    batches = varying_length_batches(STEPS + 1, MICRO * 2)
+    ref, ref_losses = reference_sgd(dict_specs(), batches, lm_loss, LR, STEPS)
+    want = reference_params(ref)
+    with torch.no_grad():
+        ref_eval = float(lm_loss(ref(batches[STEPS][0]), batches[STEPS][1]))
+    for params, losses, eval_loss, errors in per_rank:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert eval_loss == pytest.approx(ref_eval, rel=1e-5)
+        for name, p in params.items():
+            torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert len(errors) == 3 and all("train_batch" in e for e in errors)
