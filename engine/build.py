@@ -156,6 +156,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         tensor_parallel.check_parameters(model, params, optimizer)
     base_optimizer = resolve_optimizer(optimizer, params, cfg.optimizer)
     zero_optimizer = build_zero_optimizer(base_optimizer, comm, cfg, model) if base_optimizer is not None else None
+    if zero_optimizer is not None and degree > 1:  # one norm and one skip decision for the world
+        tensor_parallel.agree_norm_over_tensor_parallel(zero_optimizer, model, groups)
     if zero_optimizer is not None and cfg.gradient_compression is not None:  # stage 0 only (schemas/checks.py)
         zero_optimizer.enable_gradient_compression(cfg.gradient_compression)
     scheduler = resolve_scheduler(lr_scheduler, base_optimizer, cfg.scheduler)
@@ -165,7 +167,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                        comm.world_size, cfg.seed, cfg.dataloader_drop_last, collate_fn)
     comm.stats.reset()
     engine_class = Engine
-    if groups is not None:
+    if pipeline_groups(model) is not None:  # `groups` is also set by tensor parallelism alone
         from .pipe.engine import PipelineEngine  # torch.distributed.pipelining only when a pipeline runs
         engine_class = PipelineEngine
     eng = engine_class(model, zero_optimizer, scheduler, loader, cfg, comm)

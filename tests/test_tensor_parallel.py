@@ -176,9 +176,8 @@ def _refusals() -> dict:
     found = {}
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
             "tensor_parallel": {"autotp_size": 2}}
-    cases = {"clipping": {}, "fp16": {"gradient_clipping": 0, "fp16": {"enabled": True}},
-             "zero2": {"gradient_clipping": 0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True},
-             "stale_parameters": {"gradient_clipping": 0}}
+    cases = {"zero2": {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True},
+             "stale_parameters": {}}
     for name, extra in cases.items():
         model = _tiny_gpt()
         params = list(model.parameters()) if name == "stale_parameters" else None
@@ -186,7 +185,7 @@ def _refusals() -> dict:
             engine.initialize(model=model, model_parameters=params, config={**base, **extra})
         except (schemas.ConfigError, ValueError) as err:
             found[name] = str(err)
-    eng, *_ = engine.initialize(model=_tiny_gpt(), config={**base, "gradient_clipping": 0})
+    eng, *_ = engine.initialize(model=_tiny_gpt(), config=base)
     try:
         eng.save_checkpoint(tempfile.mkdtemp())
     except NotImplementedError as err:
@@ -354,12 +353,18 @@ def test_autotp_model_equals_dense_after_sgd_steps(two_rank_results, kind):
 
 
 # -- from the config: initialize() with tensor_parallel.autotp_size -----------------------------------
-# The reference trains the dense GPT in one process on the global batch (both data ranks' samples);
-# SGD, no clipping (tests.models.reference_train). ZeRO-1 partitions the optimizer over the data axis.
-def _config(stage: int, data: int) -> dict:
+# The reference trains the dense GPT in one process on the global batch (both data ranks' samples),
+# with SGD: unclipped (a wrong gradient scale moves the weights), and clipped by torch's
+# clip_grad_norm_ at CLIP, below every step's norm (checked), so every step is scaled by CLIP / norm
+# and a norm counted wrong (a replicated parameter T times, a shard once) moves the weights and the
+# reported norm. ZeRO-1 partitions the optimizer over the data axis.
+CLIP = 0.05
+
+
+def _config(stage: int, data: int, clip: float = 0.0, fp16: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": 4 // data, "gradient_accumulation_steps": 1,
-            "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}},
-            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": clip, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "zero_allow_untested_optimizer": True, "fp16": {"enabled": fp16, "initial_scale_power": 8, "hysteresis": 1},
             "zero_optimization": {"stage": stage},
             "tensor_parallel": {"autotp_size": 2}}
 
@@ -369,7 +374,25 @@ def _batches():
     return [torch.randint(0, 64, (4, 17), generator=g) for _ in range(STEPS)]
 
 
-def _initialize_on_rank(stage: int):
+def _reference_run(model_state: dict, clip: float) -> dict:
+    reference = _tiny_gpt()
+    reference.load_state_dict(model_state)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    losses, norms = [], []
+    for batch in _batches():
+        loss = reference(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item())
+        else:
+            norms.append(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+    return {"model": reference, "losses": losses, "norms": norms}
+
+
+def _train_on_rank(stage: int, clip: float) -> dict:
     import torch.distributed as dist
 
     import engine
@@ -378,40 +401,77 @@ def _initialize_on_rank(stage: int):
     from engine.topology import current
     torch.manual_seed(0)
     model = _tiny_gpt()
-    reference = _tiny_gpt()
-    reference.load_state_dict(model.state_dict())
+    ref = _reference_run(model.state_dict(), clip)
     data = dist.get_world_size() // 2
-    eng, *_ = engine.initialize(model=model, config=_config(stage, data))
+    eng, *_ = engine.initialize(model=model, config=_config(stage, data, clip))
     coord = current().coord
     micro = 4 // data
-    losses = []
+    losses, norms = [], []
     for batch in _batches():
         mine = batch[coord.data * micro:(coord.data + 1) * micro]
         loss = eng(mine[:, :-1], mine[:, 1:])
         eng.backward(loss)
         eng.step()
         losses.append(loss.item())
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    ref_losses = []
-    for batch in _batches():
-        loss = reference(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
+        norms.append(eng.get_global_grad_norm())
     err = 0.0
     for name, p in eng.module.named_parameters():
-        full = _full_of(reference, name)
+        full = _full_of(ref["model"], name)
         if is_partitioned(p):
             full = shard(full, p.tensor_parallel_dim, coord.model, 2, p.tensor_parallel_parts)
         err = max(err, _err(p.detach(), full.detach()))
     eng.destroy()
-    return {"coord": tuple(coord), "losses": losses, "ref_losses": ref_losses, "params": err}
+    return {"coord": tuple(coord), "losses": losses, "ref_losses": ref["losses"], "params": err,
+            "norms": norms, "ref_norms": ref["norms"]}
 
 
-@pytest.mark.parametrize("world, stage", [(2, 0), (4, 1)], ids=["tp2", "tp2xdp2-zero1"])
-def test_initialize_with_autotp_equals_reference(world, stage):
-    results = run_distributed(_initialize_on_rank, world_size=world, args=(stage,), timeout=240)
+INF_STEP = 1  # the step whose gradient is made Inf, on tensor rank 1 of data rank 0 only
+
+
+def _overflow_on_rank(stage: int) -> dict:
+    """fp16 with a dynamic loss scale; one column-parallel weight's gradient made Inf on one rank."""
+    import torch.distributed as dist
+
+    import engine
+    from engine.tensor_parallel import is_partitioned
+    from engine.topology import current
+    torch.manual_seed(0)
+    data = dist.get_world_size() // 2
+    eng, *_ = engine.initialize(model=_tiny_gpt(), config=_config(stage, data, CLIP, fp16=True))
+    coord = current().coord
+    poisoned = next(p for p in eng.module.parameters() if is_partitioned(p))
+    micro = 4 // data
+    changed, scales = [], []
+    for step, batch in enumerate(_batches()[:3]):
+        hook = None
+        if step == INF_STEP and coord.model == 1 and coord.data == 0:
+            hook = poisoned.register_hook(lambda g: torch.full_like(g, float("inf")))
+        before = [p.detach().clone() for p in eng.module.parameters()]
+        mine = batch[coord.data * micro:(coord.data + 1) * micro]
+        eng.backward(eng(mine[:, :-1], mine[:, 1:]))
+        eng.step()
+        if hook is not None:
+            hook.remove()
+        changed.append(any(not torch.equal(b, p.detach()) for b, p in zip(before, eng.module.parameters())))
+        scales.append(eng.zero_optimizer.guard.scaler.loss_scale)
+    result = {"coord": tuple(coord), "changed": changed, "scales": scales, "skipped": eng.skipped_steps}
+    eng.destroy()
+    return result
+
+
+def _initialize_on_rank(stage: int) -> dict:
+    """Every from-the-config case of one world size, in one spawn."""
+    return {"sgd": _guarded(_train_on_rank, stage, 0.0), "clipped": _guarded(_train_on_rank, stage, CLIP),
+            "overflow": _guarded(_overflow_on_rank, stage)}
+
+
+@pytest.fixture(scope="module", params=[(2, 0), (4, 1)], ids=["tp2", "tp2xdp2-zero1"])
+def initialized(request):
+    world, stage = request.param
+    return world, run_distributed(_initialize_on_rank, world_size=world, args=(stage,), timeout=240)
+
+
+def _check_equals_reference(world: int, results: list) -> None:
     assert sorted(r["coord"] for r in results) == sorted((0, d, m) for d in range(world // 2) for m in range(2))
     for r in results:
         assert r["params"] < MODEL_ATOL, r
@@ -423,11 +483,31 @@ def test_initialize_with_autotp_equals_reference(world, stage):
         assert max(abs(a - b) for a, b in zip(mean, results[0]["ref_losses"])) < MODEL_ATOL
 
 
+def test_initialize_with_autotp_equals_reference(initialized):
+    world, results = initialized
+    _check_equals_reference(world, [_checked(r["sgd"]) for r in results])
+
+
+def test_clipping_uses_the_whole_models_norm(initialized):
+    world, results = initialized
+    clipped = [_checked(r["clipped"]) for r in results]
+    assert min(clipped[0]["ref_norms"]) > 2 * CLIP, clipped[0]["ref_norms"]  # clipping active every step
+    _check_equals_reference(world, clipped)
+    for r in clipped:  # get_global_grad_norm(): the reference's norm before clipping, on every rank
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), r
+
+
+def test_an_inf_on_one_tensor_rank_skips_the_step_everywhere(initialized):
+    _, results = initialized
+    overflow = [_checked(r["overflow"]) for r in results]
+    for r in overflow:
+        assert r["changed"] == [True, False, True] and r["skipped"] == 1, r
+        assert r["scales"][INF_STEP] == r["scales"][0] / 2, r  # the dynamic loss scale backed off
+    assert len({tuple(r["scales"]) for r in overflow}) == 1, overflow
+
+
 def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):
     refusals = _checked(two_rank_results[0]["refusals"])
-    assert "gradient_clipping: 1.0 (1.0 when absent) with tensor_parallel.autotp_size > 1 is not built" \
-        in refusals["clipping"]
-    assert "fp16.enabled with tensor_parallel.autotp_size > 1 is not built yet" in refusals["fp16"]
     assert "zero_optimization.stage 2 with tensor_parallel.autotp_size > 1 is not built yet" in refusals["zero2"]
     assert "pass model_parameters=None or model.parameters()" in refusals["stale_parameters"]
     assert "save_checkpoint with tensor_parallel.autotp_size > 1 is not built yet" in refusals["checkpoint"]

@@ -49,11 +49,12 @@ class TiedGradients:
         self.duplicate_square = sq
 
 
-def agree_norm_over_world(mp_comm: Communicator, tied: TiedGradients):
-    """The ZeRO optimizers' `norm_reduce`: data-agreed norm² of this stage → the world's norm²."""
+def agree_norm_over_world(mp_comm: Communicator, tied: TiedGradients | None = None):
+    """The ZeRO optimizers' `norm_reduce`: data-agreed norm² of this stage → the world's norm² (`tied`:
+    a pipeline's tied weights; tensor parallelism leaves its duplicates out before, tensor_parallel/norm.py)."""
     def reduce(square: torch.Tensor) -> torch.Tensor:
         square = square.reshape(1).float()
-        if tied.duplicate_square is not None:
+        if tied is not None and tied.duplicate_square is not None:
             square = square - tied.duplicate_square
         mp_comm.all_reduce(square)
         return square

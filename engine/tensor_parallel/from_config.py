@@ -22,6 +22,7 @@ from ..topology import ProcessGroups, Topology, set_current
 from .autotp import shard_model
 from .group import ModelParallelUnit, tensor_parallel_comm
 from .layers import is_partitioned
+from .norm import agree_norm_over_tensor_parallel  # noqa: F401 - initialize's route to it (build.py)
 
 KEY = "tensor_parallel.autotp_size"
 
@@ -58,12 +59,6 @@ def tensor_parallel_groups(degree: int) -> ProcessGroups | None:
 def refused_with_tensor_parallel(cfg: schemas.Config) -> list[str]:
     """What does not compose with AutoTP yet: each one a config key and what to do."""
     problems = []
-    if cfg.gradient_clipping:
-        problems.append(f"gradient_clipping: {cfg.gradient_clipping} (1.0 when absent) with {KEY} > 1 is not built "
-                        "yet in dstrain (the norm must be agreed over the tensor-parallel group); set it to 0")
-    if cfg.fp16.enabled:
-        problems.append(f"fp16.enabled with {KEY} > 1 is not built yet in dstrain (overflow skips must be agreed "
-                        "over the tensor-parallel group); use bf16 or fp32")
     if cfg.zero_optimization.stage > 1:
         problems.append(f"zero_optimization.stage {cfg.zero_optimization.stage} with {KEY} > 1 is not built yet "
                         "in dstrain; use stage 0 or 1")

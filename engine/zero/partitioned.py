@@ -71,6 +71,7 @@ class PartitionedZeroOptimizer:
     stage = -1
     reduce_every_micro_step = True
     norm_reduce = None  # a pipeline's: this stage's norm² → the world's (engine/pipe/reduction.py)
+    counted_elsewhere = ()  # parameters another model-parallel rank counts in the norm (tensor_parallel/norm.py)
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, guard: NonFiniteGuard, *,
                  reduce_bucket_numel: int, allgather_bucket_numel: int, overlap_comm: bool,
@@ -314,6 +315,8 @@ class PartitionedZeroOptimizer:
         for b in buffers:
             if b.numel():
                 sq += torch.linalg.vector_norm(b, dtype=torch.float32).square().to(sq.device)
+        for p in self.counted_elsewhere:  # this rank's fragment of it, left out before the data sum
+            sq -= self.partition.slot(p, self.partition.flat_grad).float().square().sum().to(sq.device)
         self.comm.all_reduce(sq)
         if self.norm_reduce is not None:
             sq = self.norm_reduce(sq)

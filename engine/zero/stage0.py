@@ -67,6 +67,7 @@ class DataParallelOptimizer:
 
     stage = 0
     norm_reduce = None  # a pipeline's: this stage's norm² → the world's (engine/pipe/reduction.py)
+    counted_elsewhere = ()  # parameters another model-parallel rank counts in the norm (tensor_parallel/norm.py)
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, guard: NonFiniteGuard, *,
                  bucket_numel: int, overlap_comm: bool, gradient_clipping: float,
@@ -161,7 +162,8 @@ class DataParallelOptimizer:
         if not self.engine_all_reduce:
             norm = self._rms_local_norm(buffers)
         elif self.norm_reduce is not None:
-            norm = float(self.norm_reduce(global_norm(buffers, self.comm.device).square()).sqrt())
+            square = global_norm(buffers, self.comm.device).square() - self._square_counted_elsewhere()
+            norm = float(self.norm_reduce(square).sqrt())
         else:
             norm = float(global_norm(buffers, self.comm.device))
         applied = checked_step(self, buffers, norm, step_number)
@@ -171,6 +173,15 @@ class DataParallelOptimizer:
             self.powersgd.finish_step()
         self.zero_grad()
         return applied
+
+    def _square_counted_elsewhere(self) -> torch.Tensor:
+        """norm² of the reduced, unscaled gradients of `counted_elsewhere` (their `.grad` views the buckets)."""
+        square = self.comm.zeros()
+        inv_scale = 1.0 / self.guard.scaler.loss_scale
+        for p in self.counted_elsewhere:
+            if p.grad is not None:
+                square += (p.grad.detach().float() * inv_scale).square().sum().to(square.device)
+        return square
 
     def _rms_local_norm(self, buffers: list[torch.Tensor]) -> float:
         """Gradients left local: √(mean over ranks of local norm²), the same value on every rank (a
