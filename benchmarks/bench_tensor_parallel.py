@@ -3,10 +3,11 @@
     python benchmarks/bench_tensor_parallel.py --deepspeed-venv /tmp/ds-venv --steps 8
 
 Workload: a Llama-style HF model at the benchmark GPT's sizes (benchmarks/deepspeed_autotp_peer.py,
-`bench_model`), fp32, AdamW (torch's), no clipping (dstrain refuses clipping with tensor parallelism
-for now), global batch 8 sequences of 128 tokens per step, 2 ranks x 1 thread, gloo over loopback:
+`bench_model`), fp32, AdamW (torch's), no clipping, global batch 8 sequences of 128 tokens per step, 2 ranks x 1 thread, gloo over loopback:
 - `ddp`: torch DDP, each rank the whole model and 4 sequences;
 - `dstrain-tp2`: `tensor_parallel.autotp_size: 2`, ZeRO-1, both ranks one model and all 8 sequences;
+- `dstrain-tp2-clip`: the same with `gradient_clipping: 1.0` (DeepSpeed's default): the norm agreed
+  over the world (engine/tensor_parallel/norm.py) costs one more all-reduce of one float per step (over the model group);
 - `deepspeed-autotp2`: DeepSpeed 0.19's `tensor_parallel.autotp_size: 2`, ZeRO-1, the same.
 Median step time of steps 2..N-1, slowest rank, and the ratio to the first system. On 2 CPU cores
 tensor parallelism cannot beat DDP (the same flops plus 4 all-reduces of activations per layer); the
@@ -15,6 +16,7 @@ comparison that matters is against DeepSpeed's AutoTP. These machines are shared
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import subprocess
@@ -57,12 +59,12 @@ def _run_ddp(steps: int) -> list[float]:
     return _timed(step, bench_batches(steps, GLOBAL_BATCH // world, dist.get_rank()))
 
 
-def _run_dstrain_tp(steps: int, tp: int = 2) -> list[float]:
+def _run_dstrain_tp(steps: int, tp: int = 2, clip: float = 0.0) -> list[float]:
     import engine
     from engine.topology import current
     data = dist.get_world_size() // tp
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // data, "gradient_accumulation_steps": 1,
-           "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+           "gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
            "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}}
     eng, _, _, _ = engine.initialize(model=bench_model(), config=cfg)
 
@@ -74,7 +76,8 @@ def _run_dstrain_tp(steps: int, tp: int = 2) -> list[float]:
     return times
 
 
-SYSTEMS = {"ddp": _run_ddp, "dstrain-tp2": _run_dstrain_tp}
+SYSTEMS = {"ddp": _run_ddp, "dstrain-tp2": _run_dstrain_tp,
+           "dstrain-tp2-clip": functools.partial(_run_dstrain_tp, clip=1.0)}
 
 
 def _rank_entry(system: str, steps: int) -> dict:

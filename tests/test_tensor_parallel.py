@@ -177,7 +177,7 @@ def _refusals() -> dict:
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
             "tensor_parallel": {"autotp_size": 2}}
     cases = {"zero2": {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True},
-             "stale_parameters": {}}
+             "onebit": {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "stale_parameters": {}}
     for name, extra in cases.items():
         model = _tiny_gpt()
         params = list(model.parameters()) if name == "stale_parameters" else None
@@ -510,4 +510,6 @@ def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):
     refusals = _checked(two_rank_results[0]["refusals"])
     assert "zero_optimization.stage 2 with tensor_parallel.autotp_size > 1 is not built yet" in refusals["zero2"]
     assert "pass model_parameters=None or model.parameters()" in refusals["stale_parameters"]
+    assert "optimizer.type: OneBitAdam (a 1-bit optimizer) with tensor_parallel.autotp_size > 1 is not built" \
+        in refusals["onebit"]
     assert "save_checkpoint with tensor_parallel.autotp_size > 1 is not built yet" in refusals["checkpoint"]

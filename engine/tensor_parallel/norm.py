@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+import schemas
+
 from ..comm import Communicator
 from ..pipe.reduction import agree_norm_over_world
 from .layers import is_partitioned
@@ -29,5 +31,8 @@ def counted_elsewhere(model: nn.Module, tensor_rank: int) -> list[nn.Parameter]:
 
 def agree_norm_over_tensor_parallel(zero_optimizer, model: nn.Module, groups) -> None:
     """Make `zero_optimizer` report and clip with the whole model's norm (module note)."""
+    if getattr(zero_optimizer, "self_communicating", False):  # its local-gradient steps agree over data only
+        raise schemas.ConfigError([f"optimizer.type: {type(zero_optimizer.optimizer).__name__} (a 1-bit optimizer) with "
+                                   "tensor_parallel.autotp_size > 1 is not built yet in dstrain; use Adam, AdamW or SGD"])
     zero_optimizer.counted_elsewhere = counted_elsewhere(model, groups.coord.model)
     zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group))
