@@ -3,6 +3,7 @@ the run without offload bit for bit, with the fp32 master weights and optimizer 
 
 Oracles: 10 steps on 2 ranks of tests.models.ReuseNet with gradient accumulation 2, AdamW with clipping
 that bites and SGD without clipping (linear in the gradient: a wrong gradient scale moves the weights),
+both under a WarmupLR schedule (the swapped step must see every new learning rate),
 compared with torch.equal, gradient norms compared exactly. `sub_group_size` 100 (rounded up to 128,
 nvme_tier.py's lanes note) divides no partition (asserted), so every step has a short last sub-group; AdamW runs with pipelined reads and writes. An
 Inf on one rank's loss skips the step and leaves the swap files' SHA-256 unchanged; `destroy()`
@@ -41,6 +42,8 @@ def _config(stage: int, optimizer: str, nvme_path: str | None) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
             "gradient_clipping": 0.3 if optimizer == "adamw" else 0.0, "optimizer": OPTIMIZERS[optimizer],
             "zero_allow_untested_optimizer": True,
+            # a schedule: the swapped step must see the learning rate the engine sets on every step
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 6}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "allgather_bucket_size": 900,
                                   "overlap_comm": True}}
     offload = _offload(optimizer, nvme_path)
