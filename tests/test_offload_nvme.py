@@ -3,11 +3,13 @@ the run without offload bit for bit, with the fp32 master weights and optimizer 
 
 Oracles: 10 steps on 2 ranks of tests.models.ReuseNet with gradient accumulation 2, AdamW with clipping
 that bites and SGD without clipping (linear in the gradient: a wrong gradient scale moves the weights),
-both under a WarmupLR schedule (the swapped step must see every new learning rate),
-compared with torch.equal, gradient norms compared exactly. `sub_group_size` 100 (rounded up to 128,
-nvme_tier.py's lanes note) divides no partition (asserted), so every step has a short last sub-group; AdamW runs with pipelined reads and writes. An
-Inf on one rank's loss skips the step and leaves the swap files' SHA-256 unchanged; `destroy()`
-removes the swap directory. Copies are staged (DSTRAIN_OFFLOAD_STAGE_COPIES=1) as on an accelerator.
+both under a WarmupLR schedule (the swapped step must see every new learning rate), compared with
+torch.equal, gradient norms compared exactly. `sub_group_size` 100 (rounded up to 128, nvme_tier.py's
+lanes note) divides no partition (asserted), so every step has a short last sub-group; AdamW runs with
+pipelined reads and writes. fp16 (loss scale 2^8, unscaled on the host) and bf16 at stage 2 equal the
+run without offload in the same precision. An Inf on one rank's loss skips the step and leaves the
+swap files' SHA-256 unchanged; `destroy()` removes the swap directory. Copies are staged
+(DSTRAIN_OFFLOAD_STAGE_COPIES=1) as on an accelerator.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def _offload(optimizer: str, nvme_path: str | None) -> dict:
                                   "pipeline_read": pipelined, "pipeline_write": pipelined}}
 
 
-def _config(stage: int, optimizer: str, nvme_path: str | None) -> dict:
+def _config(stage: int, optimizer: str, nvme_path: str | None, precision: str = "fp32") -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
             "gradient_clipping": 0.3 if optimizer == "adamw" else 0.0, "optimizer": OPTIMIZERS[optimizer],
             "zero_allow_untested_optimizer": True,
@@ -46,6 +48,10 @@ def _config(stage: int, optimizer: str, nvme_path: str | None) -> dict:
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 6}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "allgather_bucket_size": 900,
                                   "overlap_comm": True}}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    elif precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
     offload = _offload(optimizer, nvme_path)
     if offload:
         cfg["aio"] = offload.pop("aio")
@@ -58,17 +64,18 @@ def _swap_hashes(zopt) -> dict:
             for part in zopt.nvme.parts.values() for path in part._files.values()}
 
 
-def _train(stage: int, optimizer: str, nvme_path: str | None, inf: bool = False) -> dict:
+def _train(stage: int, optimizer: str, nvme_path: str | None, inf: bool = False, precision: str = "fp32") -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     batches = make_batches(STEPS, MICRO * GAS * world)
-    eng, _, _, _ = engine.initialize(model=ReuseNet("reentrant"), config=_config(stage, optimizer, nvme_path))
-    zopt = eng.zero_optimizer
+    cfg = _config(stage, optimizer, nvme_path, precision)
+    eng, _, _, _ = engine.initialize(model=ReuseNet("reentrant"), config=cfg)
+    zopt, dtype = eng.zero_optimizer, next(eng.module.parameters()).dtype
     norms, unchanged = [], None
     for step, (x, y) in enumerate(batches):
         poison = inf and step == INF_STEP
         before = _swap_hashes(zopt) if poison and zopt.nvme is not None else None
-        for k, (xm, ym) in enumerate(micro_batches(x, y, rank, world, GAS)):
+        for k, (xm, ym) in enumerate(micro_batches(x.to(dtype), y.to(dtype), rank, world, GAS)):
             loss = eng(xm, ym, aux=k == 0)
             if poison and rank == 1 and k == GAS - 1:
                 loss = loss * float("inf")
@@ -97,6 +104,9 @@ def _all_cases(nvme_path: str) -> dict:
     for stage, opt in CASES:
         out[(stage, opt, "none")] = _train(stage, opt, None)
         out[(stage, opt, "nvme")] = _train(stage, opt, nvme_path)
+    for precision in ("fp16", "bf16"):
+        out[(precision, "none")] = _train(2, "adamw", None, precision=precision)
+        out[(precision, "nvme")] = _train(2, "adamw", nvme_path, precision=precision)
     out[("inf", "none")] = _train(2, "adamw", None, inf=True)
     out[("inf", "nvme")] = _train(2, "adamw", nvme_path, inf=True)
     out["left_in_nvme_path"] = sorted(os.listdir(nvme_path))
@@ -125,6 +135,12 @@ def test_nvme_offload_equals_no_offload_bit_for_bit(runs, stage, opt):
         assert got["state_in_memory"] == 0, f"rank {rank}: optimizer state was built in memory"
         assert got["swap_files"] > 0 and got["skipped"] == 0
         _assert_same(got, result[(stage, opt, "none")], f"rank {rank} stage {stage} {opt}")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_16bit_nvme_offload_equals_no_offload_in_the_same_precision(runs, precision):
+    for rank, result in enumerate(runs):
+        _assert_same(result[(precision, "nvme")], result[(precision, "none")], f"rank {rank} {precision}")
 
 
 def test_inf_on_one_rank_skips_and_leaves_the_swap_files_unchanged(runs):
