@@ -8,8 +8,8 @@ torch.equal, gradient norms compared exactly. `sub_group_size` 100 (rounded up t
 lanes note) divides no partition (asserted), so every step has a short last sub-group; AdamW runs with
 pipelined reads and writes. fp16 (loss scale 2^8, unscaled on the host) and bf16 at stage 2 equal the
 run without offload in the same precision. An Inf on one rank's loss skips the step and leaves the
-swap files' SHA-256 unchanged; `destroy()` removes the swap directory. Copies are staged
-(DSTRAIN_OFFLOAD_STAGE_COPIES=1) as on an accelerator.
+swap files' SHA-256 unchanged; `destroy()` removes the swap directory; a missing `nvme_path` is one
+ConfigError line naming the key. Copies are staged (DSTRAIN_OFFLOAD_STAGE_COPIES=1) as on an accelerator.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import engine
+import schemas
 from engine.utils import safe_get_full_fp32_param
 from tests.harness import run_distributed
 from tests.models import ReuseNet, make_batches, micro_batches
@@ -110,6 +111,11 @@ def _all_cases(nvme_path: str) -> dict:
     out[("inf", "none")] = _train(2, "adamw", None, inf=True)
     out[("inf", "nvme")] = _train(2, "adamw", nvme_path, inf=True)
     out["left_in_nvme_path"] = sorted(os.listdir(nvme_path))
+    try:
+        engine.initialize(model=ReuseNet("reentrant"), config=_config(2, "sgd", os.path.join(nvme_path, "missing")))
+        out["missing_path"] = None
+    except schemas.ConfigError as error:
+        out["missing_path"] = error.problems
     return out
 
 
@@ -151,6 +157,14 @@ def test_inf_on_one_rank_skips_and_leaves_the_swap_files_unchanged(runs):
         assert not math.isfinite(got["norms"][INF_STEP])
         finite = lambda r: {**r, "norms": r["norms"][:INF_STEP] + r["norms"][INF_STEP + 1:]}  # noqa: E731
         _assert_same(finite(got), finite(want), f"rank {rank} after the skip")
+
+
+def test_a_missing_nvme_path_is_a_config_error_naming_the_key(runs):
+    for rank, result in enumerate(runs):
+        problems = result["missing_path"]
+        assert problems is not None and len(problems) == 1, f"rank {rank}: {problems}"
+        assert "swap directory does not exist" in problems[0]
+        assert problems[0].endswith("fix zero_optimization.offload_optimizer.nvme_path")
 
 
 def test_destroy_removes_the_swap_directory(runs):

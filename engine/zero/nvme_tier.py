@@ -20,7 +20,9 @@ import inspect
 
 import torch
 
-from offload import AsyncFileIO, SwapBufferPool, SwapDir, SwappedPartition, sub_group_buffer_elements
+import schemas
+from offload import (AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir, SwappedPartition,
+                     sub_group_buffer_elements)
 
 PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
 # [Note: lanes] torch's fused CPU AdamW steps whole SIMD vectors and then a scalar tail, and the two round
@@ -64,7 +66,10 @@ class NvmeOptimizerTier:
         section = zero.offload_optimizer
         partition, rank = zopt.partition, zopt.comm.rank
         self.optimizer, self.partition = zopt.optimizer, partition
-        self.swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
+        try:
+            self.swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
+        except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
+            raise schemas.ConfigError([str(bad_path)]) from None
         self.io = AsyncFileIO(aio, path_key=PATH_KEY)
         sub_group = -(-max(1, int(zero.sub_group_size)) // LANES) * LANES  # the lanes note
         elements = max(sub_group_buffer_elements(f.numel(), sub_group) for f in partition.flat.values())
