@@ -116,6 +116,12 @@ def _all_cases(nvme_path: str) -> dict:
         out["missing_path"] = None
     except schemas.ConfigError as error:
         out["missing_path"] = error.problems
+    lamb = {**_config(2, "sgd", nvme_path), "optimizer": {"type": "Lamb", "params": {"lr": 0.01}}}
+    try:
+        engine.initialize(model=ReuseNet("reentrant"), config=lamb)
+        out["lamb"] = None
+    except schemas.ConfigError as error:
+        out["lamb"] = error.problems
     return out
 
 
@@ -165,6 +171,13 @@ def test_a_missing_nvme_path_is_a_config_error_naming_the_key(runs):
         assert problems is not None and len(problems) == 1, f"rank {rank}: {problems}"
         assert "swap directory does not exist" in problems[0]
         assert problems[0].endswith("fix zero_optimization.offload_optimizer.nvme_path")
+
+
+def test_a_per_tensor_optimizer_is_refused_by_name(runs):
+    for rank, result in enumerate(runs):
+        assert result["lamb"] == ['zero_optimization.offload_optimizer.device: "nvme" with optimizer Lamb is not '
+                                  'built yet (the swapped step is built for Adam, AdamW and SGD); use device "cpu" '
+                                  'or one of those'], f"rank {rank}: {result['lamb']}"
 
 
 def test_destroy_removes_the_swap_directory(runs):

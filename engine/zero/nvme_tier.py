@@ -33,6 +33,19 @@ PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
 LANES = 64
 
 
+# Optimizers the swapped step is built and tested for: elementwise, state created lazily. Per-tensor ones
+# (Lamb's trust ratio, Muon's orthogonalisation: per_tensor.py) would be wrong per sub-group; Adagrad
+# builds its state in __init__ (offload/swapped_partition.py); the rest is untested here.
+ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def optimizer_problem(optimizer) -> str | None:
+    if isinstance(optimizer, ELEMENTWISE):
+        return None
+    return (f'zero_optimization.offload_optimizer.device: "nvme" with optimizer {type(optimizer).__name__} is not '
+            'built yet (the swapped step is built for Adam, AdamW and SGD); use device "cpu" or one of those')
+
+
 def wants_nvme(zero) -> bool:
     section = zero.offload_optimizer
     return section is not None and section.device == "nvme"
@@ -64,6 +77,9 @@ class NvmeOptimizerTier:
 
     def __init__(self, zopt, zero, aio):
         section = zero.offload_optimizer
+        problem = optimizer_problem(zopt.optimizer)
+        if problem:
+            raise schemas.ConfigError([problem])
         partition, rank = zopt.partition, zopt.comm.rank
         self.optimizer, self.partition = zopt.optimizer, partition
         try:
