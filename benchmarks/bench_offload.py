@@ -10,8 +10,11 @@ AdamW, fp32, gradient_clipping 1.0, 2 ranks x 1 thread, gloo). Systems:
 - `deepspeed-z2-cpu`: DeepSpeed 0.19 with the same config (its JIT-built CPU Adam, which is what
   DeepSpeed uses with offload; the op needs a C++ compiler, and the build is cached under
   ~/.cache/torch_extensions);
+- `dstrain-z2-nvme`: ZeRO-2 with `offload_optimizer: {"device": "nvme"}` (engine/zero/nvme_tier.py),
+  swap files under `--nvme-path` (default: a temporary directory), `sub_group_size` 1e6, pipelined;
+  DeepSpeed has no counterpart (it documents NVMe optimizer offload for stage 3 only);
 - `dstrain-z3-nvme` / `deepspeed-z3-nvme`: ZeRO-3 with NVMe offload of optimizer and parameters: not
-  run, NVMe offload is not built in dstrain's engine yet (the row says so).
+  run, NVMe offload at stage 3 is not built in dstrain's engine yet (the row says so).
 Goals (issue 17): dstrain-z2-cpu ≤ 1.10x dstrain-z2 and faster than deepspeed-z2-cpu. On a CPU-only
 machine the offloaded partition already is where the step runs, so dstrain stages nothing
 (engine/zero/tier.py) and the ratio measures that this costs nothing; `dstrain-z2-cpu-staged` runs the
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import sys
 from pathlib import Path
 
@@ -36,12 +40,20 @@ from tests.harness import run_distributed  # noqa: E402
 ZERO2 = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}
 CPU_OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 DSTRAIN = {"dstrain-z2": ({}, {}), "dstrain-z2-cpu": (CPU_OFFLOAD, {}),
-           "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"})}
+           "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}),
+           "dstrain-z2-nvme": (None, {})}  # None: NVMe offload under --nvme-path (_nvme_offload)
 # DeepSpeed's offload path: without torch_adam, its AdamW with offload is DeepSpeedCPUAdam.
 DEEPSPEED = {"deepspeed-z2-cpu": {"zero_optimization": CPU_OFFLOAD,
                                   "optimizer": {"type": "AdamW", "params": {"lr": bt.LR}}}}
-NOT_RUN = {"dstrain-z3-nvme": "NVMe offload is not built in dstrain's engine yet",
+NOT_RUN = {"dstrain-z3-nvme": "NVMe offload at stage 3 is not built in dstrain's engine yet",
            "deepspeed-z3-nvme": "its dstrain counterpart is not built yet"}
+
+
+def _nvme_offload(nvme_path: str) -> dict:
+    # Adam swaps 3 tensors per sub-group: 9 buffers hold one sub-group read ahead, one stepped, one written
+    return {"sub_group_size": 1_000_000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 9,
+                                  "pipeline_read": True, "pipeline_write": True}}
 
 
 def _entry(offload: dict, steps: int):
@@ -60,6 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--deepspeed-venv", type=Path, default=None, help="virtual environment with deepspeed")
+    p.add_argument("--nvme-path", default=None, help="directory for dstrain-z2-nvme's swap files (default: a temp dir)")
     args = p.parse_args(argv)
     systems = args.systems.split(",")
     print(f"before: {_load()}", flush=True)
@@ -79,6 +92,8 @@ def main(argv=None) -> int:
                 rows.append((name, None, None, f"not run: {str(failed).strip().splitlines()[-1][:200]}"))
         else:
             offload, env = DSTRAIN[name]
+            if offload is None:
+                offload = _nvme_offload(args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-"))
             per_rank = run_distributed(_entry, args.world, args=(offload, args.steps), timeout=1800, env=env)
             rows.append((name, max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank), ""))
         print(f"{name:>22}: {rows[-1][1] or 0:8.1f} ms/step  {rows[-1][3]}", flush=True)

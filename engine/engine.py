@@ -202,6 +202,8 @@ class Engine(torch.nn.Module):
                 hook.remove()
             if hasattr(zopt, "release_gather_group"):
                 zopt.release_gather_group()
+            if getattr(zopt, "nvme", None) is not None:  # swap files and their directory
+                zopt.nvme.close()
         if getattr(self, "_checkpoint_io", None) is not None:
             self._checkpoint_io.writer.close()
         gc.collect()  # the groups' last references: their worker threads are joined

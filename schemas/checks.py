@@ -66,9 +66,6 @@ def _offload(config: Config) -> list[str]:
         problems.append(f"zero_optimization.offload_param.device: \"{zero.offload_param.device}\" needs "
                         f"zero_optimization.stage 3 (stage is {zero.stage}); parameters are only partitioned at stage 3")
     optimizer = zero.offload_optimizer
-    if optimizer is not None and optimizer.device == "nvme" and zero.stage < 3:
-        problems.append(f"zero_optimization.offload_optimizer.device: \"nvme\" needs zero_optimization.stage 3 "
-                        f"(stage is {zero.stage}); use \"cpu\" for stages 1 and 2")
     if optimizer is not None and optimizer.ratio < 1.0 and zero.stage < 3:
         problems.append(f"zero_optimization.offload_optimizer.ratio: {optimizer.ratio:g} (partial offload) needs "
                         f"zero_optimization.stage 3 (stage is {zero.stage})")

@@ -35,6 +35,15 @@ def _stage(*stages: int) -> Callable[[Any], bool]:
     return lambda config: config.zero_optimization.stage in stages
 
 
+def _not_nvme_optimizer(config: Any) -> bool:
+    """Configs where the NVMe optimizer tier (engine/zero/nvme_tier.py), the one reader of the swap keys, is off."""
+    section = config.zero_optimization.offload_optimizer
+    return not (section is not None and section.device == "nvme" and config.zero_optimization.stage in (1, 2))
+
+
+_NVME_WHERE = 'without zero_optimization.offload_optimizer.device "nvme" at zero_optimization.stage 1 or 2'
+
+
 def _is(value: Any) -> Callable[[Any], bool]:
     return lambda v: v == value
 
@@ -44,19 +53,22 @@ UNBUILT: tuple[Unbuilt, ...] = (
     # Offload (README, Offload): device "cpu" is built; NVMe and the keys only it reads are not.
     Unbuilt("zero_optimization.offload_param.device", 'NVMe offload is not built yet; use "cpu" or "none"',
             built=lambda v: v in ("none", "cpu")),
-    Unbuilt("zero_optimization.offload_optimizer.device", 'NVMe offload is not built yet; use "cpu" or "none"',
-            built=lambda v: v in ("none", "cpu")),
+    Unbuilt("zero_optimization.offload_optimizer.device", 'use "cpu" or "none", or '
+            'zero_optimization.stage 1 or 2 (where NVMe is built)', built=lambda v: v in ("none", "cpu"),
+            when=_stage(3), where="at zero_optimization.stage 3"),
     *(Unbuilt(f"zero_optimization.offload_param.{key}", "it applies to NVMe offload, which is not built yet; "
               "remove it") for key in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
-    *(Unbuilt(f"zero_optimization.offload_optimizer.{key}", "it applies to NVMe offload, which is not built yet; "
-              "remove it") for key in ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")),
+    Unbuilt("zero_optimization.offload_optimizer.fast_init", "NVMe state is initialised by writing the master "
+            "weights; remove it"),
+    *(Unbuilt(key, "only that NVMe offload reads it; remove it", when=_not_nvme_optimizer,
+              where=_NVME_WHERE) for key in (*(f"zero_optimization.offload_optimizer.{k}" for k in (
+                  "nvme_path", "buffer_count", "pipeline_read", "pipeline_write")),
+                  "zero_optimization.sub_group_size", "aio")),
     Unbuilt("zero_optimization.offload_optimizer.ratio", "partial offload (Twin-Flow) is not built yet; remove it "
             "or use 1.0"),
     Unbuilt("zero_optimization.offload_optimizer.super_offload", "Superchip offload is not built yet; remove it"),
     Unbuilt("zero_optimization.offload_optimizer.cpuadam_cores_perc", "it applies to super_offload, which is not "
             "built yet; remove it"),
-    Unbuilt("zero_optimization.sub_group_size", "the optimizer steps each partition whole until offload "
-            "steps in sub-groups; remove it or use the default 1000000000"),
     Unbuilt("zero_optimization.load_from_fp32_weights", "dstrain always loads the fp32 master weights; remove it",
             built=_is(True)),
     Unbuilt("zero_optimization.override_module_apply", "engine.zero.Init always gathers parameters around "
@@ -94,7 +106,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("bf16.immediate_grad_update"),
     Unbuilt("bf16.check_grad_overflow", "dstrain always checks bf16 gradients; fault_tolerance.nan_policy "
             "says what a non-finite one does; remove it", built=_is(True)),
-    Unbuilt("aio"),
     Unbuilt("pipeline.partition", "pass partition_method= to engine.pipe.PipelineModule; remove it"),
     Unbuilt("pipeline.seed_layers", "pass seed_layers= to engine.pipe.PipelineModule; remove it"),
     Unbuilt("pipeline.activation_checkpoint_interval", "pass activation_checkpoint_interval= to "

@@ -46,20 +46,22 @@ class OffloadOptimizerConfig(StrictModel):
     device: OffloadDevice = "none"
     """Where the fp32 master weights, optimizer state and gradient partitions live: "none" (the
     accelerator) or "cpu" (host memory; the step runs there with torch's fused CPU kernel). Stages 1-3;
-    "nvme" is not built yet."""
+    "nvme" (master weights and state in swap files under nvme_path, engine/zero/nvme_tier.py): stages 1
+    and 2 (not built yet at stage 3)."""
     nvme_path: Optional[str] = None
-    """Directory on the NVMe device for optimizer-state swap files (device "nvme", not built yet)."""
+    """Directory on the NVMe device for optimizer-state swap files (device "nvme"; a per-job directory is
+    made in it and removed at exit)."""
     buffer_count: int = Field(4, ge=0)
-    """Swap buffers; at least the states per parameter (Adam: param, grad, m, v = 4) (device "nvme", not
-    built yet)."""
+    """Swap buffers of one sub-group each (device "nvme"): at least the tensors swapped per sub-group
+    (AdamW: master, exp_avg, exp_avg_sq = 3); 3x that for full pipelining."""
     pin_memory: bool = True
     """Page-locked host memory for the offloaded partitions when an accelerator is present, so gradient
     and weight copies are asynchronous. True by default as in DeepSpeed 0.19.5+; set false where
     `ulimit -l` is tight. Nothing to pin on a CPU-only machine."""
     pipeline_read: bool = False
-    """Overlap reading the next sub-group from NVMe with the current sub-group's step (not built yet)."""
+    """Overlap reading the next sub-group from NVMe with the current sub-group's step (device "nvme")."""
     pipeline_write: bool = False
-    """Overlap writing the previous sub-group to NVMe with the current sub-group's step (not built yet)."""
+    """Overlap writing the previous sub-group to NVMe with the current sub-group's step (device "nvme")."""
     fast_init: bool = False
     """Initialise NVMe-offloaded optimizer state quickly (not built yet)."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
@@ -108,15 +110,15 @@ class ZeroConfig(StrictModel):
     offload_param: Optional[OffloadParamConfig] = None
     """Parameter offload (stage 3 only)."""
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
-    """Optimizer-state offload (CPU: stages 1-3; NVMe is not built yet)."""
+    """Optimizer-state offload (CPU: stages 1-3; NVMe: stages 1-2)."""
     zenflow: Optional[dict[str, Any]] = None
     """DeepSpeed's ZenFlow (stall-free offload) options (not built yet: the section is rejected)."""
     leaf_module: Optional[dict[str, Any]] = None
     """Stage 3: modules DeepSpeed treats as ZeRO-3 leaf modules (not built yet: the section is rejected;
     dstrain's units are chosen as docs/zero3.md says)."""
     sub_group_size: Size = Field(1_000_000_000, ge=0)
-    """Elements per optimizer sub-group stepped (and swapped) at a time. Not built yet: each partition
-    is stepped whole, so only the default is accepted until offload steps in sub-groups."""
+    """Elements per optimizer sub-group stepped (and swapped) at a time; read by NVMe optimizer offload
+    at stages 1-2 (rounded up to a multiple of 64, engine/zero/nvme_tier.py), refused elsewhere."""
     prefetch_bucket_size: Size = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
     """Stage 3: parameter elements fetched ahead of use."""
     param_persistence_threshold: Size = Field(100_000, ge=0, alias="stage3_param_persistence_threshold")

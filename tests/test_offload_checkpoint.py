@@ -100,3 +100,53 @@ def test_offloaded_checkpoint_loads_anywhere_and_continues_as_the_uninterrupted_
     one = run_distributed(_load_at_one_rank, 1, args=(ckpt,), timeout=120, env=STAGED)[0]
     _close(one["stage2-cpu"], one["stage2-none"], 0, "1 rank: offload vs no offload")
     _close(one["stage2-cpu"], two[0]["uninterrupted"], 1e-5, "1 rank vs the 2-rank uninterrupted run")
+
+
+# -- NVMe optimizer offload (engine/checkpoint/nvme.py) ---------------------------------------------
+def _nvme(path: str) -> dict:
+    return {"sub_group_size": 100, "offload_optimizer": {"device": "nvme", "nvme_path": path}}
+
+
+def _nvme_save_and_load(ckpt: str, nvme_path: str) -> dict:
+    """Save with NVMe offload, load into no offload, CPU offload and NVMe; save without offload, load
+    into NVMe. Every continuation must be the uninterrupted run (stage 2, same reduction order)."""
+    uninterrupted = _engine(2, {})
+    _train(uninterrupted, BATCHES)
+    out = {"uninterrupted": _params(uninterrupted)}
+    for source, offload in (("nvme", _nvme(nvme_path)), ("none", {})):
+        saver = _engine(2, offload)
+        _train(saver, BATCHES[:SAVE_AT])
+        saver.save_checkpoint(ckpt, tag=source)
+        saver.wait_for_checkpoint()
+        saver.destroy()
+    for name, (tag, offload) in {"nvme->none": ("nvme", {}), "nvme->cpu": ("nvme", OPT_CPU),
+                                 "nvme->nvme": ("nvme", _nvme(nvme_path)),
+                                 "none->nvme": ("none", _nvme(nvme_path))}.items():
+        eng = _engine(2, offload, seed=1)
+        eng.load_checkpoint(ckpt, tag=tag)
+        _train(eng, BATCHES[SAVE_AT:])
+        out[name] = _params(eng)
+        eng.destroy()
+    return out
+
+
+def _nvme_load_at_one_rank(ckpt: str, nvme_path: str) -> dict:
+    out = {}
+    for name, offload in (("none", {}), ("nvme", _nvme(nvme_path))):
+        eng = _engine(2, offload, seed=1)
+        eng.load_checkpoint(ckpt, tag="nvme")
+        _train(eng, BATCHES[SAVE_AT:])
+        out[name] = _params(eng)
+        eng.destroy()
+    return out
+
+
+def test_nvme_offloaded_checkpoint_loads_anywhere_and_the_reverse(tmp_path):
+    ckpt, nvme_path = os.fspath(tmp_path / "ckpt"), os.fspath(tmp_path)
+    two = run_distributed(_nvme_save_and_load, 2, args=(ckpt, nvme_path), timeout=180, env=STAGED)
+    for rank, result in enumerate(two):
+        for name in ("nvme->none", "nvme->cpu", "nvme->nvme", "none->nvme"):
+            _close(result[name], result["uninterrupted"], 0, f"rank {rank} {name}")
+    one = run_distributed(_nvme_load_at_one_rank, 1, args=(ckpt, nvme_path), timeout=120, env=STAGED)[0]
+    _close(one["nvme"], one["none"], 0, "1 rank: NVMe vs no offload from a 2-rank NVMe checkpoint")
+    _close(one["nvme"], two[0]["uninterrupted"], 1e-5, "1 rank vs the 2-rank uninterrupted run")

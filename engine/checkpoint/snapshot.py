@@ -152,7 +152,7 @@ def _fragments(eng, adapter, names: dict[int, str]):
     tensors, index = {}, {}
     if adapter is None:
         return tensors, index
-    kinds = row_kinds(eng.zero_optimizer.optimizer)
+    kinds = adapter.row_kinds() if hasattr(adapter, "row_kinds") else row_kinds(eng.zero_optimizer.optimizer)
     for p in adapter.params():
         name = names[id(p)]
         start, stop = adapter.save_rows(p)

@@ -19,6 +19,7 @@ from .stage0 import DataParallelOptimizer
 from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
 from .tier import PartitionTier
+from .nvme_tier import NvmeOptimizerTier, wants_nvme
 from .init import (GatheredParameters, Init, register_external_parameter,  # noqa: F401  (deepspeed.zero's names)
                    unregister_external_parameter)
 
@@ -64,6 +65,8 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
             optimizer, comm, guard, reduce_bucket_numel=zero.reduce_bucket_size,
             allgather_bucket_numel=zero.allgather_bucket_size, reduce_scatter=zero.reduce_scatter,
             allgather_partitions=zero.allgather_partitions, tier=PartitionTier.for_zero(comm.device, zero), **common)
+        if wants_nvme(zero):
+            zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
         attach_per_tensor(zopt)
         tag_parameters(zopt, zopt.params)
         return zopt

@@ -101,6 +101,7 @@ class PartitionedZeroOptimizer:
         """Where the partition lives (tier.py); staged gradient copies wait in `host_grads`."""
         self.tier = tier if tier is not None else PartitionTier.on_device(self.comm.device)
         self.host_grads = HostGradients(self.tier) if self.tier.staged else None
+        self.nvme = None  # offload_optimizer.device "nvme": set by build_zero_optimizer (nvme_tier.py)
 
     # -- gradient buckets (module notes: bucket order, freeing) -----------------------------------
     def _init_gradients(self, bucket_numel: int, grad_accum_dtype: str | None) -> None:

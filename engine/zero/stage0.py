@@ -58,7 +58,8 @@ def checked_step(zopt, buffers: list[torch.Tensor], norm: float, step_number: in
     if applied:
         if zopt.clip > 0:
             clip_(buffers, norm, zopt.clip)
-        zopt.optimizer.step()
+        nvme = getattr(zopt, "nvme", None)  # offload_optimizer.device "nvme": the swapped step (nvme_tier.py)
+        (nvme or zopt.optimizer).step()
     return applied
 
 

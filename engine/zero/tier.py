@@ -43,7 +43,7 @@ class PartitionTier:
     def for_zero(cls, device: torch.device, zero) -> "PartitionTier":
         """The tier `zero_optimization` asks for: host memory when an offload section says "cpu"."""
         optimizer, param = zero.offload_optimizer, zero.offload_param
-        offload_optimizer = optimizer is not None and optimizer.device == "cpu"
+        offload_optimizer = optimizer is not None and optimizer.device in ("cpu", "nvme")  # nvme: nvme_tier.py
         offload_param = zero.stage == 3 and param is not None and param.device == "cpu"
         if not (offload_optimizer or offload_param):
             return cls.on_device(device)

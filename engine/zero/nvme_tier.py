@@ -1,0 +1,137 @@
+"""ZeRO-Infinity's optimizer tier at stages 1 and 2 (`offload_optimizer.device: "nvme"`).
+
+[Note: nvme tier] The partition is placed as for `device: "cpu"` (tier.py): reduced gradient segments
+land in host memory, clipping and the NaN/Inf check run over them there. What changes is the step: the
+fp32 master weights and the optimizer state live in `SwappedPartition` swap files under a per-job
+`SwapDir` in `nvme_path`, one partition per flat (param group, model dtype), and each sub-group of
+`sub_group_size` elements is read, stepped by a copy of the configured optimizer and written back
+(offload/swapped_partition.py). The updated master slice is copied into the host flat the all-gather
+sends from (`PartitionedParams.flat`), so the gather path is the CPU tier's. That host flat is the
+send image, not the state: the configured optimizer never steps, and its state stays empty; the
+state's host memory is the swap pool. A skipped step never calls the stepper, so the files are left
+bit for bit as they were (two slots, the stepper's note).
+[Note: hyperparameters] The user's optimizer keeps its param groups, so LR schedules and
+`engine.optimizer` still act on it; before every step each group's hyperparameters are copied into
+the inner optimizer of that group's partitions.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+import schemas
+from offload import (AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir, SwappedPartition,
+                     sub_group_buffer_elements)
+
+PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
+# [Note: lanes] torch's fused CPU AdamW steps whole SIMD vectors and then a scalar tail, and the two round
+# differently (fused multiply-add). A sub-group starting mid-vector would put other elements in the tail
+# than the in-memory step over the whole flat does, and differ from it in the last bit (measured: 5 of
+# 6 seeds at sub-group 37 or 41 elements, none at multiples of 64). So sub-groups are whole multiples of
+# LANES elements (4 AVX-512 vectors of fp32), `sub_group_size` rounded up.
+LANES = 64
+
+
+# Optimizers the swapped step is built and tested for: elementwise, state created lazily. Per-tensor ones
+# (Lamb's trust ratio, Muon's orthogonalisation: per_tensor.py) would be wrong per sub-group; Adagrad
+# builds its state in __init__ (offload/swapped_partition.py); the rest is untested here.
+ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def optimizer_problem(optimizer) -> str | None:
+    if isinstance(optimizer, ELEMENTWISE):
+        return None
+    return (f'zero_optimization.offload_optimizer.device: "nvme" with optimizer {type(optimizer).__name__} is not '
+            'built yet (the swapped step is built for Adam, AdamW and SGD); use device "cpu" or one of those')
+
+
+def wants_nvme(zero) -> bool:
+    section = zero.offload_optimizer
+    return section is not None and section.device == "nvme"
+
+
+def _inner_factory(optimizer: torch.optim.Optimizer, group: dict):
+    """A constructor of the same optimizer over other parameters, with `group`'s hyperparameters."""
+    kind = type(optimizer)
+    # `defaults` may hold keys the constructor does not take (AdamW's decoupled_weight_decay): pass the
+    # ones it takes; the group copy below sets the rest, which is what `step` reads.
+    accepted = inspect.signature(kind.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+    def make(params: list) -> torch.optim.Optimizer:
+        inner = kind(params, **defaults)
+        _copy_hyper(group, inner.param_groups[0])
+        return inner
+    return make
+
+
+def _copy_hyper(src: dict, dst: dict) -> None:
+    for key, value in src.items():
+        if key != "params":
+            dst[key] = value
+
+
+class NvmeOptimizerTier:
+    """The swapped step of one rank's stage-1/2 partition (module note)."""
+
+    def __init__(self, zopt, zero, aio):
+        section = zero.offload_optimizer
+        problem = optimizer_problem(zopt.optimizer)
+        if problem:
+            raise schemas.ConfigError([problem])
+        partition, rank = zopt.partition, zopt.comm.rank
+        self.optimizer, self.partition = zopt.optimizer, partition
+        try:
+            self.swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
+        except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
+            raise schemas.ConfigError([str(bad_path)]) from None
+        self.io = AsyncFileIO(aio, path_key=PATH_KEY)
+        sub_group = -(-max(1, int(zero.sub_group_size)) // LANES) * LANES  # the lanes note
+        elements = max(sub_group_buffer_elements(f.numel(), sub_group) for f in partition.flat.values())
+        self.pool = SwapBufferPool(section.buffer_count, elements, pin_memory=section.pin_memory)
+        self.parts: dict[tuple, SwappedPartition] = {}
+        try:
+            for key, flat in partition.flat.items():
+                group = self.optimizer.param_groups[key[0]]
+                part = SwappedPartition(flat.numel(), _inner_factory(self.optimizer, group), self.swap, self.io,
+                                        self.pool, sub_group, pipeline_read=section.pipeline_read,
+                                        pipeline_write=section.pipeline_write,
+                                        name=f"rank{rank}-group{key[0]}-{str(key[1]).removeprefix('torch.')}")
+                part.initialize(lambda s, e, flat=flat: flat.detach()[s:e])
+                self.parts[key] = part
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self) -> None:
+        """The optimizer step over every partition, sub-group by sub-group; the host flats receive the
+        updated master weights for the all-gather."""
+        for key, part in self.parts.items():
+            _copy_hyper(self.optimizer.param_groups[key[0]], part.param_groups[0])
+            flat, grad = self.partition.flat[key].detach(), self.partition.flat_grad[key]
+            part.step(lambda s, e, grad=grad: grad[s:e],
+                      lambda s, e, master, flat=flat: flat[s:e].copy_(master))
+
+    def state_chunks(self, key: tuple):
+        return self.parts[key].state_chunks()
+
+    def load_chunks(self, key: tuple, chunks) -> None:
+        """Load `key`'s partition from chunks and refresh its host flat from them."""
+        flat = self.partition.flat[key].detach()
+
+        def through(chunks):
+            for chunk in chunks:
+                flat[chunk["start"]:chunk["end"]].copy_(chunk["master"])
+                yield chunk
+        self.parts[key].load_chunks(through(chunks))
+
+    def close(self) -> None:
+        """Delete the swap files and the job's swap directory (also done at exit by SwapDir)."""
+        try:
+            for part in self.parts.values():
+                part.close()
+            self.parts.clear()
+            self.io.close()
+        finally:
+            self.swap.close()
