@@ -119,8 +119,8 @@ def _write_torch(src: FragmentSource, plan: _Plan, out: Path) -> None:
 
 
 def _grid(meta: dict) -> str:
-    """" (pipe P × data D × model M)" for a checkpoint that records its layout (placement.py)."""
-    if "coordinates" not in meta:
+    """" (pipe P × data D × model M)" for a checkpoint saved with a pipe or model axis (placement.py)."""
+    if meta.get("pipe_parallel_size", 1) == 1 and meta.get("model_parallel_size", 1) == 1:
         return ""
     return f" (pipe {meta['pipe_parallel_size']} × data {meta['data_parallel_size']} × model {meta['model_parallel_size']})"
 
