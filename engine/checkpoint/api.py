@@ -47,7 +47,7 @@ class Checkpointing:
         if path is None:
             return None, None
         client_state = load_into(self.eng, path, load_module_strict, load_optimizer_states,
-                                 load_lr_scheduler_states, load_module_only)
+                                 load_lr_scheduler_states, load_module_only, world_comm=self.writer.comm())
         return str(path), client_state
 
     def after_step(self) -> None:

@@ -114,10 +114,11 @@ def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_sc
 
 
 def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states: bool = True,
-              load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    """Verify and load the checkpoint at `path` (a tag directory); returns its client_state."""
+              load_lr_scheduler_states: bool = True, load_module_only: bool = False, world_comm=None):
+    """Verify and load the checkpoint at `path` (a tag directory); returns its client_state. The
+    checksums are spread over `world_comm` (every process; default the data-parallel group)."""
     comm = eng.comm
-    verify(path, comm, fmt.read_json(path / fmt.MANIFEST))
+    verify(path, world_comm if world_comm is not None else comm, fmt.read_json(path / fmt.MANIFEST))
     src = FragmentSource(path)
     adapter = adapter_for(eng.zero_optimizer, comm.rank, comm.world_size)
     names = {id(p): n for n, p in eng.module.named_parameters()}
