@@ -5,6 +5,7 @@ from pathlib import Path
 
 from ..tensor_parallel.from_config import refuse_checkpoint_io
 from . import format as fmt
+from .placement import global_rank_and_world
 from .reader import resolve
 from .restore import load_into
 from .snapshot import Arena, take_snapshot
@@ -17,7 +18,7 @@ class Checkpointing:
     def __init__(self, eng):
         self.eng = eng
         self.cfg = eng.config.checkpoint
-        self.writer = CheckpointWriter(eng.comm.world_size)
+        self.writer = CheckpointWriter(global_rank_and_world()[1])  # every process writes (placement.py)
         self.arena = Arena()  # async snapshots, reused from save to save (snapshot.py's note: packing)
         self.resumed: tuple[str | None, dict | None] = (None, None)
 
@@ -30,7 +31,8 @@ class Checkpointing:
         self.writer.wait()  # one save in flight; its error surfaces here
         keep_last = self.cfg.keep_last if self._is_configured_dir(save_dir) else None
         snap = take_snapshot(eng, save_dir, tag, client_state, save_latest, keep_last,
-                             arena=self.arena if background else None, tag_validation=self.cfg.tag_validation)
+                             arena=self.arena if background else None, tag_validation=self.cfg.tag_validation,
+                             world_comm=self.writer.comm())
         self.writer.submit(snap, background)
         return True
 
@@ -45,7 +47,7 @@ class Checkpointing:
         if path is None:
             return None, None
         client_state = load_into(self.eng, path, load_module_strict, load_optimizer_states,
-                                 load_lr_scheduler_states, load_module_only)
+                                 load_lr_scheduler_states, load_module_only, world_comm=self.writer.comm())
         return str(path), client_state
 
     def after_step(self) -> None:

@@ -118,6 +118,13 @@ def _write_torch(src: FragmentSource, plan: _Plan, out: Path) -> None:
         torch.save(state, out)
 
 
+def _grid(meta: dict) -> str:
+    """" (pipe P × data D × model M)" for a checkpoint saved with a pipe or model axis (placement.py)."""
+    if meta.get("pipe_parallel_size", 1) == 1 and meta.get("model_parallel_size", 1) == 1:
+        return ""
+    return f" (pipe {meta['pipe_parallel_size']} × data {meta['data_parallel_size']} × model {meta['model_parallel_size']})"
+
+
 def info(ckpt_dir, verify: bool = True) -> tuple[str, bool]:
     """A summary of every tag (world size, stage, precision, step, size, checksum status), and whether
     every tag read and checked cleanly."""
@@ -139,7 +146,7 @@ def info(ckpt_dir, verify: bool = True) -> tuple[str, bool]:
             status = "ok" if not bad else "; ".join(f"{n}: {p}" for n, p in bad.items())
             healthy = healthy and not bad
         lines.append(f"{tag}{' (latest)' if tag == latest else ''}: step {meta['counters']['global_steps']}, "
-                     f"world size {meta['world_size']}, ZeRO stage {meta['zero_stage']}, {meta['precision']}, "
+                     f"world size {meta['world_size']}{_grid(meta)}, ZeRO stage {meta['zero_stage']}, {meta['precision']}, "
                      f"{len(meta['params'])} tensors, {len(manifest['files'])} files, {size / 2**20:.2f} MiB, "
                      f"checksums {status}")
     for d in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:

@@ -5,7 +5,8 @@
                                            and per parameter: shape, dtype, kinds, fragments
     <save_dir>/<tag>/engine_state.pt       rank 0: scheduler, loss scaler, optimizer hyperparameters,
                                            sampler position, client_state
-    <save_dir>/<tag>/rank_00003.pt         rank 3: its fragments (below) and its RNG states
+    <save_dir>/<tag>/rank_00003.pt         global rank 3: its fragments (below) and its RNG states
+                                           (coordinates in metadata.json: placement.py's note)
     <save_dir>/<tag>/manifest.json         sha256 and size of every file above
     <save_dir>/.<tag>.tmp-<nonce>/         a save in progress (never loaded, removed by the next save)
 

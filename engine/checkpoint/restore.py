@@ -15,14 +15,16 @@ import warnings
 import torch
 
 from . import format as fmt
+from .placement import global_rank_and_world, stage_union
 from .reader import FragmentSource, load_torch, verify
 from .snapshot import module_entries
 from .state import adapter_for, set_rng_state
 
 
-def _check_names(src: FragmentSource, current: set[str], strict: bool) -> None:
+def _check_names(src: FragmentSource, current: set[str], strict: bool, whole: set[str] | None = None) -> None:
+    """`current`: this rank's names; `whole`: the whole model's (every pipeline stage's; placement.py)."""
     missing = sorted(current - set(src.params))
-    unexpected = sorted(set(src.params) - current)
+    unexpected = sorted(set(src.params) - (current if whole is None else whole))
     if strict and (missing or unexpected):
         raise fmt.CheckpointError(
             f"{src.path}: the checkpoint does not match the model (load_module_strict=True): "
@@ -112,16 +114,18 @@ def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_sc
 
 
 def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states: bool = True,
-              load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    """Verify and load the checkpoint at `path` (a tag directory); returns its client_state."""
+              load_lr_scheduler_states: bool = True, load_module_only: bool = False, world_comm=None):
+    """Verify and load the checkpoint at `path` (a tag directory); returns its client_state. The
+    checksums are spread over `world_comm` (every process; default the data-parallel group)."""
     comm = eng.comm
-    verify(path, comm, fmt.read_json(path / fmt.MANIFEST))
+    verify(path, world_comm if world_comm is not None else comm, fmt.read_json(path / fmt.MANIFEST))
     src = FragmentSource(path)
     adapter = adapter_for(eng.zero_optimizer, comm.rank, comm.world_size)
     names = {id(p): n for n, p in eng.module.named_parameters()}
     trainable = {id(p): names[id(p)] for p in adapter.params()} if adapter else {}
     entries, _ = module_entries(eng.module, trainable)
-    _check_names(src, set(trainable.values()) | set(entries), load_module_strict)
+    held = set(trainable.values()) | set(entries)
+    _check_names(src, held, load_module_strict, stage_union(eng, held))
     load_state = load_optimizer_states and not load_module_only
     if adapter is not None:
         _load_trainable(src, adapter, names, load_state)
@@ -135,11 +139,12 @@ def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states:
 
 
 def _restore_rng(src: FragmentSource, comm) -> None:
-    saved_world = src.meta["world_size"]
-    if saved_world != comm.world_size and comm.rank == 0:
-        warnings.warn(f"checkpoint saved by {saved_world} ranks, loaded by {comm.world_size}: ranks below "
-                      f"{min(saved_world, comm.world_size)} resume their RNG streams, others keep their seeds",
+    saved_world = src.meta["world_size"]  # every process of the saving job (placement.py's note)
+    rank, world = global_rank_and_world()
+    if saved_world != world and rank == 0:
+        warnings.warn(f"checkpoint saved by {saved_world} ranks, loaded by {world}: ranks below "
+                      f"{min(saved_world, world)} resume their RNG streams, others keep their seeds",
                       stacklevel=4)
-    if comm.rank < saved_world:
-        set_rng_state(src.rank_extras(comm.rank)["rng"])
+    if rank < saved_world:
+        set_rng_state(src.rank_extras(rank)["rng"])
 

@@ -26,6 +26,7 @@ import torch
 
 from ..precision import precision_name
 from . import format as fmt
+from .placement import coordinates, merge_tables
 from .state import FP32, MODULE, adapter_for, rng_state, row_kinds, rows_of
 from .writer import Snapshot, new_nonce
 
@@ -210,51 +211,61 @@ def check_loadable(obj, what: str) -> None:
                         f"strings, lists and dicts ({str(e).splitlines()[0]})") from None
 
 
-def _metadata(eng, adapter, tag, gathered, trainable, entries, aliases) -> dict:
-    params = {}
+def _described(eng, adapter, index: dict, trainable: dict, entries: dict) -> dict:
+    """name -> [full shape, dtype, trainable] for the tensors this rank lists (placement.py's table)."""
     named = dict(eng.module.named_parameters())
-    for rank, (_, index) in enumerate(gathered):
-        for name, (start, stop, classes) in index.items():
-            if name not in params:
-                t = named.get(name, entries.get(name))
-                shape = adapter.shape(t) if adapter else t.shape  # stage 3: not the placeholder's
-                params[name] = {"shape": list(shape), "dtype": str(t.dtype).replace("torch.", ""),
-                                "trainable": name in trainable.values(), "kinds": classes, "fragments": []}
-            params[name]["fragments"].append([rank, start, stop])
+    out = {}
+    for name in index:
+        t = named.get(name, entries.get(name))
+        shape = adapter.shape(t) if adapter else t.shape  # stage 3: not the placeholder's
+        out[name] = [list(shape), str(t.dtype).replace("torch.", ""), name in trainable.values()]
+    return out
+
+
+def _metadata(eng, tag, gathered: list[dict], world: int) -> dict:
+    params, aliases, keys = merge_tables(gathered)
+    coords = [list(table["coord"]) for table in gathered]
     return {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "tag": tag,
-            "world_size": eng.comm.world_size, "zero_stage": getattr(eng.zero_optimizer, "stage", 0),
+            "world_size": world, "data_parallel_size": eng.comm.world_size,
+            "pipe_parallel_size": 1 + max(c[0] for c in coords), "model_parallel_size": 1 + max(c[2] for c in coords),
+            "coordinates": coords,  # global rank r's [pipe, data, model] (placement.py's note)
+            "zero_stage": getattr(eng.zero_optimizer, "stage", 0),
             "precision": precision_name(eng.config), "counters": counters(eng),
-            "params": params, "aliases": aliases,
-            "state_dict_keys": list(eng.module.state_dict().keys()),
+            "params": params, "aliases": aliases, "state_dict_keys": keys,
             "config": fmt.redact_secrets(eng.config.to_dict())}  # a world-readable file (format.py's note)
 
 
 def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool, keep_last,
-                  arena: Arena | None = None, tag_validation: str = "Warn") -> Snapshot:
+                  arena: Arena | None = None, tag_validation: str = "Warn", world_comm=None) -> Snapshot:
     """This rank's share of a save; with `arena` (async) its tensors are copies in the arena, else
-    views of the live state (module note: packing)."""
+    views of the live state (module note: packing). `world_comm` spans every process (the writer's
+    group; placement.py's note): files are named by global rank; rows are cut by data-parallel rank."""
     comm = eng.comm
-    rank, world = comm.rank, comm.world_size
-    adapter = adapter_for(eng.zero_optimizer, rank, world)
+    world_comm = world_comm if world_comm is not None else comm
+    rank, world = world_comm.rank, world_comm.world_size
+    adapter = adapter_for(eng.zero_optimizer, comm.rank, comm.world_size)
     names = {id(p): n for n, p in eng.module.named_parameters()}
     trainable = {id(p): names[id(p)] for p in adapter.params()} if adapter else {}
     tensors, index = _fragments(eng, adapter, names)
     entries, aliases = module_entries(eng.module, trainable)
-    _entry_fragments(adapter, entries, rank, tensors, index)
+    _entry_fragments(adapter, entries, comm.rank, tensors, index)  # data rank 0 of each stage: buffers
     tensors = pack(tensors, arena)
     ready = _copies_enqueued(tensors) if arena is not None else None
     nonce = new_nonce() if rank == 0 else None
-    gathered = comm.all_gather_object(((tag, nonce), index))
+    table = {"coord": list(coordinates(eng)), "index": index, "described": _described(eng, adapter, index, trainable,
+                                                                                       entries),
+             "aliases": aliases, "keys": list(eng.module.state_dict().keys())}
+    gathered = world_comm.all_gather_object(((tag, nonce), table))
     _validate_tags([g[0][0] for g in gathered], tag_validation)
     snap = Snapshot(Path(save_dir), tag, gathered[0][0][1], rank,
                     {"format": fmt.FORMAT_NAME, "rank": rank, "world_size": world, "tag": tag,
-                     "tensors": tensors, "rng": rng_state()},
+                     "coord": table["coord"], "tensors": tensors, "rng": rng_state()},
                     save_latest=save_latest, keep_last=keep_last, ready=ready,
                     nbytes=sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)))
     if rank == 0:
         snap.engine_state = _engine_state(eng, client_state)
         check_loadable(snap.engine_state["client_state"], "client_state")
-        snap.metadata = _metadata(eng, adapter, tag, gathered, trainable, entries, aliases)
+        snap.metadata = _metadata(eng, tag, [g[1] for g in gathered], world)
     return snap
 
 

@@ -1,7 +1,8 @@
 """Writing a checkpoint: snapshot on the training thread, files and atomic commit after.
 
 [Note: atomic commit] Every rank writes its files into `<dir>/.<tag>.tmp-<nonce>/` (fsynced, hashed
-while written). Then all ranks exchange their files' sha256 and sizes; rank 0 writes metadata.json and
+while written). Then all ranks of the world exchange their files' sha256 and sizes (the exchange waits
+for every process's files: placement.py's note, one committer); global rank 0 writes metadata.json and
 manifest.json, renames the temp directory to `<dir>/<tag>` and only then replaces `latest` (temp file
 + os.replace); a final barrier returns no rank before the tag is visible. A crash anywhere before the
 rename leaves a hidden temp directory that no reader looks at; a crash after it leaves a complete tag

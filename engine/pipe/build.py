@@ -31,10 +31,6 @@ def check_pipeline_config(cfg, model) -> None:
             problems.append("zero_optimization.stage: 3 with a PipelineModule is not supported: stage 3 gathers "
                             "each layer's parameters around every forward and backward, which a pipeline runs "
                             "once per micro-batch; use stage 1 or 2 (partitioned over the data axis)")
-        for key in ("save_interval", "auto_resume"):
-            if getattr(cfg.checkpoint, key):
-                problems.append(f"checkpoint.{key} with a PipelineModule is not built yet in dstrain (pipeline "
-                                "checkpoints are not built yet); remove it")
         if model.loss_fn is None:
             problems.append("PipelineModule(loss_fn=...) is needed to train: the last stage computes the loss")
     if problems:

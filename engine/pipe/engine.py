@@ -197,14 +197,5 @@ class PipelineEngine(Engine):
     def step(self, *args, **kwargs):
         raise RuntimeError("engine.step() is not used with a PipelineModule: engine.train_batch(data_iter) steps")
 
-    def save_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError("save_checkpoint() with a PipelineModule is not built yet in dstrain: rank files "
-                                  "are named by data-parallel rank, which the stages share; save each stage's "
-                                  "module.state_dict() (full parameter names) yourself until it is")
-
-    def load_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError("load_checkpoint() with a PipelineModule is not built yet in dstrain (see "
-                                  "save_checkpoint); load each stage's module.load_state_dict(..., strict=False)")
-
     def is_gradient_accumulation_boundary(self) -> bool:
         return True  # a train_batch is always a whole accumulation window

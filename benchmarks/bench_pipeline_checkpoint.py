@@ -1,0 +1,101 @@
+"""Pipeline checkpoint save and load time against the same model without a pipeline, on the same ranks.
+
+    python benchmarks/bench_pipeline_checkpoint.py [--world 4] [--mb 64] [--repeats 3] [--dir /tmp/x]
+
+One run of `--world` processes (gloo, CPU) builds a PipelineModule of Linear layers holding about
+`--mb` MiB of fp32 weights (ZeRO-1, SGD with momentum: weights + momentum = 2x that on disk) twice: as
+2 pipeline stages × world/2 data ranks, and as 1 stage × world data ranks. For each it reports the best
+of `--repeats` synchronous `save_checkpoint` wall times (hashing, fsync, commit included, after a first
+save that also creates the checkpoint group) and `load_checkpoint` times (verification included; the
+files are in the page cache: this measures the engine, not the disk), and loads the 2-stage checkpoint
+at world data ranks (the reshard across stage counts). Each rank writes only its share, so the pipeline
+layout should cost about what the flat one does. Output: one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.harness import run_distributed  # noqa: E402
+
+
+def _engine(stages: int, width: int, layers: int, save_dir: str):
+    import torch.nn as nn
+
+    import engine
+    from engine.pipe import LayerSpec, PipelineModule
+    specs = [LayerSpec(nn.Linear, width, width) for _ in range(layers)]
+    pm = PipelineModule(specs, num_stages=stages, loss_fn=nn.functional.mse_loss, partition_method="uniform")
+    eng, *_ = engine.initialize(model=pm, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
+        "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1},
+        "checkpoint": {"save_dir": save_dir}})
+    return eng
+
+
+def _timed(fn, repeats: int) -> float:
+    import torch.distributed as dist
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _case(stages: int, width: int, layers: int, save_dir: str, repeats: int) -> dict:
+    import torch
+    eng = _engine(stages, width, layers, save_dir)
+    x = torch.randn(1, width, device="cpu")
+    eng.train_batch(iter([(x, x)]))  # momentum exists
+    eng.save_checkpoint(save_dir, tag="first")
+    save = _timed(lambda: eng.save_checkpoint(save_dir, tag="t"), repeats)
+    load = _timed(lambda: eng.load_checkpoint(save_dir, tag="t"), repeats)
+    eng.destroy()
+    return {"save_s": round(save, 4), "load_s": round(load, 4)}
+
+
+def _all(width: int, layers: int, base: str, repeats: int) -> dict:
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    out = {}
+    for stages in (2, 1):
+        out[f"pipe{stages}_x_data{world // stages}"] = _case(stages, width, layers, f"{base}/p{stages}", repeats)
+    eng = _engine(1, width, layers, f"{base}/p2")
+    reshard = _timed(lambda: eng.load_checkpoint(f"{base}/p2", tag="t"), repeats)
+    out[f"load_pipe2_ckpt_at_data{world}_s"] = round(reshard, 4)
+    eng.destroy()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--mb", type=float, default=64.0)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default="/tmp/dstrain-bench-pipe-ckpt")
+    args = parser.parse_args()
+    width = max(8, int((args.mb * 2**20 / 4 / args.layers) ** 0.5))
+    shutil.rmtree(args.dir, ignore_errors=True)
+    try:
+        rows = run_distributed(_all, world_size=args.world, args=(width, args.layers, args.dir, args.repeats),
+                               timeout=1200)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    result = {"world": args.world, "weights_mib": round(width * width * args.layers * 4 / 2**20, 1),
+              "width": width, "layers": args.layers, **rows[0]}
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
