@@ -94,7 +94,8 @@ def test_dump_state_prints_the_resolved_config_and_overrides_fill_auto(capfd):
 
 def _zero_init_arguments():
     refused = []
-    for kwargs in ({"remote_device": "cpu"}, {"pin_memory": True}, {"mpu": object()},
+    # remote_device="cpu" and pin_memory are built (parameter offload, tests/test_offload_parity.py); NVMe is not.
+    for kwargs in ({"remote_device": "nvme"}, {"mpu": object()},
                    {"zero_param_parallel_group": object()}, {"zero_quantized_weights": True},
                    {"zero_quantized_nontrainable_weights": True}, {"sequence_data_parallel_group": object()},
                    {"param_swapper": object()}):
@@ -113,8 +114,8 @@ def _zero_init_arguments():
 
 def test_zero_init_refuses_what_is_not_built_and_unknown_keywords():
     refused, shape = run_distributed(_zero_init_arguments, 1)[0]
-    assert len(refused) == 9 and shape == (4, 4)
-    assert refused[0].startswith("engine.zero.Init: remote_device='cpu' (parameter offload) not built yet")
+    assert len(refused) == 8 and shape == (4, 4)
+    assert refused[0].startswith("engine.zero.Init: remote_device='nvme'"), refused[0]
     assert "unexpected keyword argument 'remote_devise'" in refused[-1]
 
 
