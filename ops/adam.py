@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .moments import evaluate_closure
+from .moments import GroupwiseOptimizer
 
 
-class UncorrectedAdam(torch.optim.Optimizer):
+class UncorrectedAdam(GroupwiseOptimizer):
     """Adam (adam_w_mode=False, L2 decay) or AdamW (adam_w_mode=True) with bias_correction=False."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -35,15 +35,6 @@ class UncorrectedAdam(torch.optim.Optimizer):
             if amsgrad:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = evaluate_closure(closure)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._step_group(group, params)
-        return loss
 
     def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]

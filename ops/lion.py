@@ -11,21 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from .moments import evaluate_closure
+from .moments import GroupwiseOptimizer
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(GroupwiseOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = evaluate_closure(closure)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._step_group(group, params)
-        return loss
 
     def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]

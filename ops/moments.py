@@ -1,4 +1,5 @@
-"""Pieces of Adam's arithmetic that Lamb and the 1-bit optimizers share."""
+"""Pieces of Adam's arithmetic that Lamb and the 1-bit optimizers share, and the per-group step loop of
+the foreach optimizers (UncorrectedAdam, Lion)."""
 from __future__ import annotations
 
 import math
@@ -17,3 +18,20 @@ def evaluate_closure(closure):
         return None
     with torch.enable_grad():
         return closure()
+
+
+class GroupwiseOptimizer(torch.optim.Optimizer):
+    """`step()` hands each param group's parameters that have a gradient to `_step_group`, which
+    updates them together (one foreach call per state tensor)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = evaluate_closure(closure)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._step_group(group, params)
+        return loss
+
+    def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        raise NotImplementedError
