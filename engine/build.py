@@ -116,6 +116,27 @@ def _broadcast_model(model: torch.nn.Module, comm: Communicator) -> None:
                 offset += t.numel()
 
 
+def _parallel_layout(model: torch.nn.Module, source, overrides) -> tuple[int, Any, int]:
+    """(tensor-parallel degree, the pipeline's process groups or None, data-parallel world size).
+    tensor_parallel/from_config.py's note: the degree is read first, so the model can be sharded
+    before its optimizer is built; a PipelineModule brought its topology's groups (engine/pipe)."""
+    degree = tensor_parallel.requested_degree(source, overrides)
+    groups = pipeline_groups(model)
+    if groups is not None and degree > 1:
+        raise schemas.ConfigError([f"tensor_parallel.autotp_size: {degree} with an engine.pipe.PipelineModule is not "
+                                   "built yet in dstrain (pipeline × tensor parallelism); remove the key or use 1"])
+    data_world = groups.topology.data if groups is not None else max(1, dist.get_world_size() // degree)
+    return degree, groups, data_world
+
+
+def _engine_class(model: torch.nn.Module) -> type:
+    """The pipeline engine for a PipelineModule (tensor parallelism alone also has groups, not a pipeline)."""
+    if pipeline_groups(model) is None:
+        return Engine
+    from .pipe.engine import PipelineEngine  # torch.distributed.pipelining only when a pipeline runs
+    return PipelineEngine
+
+
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int | None = None, mpu=None,
                dist_init_required: bool | None = None, collate_fn=None, config=None, config_params=None,
@@ -132,13 +153,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise NotImplementedError("mpu= (Megatron-style model parallelism) is not built yet in dstrain")
     source = _config_source(args, config, config_params)
     _start_process_group(distributed_port, dist_init_required)
-    # tensor_parallel/from_config.py's note: the degree first, the model sharded before its optimizer
-    degree = tensor_parallel.requested_degree(source, config_overrides)
-    groups = pipeline_groups(model)  # a PipelineModule built its topology's groups (engine/pipe)
-    if groups is not None and degree > 1:
-        raise schemas.ConfigError([f"tensor_parallel.autotp_size: {degree} with an engine.pipe.PipelineModule is not "
-                                   "built yet in dstrain (pipeline × tensor parallelism); remove the key or use 1"])
-    data_world = groups.topology.data if groups is not None else max(1, dist.get_world_size() // degree)
+    degree, groups, data_world = _parallel_layout(model, source, config_overrides)
     cfg = schemas.load_config(source, world_size=data_world, overrides=config_overrides)
     check_pipeline_config(cfg, model)
     if groups is None:
@@ -166,11 +181,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu, comm.rank,
                                        comm.world_size, cfg.seed, cfg.dataloader_drop_last, collate_fn)
     comm.stats.reset()
-    engine_class = Engine
-    if pipeline_groups(model) is not None:  # `groups` is also set by tensor parallelism alone
-        from .pipe.engine import PipelineEngine  # torch.distributed.pipelining only when a pipeline runs
-        engine_class = PipelineEngine
-    eng = engine_class(model, zero_optimizer, scheduler, loader, cfg, comm)
+    eng = _engine_class(model)(model, zero_optimizer, scheduler, loader, cfg, comm)
     if cfg.checkpoint.auto_resume:  # a restarted job continues from <save_dir>/latest (engine/checkpoint)
         eng.checkpoint_io.auto_resume()
     if cfg.dump_state and comm.rank == 0:  # logs are shared: secrets redacted as in checkpoints
