@@ -11,6 +11,7 @@ backward at the peak, and full checkpointing of a 24-block model must hold at mo
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 
 import pytest
@@ -64,6 +65,16 @@ def _loss_and_grads(model, x, y, seed=5):
     loss = model(x, y)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: a second intra-op thread only waits for a core of a shared machine
+    (an order of magnitude on every op under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
@@ -162,6 +173,51 @@ def test_full_checkpointing_holds_at_most_a_quarter_of_the_activations():
 def test_cpu_checkpointing_bytes_are_reported_to_the_probe():
     ckpt.configure(checkpoint_in_cpu=True)
     assert _peak_bytes("none", api=ckpt.checkpoint, layers=4) > 0
+
+
+# -- what the policies recompute, on the example GPT (the benchmark's model) ---------------------------------
+GPT_LAYERS = 2
+EXPENSIVE = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_dot_product_flash_attention_for_cpu"}
+
+
+def _gpt_step(policy: str, dropout: float) -> tuple:
+    """(loss, gradients, the ops recomputes ran again) of one step of a small example GPT."""
+    from examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=GPT_LAYERS, n_head=2, d_model=32, dropout=dropout))
+    if policy != "none":
+        ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy=policy))
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    with ckpt.RecomputeProbe() as probe:
+        loss = model(idx, idx)
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, probe.counts
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["flash-sdpa", "dropout-math-sdpa"])
+def test_each_policy_recomputes_what_its_rule_says_and_the_gpt_stays_exact(dropout):
+    """The recompute, seen below torch's selective-checkpoint cache: full runs every matmul of a block
+    again but its last (the down projection: the recompute stops at the last saved tensor, its input);
+    "selective" only the up projection (the one matmul 4x wider than its input) besides the cheap ops;
+    "selective_all_matmuls" no matmul or attention kernel. Loss and gradients are bit-identical to the
+    plain model's, dropout (SDPA's, on the tracked CPU generator) included."""
+    want_loss, want, nothing = _gpt_step("none", dropout)
+    assert not nothing
+    attention = 2 if dropout else 1  # with dropout, CPU SDPA is the math kernel: two bmm per block
+    matmuls = {"full": 3 + attention, "selective": 1, "selective_all_matmuls": 0}
+    for policy, expensive in matmuls.items():
+        loss, grads, ran = _gpt_step(policy, dropout)
+        assert torch.equal(loss, want_loss), policy
+        assert all(torch.equal(grads[n], g) for n, g in want.items()), policy
+        assert sum(n for op, n in ran.items() if op.rsplit(".", 1)[0] in EXPENSIVE) == expensive * GPT_LAYERS, \
+            (policy, ran)
+        if policy == "selective":
+            assert ran["aten.addmm.default"] == GPT_LAYERS, ran  # the up projection, nothing else
+        # the cheap rest runs again under every policy: both layer norms and the activation of each block
+        assert ran["aten.native_layer_norm.default"] == 2 * GPT_LAYERS and ran["aten.gelu.default"] == GPT_LAYERS
+        if dropout:
+            assert ran["aten.bernoulli_.float"] == GPT_LAYERS, ran  # the dropout mask is drawn again
 
 
 # -- config and configure() ---------------------------------------------------------------------------
@@ -398,10 +454,12 @@ def runs():
     return run_distributed(_all_cases, 2, timeout=240)
 
 
-def _reference(case: str, world: int = 2) -> dict:
+@functools.lru_cache(maxsize=None)
+def _reference(shared: bool, world: int = 2) -> dict:
     """Single process, no checkpointing, each rank's micro-batch drawn on that rank's RNG stream
-    (initialize seeds rank r with seed + r), gradients averaged over the ranks, plain SGD."""
-    model = _model(case)
+    (initialize seeds rank r with seed + r), gradients averaged over the ranks, plain SGD. Every
+    case trains the same model but "api-shared" (a block reached twice): two references."""
+    model = _model("api-shared" if shared else "full")
     model.api = None
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     streams = [torch.Generator().manual_seed(SEED + r).get_state() for r in range(world)]
@@ -418,7 +476,7 @@ def _reference(case: str, world: int = 2) -> dict:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("case", list(SECTIONS))
 def test_initialize_applies_the_section_and_training_is_exact(runs, stage, case):
-    ref = _reference(case)
+    ref = _reference(case == "api-shared")
     for rank, result in enumerate(runs):
         got = result[(stage, case)]
         assert got["patched"] == (0 if case == "api-shared" else 3), "the section did not checkpoint the blocks"

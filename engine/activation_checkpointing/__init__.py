@@ -9,17 +9,19 @@ save/load of training state: that is `engine/checkpoint/`, the engine's `checkpo
   recomputes.
 - `checkpoint_blocks(model, section)`: checkpoint every repeated block (or named classes) of a model
   without editing it, with full recomputation or the selective policy (`policy.py`).
-- `SavedActivationProbe`: the peak bytes of activations held for backward, to measure all of this.
+- `SavedActivationProbe`: the peak bytes of activations held for backward; `RecomputeProbe`: which ops
+  recomputes run again, and their CPU time — to measure all of this.
 See docs/activation_checkpointing.md.
 """
 from .apply import checkpoint_blocks, repeated_blocks
 from .checkpoint import checkpoint, non_reentrant_checkpoint
 from .policy import all_matmuls_context, save_expensive_but_widening, save_expensive_ops, selective_context
 from .probe import SavedActivationProbe
+from .recompute_probe import RecomputeProbe
 from .rng import RNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from .settings import configure, is_configured, profile_summary, reset, unconfigure
 
-__all__ = ["RNGStatesTracker", "SavedActivationProbe", "all_matmuls_context", "checkpoint", "checkpoint_blocks",
+__all__ = ["RNGStatesTracker", "RecomputeProbe", "SavedActivationProbe", "all_matmuls_context", "checkpoint", "checkpoint_blocks",
            "configure", "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed",
            "non_reentrant_checkpoint", "profile_summary", "repeated_blocks", "reset", "save_expensive_but_widening",
            "save_expensive_ops", "selective_context", "unconfigure"]

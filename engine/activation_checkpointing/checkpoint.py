@@ -15,6 +15,7 @@ inside the region, `partition.py`) or a host copy (moved back inside it).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import time
@@ -25,6 +26,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from .contiguous import SLOTS
 from .partition import Gather, Layout, Partition, Scatter, to_host
 from .probe import report_held
+from .recompute_probe import recomputing
 from .rng import get_cuda_rng_tracker
 from .settings import STATE, model_parallel_info, synchronize_boundary
 
@@ -92,7 +94,8 @@ def _instrumented(function):
             SLOTS.release()  # backward has begun: the next forward fills fresh buffers (contiguous.py)
         start = time.perf_counter() if profile else 0.0
         try:
-            return function(*args, **kwargs)
+            with recomputing() if recompute else contextlib.nullcontext():
+                return function(*args, **kwargs)
         finally:
             if profile:
                 synchronize_boundary()
