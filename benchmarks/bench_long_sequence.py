@@ -12,7 +12,9 @@ during the step; on CPU, which has no allocator statistics, the bytes autograd h
 Checkpointing: the example GPT's forward+backward with none / full / selective / selective_all_matmuls
 checkpointing of its blocks (`checkpoint_blocks`), and a selective policy that saves every op's output
 (nothing recomputed: the cost of torch's selective-checkpoint machinery alone); step time and the peak
-saved-activation bytes; ratios against none.
+saved-activation bytes; ratios against none; each policy's step-time overhead as a fraction of full's;
+and the CPU time of the ops the recomputes run again (`RecomputeProbe`: below torch's selective cache,
+so only what really runs again), against full's.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.activation_checkpointing import (SavedActivationProbe, checkpoint_blocks,  # noqa: E402
-                                             non_reentrant_checkpoint)
+from engine.activation_checkpointing import (RecomputeProbe, SavedActivationProbe,  # noqa: E402
+                                             checkpoint_blocks, non_reentrant_checkpoint)
 from examples.gpt import BENCH_CONFIG, GPT, GPTConfig  # noqa: E402
 from ops.sparse_attention import BigBirdSparsityConfig, FixedSparsityConfig, SparseSelfAttention  # noqa: E402
 from schemas.features import ActivationCheckpointingConfig  # noqa: E402
@@ -115,8 +117,9 @@ def checkpointing_table(args, device) -> None:
     cfg = BENCH_CONFIG if args.bench_gpt else GPTConfig(seq_len=256, n_layer=8, d_model=256, n_head=4)
     print(f"\n## Activation checkpointing, example GPT {cfg.n_layer} layers d_model {cfg.d_model} seq {cfg.seq_len}, "
           f"batch {args.batch}, {device}\n")
-    print("| policy | step ms | step time vs none | saved activations MB | memory vs none |")
-    print("|---|---|---|---|---|")
+    print("| policy | step ms | step time vs none | overhead vs full's | saved activations MB | memory vs none | "
+          "recomputed ops CPU ms | vs full's | costliest recomputed ops |")
+    print("|---|---|---|---|---|---|---|---|---|")
     steps, params = {}, {}
     for policy in ("none", "full", "selective", "selective_all_matmuls", "save_every_op"):
         torch.manual_seed(0)
@@ -138,13 +141,26 @@ def checkpointing_table(args, device) -> None:
     for _ in range(args.repeats):
         for policy, step in steps.items():
             times[policy].append(measure(step, device, 1)[0])
-    rows = {policy: (statistics.median(times[policy]), measure(step, device, 0, params[policy])[1])
-            for policy, step in steps.items()}
-    base_ms, base_b = rows["none"]
-    for policy, (ms, b) in rows.items():
+    rows = {policy: (statistics.median(times[policy]), measure(step, device, 0, params[policy])[1],
+                     recompute_ms(step)) for policy, step in steps.items()}
+    base_ms, base_b, _ = rows["none"]
+    full_overhead, full_recompute = rows["full"][0] - base_ms, rows["full"][2][0]
+    for policy, (ms, b, (recompute, top)) in rows.items():
         # what torch keeps for a policy of its own is not reported to the probe (policy.py reports its rules')
         memory = "— | —" if policy == "save_every_op" else f"{b / 2**20:.1f} | {b / base_b:.2f}"
-        print(f"| {policy} | {ms:.1f} | {ms / base_ms - 1:+.0%} | {memory} |")
+        print(f"| {policy} | {ms:.1f} | {ms / base_ms - 1:+.0%} | {(ms - base_ms) / full_overhead:.2f} | {memory} | "
+              f"{recompute:.1f} | {recompute / full_recompute:.2f} | {top} |")
+    print(f"\nstep times: medians of {args.repeats} interleaved rounds; all rounds (ms): "
+          + "; ".join(f"{p} {', '.join(f'{t:.0f}' for t in ts)}" for p, ts in times.items()))
+
+
+def recompute_ms(step) -> tuple[float, str]:
+    """(CPU ms of the ops checkpoint recomputes ran again in one step, the three costliest of them)."""
+    with RecomputeProbe() as probe:
+        step()
+    top = ", ".join(f"{op.removeprefix('aten.').removesuffix('.default')} x{probe.counts[op]} {s * 1e3:.0f} ms"
+                    for op, s in probe.seconds.most_common(3))
+    return sum(probe.seconds.values()) * 1e3, top or "—"
 
 
 def main(argv=None) -> int:

@@ -30,6 +30,15 @@ from ops.sparse_attention import (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: a second intra-op thread only waits for a core of a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _grid(n: int, pred) -> torch.Tensor:
     return torch.tensor([[int(bool(pred(r, c))) for c in range(n)] for r in range(n)])
 
