@@ -121,7 +121,7 @@ def checkpointing_table(args, device) -> None:
           "recomputed ops CPU ms | vs full's | costliest recomputed ops |")
     print("|---|---|---|---|---|---|---|---|---|")
     steps, params = {}, {}
-    for policy in ("none", "full", "selective", "selective_all_matmuls", "save_every_op"):
+    for policy in args.policies:
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
         if policy == "save_every_op":  # selective checkpointing that recomputes nothing: its machinery's cost
@@ -176,8 +176,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bench-gpt", action="store_true", help="the 25M-parameter benchmark GPT (slow on CPU)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--policies", default="none,full,selective,selective_all_matmuls,save_every_op",
+                   help="checkpointing rows, comma-separated (none and full are always measured: the ratios need them)")
     args = p.parse_args(argv)
     args.seqs = [int(s) for s in args.seqs.split(",")]
+    args.policies = list(dict.fromkeys(["none", "full", *args.policies.split(",")]))
     args.dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -24,7 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .contiguous import SLOTS
-from .partition import Gather, Layout, Partition, Scatter, to_host
+from .partition import Gather, Layout, Partition, Scatter, ToHost, to_host
 from .probe import report_held
 from .recompute_probe import recomputing
 from .rng import get_cuda_rng_tracker
@@ -136,8 +136,8 @@ def _held_inputs(args):
             held.append(Scatter.apply(a, layout, next(positions), settings))
             rebuild.append(lambda h, layout=layout: Gather.apply(h, layout))
         elif isinstance(a, torch.Tensor) and settings.cpu_checkpointing:
-            held.append(a.to("cpu", copy=True))  # differentiable: the gradient goes back to a's device
-            rebuild.append(lambda h, device=a.device: h.to(device))
+            held.append(ToHost.apply(a))  # pinned from an accelerator; the gradient goes back to a's device
+            rebuild.append(lambda h, device=a.device: h.to(device, non_blocking=True))
         else:
             held.append(a)
             rebuild.append(None)

@@ -80,6 +80,22 @@ class Partition:
         return self.layout.gather(self.slice)
 
 
+class ToHost(torch.autograd.Function):
+    """A non-reentrant region's input held in host memory (`cpu_checkpointing` without partitioning):
+    `to_host` (pinned and asynchronous from an accelerator), the gradient sent back to the input's
+    device. The copy is ordered on the current stream before any later use of the source's memory,
+    and the recompute's copy back is ordered after it, so nothing waits on the host here."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.device = t.device
+        return to_host(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.device, non_blocking=True)
+
+
 class Scatter(torch.autograd.Function):
     """input → the slice a non-reentrant region holds; backward all-gathers the gradient's pieces."""
 

@@ -84,6 +84,11 @@ class SavedActivationProbe:
         return _Held(tensor, self, key)
 
 
+def probing() -> bool:
+    """Whether a probe is active (what to report would be counted)."""
+    return bool(_ACTIVE)
+
+
 def report_held(nbytes: int) -> object | None:
     """Tell the active probes that `nbytes` are held for backward; they are released when the returned
     token is garbage-collected (keep it with what you hold). None when no probe is active."""
