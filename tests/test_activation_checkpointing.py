@@ -7,6 +7,8 @@ the weights after SGD steps (no momentum, no clipping: the update is linear in t
 single-process reference without checkpointing that replays each rank's RNG stream (atol 2e-6: only
 the order of the rank sum differs). Memory: `SavedActivationProbe` counts the bytes autograd holds for
 backward at the peak, and full checkpointing of a 24-block model must hold at most 1/4 of the plain one.
+Recompute: `RecomputeProbe` counts the ops each policy's recomputes really execute on the example GPT
+(below torch's selective cache), against the ops its rule names.
 """
 from __future__ import annotations
 
