@@ -13,11 +13,12 @@ tolerance rtol 1e-5. `dstrain ckpt info` reads the checkpoint.
 Tensor parallel: a tiny GPT through `tensor_parallel.autotp_size: 2` on 2 model × 2 data ranks
 (fused q|k|v column-parallel with 3 sections, row-parallel projections, replicated norms, biases and
 tied embeddings) saves at step SAVE_AT. Loaded into the same grid it continues bit for bit; loaded
-into 1 process (a dense model) and into 2 model × 1 data ranks, and a checkpoint the dense process
-saves loaded at 2 model ranks (degree 1 → 2), each continues equal to a dense single-process
-reference (SGD with momentum on the global batch, no clipping), losses and reported gradient norms
+into 1 process (a dense model), into 2 model × 1 data and into 4 model × 1 data ranks (degree 2 → 4),
+and a checkpoint the dense process saves loaded at 2 model ranks (degree 1 → 2), each continues
+equal to a dense single-process reference (SGD with momentum on the global batch, no clipping: a
+wrong shard or a wrong gradient scale moves the weights), losses and reported gradient norms
 included. The consolidate tool turns the tensor-parallel checkpoint into the dense model's state
-dict. All jobs share three spawns (4, 1 and 2 ranks: each spawn costs a torch import per rank).
+dict. Every job runs in one spawn of 4 processes, as successive worlds (`_every_layout`).
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ TP_LR, TP_ATOL = 0.5, 1e-5  # summation order only (a split matmul's two half-su
 def _tiny_gpt():
     from examples.gpt import GPT, GPTConfig
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16))
+    return GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=4, d_model=16))  # 4 heads: degree 4
 
 
 def _tp_batches() -> list[torch.Tensor]:
@@ -174,8 +175,8 @@ def _tp_load_in_one_process(save_dir: str, dense_dir: str) -> dict:
     return result
 
 
-def _tp_load_at_two_model_ranks(save_dir: str) -> dict:
-    eng = _tp_engine(2)
+def _tp_load_at(save_dir: str, degree: int) -> dict:
+    eng = _tp_engine(degree)
     eng.load_checkpoint(save_dir)
     result = _tp_train(eng, range(SAVE_AT, STEPS))
     eng.destroy()
@@ -200,28 +201,42 @@ def _tp_reference() -> dict:
     return out
 
 
-# -- the three spawns ----------------------------------------------------------------------------------
-def _on_four_ranks(pipe_dir: str, tp_dir: str) -> dict:
-    return {"pipe": _guarded(_save_then_load_at_four_data, pipe_dir), "tp": _guarded(_tp_save_and_resume_on_grid, tp_dir)}
+# -- one spawn, three worlds ---------------------------------------------------------------------------
+# A spawn costs a torch import per process (most of this file's time), so the later layouts run in the
+# same 4 processes as new worlds: after the 4-rank jobs every rank leaves the default group; rank 0
+# opens a world of 1 (the single-process loads, and the dense checkpoint for 1 → 2), then ranks 0 and
+# 1 open a world of 2 over a FileStore (rank 1 waits in its rendezvous until rank 0 has finished);
+# ranks 2 and 3 open worlds of 1 and stop. Real process groups throughout, as separate jobs would have.
+def _new_world(store: str | None, rank: int, world: int) -> None:
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    backing = dist.HashStore() if store is None else dist.FileStore(store, world)
+    dist.init_process_group("gloo", store=backing, rank=rank, world_size=world)
 
 
-def _in_one_process(pipe_dir: str, tp_dir: str, dense_dir: str) -> dict:
-    return {"pipe": _guarded(_resume_in_one_process, pipe_dir), "tp": _guarded(_tp_load_in_one_process, tp_dir, dense_dir)}
-
-
-def _on_two_ranks(tp_dir: str, dense_dir: str) -> dict:
-    return {"tp_2x2": _guarded(_tp_load_at_two_model_ranks, tp_dir),
-            "tp_dense": _guarded(_tp_load_at_two_model_ranks, dense_dir)}
+def _every_layout(root: str) -> dict:
+    import torch.distributed as dist
+    dirs = {k: f"{root}/{k}" for k in ("pipe", "tp", "dense")}
+    rank = dist.get_rank()
+    out = {"four": {"pipe": _guarded(_save_then_load_at_four_data, dirs["pipe"]),
+                    "tp": _guarded(_tp_save_and_resume_on_grid, dirs["tp"]),
+                    "tp_4x1": _guarded(_tp_load_at, dirs["tp"], 4)}}
+    _new_world(None, 0, 1)
+    if rank == 0:
+        out["one"] = {"pipe": _guarded(_resume_in_one_process, dirs["pipe"]),
+                      "tp": _guarded(_tp_load_in_one_process, dirs["tp"], dirs["dense"])}
+    if rank < 2:
+        _new_world(f"{root}/world_of_two", rank, 2)
+        out["two"] = {"tp_2x2": _guarded(_tp_load_at, dirs["tp"], 2), "tp_dense": _guarded(_tp_load_at, dirs["dense"], 2)}
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("model_parallel_ckpt")
-    dirs = {k: str(root / k) for k in ("pipe", "tp", "dense")}
-    four = run_distributed(_on_four_ranks, world_size=4, args=(dirs["pipe"], dirs["tp"]), timeout=300)
-    [one] = run_distributed(_in_one_process, world_size=1, args=(dirs["pipe"], dirs["tp"], dirs["dense"]), timeout=150)
-    two = run_distributed(_on_two_ranks, world_size=2, args=(dirs["tp"], dirs["dense"]), timeout=200)
-    return {"dirs": dirs, "four": four, "one": one, "two": two}
+    per_rank = run_distributed(_every_layout, world_size=4, args=(str(root),), timeout=400)
+    return {"dirs": {k: str(root / k) for k in ("pipe", "tp", "dense")}, "four": [r["four"] for r in per_rank],
+            "one": per_rank[0]["one"], "two": [r["two"] for r in per_rank[:2]]}
 
 
 # -- pipeline tests ----------------------------------------------------------------------------------
@@ -377,6 +392,14 @@ def test_checkpoint_loads_at_two_model_ranks(runs, reference, case):
     for r in results:
         assert sum(layout is not None for _, layout in r["params"].values()) == 6
         _assert_equals_reference(r, reference, 2, f"{case}, rank {r['coord']}")
+        assert r["losses"] == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_two_by_two_checkpoint_loads_at_four_model_ranks(runs, reference):
+    results = [_checked(r["tp_4x1"]) for r in runs["four"]]
+    assert sorted(r["coord"] for r in results) == [(0, 0, m) for m in range(4)]
+    for r in results:
+        _assert_equals_reference(r, reference, 4, f"2 × 2 → 4 × 1, rank {r['coord']}")
         assert r["losses"] == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
 
 
