@@ -412,3 +412,22 @@ def test_consolidate_gives_the_dense_model(runs, reference, tmp_path):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), reference["at_save"][name], rtol=0, atol=TP_ATOL, msg=name)
     assert isinstance(model.head, nn.Linear) and model.head.weight is model.tok.weight
+
+
+def test_tensor_parallel_shard_into_a_dense_conv1d_is_refused(tmp_path):
+    """AutoTP keeps HF Conv1D weights as (out, in); a dense Conv1D holds (in, out): a square one would
+    load transposed without a word, so the load is refused by name (tensor_shards.py)."""
+    from types import SimpleNamespace
+
+    from transformers.pytorch_utils import Conv1D
+
+    from engine.checkpoint import CheckpointError
+    from engine.checkpoint.tensor_shards import refuse_transposed_targets
+    model = nn.Module()
+    model.c_proj = Conv1D(16, 16)
+    layout = {"dim": 1, "parts": 1, "degree": 2}
+    src = SimpleNamespace(path=tmp_path, params={"c_proj.weight": {"shape": [16, 16], "tensor_parallel": layout}})
+    with pytest.raises(CheckpointError, match="'c_proj.weight' was saved as a tensor-parallel shard in \\(out, in\\)"):
+        refuse_transposed_targets(model, src)
+    src.params["c_proj.weight"].pop("tensor_parallel")  # a dense checkpoint of the same model loads
+    refuse_transposed_targets(model, src)

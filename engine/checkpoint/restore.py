@@ -130,6 +130,7 @@ def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states:
     _check_names(src, held, load_module_strict, stage_union(eng, held))
     load_state = load_optimizer_states and not load_module_only
     layouts = tensor_shards.live_layouts(eng.module, coordinates(eng).model, model_degree(eng))
+    tensor_shards.refuse_transposed_targets(eng.module, src)
     if adapter is not None:  # a tensor-parallel rank reads its own shards (tensor_shards.py's note)
         _load_trainable(tensor_shards.LocalShards(src, layouts) if layouts else src, adapter, names, load_state)
         eng.zero_optimizer.zero_grad()

@@ -60,6 +60,19 @@ def live_layouts(module: torch.nn.Module, model_rank: int, degree: int) -> dict[
             for name, p in module.named_parameters() if is_partitioned(p)}
 
 
+def refuse_transposed_targets(module: torch.nn.Module, src) -> None:
+    """Shards are recorded in (out, in) layout (layers.py's `dense_weight`), also where AutoTP took them
+    from HF's `Conv1D`, which stores (in, out): loading one into a dense `Conv1D` would fail on the
+    shape, or silently transpose a square weight. Refused before anything is copied."""
+    for name, _ in module.named_parameters():
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        if type(owner).__name__ == "Conv1D" and KEY in src.params.get(name, {}):
+            raise CheckpointError(f"{src.path}: {name!r} was saved as a tensor-parallel shard in (out, in) layout and "
+                                  "the model holds it as an HF Conv1D (in, out); loading tensor-parallel GPT-2-style "
+                                  "checkpoints into the dense model is not built yet in dstrain: load at "
+                                  "tensor_parallel.autotp_size > 1")
+
+
 class LocalShards:
     """A `FragmentSource` seen from a rank whose parameters are tensor-parallel shards: rows of *this
     rank's shard* of a parameter, cut from the full tensor (module note: resharding). Parameters this
