@@ -33,6 +33,7 @@ import torch.nn as nn
 from tests.harness import run_distributed
 from tests.models import micro_batches
 from tests.pipe_models import global_batches, lm_loss, tied_specs
+from tests.worlds import new_world
 
 LR, MOMENTUM, GAS, GLOBAL, SAVE_AT, STEPS = 0.1, 0.9, 2, 8, 2, 3  # STEPS < 2 × SAVE_AT: no second periodic save
 TAG = f"global_step{SAVE_AT}"
@@ -202,18 +203,10 @@ def _tp_reference() -> dict:
 
 
 # -- one spawn, three worlds ---------------------------------------------------------------------------
-# A spawn costs a torch import per process (most of this file's time), so the later layouts run in the
-# same 4 processes as new worlds: after the 4-rank jobs every rank leaves the default group; rank 0
-# opens a world of 1 (the single-process loads, and the dense checkpoint for 1 → 2), then ranks 0 and
-# 1 open a world of 2 over a FileStore (rank 1 waits in its rendezvous until rank 0 has finished);
-# ranks 2 and 3 open worlds of 1 and stop. Real process groups throughout, as separate jobs would have.
-def _new_world(store: str | None, rank: int, world: int) -> None:
-    import torch.distributed as dist
-    dist.destroy_process_group()
-    backing = dist.HashStore() if store is None else dist.FileStore(store, world)
-    dist.init_process_group("gloo", store=backing, rank=rank, world_size=world)
-
-
+# The later layouts run in the same 4 processes as new worlds (tests/worlds.py): after the 4-rank jobs
+# rank 0 opens a world of 1 (the single-process loads, and the dense checkpoint for 1 → 2), then ranks
+# 0 and 1 open a world of 2 (rank 1 waits in its rendezvous until rank 0 has finished); ranks 2 and 3
+# open worlds of 1 and stop.
 def _every_layout(root: str) -> dict:
     import torch.distributed as dist
     dirs = {k: f"{root}/{k}" for k in ("pipe", "tp", "dense")}
@@ -221,12 +214,12 @@ def _every_layout(root: str) -> dict:
     out = {"four": {"pipe": _guarded(_save_then_load_at_four_data, dirs["pipe"]),
                     "tp": _guarded(_tp_save_and_resume_on_grid, dirs["tp"]),
                     "tp_4x1": _guarded(_tp_load_at, dirs["tp"], 4)}}
-    _new_world(None, 0, 1)
+    new_world(None, 0, 1)
     if rank == 0:
         out["one"] = {"pipe": _guarded(_resume_in_one_process, dirs["pipe"]),
                       "tp": _guarded(_tp_load_in_one_process, dirs["tp"], dirs["dense"])}
     if rank < 2:
-        _new_world(f"{root}/world_of_two", rank, 2)
+        new_world(f"{root}/world_of_two", rank, 2)
         out["two"] = {"tp_2x2": _guarded(_tp_load_at, dirs["tp"], 2), "tp_dense": _guarded(_tp_load_at, dirs["dense"], 2)}
     return out
 
