@@ -184,6 +184,23 @@ def _tp_load_at(save_dir: str, degree: int) -> dict:
     return result
 
 
+def _tp_frozen_shard_refused(save_dir: str) -> str:
+    """A frozen sharded projection would be written whole by model coordinate 0 only: refused by name."""
+    import engine
+    model = _tiny_gpt()
+    model.blocks[0].fc.weight.requires_grad_(False)
+    eng, *_ = engine.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": TP_LR}},
+        "tensor_parallel": {"autotp_size": 2}})
+    try:
+        eng.save_checkpoint(save_dir)
+    except NotImplementedError as err:
+        return str(err)
+    finally:
+        eng.destroy()
+    return "saved"
+
+
 def _tp_reference() -> dict:
     """The dense GPT in one process on the global batch: weights at SAVE_AT and STEPS, losses, norms."""
     model = _tiny_gpt()
@@ -213,7 +230,8 @@ def _every_layout(root: str) -> dict:
     rank = dist.get_rank()
     out = {"four": {"pipe": _guarded(_save_then_load_at_four_data, dirs["pipe"]),
                     "tp": _guarded(_tp_save_and_resume_on_grid, dirs["tp"]),
-                    "tp_4x1": _guarded(_tp_load_at, dirs["tp"], 4)}}
+                    "tp_4x1": _guarded(_tp_load_at, dirs["tp"], 4),
+                    "tp_frozen": _guarded(_tp_frozen_shard_refused, f"{root}/frozen")}}
     new_world(None, 0, 1)
     if rank == 0:
         out["one"] = {"pipe": _guarded(_resume_in_one_process, dirs["pipe"]),
@@ -405,6 +423,12 @@ def test_consolidate_gives_the_dense_model(runs, reference, tmp_path):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), reference["at_save"][name], rtol=0, atol=TP_ATOL, msg=name)
     assert isinstance(model.head, nn.Linear) and model.head.weight is model.tok.weight
+
+
+def test_a_frozen_tensor_parallel_shard_is_refused_at_save(runs):
+    for r in runs["four"]:
+        assert "save_checkpoint of frozen tensor-parallel parameters ['blocks.0.fc.weight'] is not built yet" \
+            in _checked(r["tp_frozen"])
 
 
 def test_tensor_parallel_shard_into_a_dense_conv1d_is_refused(tmp_path):
