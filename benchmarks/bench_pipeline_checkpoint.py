@@ -9,7 +9,11 @@ of `--repeats` synchronous `save_checkpoint` wall times (hashing, fsync, commit 
 save that also creates the checkpoint group) and `load_checkpoint` times (verification included; the
 files are in the page cache: this measures the engine, not the disk), and loads the 2-stage checkpoint
 at world data ranks (the reshard across stage counts). Each rank writes only its share, so the pipeline
-layout should cost about what the flat one does. Output: one JSON object.
+layout should cost about what the flat one does. The same weights as `--layers`/2 MLP blocks under
+`tensor_parallel.autotp_size: 2` (2 model × world/2 data) give the tensor-parallel row: save, load
+into the same grid, and load at `world` model ranks (the reshard across degrees, which joins each
+parameter's shards and cuts the rank's own on every rank: engine/checkpoint/tensor_shards.py).
+Output: one JSON object.
 """
 from __future__ import annotations
 
@@ -63,6 +67,56 @@ def _case(stages: int, width: int, layers: int, save_dir: str, repeats: int) -> 
     return {"save_s": round(save, 4), "load_s": round(load, 4)}
 
 
+class _Block:  # built in the rank (torch is imported there)
+    @staticmethod
+    def model(width: int, blocks: int):
+        import torch.nn as nn
+
+        class Block(nn.Module):  # AutoTP's names: `fc` column-parallel, `out` row-parallel
+            def __init__(self):
+                super().__init__()
+                self.fc, self.out = nn.Linear(width, width), nn.Linear(width, width)
+
+        class MLP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+
+            def forward(self, x):
+                for b in self.blocks:
+                    x = b.out(b.fc(x))
+                return x.pow(2).mean()
+        return MLP()
+
+
+def _tp_engine(width: int, layers: int, degree: int):
+    import engine
+    eng, *_ = engine.initialize(model=_Block.model(width, max(1, layers // 2)), config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
+        "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": degree}})
+    return eng
+
+
+def _tp_case(width: int, layers: int, base: str, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    eng = _tp_engine(width, layers, 2)
+    eng.backward(eng(torch.randn(1, width, device="cpu")))
+    eng.step()  # momentum exists
+    eng.save_checkpoint(base, tag="first")
+    save = _timed(lambda: eng.save_checkpoint(base, tag="t"), repeats)
+    load = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
+    eng.destroy()
+    world = dist.get_world_size()
+    eng = _tp_engine(width, layers, world)
+    reshard = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
+    eng.destroy()
+    return {f"model2_x_data{world // 2}": {"save_s": round(save, 4), "load_s": round(load, 4)},
+            f"load_model2_ckpt_at_model{world}_s": round(reshard, 4)}
+
+
 def _all(width: int, layers: int, base: str, repeats: int) -> dict:
     import torch.distributed as dist
     world = dist.get_world_size()
@@ -73,6 +127,7 @@ def _all(width: int, layers: int, base: str, repeats: int) -> dict:
     reshard = _timed(lambda: eng.load_checkpoint(f"{base}/p2", tag="t"), repeats)
     out[f"load_pipe2_ckpt_at_data{world}_s"] = round(reshard, 4)
     eng.destroy()
+    out["tensor_parallel"] = _tp_case(width, layers, f"{base}/tp", repeats)
     return out
 
 
@@ -84,7 +139,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/dstrain-bench-pipe-ckpt")
     args = parser.parse_args()
-    width = max(8, int((args.mb * 2**20 / 4 / args.layers) ** 0.5))
+    width = max(8, int((args.mb * 2**20 / 4 / args.layers) ** 0.5)) // 8 * 8  # splits over 2 and 4 model ranks
     shutil.rmtree(args.dir, ignore_errors=True)
     try:
         rows = run_distributed(_all, world_size=args.world, args=(width, args.layers, args.dir, args.repeats),

@@ -182,6 +182,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                        comm.world_size, cfg.seed, cfg.dataloader_drop_last, collate_fn)
     comm.stats.reset()
     eng = _engine_class(model)(model, zero_optimizer, scheduler, loader, cfg, comm)
+    if degree > 1:
+        eng.groups = groups  # the grid a checkpoint records (engine/checkpoint/placement.py)
     if cfg.checkpoint.auto_resume:  # a restarted job continues from <save_dir>/latest (engine/checkpoint)
         eng.checkpoint_io.auto_resume()
     if cfg.dump_state and comm.rank == 0:  # logs are shared: secrets redacted as in checkpoints

@@ -1,7 +1,7 @@
 """Checkpoint and restart: a resumed run is the run that never stopped, at any world size and stage.
 
 Exact resume (fp32 and fp16, CPU, 2 ranks): train 10 steps saving at step 5; a new process group
-loads step 5 and trains steps 6-10; losses and final weights are bitwise equal, for every built ZeRO
+(a fresh engine in a new process group) loads step 5 and trains steps 6-10; losses and final weights are bitwise equal, for every built ZeRO
 stage, with gradient accumulation, dropout (per-rank RNG), an LR schedule, the engine's data loader
 (sampler position) and fp16 dynamic loss scaling that overflows at the start (scaler state, skips).
 Reshard: the 2-rank step-5 checkpoints of every stage load at 1 and 4 ranks into every stage; fp32
@@ -24,6 +24,7 @@ from engine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from engine.zero import PARTITIONED_STAGES
 from tests.harness import run_distributed
 from tests.models import OddMLP
+from tests.worlds import new_world
 
 STAGES = [0, *sorted(PARTITIONED_STAGES), 3]  # a newly registered stage 1/2 is tested here automatically
 STEPS, SAVE_AT, BATCH, SAMPLES = 10, 5, 8, 80  # one epoch of 10 global batches
@@ -126,12 +127,32 @@ def _resumed(root: str):
     return out
 
 
+def _every_world(root: str) -> dict:
+    """All jobs in one spawn of 4 processes, as successive worlds (tests/worlds.py; a spawn costs a torch
+    import per process): ranks 0-1 run the uninterrupted job, then the resumed one in a new process
+    group (a fresh engine from another seed: everything must come from the checkpoint); ranks 2-3 wait
+    in the 4-rank world's rendezvous, which then reshards at 4; last, rank 0 alone reshards at 1."""
+    import torch.distributed as dist
+    rank, out = dist.get_rank(), {}
+    if rank < 2:
+        new_world(f"{root}/world_full", rank, 2)
+        out["full"] = _uninterrupted(root)
+        new_world(f"{root}/world_resumed", rank, 2)
+        out["resumed"] = _resumed(root)
+    new_world(f"{root}/world_reshard", rank, 4)
+    out[4] = _reshard(root)
+    new_world(None, 0, 1)
+    if rank == 0:
+        out[1] = _reshard(root)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as root:
-        full = run_distributed(_uninterrupted, 2, args=(root,), timeout=240)
-        resumed = run_distributed(_resumed, 2, args=(root,), timeout=240)
-        reshard = {w: run_distributed(_reshard, w, args=(root, full[0]), timeout=300)[0] for w in (1, 4)}
+        per_rank = run_distributed(_every_world, 4, args=(root,), timeout=900)
+        full, resumed = [r["full"] for r in per_rank[:2]], [r["resumed"] for r in per_rank[:2]]
+        reshard = {w: per_rank[0][w] for w in (1, 4)}
         consolidated = {case: _consolidate(root, case) for case in CONSOLIDATE}
     return full, resumed, reshard, consolidated
 
@@ -180,7 +201,7 @@ def _reshard_pairs(world: int) -> list[tuple[int, int]]:
     return [(a, STAGES[(i + 1) % len(STAGES)]) for i, a in enumerate(STAGES)]
 
 
-def _reshard(root: str, full: dict):
+def _reshard(root: str):
     """Load 2-rank fp32 step-5 checkpoints into other stages at this world size."""
     out = {}
     for saved_stage, stage in _reshard_pairs(torch.distributed.get_world_size()):

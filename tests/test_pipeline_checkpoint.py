@@ -1,26 +1,59 @@
-"""Pipeline checkpoints (engine/checkpoint/placement.py): a run of 2 pipeline stages × 2 data-parallel
-ranks saves through `checkpoint.save_interval` at step 4 and trains 3 more steps; the checkpoint, loaded
-at 4 data-parallel ranks (a one-stage PipelineModule, the same parameter names) and at 1 process
-(through `checkpoint.auto_resume`), continues with the same 3 steps to the same weights and losses.
-SGD with momentum and ZeRO-1, no clipping: the update is linear in the gradient (a wrong scale shows)
-and the momentum buffer, partitioned over the data axis, must come back row for row. The global batch
-is the same at every layout (micro-batch × data ranks constant), so only the reductions' summation
-order differs: fp32 tolerance rtol 1e-5. `dstrain ckpt info` reads the checkpoint."""
+"""Checkpoints of model-parallel runs: pipeline grids (engine/checkpoint/placement.py) and tensor-parallel
+shards (engine/checkpoint/tensor_shards.py), saved once and read by several layouts.
+
+Pipeline: 2 pipeline stages × 2 data-parallel ranks save through `checkpoint.save_interval` at step
+SAVE_AT and train to STEPS; the checkpoint, loaded at 4 data-parallel ranks (a one-stage
+PipelineModule, the same parameter names) and at 1 process (through `checkpoint.auto_resume`),
+continues with the same steps to the same weights and losses. SGD with momentum and ZeRO-1, no
+clipping: the update is linear in the gradient (a wrong scale shows) and the momentum buffer,
+partitioned over the data axis, must come back row for row. The global batch is the same at every
+layout (micro-batch × data ranks constant), so only the reductions' summation order differs: fp32
+tolerance rtol 1e-5. `dstrain ckpt info` reads the checkpoint.
+
+Tensor parallel: a tiny GPT through `tensor_parallel.autotp_size: 2` on 2 model × 2 data ranks
+(fused q|k|v column-parallel with 3 sections, row-parallel projections, replicated norms, biases and
+tied embeddings) saves at step SAVE_AT. Loaded into the same grid it continues bit for bit; loaded
+into 1 process (a dense model), into 2 model × 1 data and into 4 model × 1 data ranks (degree 2 → 4),
+and a checkpoint the dense process saves loaded at 2 model ranks (degree 1 → 2), each continues
+equal to a dense single-process reference (SGD with momentum on the global batch, no clipping: a
+wrong shard or a wrong gradient scale moves the weights), losses and reported gradient norms
+included. The consolidate tool turns the tensor-parallel checkpoint into the dense model's state
+dict. Every job runs in one spawn of 4 processes, as successive worlds (`_every_layout`).
+"""
 from __future__ import annotations
 
 import json
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 from tests.harness import run_distributed
 from tests.models import micro_batches
 from tests.pipe_models import global_batches, lm_loss, tied_specs
+from tests.worlds import new_world
 
-LR, MOMENTUM, GAS, GLOBAL, SAVE_AT, STEPS = 0.1, 0.9, 2, 8, 4, 7  # no periodic save after SAVE_AT
+LR, MOMENTUM, GAS, GLOBAL, SAVE_AT, STEPS = 0.1, 0.9, 2, 8, 2, 3  # STEPS < 2 × SAVE_AT: no second periodic save
 TAG = f"global_step{SAVE_AT}"
 
 
+def _guarded(check, *args):
+    """A case's result, or its traceback: one broken case fails its own tests, not the others' (the
+    cases fail deterministically, so every rank leaves a case at the same collective)."""
+    try:
+        return check(*args)
+    except Exception:  # noqa: BLE001 - reported by the test that reads this case
+        return {"error": traceback.format_exc()}
+
+
+def _checked(result):
+    assert not (isinstance(result, dict) and "error" in result), result["error"]
+    return result
+
+
+# -- pipeline: 2 pipe × 2 data -------------------------------------------------------------------------
 def _config(save_dir: str, dp: int, extra: dict | None = None) -> dict:
     return {"train_micro_batch_size_per_gpu": GLOBAL // (GAS * dp), "gradient_accumulation_steps": GAS,
             "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
@@ -31,7 +64,7 @@ def _config(save_dir: str, dp: int, extra: dict | None = None) -> dict:
 def _engine(stages: int, save_dir: str, dp: int, extra: dict | None = None):
     import engine
     from engine.pipe import PipelineModule
-    pm = PipelineModule(tied_specs(4), num_stages=stages, loss_fn=lm_loss, seed_layers=True,
+    pm = PipelineModule(tied_specs(2), num_stages=stages, loss_fn=lm_loss, seed_layers=True,
                         partition_method="uniform")
     eng, *_ = engine.initialize(model=pm, config=_config(save_dir, dp, extra))
     return eng, pm
@@ -61,6 +94,7 @@ def _save_then_load_at_four_data(save_dir: str):
     path, _ = eng4.load_checkpoint(save_dir)
     steps_loaded = eng4.global_steps
     losses4 = _train(eng4, range(SAVE_AT, STEPS))
+    eng4.destroy()
     return uninterrupted, at_save, (_params(pm4), losses4), steps_loaded, path
 
 
@@ -68,9 +102,155 @@ def _resume_in_one_process(save_dir: str):
     eng, pm = _engine(1, save_dir, dp=1, extra={"auto_resume": True})
     steps_loaded = eng.global_steps
     losses = _train(eng, range(SAVE_AT, STEPS))
+    eng.destroy()
     return _params(pm), losses, steps_loaded
 
 
+# -- tensor parallel: 2 model × 2 data -------------------------------------------------------------------
+TP_LR, TP_ATOL = 0.5, 1e-5  # summation order only (a split matmul's two half-sums); measured below 1e-6
+
+
+def _tiny_gpt():
+    from examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=4, d_model=16))  # 4 heads: degree 4
+
+
+def _tp_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 32, (GLOBAL, 9), generator=g) for _ in range(STEPS)]
+
+
+def _tp_engine(tp: int):
+    import torch.distributed as dist
+
+    import engine
+    data = dist.get_world_size() // tp
+    cfg = {"train_micro_batch_size_per_gpu": GLOBAL // data, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "SGD", "params": {"lr": TP_LR, "momentum": MOMENTUM}},
+           "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1}}
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
+    eng, *_ = engine.initialize(model=_tiny_gpt(), config=cfg)
+    return eng
+
+
+def _tp_train(eng, steps: range) -> dict:
+    """Train `steps`; this rank's losses, reported norms and parameters (shards with their layout)."""
+    from engine.checkpoint.placement import coordinates
+    from engine.tensor_parallel import is_partitioned
+    coord, micro = coordinates(eng), GLOBAL // eng.comm.world_size
+    losses, norms = [], []
+    for s in steps:
+        batch = _tp_batches()[s][coord.data * micro:(coord.data + 1) * micro]
+        loss = eng(batch[:, :-1], batch[:, 1:])
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+        norms.append(eng.get_global_grad_norm())
+    params = {n: (p.detach().clone(), (p.tensor_parallel_dim, p.tensor_parallel_parts) if is_partitioned(p) else None)
+              for n, p in eng.module.named_parameters()}
+    return {"coord": tuple(coord), "steps": eng.global_steps, "losses": losses, "norms": norms, "params": params}
+
+
+def _tp_save_and_resume_on_grid(save_dir: str) -> dict:
+    eng = _tp_engine(2)
+    _tp_train(eng, range(SAVE_AT))
+    eng.save_checkpoint(save_dir)
+    uninterrupted = _tp_train(eng, range(SAVE_AT, STEPS))
+    eng.destroy()
+    eng = _tp_engine(2)
+    eng.load_checkpoint(save_dir)
+    resumed = _tp_train(eng, range(SAVE_AT, STEPS))
+    eng.destroy()
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+
+def _tp_load_in_one_process(save_dir: str, dense_dir: str) -> dict:
+    """The 2 × 2 checkpoint into a dense model; it saves what it loaded, for the 1 → 2 case."""
+    eng = _tp_engine(1)
+    eng.load_checkpoint(save_dir)
+    eng.save_checkpoint(dense_dir)
+    result = _tp_train(eng, range(SAVE_AT, STEPS))
+    eng.destroy()
+    return result
+
+
+def _tp_load_at(save_dir: str, degree: int) -> dict:
+    eng = _tp_engine(degree)
+    eng.load_checkpoint(save_dir)
+    result = _tp_train(eng, range(SAVE_AT, STEPS))
+    eng.destroy()
+    return result
+
+
+def _tp_frozen_shard_refused(save_dir: str) -> str:
+    """A frozen sharded projection would be written whole by model coordinate 0 only: refused by name."""
+    import engine
+    model = _tiny_gpt()
+    model.blocks[0].fc.weight.requires_grad_(False)
+    eng, *_ = engine.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": TP_LR}},
+        "tensor_parallel": {"autotp_size": 2}})
+    try:
+        eng.save_checkpoint(save_dir)
+    except NotImplementedError as err:
+        return str(err)
+    finally:
+        eng.destroy()
+    return "saved"
+
+
+def _tp_reference() -> dict:
+    """The dense GPT in one process on the global batch: weights at SAVE_AT and STEPS, losses, norms."""
+    model = _tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=TP_LR, momentum=MOMENTUM)
+    out = {"losses": [], "norms": []}
+    for s, batch in enumerate(_tp_batches()):
+        if s == SAVE_AT:
+            out["at_save"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        out["norms"].append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+    out["final"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+# -- one spawn, three worlds ---------------------------------------------------------------------------
+# The later layouts run in the same 4 processes as new worlds (tests/worlds.py): after the 4-rank jobs
+# rank 0 opens a world of 1 (the single-process loads, and the dense checkpoint for 1 → 2), then ranks
+# 0 and 1 open a world of 2 (rank 1 waits in its rendezvous until rank 0 has finished); ranks 2 and 3
+# open worlds of 1 and stop.
+def _every_layout(root: str) -> dict:
+    import torch.distributed as dist
+    dirs = {k: f"{root}/{k}" for k in ("pipe", "tp", "dense")}
+    rank = dist.get_rank()
+    out = {"four": {"pipe": _guarded(_save_then_load_at_four_data, dirs["pipe"]),
+                    "tp": _guarded(_tp_save_and_resume_on_grid, dirs["tp"]),
+                    "tp_4x1": _guarded(_tp_load_at, dirs["tp"], 4),
+                    "tp_frozen": _guarded(_tp_frozen_shard_refused, f"{root}/frozen")}}
+    new_world(None, 0, 1)
+    if rank == 0:
+        out["one"] = {"pipe": _guarded(_resume_in_one_process, dirs["pipe"]),
+                      "tp": _guarded(_tp_load_in_one_process, dirs["tp"], dirs["dense"])}
+    if rank < 2:
+        new_world(f"{root}/world_of_two", rank, 2)
+        out["two"] = {"tp_2x2": _guarded(_tp_load_at, dirs["tp"], 2), "tp_dense": _guarded(_tp_load_at, dirs["dense"], 2)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("model_parallel_ckpt")
+    per_rank = run_distributed(_every_layout, world_size=4, args=(str(root),), timeout=400)
+    return {"dirs": {k: str(root / k) for k in ("pipe", "tp", "dense")}, "four": [r["four"] for r in per_rank],
+            "one": per_rank[0]["one"], "two": [r["two"] for r in per_rank[:2]]}
+
+
+# -- pipeline tests ----------------------------------------------------------------------------------
 def _whole(per_rank) -> tuple[dict, list[float]]:
     """The model the stages hold together (tied weights equal on both stages) and the losses."""
     params: dict = {}
@@ -88,33 +268,44 @@ def _assert_same(params: dict, want: dict, what: str) -> None:
         torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=f"{what}: parameter {name}")
 
 
-def test_save_at_two_stages_by_two_data_load_at_four_data_and_one_process(tmp_path, capsys):
-    save_dir = str(tmp_path / "ckpt")
-    per_rank = run_distributed(_save_then_load_at_four_data, world_size=4, args=(save_dir,), timeout=240)
+@pytest.fixture(scope="module")
+def pipe_runs(runs):
+    per_rank = [_checked(r["pipe"]) for r in runs["four"]]
     want, want_losses = _whole([r[0] for r in per_rank])
+    return per_rank, want, want_losses
+
+
+def test_pipeline_save_at_two_stages_by_two_data_loads_at_four_data(pipe_runs):
+    per_rank, want, want_losses = pipe_runs
     at_save, _ = _whole([(r[1], None, None) for r in per_rank])
-    assert any(not torch.allclose(at_save[n], want[n]) for n in want)  # the 3 steps moved the model
+    assert any(not torch.allclose(at_save[n], want[n]) for n in want)  # the steps after the save moved the model
     assert {r[0][2] for r in per_rank} == {0, 1}
     for params, losses in (r[2] for r in per_rank):
         _assert_same(params, want, "4 data ranks after loading")
         assert losses == pytest.approx(want_losses, rel=1e-5)
     assert {r[3] for r in per_rank} == {SAVE_AT}
 
-    meta = json.loads((tmp_path / "ckpt" / TAG / "metadata.json").read_text())
+
+def test_pipeline_checkpoint_resumes_in_one_process(runs, pipe_runs):
+    _, want, want_losses = pipe_runs
+    params, losses, steps_loaded = _checked(runs["one"]["pipe"])
+    assert steps_loaded == SAVE_AT
+    _assert_same(params, want, "1 process after auto_resume")
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+def test_pipeline_metadata_and_ckpt_info(runs, pipe_runs, capsys):
+    _, want, _ = pipe_runs
+    save_dir = runs["dirs"]["pipe"]
+    meta = json.loads((Path(save_dir) / TAG / "metadata.json").read_text())
     assert meta["world_size"] == 4 and meta["pipe_parallel_size"] == 2 and meta["data_parallel_size"] == 2
     assert sorted(map(tuple, meta["coordinates"])) == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
-    files = json.loads((tmp_path / "ckpt" / TAG / "manifest.json").read_text())["files"]
+    files = json.loads((Path(save_dir) / TAG / "manifest.json").read_text())["files"]
     assert sum(name.startswith("rank_") for name in files) == 4  # one file per process, no collision
     for name, entry in meta["params"].items():  # each parameter once, full shape, from one stage
         assert entry["shape"] == list(want[name].shape)
         stages = {meta["coordinates"][rank][0] for rank, _, _ in entry["fragments"]}
         assert len(stages) == 1, name
-
-    [(params, losses, steps_loaded)] = run_distributed(_resume_in_one_process, world_size=1, args=(save_dir,),
-                                                       timeout=120)
-    assert steps_loaded == SAVE_AT
-    _assert_same(params, want, "1 process after auto_resume")
-    assert losses == pytest.approx(want_losses, rel=1e-5)
 
     from engine.cli import main
     capsys.readouterr()
@@ -122,3 +313,138 @@ def test_save_at_two_stages_by_two_data_load_at_four_data_and_one_process(tmp_pa
     report = capsys.readouterr().out
     assert f"{TAG} (latest): step {SAVE_AT}, world size 4 (pipe 2 × data 2 × model 1)" in report
     assert "checksums ok" in report
+
+
+# -- tensor-parallel tests -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference():
+    return _tp_reference()
+
+
+def _dense_slice(full: torch.Tensor, layout, model_rank: int, degree: int) -> torch.Tensor:
+    """The reference's slice for a shard: the layers' own cut (test_tensor_parallel.py checks it)."""
+    if layout is None:
+        return full
+    from engine.tensor_parallel.layers import shard
+    dim, parts = layout
+    return shard(full, dim, model_rank, degree, parts)
+
+
+def _assert_equals_reference(result: dict, reference: dict, degree: int, what: str) -> None:
+    """Weights (this rank's shards), losses (this data rank's) and norms after the steps after the save."""
+    model = result["coord"][2]
+    assert result["steps"] == STEPS, what
+    for name, (p, layout) in result["params"].items():
+        want = _dense_slice(reference["final"][name], layout, model, degree)
+        torch.testing.assert_close(p, want, rtol=0, atol=TP_ATOL, msg=f"{what}: parameter {name}")
+    assert result["norms"] == pytest.approx(reference["norms"][SAVE_AT:], rel=1e-5), what
+
+
+def _mean_losses(results: list[dict]) -> list[float]:
+    """The global batch's loss: the mean over data ranks of each one's micro-batch loss."""
+    by_data = {r["coord"][1]: r["losses"] for r in results}
+    return [sum(step) / len(by_data) for step in zip(*by_data.values())]
+
+
+def test_tensor_parallel_run_equals_the_dense_reference(runs, reference):
+    results = [_checked(r["tp"])["uninterrupted"] for r in runs["four"]]
+    assert sorted(r["coord"] for r in results) == [(0, d, m) for d in range(2) for m in range(2)]
+    for r in results:
+        _assert_equals_reference(r, reference, 2, f"2 × 2 uninterrupted, rank {r['coord']}")
+    assert _mean_losses(results) == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
+    moved = any(not torch.allclose(reference["at_save"][n], reference["final"][n]) for n in reference["final"])
+    assert moved  # the steps after the save changed the model
+
+
+def test_tensor_parallel_resume_on_the_same_grid_is_bitwise(runs):
+    for r in runs["four"]:
+        tp = _checked(r["tp"])
+        want, got = tp["uninterrupted"], tp["resumed"]
+        assert got["losses"] == want["losses"] and got["norms"] == want["norms"], got["coord"]
+        for name, (p, _) in want["params"].items():
+            assert torch.equal(got["params"][name][0], p), (got["coord"], name)
+
+
+def test_tensor_parallel_checkpoint_records_shards_with_full_shapes(runs, reference):
+    tag_dir = Path(runs["dirs"]["tp"]) / TAG
+    meta = json.loads((tag_dir / "metadata.json").read_text())
+    assert (meta["world_size"], meta["data_parallel_size"], meta["model_parallel_size"]) == (4, 2, 2)
+    assert meta["coordinates"] == [[0, d, m] for d in range(2) for m in range(2)]
+    files = json.loads((tag_dir / "manifest.json").read_text())["files"]
+    assert sum(name.startswith("rank_") for name in files) == 4
+    expected = {"blocks.0.qkv.weight": (0, 3), "blocks.0.qkv.bias": (0, 3), "blocks.0.fc.weight": (0, 1),
+                "blocks.0.fc.bias": (0, 1), "blocks.0.proj.weight": (1, 1), "blocks.0.out.weight": (1, 1)}
+    params = meta["params"]
+    assert set(params) == set(reference["final"])  # the tied head is an alias of tok.weight
+    for name, entry in params.items():
+        assert entry["shape"] == list(reference["final"][name].shape), name  # the full shape
+        model_coords = {meta["coordinates"][f[0]][2] for f in entry["fragments"]}
+        if name in expected:
+            dim, parts = expected[name]
+            assert entry["tensor_parallel"] == {"dim": dim, "parts": parts, "degree": 2}, name
+            assert sorted({f[3] for f in entry["fragments"]}) == [0, 1], name
+            assert all(meta["coordinates"][f[0]][2] == f[3] for f in entry["fragments"]), name
+        else:  # replicated: written once, by model coordinate 0
+            assert "tensor_parallel" not in entry and model_coords == {0}, name
+
+
+def test_two_by_two_checkpoint_loads_in_one_process(runs, reference):
+    result = _checked(runs["one"]["tp"])
+    assert result["coord"] == (0, 0, 0)
+    assert all(layout is None for _, layout in result["params"].values())  # a dense model
+    _assert_equals_reference(result, reference, 1, "2 × 2 → 1 process")
+    assert result["losses"] == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["tp_2x2", "tp_dense"], ids=["2x2-to-2x1", "dense-to-2x1"])
+def test_checkpoint_loads_at_two_model_ranks(runs, reference, case):
+    results = [_checked(r[case]) for r in runs["two"]]
+    assert sorted(r["coord"] for r in results) == [(0, 0, 0), (0, 0, 1)]
+    for r in results:
+        assert sum(layout is not None for _, layout in r["params"].values()) == 6
+        _assert_equals_reference(r, reference, 2, f"{case}, rank {r['coord']}")
+        assert r["losses"] == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_two_by_two_checkpoint_loads_at_four_model_ranks(runs, reference):
+    results = [_checked(r["tp_4x1"]) for r in runs["four"]]
+    assert sorted(r["coord"] for r in results) == [(0, 0, m) for m in range(4)]
+    for r in results:
+        _assert_equals_reference(r, reference, 4, f"2 × 2 → 4 × 1, rank {r['coord']}")
+        assert r["losses"] == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_consolidate_gives_the_dense_model(runs, reference, tmp_path):
+    from engine.checkpoint.consolidate import consolidate
+    out = consolidate(runs["dirs"]["tp"], tmp_path / "dense.pt")
+    state = torch.load(out, weights_only=True)
+    model = _tiny_gpt()
+    model.load_state_dict(state)  # strict: every key, full shapes
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), reference["at_save"][name], rtol=0, atol=TP_ATOL, msg=name)
+    assert isinstance(model.head, nn.Linear) and model.head.weight is model.tok.weight
+
+
+def test_a_frozen_tensor_parallel_shard_is_refused_at_save(runs):
+    for r in runs["four"]:
+        assert "save_checkpoint of frozen tensor-parallel parameters ['blocks.0.fc.weight'] is not built yet" \
+            in _checked(r["tp_frozen"])
+
+
+def test_tensor_parallel_shard_into_a_dense_conv1d_is_refused(tmp_path):
+    """AutoTP keeps HF Conv1D weights as (out, in); a dense Conv1D holds (in, out): a square one would
+    load transposed without a word, so the load is refused by name (tensor_shards.py)."""
+    from types import SimpleNamespace
+
+    from transformers.pytorch_utils import Conv1D
+
+    from engine.checkpoint import CheckpointError
+    from engine.checkpoint.tensor_shards import refuse_transposed_targets
+    model = nn.Module()
+    model.c_proj = Conv1D(16, 16)
+    layout = {"dim": 1, "parts": 1, "degree": 2}
+    src = SimpleNamespace(path=tmp_path, params={"c_proj.weight": {"shape": [16, 16], "tensor_parallel": layout}})
+    with pytest.raises(CheckpointError, match="'c_proj.weight' was saved as a tensor-parallel shard in \\(out, in\\)"):
+        refuse_transposed_targets(model, src)
+    src.params["c_proj.weight"].pop("tensor_parallel")  # a dense checkpoint of the same model loads
+    refuse_transposed_targets(model, src)

@@ -11,7 +11,6 @@ tracked stream differs per rank and leaves the default stream alone; the default
 """
 from __future__ import annotations
 
-import tempfile
 
 import pytest
 import torch
@@ -185,12 +184,6 @@ def _refusals() -> dict:
             engine.initialize(model=model, model_parameters=params, config={**base, **extra})
         except (schemas.ConfigError, ValueError) as err:
             found[name] = str(err)
-    eng, *_ = engine.initialize(model=_tiny_gpt(), config=base)
-    try:
-        eng.save_checkpoint(tempfile.mkdtemp())
-    except NotImplementedError as err:
-        found["checkpoint"] = str(err)
-    eng.destroy()
     return found
 
 
@@ -512,4 +505,3 @@ def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):
     assert "pass model_parameters=None or model.parameters()" in refusals["stale_parameters"]
     assert "optimizer.type: OneBitAdam (a 1-bit optimizer) with tensor_parallel.autotp_size > 1 is not built" \
         in refusals["onebit"]
-    assert "save_checkpoint with tensor_parallel.autotp_size > 1 is not built yet" in refusals["checkpoint"]

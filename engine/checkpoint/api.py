@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..tensor_parallel.from_config import refuse_checkpoint_io
 from . import format as fmt
 from .placement import global_rank_and_world
 from .reader import resolve
@@ -23,7 +22,6 @@ class Checkpointing:
         self.resumed: tuple[str | None, dict | None] = (None, None)
 
     def save(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
-        refuse_checkpoint_io(self.eng.module, "save_checkpoint")
         eng = self.eng
         tag = fmt.validate_tag(tag if tag is not None else f"global_step{eng.global_steps}")
         save_dir = Path(save_dir)
@@ -41,7 +39,6 @@ class Checkpointing:
 
     def load(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
              load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        refuse_checkpoint_io(self.eng.module, "load_checkpoint")
         self.writer.wait()
         path = resolve(load_dir, tag)
         if path is None:

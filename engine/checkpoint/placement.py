@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..topology import Coord
+from .tensor_shards import KEY
 
 
 def global_rank_and_world() -> tuple[int, int]:
@@ -25,18 +26,27 @@ def global_rank_and_world() -> tuple[int, int]:
 
 
 def coordinates(eng) -> Coord:
-    """This rank's (pipe, data, model) coordinate: the pipeline's groups where the engine has them,
-    else pure data parallelism (the data coordinate is the data-parallel rank)."""
+    """This rank's (pipe, data, model) coordinate: the engine's topology groups where it has them (a
+    pipeline, tensor parallelism), else pure data parallelism (the data coordinate is the data rank)."""
     groups = getattr(eng, "groups", None)
     if groups is not None:
         return groups.coord
     return Coord(pipe=0, data=eng.comm.rank, model=0)
 
 
+def model_degree(eng) -> int:
+    """The size of the model (tensor-parallel) axis: how many shards a sharded parameter has."""
+    groups = getattr(eng, "groups", None)
+    return groups.topology.model if groups is not None else 1
+
+
 def merge_tables(gathered: list[dict]) -> tuple[dict, dict, list[str]]:
     """(params, aliases, state_dict_keys) of the whole model from each rank's own table (module note:
-    stages). `gathered[r]` is global rank r's {"coord", "index", "described", "aliases", "keys"}: index
-    name -> [start, stop, kinds]; described name -> [shape, dtype, trainable]."""
+    stages; tensor_shards.py's note: shards). `gathered[r]` is global rank r's {"coord", "index",
+    "described", "aliases", "keys"}: index name -> [start, stop, kinds]; described name -> [full shape,
+    dtype, trainable, tensor-parallel layout or None]. A sharded parameter's fragments carry the shard
+    index, the saving rank's model coordinate; the pipe and model coordinates are independent, so a
+    pipe × model grid merges the same way."""
     params: dict = {}
     owner_stage: dict[str, int] = {}
     aliases: dict = {}
@@ -47,11 +57,16 @@ def merge_tables(gathered: list[dict]) -> tuple[dict, dict, list[str]]:
         for name, (start, stop, classes) in table["index"].items():
             if owner_stage.setdefault(name, stage) != stage:
                 continue  # a tied copy on a later stage (module note: stages)
+            described = table["described"][name]
+            layout = described[3] if len(described) > 3 else None
             if name not in params:
-                shape, dtype, trainable = table["described"][name]
+                shape, dtype, trainable = described[:3]
                 params[name] = {"shape": list(shape), "dtype": dtype, "trainable": trainable, "kinds": classes,
                                 "fragments": []}
-            params[name]["fragments"].append([rank, start, stop])
+                if layout is not None:
+                    params[name][KEY] = layout
+            params[name]["fragments"].append([rank, start, stop] if layout is None else
+                                             [rank, start, stop, table["coord"][2]])
         for key, name in table["aliases"].items():
             aliases.setdefault(key, name)
         for key in table["keys"]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import format as fmt
+from . import tensor_shards
 from .state import rows_of
 
 _OK = 2 ** 62
@@ -78,6 +79,7 @@ class FragmentSource:
         self.dtypes = {name: fmt.dtype_named(entry["dtype"], f"{path / fmt.METADATA}: parameter {name!r}")
                        for name, entry in self.params.items()}  # an allow-list, never getattr(torch, ...)
         self._files: dict[int, dict] = {}
+        self._joined_cache: tuple = (None, None, None)
 
     def _tensors(self, rank: int) -> dict:
         if rank not in self._files:
@@ -97,6 +99,8 @@ class FragmentSource:
     def rows(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of `name`'s `kind`, joined from the fragments that overlap them."""
         entry, key = self.params[name], fmt.tensor_key(name, kind)
+        if tensor_shards.KEY in entry:  # rows of the full tensor, from its shards (tensor_shards.py)
+            return rows_of(self.full(name, kind))[start:stop]
         pieces = []
         for rank, fs, fe in entry["fragments"]:
             lo, hi = max(start, fs), min(stop, fe)
@@ -112,6 +116,9 @@ class FragmentSource:
         """Every row of `name`'s `kind` into `out` (its full shape, any dtype), piece by piece: no
         joined copy of the whole tensor first."""
         entry, key, dest = self.params[name], fmt.tensor_key(name, kind), rows_of(out)
+        if tensor_shards.KEY in entry:
+            dest.copy_(rows_of(self.full(name, kind)).reshape(dest.shape))
+            return
         for rank, fs, fe in entry["fragments"]:
             dest[fs:fe].copy_(self._tensors(rank)[key].reshape(dest[fs:fe].shape))
 
@@ -121,8 +128,34 @@ class FragmentSource:
         return self._tensors(rank)[fmt.tensor_key(name, kind)]
 
     def full(self, name: str, kind: str) -> torch.Tensor:
-        """The whole tensor in its saved shape."""
-        return self.rows(name, kind, 0, self.num_rows(name)).reshape(self.params[name]["shape"])
+        """The whole tensor in its saved (full) shape."""
+        entry = self.params[name]
+        if tensor_shards.KEY in entry:
+            return self._joined(name, kind)
+        return self.rows(name, kind, 0, self.num_rows(name)).reshape(entry["shape"])
+
+    def _joined(self, name: str, kind: str) -> torch.Tensor:
+        """A tensor-parallel parameter's full tensor: each shard's rows in order, then the shards joined
+        (tensor_shards.py's note). One parameter and kind are kept, since a loading rank asks for the
+        same one several times (its weights, then its fp32 rows)."""
+        if self._joined_cache[:2] == (name, kind):
+            return self._joined_cache[2]
+        entry, key = self.params[name], fmt.tensor_key(name, kind)
+        layout = entry[tensor_shards.KEY]
+        shape = tensor_shards.local_shape(entry["shape"], layout)
+        by_shard: dict[int, list] = {i: [] for i in range(layout["degree"])}
+        for rank, fs, fe, index in entry["fragments"]:
+            by_shard[index].append((fs, fe, rank))
+        shards = []
+        for index, pieces in by_shard.items():
+            pieces.sort()
+            if [fs for fs, _, _ in pieces] != [0, *[fe for _, fe, _ in pieces[:-1]]] or pieces[-1][1] != shape[0]:
+                raise fmt.CheckpointError(f"{self.path / fmt.METADATA}: the fragments of shard {index} of {name!r} do "
+                                          "not cover its rows; the file is damaged or not written by dstrain")
+            shards.append(torch.cat([self._tensors(rank)[key] for _, _, rank in pieces]).reshape(shape))
+        full = tensor_shards.join_shards(shards, layout["dim"], layout["parts"])
+        self._joined_cache = (name, kind, full)
+        return full
 
     def weights_kind(self, name: str) -> str:
         return fmt.FP32 if fmt.FP32 in self.kinds(name) else fmt.MODULE

@@ -14,8 +14,10 @@ import warnings
 
 import torch
 
+from ..tensor_parallel.layers import is_partitioned
 from . import format as fmt
-from .placement import global_rank_and_world, stage_union
+from . import tensor_shards
+from .placement import coordinates, global_rank_and_world, model_degree, stage_union
 from .reader import FragmentSource, load_torch, verify
 from .snapshot import module_entries
 from .state import adapter_for, set_rng_state
@@ -46,7 +48,7 @@ def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool)
         name = names[id(p)]
         if name not in src.params:
             continue
-        _check_shape(src, name, adapter.shape(p))
+        _check_shape(src, name, tensor_shards.full_shape(p) if is_partitioned(p) else adapter.shape(p))
         weights = src.weights_kind(name)
         start, stop = adapter.load_rows(p)
         if adapter.holds_module_weights:  # the model's cast of the fp32 rows (module note)
@@ -127,8 +129,10 @@ def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states:
     held = set(trainable.values()) | set(entries)
     _check_names(src, held, load_module_strict, stage_union(eng, held))
     load_state = load_optimizer_states and not load_module_only
-    if adapter is not None:
-        _load_trainable(src, adapter, names, load_state)
+    layouts = tensor_shards.live_layouts(eng.module, coordinates(eng).model, model_degree(eng))
+    tensor_shards.refuse_transposed_targets(eng.module, src)
+    if adapter is not None:  # a tensor-parallel rank reads its own shards (tensor_shards.py's note)
+        _load_trainable(tensor_shards.LocalShards(src, layouts) if layouts else src, adapter, names, load_state)
         eng.zero_optimizer.zero_grad()
     _load_module_entries(src, entries, adapter)
     state = load_torch(path / fmt.ENGINE_STATE, mmap=False)

@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 
 from ..precision import precision_name
+from ..tensor_parallel.layers import is_partitioned
 from . import format as fmt
-from .placement import coordinates, merge_tables
+from . import tensor_shards
+from .placement import coordinates, merge_tables, model_degree
 from .state import FP32, MODULE, adapter_for, rng_state, row_kinds, rows_of
 from .writer import Snapshot, new_nonce
 
@@ -148,14 +150,17 @@ def module_entries(module: torch.nn.Module, trainable: dict[int, str]):
     return entries, aliases
 
 
-def _fragments(eng, adapter, names: dict[int, str]):
-    """This rank's tensors ("name::kind" -> tensor) and index (name -> [start, stop, {kind: class}])."""
+def _fragments(eng, adapter, names: dict[int, str], model_rank: int):
+    """This rank's tensors ("name::kind" -> tensor) and index (name -> [start, stop, {kind: class}]).
+    A replicated parameter is written by model coordinate 0 only (tensor_shards.py's note)."""
     tensors, index = {}, {}
     if adapter is None:
         return tensors, index
     kinds = adapter.row_kinds() if hasattr(adapter, "row_kinds") else row_kinds(eng.zero_optimizer.optimizer)
     for p in adapter.params():
         name = names[id(p)]
+        if model_rank != 0 and not is_partitioned(p):
+            continue
         start, stop = adapter.save_rows(p)
         if stop <= start:
             continue
@@ -211,14 +216,18 @@ def check_loadable(obj, what: str) -> None:
                         f"strings, lists and dicts ({str(e).splitlines()[0]})") from None
 
 
-def _described(eng, adapter, index: dict, trainable: dict, entries: dict) -> dict:
-    """name -> [full shape, dtype, trainable] for the tensors this rank lists (placement.py's table)."""
+def _described(eng, adapter, index: dict, trainable: dict, entries: dict, degree: int) -> dict:
+    """name -> [full shape, dtype, trainable, tensor-parallel layout or None] for the tensors this rank
+    lists (placement.py's table; a shard's full shape: tensor_shards.py)."""
     named = dict(eng.module.named_parameters())
     out = {}
     for name in index:
         t = named.get(name, entries.get(name))
         shape = adapter.shape(t) if adapter else t.shape  # stage 3: not the placeholder's
-        out[name] = [list(shape), str(t.dtype).replace("torch.", ""), name in trainable.values()]
+        layout = tensor_shards.shard_entry(t, degree)
+        if layout is not None:
+            shape = tensor_shards.full_shape(t)
+        out[name] = [list(shape), str(t.dtype).replace("torch.", ""), name in trainable.values(), layout]
     return out
 
 
@@ -246,14 +255,20 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
     adapter = adapter_for(eng.zero_optimizer, comm.rank, comm.world_size)
     names = {id(p): n for n, p in eng.module.named_parameters()}
     trainable = {id(p): names[id(p)] for p in adapter.params()} if adapter else {}
-    tensors, index = _fragments(eng, adapter, names)
+    coord, degree = coordinates(eng), model_degree(eng)
+    tensors, index = _fragments(eng, adapter, names, coord.model)
     entries, aliases = module_entries(eng.module, trainable)
-    _entry_fragments(adapter, entries, comm.rank, tensors, index)  # data rank 0 of each stage: buffers
+    frozen_shards = sorted(k for k, t in entries.items() if is_partitioned(t))
+    if frozen_shards:  # entries are written whole by model coordinate 0: a shard would lose the others
+        raise NotImplementedError(f"save_checkpoint of frozen tensor-parallel parameters {frozen_shards[:4]} is not "
+                                  "built yet in dstrain; keep the sharded projections trainable")
+    if coord.model == 0:  # buffers and frozen tensors are replicated over the model axis
+        _entry_fragments(adapter, entries, comm.rank, tensors, index)  # data rank 0 of each stage
     tensors = pack(tensors, arena)
     ready = _copies_enqueued(tensors) if arena is not None else None
     nonce = new_nonce() if rank == 0 else None
-    table = {"coord": list(coordinates(eng)), "index": index, "described": _described(eng, adapter, index, trainable,
-                                                                                       entries),
+    table = {"coord": list(coord), "index": index,
+             "described": _described(eng, adapter, index, trainable, entries, degree),
              "aliases": aliases, "keys": list(eng.module.state_dict().keys())}
     gathered = world_comm.all_gather_object(((tag, nonce), table))
     _validate_tags([g[0][0] for g in gathered], tag_validation)

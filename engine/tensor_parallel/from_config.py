@@ -21,7 +21,6 @@ import schemas
 from ..topology import ProcessGroups, Topology, set_current
 from .autotp import shard_model
 from .group import ModelParallelUnit, tensor_parallel_comm
-from .layers import is_partitioned
 from .norm import agree_norm_over_tensor_parallel  # noqa: F401 - initialize's route to it (build.py)
 
 KEY = "tensor_parallel.autotp_size"
@@ -90,11 +89,3 @@ def check_parameters(model: nn.Module, param_groups: list, optimizer) -> None:
                          "(a list passed as model_parameters=, or an optimizer built on them) are not the model's; "
                          "pass model_parameters=None or model.parameters() and let the config build the optimizer, "
                          "or pass optimizer= as a callable taking the parameters")
-
-
-def refuse_checkpoint_io(model: nn.Module, what: str) -> None:
-    """Checkpoints of a tensor-parallel model are not built yet: two ranks of one data coordinate
-    would write the same rank file. Called by engine/checkpoint/api.py before any file is touched."""
-    if any(is_partitioned(p) for p in model.parameters()):
-        raise NotImplementedError(f"{what} with {KEY} > 1 is not built yet in dstrain (tensor-parallel shards are "
-                                  "not recorded in checkpoints); train without saving, or with autotp_size 1")

@@ -1,0 +1,118 @@
+"""Tensor-parallel shards in checkpoints: how a sharded parameter is recorded and put back together.
+
+[Note: tensor-parallel shards] A parameter that engine/tensor_parallel/layers.py split over the model
+axis (`tensor_parallel_dim` set: column-parallel and vocab-parallel dim 0, row-parallel dim 1, fused
+q|k|v `tensor_parallel_parts` sections) is recorded in metadata.json with its *full* shape and
+`"tensor_parallel": {"dim", "parts", "degree"}`; each of its fragments is `[rank, start, stop, index]`:
+rows [start, stop) of dim 0 of shard `index` (the saving rank's model coordinate), cut by the data
+rank as the ZeRO partition cuts any parameter. Elementwise optimizer state is sharded exactly as its
+parameter (same rows of the same shard); scalar state is repeated per fragment and loaded once.
+A replicated parameter (layer norms, a row-parallel bias, embeddings AutoTP leaves whole) is identical
+on the ranks of a model group (tensor_parallel/grads.py's note), so only model coordinate 0 writes it,
+as a plain entry. The format does not depend on the ZeRO stage: any stage whose adapter gives rows of
+the local shard (state.py) records shards the same way.
+[Note: resharding across degrees] A reader asks for the full tensor (`FragmentSource.full`: every
+shard's rows joined, then the shards joined along `dim`, section by section), and a loading rank with
+tensor parallelism cuts its own shard of it (`LocalShards`) with the layers' own `shard`, so a
+checkpoint saved at degree T loads at any degree that divides the dimension, including 1 (a dense
+model). The full tensor of one parameter and kind at a time is built on each loading rank: transient
+memory of the largest parameter, not of the model.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..tensor_parallel.layers import is_partitioned, shard
+from .format import CheckpointError
+from .state import rows_of
+
+KEY = "tensor_parallel"
+
+
+def shard_entry(p: torch.Tensor, degree: int) -> dict | None:
+    """The metadata of a sharded parameter's layout (module note), None for a replicated one."""
+    if not is_partitioned(p):
+        return None
+    return {"dim": int(p.tensor_parallel_dim), "parts": int(p.tensor_parallel_parts), "degree": int(degree)}
+
+
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The dense shape a parameter has in the checkpoint: the whole matrix for a shard."""
+    return tuple(p.tensor_parallel_full_shape) if is_partitioned(p) else tuple(p.shape)
+
+
+def local_shape(shape: list[int], layout: dict) -> list[int]:
+    out = list(shape)
+    out[layout["dim"]] //= layout["degree"]
+    return out
+
+
+def join_shards(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+    """The full tensor from every shard in index order: the inverse of `layers.shard` (each shard holds
+    its slice of each of the `parts` fused sections, so the sections are joined one by one)."""
+    sections = [s.chunk(parts, dim=dim) for s in shards]
+    return torch.cat([torch.cat([sec[i] for sec in sections], dim=dim) for i in range(parts)], dim=dim)
+
+
+def live_layouts(module: torch.nn.Module, model_rank: int, degree: int) -> dict[str, tuple]:
+    """name -> (dim, parts, index, degree) of this rank's sharded parameters."""
+    return {name: (p.tensor_parallel_dim, p.tensor_parallel_parts, model_rank, degree)
+            for name, p in module.named_parameters() if is_partitioned(p)}
+
+
+def refuse_transposed_targets(module: torch.nn.Module, src) -> None:
+    """Shards are recorded in (out, in) layout (layers.py's `dense_weight`), also where AutoTP took them
+    from HF's `Conv1D`, which stores (in, out): loading one into a dense `Conv1D` would fail on the
+    shape, or silently transpose a square weight. Refused before anything is copied."""
+    for name, _ in module.named_parameters():
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        if type(owner).__name__ == "Conv1D" and KEY in src.params.get(name, {}):
+            raise CheckpointError(f"{src.path}: {name!r} was saved as a tensor-parallel shard in (out, in) layout and "
+                                  "the model holds it as an HF Conv1D (in, out); loading tensor-parallel GPT-2-style "
+                                  "checkpoints into the dense model is not built yet in dstrain: load at "
+                                  "tensor_parallel.autotp_size > 1")
+
+
+class LocalShards:
+    """A `FragmentSource` seen from a rank whose parameters are tensor-parallel shards: rows of *this
+    rank's shard* of a parameter, cut from the full tensor (module note: resharding). Parameters this
+    rank holds whole go straight to the source."""
+
+    def __init__(self, src, layouts: dict[str, tuple]):
+        self.src, self.layouts = src, layouts
+        self.path, self.params, self.meta = src.path, src.params, src.meta
+        self._cached: tuple = (None, None, None)  # (name, kind, local shard): the weights are read twice
+
+    def _local(self, name: str, kind: str) -> torch.Tensor:
+        if self._cached[:2] != (name, kind):
+            dim, parts, index, degree = self.layouts[name]
+            try:
+                local = shard(self.src.full(name, kind), dim, index, degree, parts)
+            except ValueError as err:
+                raise CheckpointError(f"{self.path}: parameter {name!r} cannot be cut into {degree} tensor-parallel "
+                                      f"shards ({err}); load it at a tensor_parallel.autotp_size that divides it") from None
+            self._cached = (name, kind, local)
+        return self._cached[2]
+
+    def rows(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
+        if name not in self.layouts:
+            return self.src.rows(name, kind, start, stop)
+        return rows_of(self._local(name, kind))[start:stop]
+
+    def copy_rows(self, name: str, kind: str, out: torch.Tensor) -> None:
+        if name not in self.layouts:
+            self.src.copy_rows(name, kind, out)
+        else:
+            rows_of(out).copy_(rows_of(self._local(name, kind)))
+
+    def full(self, name: str, kind: str) -> torch.Tensor:
+        return self.src.full(name, kind)
+
+    def scalar(self, name: str, kind: str):
+        return self.src.scalar(name, kind)
+
+    def kinds(self, name: str) -> dict:
+        return self.src.kinds(name)
+
+    def weights_kind(self, name: str) -> str:
+        return self.src.weights_kind(name)
