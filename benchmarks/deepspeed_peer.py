@@ -2,8 +2,9 @@
 
     VENV/bin/python benchmarks/deepspeed_peer.py --stage 2 --steps 20 --world 2
 
-Imports only torch, deepspeed and examples/gpt.py (not dstrain: the venv does not have its
-dependencies). Prints one JSON line: the slowest rank's median step time and the largest peak RSS.
+Imports only torch, deepspeed and examples/gpt.py (and, for a `pipeline.stages` config, the layer list
+of examples/gpt_pipe.py built with DeepSpeed's LayerSpec). With `comms_logger` in the config the row
+carries the bytes per step DeepSpeed's own logger recorded. Prints one JSON line: the slowest rank's median step time and the largest peak RSS.
 Settings match bench_training.py's dstrain runs: fp32, torch's AdamW (DeepSpeed's FusedAdam differs
 numerically, baselines.md), gradient_clipping 1.0, overlap_comm, reduce_bucket_size 5e6.
 """
@@ -45,22 +46,46 @@ def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str,
     cfg.setdefault("zero_optimization", {}).update(extra_cfg.pop("zero_optimization", {}))
     cfg.update(extra_cfg)
     model_cfg = GPTConfig(**model) if model else BENCH_CONFIG
-    micro = cfg["train_micro_batch_size_per_gpu"]
-    model = GPT(model_cfg)
+    micro, gas = cfg["train_micro_batch_size_per_gpu"], cfg.get("gradient_accumulation_steps", 1)
+    stages = cfg.get("pipeline", {}).get("stages", 1)
+    model = _pipeline_gpt(model_cfg, stages) if stages > 1 else GPT(model_cfg)
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    data = RandomTokens(steps * micro, model_cfg.seq_len, model_cfg.vocab_size, seed=rank)
+    # One model copy over all ranks (pipeline, AutoTP): every rank reads data-parallel rank 0's batches.
+    one_copy = stages > 1 or cfg.get("tensor_parallel", {}).get("autotp_size", 1) > 1
+    data = RandomTokens(steps * gas * micro, model_cfg.seq_len, model_cfg.vocab_size, seed=0 if one_copy else rank)
+    batches = [data[i * micro:(i + 1) * micro] for i in range(steps * gas)]
     times = []
     for i in range(steps):
-        x, y = data[i * micro:(i + 1) * micro]
+        group = batches[i * gas:(i + 1) * gas]
         t0 = time.perf_counter()
-        eng.backward(eng(x, y))
-        eng.step()
+        if stages > 1:
+            eng.train_batch(iter(group))
+        else:
+            for x, y in group:
+                eng.backward(eng(x, y))
+                eng.step()
         times.append((time.perf_counter() - t0) * 1e3)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     kept = times[2:-1] if len(times) > 4 else times[1:]
     Path(outdir, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(kept), "rss_mb": rss,
-                                                        "times_ms": times}))
+                                                        "times_ms": times, "bytes": _logged_bytes(steps)}))
     deepspeed.comm.destroy_process_group()  # or a rank may abort at teardown (baselines.md)
+
+
+def _pipeline_gpt(cfg: GPTConfig, stages: int):
+    """examples/gpt_pipe.py's layer list with DeepSpeed's own LayerSpec/TiedLayerSpec."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from examples.gpt_pipe import gpt_layers, gpt_loss
+    return PipelineModule(layers=gpt_layers(cfg, LayerSpec, TiedLayerSpec), num_stages=stages, loss_fn=gpt_loss)
+
+
+def _logged_bytes(steps: int) -> float | None:
+    """Bytes per step that DeepSpeed's comms_logger recorded on this rank (config section comms_logger)."""
+    from deepspeed.comm import comms_logger
+    if not comms_logger.enabled:
+        return None
+    total = sum(size * entry[0] for sizes in comms_logger.comms_dict.values() for size, entry in sizes.items())
+    return total / steps
 
 
 def main() -> int:
@@ -87,7 +112,8 @@ def main() -> int:
                               args.extra), nprocs=args.world)
         rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
     print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows),
-                      "rss_per_rank_mb": [r["rss_mb"] for r in rows]}))
+                      "rss_per_rank_mb": [r["rss_mb"] for r in rows],
+                      "bytes": max((r["bytes"] for r in rows if r["bytes"] is not None), default=None)}))
     return 0
 
 

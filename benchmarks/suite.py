@@ -16,8 +16,8 @@ neighbour hurts all systems alike. Columns:
   compares with DeepSpeed running the same config.
 - vs bound: the ratio to the no-communication bound: one rank's forward, backward and AdamW step on
   its own micro-batch, alone (world size 1), with the same threads.
-- peak RSS/rank, bytes/step/rank (what dstrain's communicator sent, payload bytes; torch's and
-  DeepSpeed's collectives are not counted), and the ZeRO paper's model-state memory (fp32 AdamW:
+- peak RSS/rank, bytes/step/rank (payload bytes each system's collectives carried, counted where they
+  pass, per system as `suite_runners.COUNTED_BY` says and the report repeats), and the ZeRO paper's model-state memory (fp32 AdamW:
   params 4Ψ + grads 4Ψ + moments 8Ψ, partitioned by stage) next to the measured RSS.
 - scaling: step time and peak RSS per rank of `--scaling-system` against model size (3 sizes) and
   world size (`--worlds`, default 1, 2, 4).
@@ -44,31 +44,38 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import bench_training as bt  # noqa: E402
-from benchmarks.report import command_line, header_lines, md_table  # noqa: E402
+from benchmarks.report import command_line, header_lines, load_note, md_table, ratio_cell, step_cells  # noqa: E402
+from benchmarks.suite_runners import COUNTED_BY, nvme_dir, rank_entry  # noqa: E402
 from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, count_parameters  # noqa: E402
 from tests.harness import RankFailed, run_distributed  # noqa: E402
 
 ADAMW = {"type": "AdamW", "params": {"lr": bt.LR}}
+_ZERO = {"overlap_comm": True, "reduce_bucket_size": 5e6}
 # name -> (config overrides on bench_training's AdamW fp32 base config, ZeRO stage of the memory formula).
-# Offload, pipeline and tensor-parallel rows run once their keys are built (until then: "not run: ...").
+# One model copy over both ranks (tensor parallel, pipeline): 16 sequences per step as gradient accumulation
+# (benchmarks/suite_runners.py), the same global batch as the data-parallel rows.
 STRATEGIES: dict[str, tuple[dict, int]] = {
-    "dstrain-z0": ({"zero_optimization": {"stage": 0, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 0),
-    "dstrain-z1": ({"zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 1),
-    "dstrain-z2": ({"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 2),
-    "dstrain-z3": ({"zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 3),
+    "dstrain-z0": ({"zero_optimization": {"stage": 0, **_ZERO}}, 0),
+    "dstrain-z1": ({"zero_optimization": {"stage": 1, **_ZERO}}, 1),
+    "dstrain-z2": ({"zero_optimization": {"stage": 2, **_ZERO}}, 2),
+    "dstrain-z3": ({"zero_optimization": {"stage": 3, **_ZERO}}, 3),
     "dstrain-1bit-adam": ({"optimizer": {"type": "OneBitAdam", "params": {"lr": bt.LR, "freeze_step": 2}}}, 0),
     "dstrain-0/1-adam": ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": bt.LR, "var_freeze_step": 2,
                                                                          "local_step_scaler": 2,
                                                                          "local_step_clipper": 4}}}, 0),
     "dstrain-powersgd": ({"gradient_compression": {"type": "powersgd", "rank": 4, "start_step": 2}}, 0),
-    "dstrain-z2-offload-cpu": ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, 2),
-    "dstrain-z3-offload-nvme": ({"zero_optimization": {"stage": 3, "offload_optimizer": {
-        "device": "nvme", "nvme_path": "/tmp/dstrain-suite-nvme"}}}, 3),
-    "dstrain-pipe2": ({"pipeline": {"stages": 2}}, 0),
-    "dstrain-tp2": ({"tensor_parallel": {"autotp_size": 2}}, 0),
+    "dstrain-z2-offload-cpu": ({"zero_optimization": {"stage": 2, **_ZERO, "offload_optimizer": {"device": "cpu"}}}, 2),
+    "dstrain-z2-offload-nvme": ({"zero_optimization": {"stage": 2, **_ZERO, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "NVME_DIR"}}}, 2),
+    "dstrain-pipe2": ({"pipeline": {"stages": 2, "schedule": "1f1b"}, "train_micro_batch_size_per_gpu": 4,
+                       "gradient_accumulation_steps": 4}, 0),
+    "dstrain-tp2": ({"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1, **_ZERO},
+                     "gradient_accumulation_steps": 2}, 1),
 }
 # Strategies DeepSpeed has no counterpart for (it ignores unknown top-level keys: it would run plain Adam).
 NO_DEEPSPEED = {"dstrain-powersgd": "DeepSpeed has no PowerSGD"}
+# Peers without the strategy's kind of parallelism: their ratio column says so instead of a figure.
+NO_TORCH_EQUIVALENT = {"dstrain-pipe2": "pipeline stages", "dstrain-tp2": "tensor parallelism"}
 TORCH_PEERS = {"ddp": 0, "fsdp2": 3}  # name -> the stage whose memory formula it follows
 QUICK_MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model=32)
 
@@ -100,18 +107,21 @@ class Result:
 
 def strategy_config(name: str, micro: int) -> dict:
     overrides, _ = STRATEGIES[name]
-    cfg = bt._dstrain_config(0, True, copy.deepcopy(overrides))
-    cfg["train_micro_batch_size_per_gpu"] = micro
+    cfg = bt._dstrain_config(0, True, json.loads(json.dumps(overrides).replace("NVME_DIR", nvme_dir())))
+    cfg["train_micro_batch_size_per_gpu"] = overrides.get("train_micro_batch_size_per_gpu", micro)
     return cfg
 
 
 def deepspeed_config(cfg: dict) -> dict:
-    """The same config for DeepSpeed: torch's AdamW (`torch_adam`) instead of dstrain's `fused` flag."""
+    """The same config for DeepSpeed: torch's AdamW (`torch_adam`) instead of dstrain's `fused` flag, or,
+    with optimizer offload, DeepSpeed's CPU Adam (it refuses a torch optimizer there); its comms_logger on."""
     cfg = copy.deepcopy(cfg)
     params = cfg["optimizer"].setdefault("params", {})
     params.pop("fused", None)
-    if cfg["optimizer"]["type"] == "AdamW":
+    offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if cfg["optimizer"]["type"] == "AdamW" and not offload:
         params["torch_adam"] = True
+    cfg["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True}
     return cfg
 
 
@@ -120,32 +130,6 @@ def zero_formula_mb(n_params: int, stage: int, world: int) -> float:
     p, g, o = 4.0 * n_params, 4.0 * n_params, 8.0 * n_params
     shares = {0: p + g + o, 1: p + g + o / world, 2: p + (g + o) / world, 3: (p + g + o) / world}
     return shares[stage] / 2**20
-
-
-# -- one measurement: runs inside each spawned rank -------------------------------------------------
-def _rank_entry(system: str, steps: int, model: dict, micro: int, warmup: int) -> dict:
-    torch.manual_seed(0)
-    cfg = GPTConfig(**model)
-    sent = {}
-    if system == "ddp":
-        times = bt._run_ddp(steps, True, cfg)
-    elif system == "fsdp2":
-        times = bt._run_fsdp2(steps, True, cfg)
-    elif system == "bound":
-        times = _bound(steps, cfg, micro)
-    else:
-        config = strategy_config(system, micro)
-
-        def count(eng):
-            sent["bytes"] = sum(eng.comm.stats.bytes.values()) / steps
-        times = bt._run_dstrain(steps, True, extra={k: v for k, v in config.items()}, model_cfg=cfg, on_engine=count)
-    return {"step_ms": statistics.median(times[warmup:]), "rss_mb": bt._peak_rss_mb(), "bytes": sent.get("bytes")}
-
-
-def _bound(steps: int, cfg: GPTConfig, micro: int) -> list[float]:
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=bt.LR, fused=True)
-    return bt._timed_loop(bt._torch_step(model, opt), bt._batches(steps, 0, cfg, micro))
 
 
 def _last_line(text: str) -> str:
@@ -168,12 +152,13 @@ def measure(system: str, world: int, steps: int, model: GPTConfig, micro: int, w
             return Round(load_before=load, error=ds_missing)
         config = deepspeed_config(strategy_config(system.split(":", 1)[1], micro))
         try:
-            step_ms, rss = bt._run_deepspeed(ds_python, 0, steps, world, model=asdict(model), config=config)
-            return Round(step_ms, rss, None, load)
+            row = bt._run_deepspeed(ds_python, 0, steps, world, model=asdict(model), config=config, full=True)
+            return Round(row["step_ms"], row["rss_mb"], row.get("bytes"), load)
         except SystemExit as e:
             return Round(load_before=load, error=_last_line(e))
+    config = strategy_config(system, micro) if system in STRATEGIES else None
     try:
-        per_rank = run_distributed(_rank_entry, world, args=(system, steps, asdict(model), micro, warmup),
+        per_rank = run_distributed(rank_entry, world, args=(system, steps, asdict(model), micro, warmup, config),
                                    timeout=1800)
     except RankFailed as e:
         return Round(load_before=load, error=_last_line(e))
@@ -188,18 +173,15 @@ def _ms(result: Result, threshold: float) -> tuple[str, str]:
     if not ok:
         return f"not run: {result.error}", "not run"
     marked = any(r.load_before > threshold for r in ok)
-    low, high = min(r.step_ms for r in ok), max(r.step_ms for r in ok)
-    return f"{result.step_ms():.1f}{' †' if marked else ''}", f"{low:.1f}–{high:.1f} ({len(ok)} round(s))"
+    times = [r.step_ms for r in ok]
+    return step_cells(result.step_ms(), min(times), max(times), len(ok), "round", marked)
 
 
 def _ratio(a: Result, b: Result | None, label: str) -> str:
     if b is None:
         return f"n/a: {label}"
-    if a.step_ms() is None:
-        return "not run"
-    if b.step_ms() is None:
-        return f"not run: {b.error}" if b.error.startswith(label) else f"not run: {label}: {b.error}"
-    return f"{a.step_ms() / b.step_ms():.2f}"
+    error = b.error if b.error is None or b.error.startswith(label) else f"{label}: {b.error}"
+    return ratio_cell(a.step_ms(), b.step_ms(), error)
 
 
 def main_table(results: dict[str, Result], n_params: int, world: int, threshold: float) -> str:
@@ -214,16 +196,17 @@ def main_table(results: dict[str, Result], n_params: int, world: int, threshold:
         ds = results.get(f"deepspeed:{name}") if name in STRATEGIES else None
         ok = result.ok()
         rss = f"{max(r.rss_mb for r in ok):.0f}" if ok else "not run"
-        if name in STRATEGIES:
-            sent = f"{max(r.bytes_per_step for r in ok) / 2**20:.2f} MiB" if ok else "not run"
-        else:
-            sent = "not counted: torch/DeepSpeed collectives"
+        sent = [r.bytes_per_step for r in ok if r.bytes_per_step is not None]
+        sent = f"{max(sent) / 2**20:.3f} MiB" if sent else ("not run" if not ok else "not counted: no counter reported")
         formula = zero_formula_mb(n_params, stage, world)
+        formula = f"{formula:.0f}" if formula >= 10 else f"{formula:.2f}"
         label = f"deepspeed ({base}'s config)" if name.startswith("deepspeed:") else name
-        rows.append((label, ms, spread, _ratio(result, results.get("ddp"), "ddp"),
-                     _ratio(result, results.get("fsdp2"), "fsdp2"),
-                     _ratio(result, ds, "is a peer" if ds is None else "DeepSpeed"),
-                     _ratio(result, bound, "bound"), rss, f"{formula:.0f}" if formula >= 10 else f"{formula:.2f}", sent))
+        torch_cells = [_ratio(result, results.get(p), p) for p in ("ddp", "fsdp2")]
+        if base in NO_TORCH_EQUIVALENT:
+            torch_cells = [f"n/a: {p} has no {NO_TORCH_EQUIVALENT[base]}" for p in ("DDP", "FSDP2")]
+            formula = "n/a: a data-parallel formula"
+        rows.append((label, ms, spread, *torch_cells, _ratio(result, ds, "is a peer" if ds is None else "DeepSpeed"),
+                     _ratio(result, bound, "bound"), rss, formula, sent))
     return md_table(("system", "step ms", "spread (rounds)", "vs DDP", "vs FSDP2", "vs DeepSpeed (same config)",
                      "vs no-comm bound", "peak RSS/rank MB", "ZeRO formula MB (model states)", "bytes/step/rank"),
                     rows)
@@ -366,8 +349,8 @@ def write_report(args, model, results, scaling, load_before, load_after, ds_pyth
     notes = [f"model: GPT {asdict(model)} ({n_params / 1e6:.2f}M parameters), micro-batch {bt.MICRO} per rank, "
              f"fp32, AdamW (torch's, fused), gradient_clipping 1.0, {args.world} ranks x 1 thread, gloo",
              f"{args.steps} steps per measurement, median after {args.warmup} warm-up steps, {args.rounds} "
-             f"interleaved round(s); † marks a figure with a round whose 1-minute load before it was above "
-             f"{args.load_threshold:g} ({marked} of {total} measurements)"]
+             f"interleaved round(s); {load_note(args.load_threshold, marked, total)}"]
+    notes += [f"bytes/step/rank of {who}: {how}" for who, how in COUNTED_BY.items()]
     plots = _plots(base, results, scaling)
     lines = header_lines("dstrain benchmark suite", command_line(), load_before, load_after, versions, notes)
     lines += ["## Strategies and peers", "", main_table(results, n_params, args.world, args.load_threshold), "",
