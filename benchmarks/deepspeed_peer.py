@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.peak_rss import peak_mb, restart_peak  # noqa: E402
 from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, RandomTokens  # noqa: E402
 
 MICRO, LR = 8, 1e-4
@@ -38,14 +39,42 @@ def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str,
     torch.set_num_threads(1)
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
     cfg = config or {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                      "optimizer": optimizer or {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
                      "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 5e6}}
     extra_cfg = json.loads(extra)  # e.g. bench_offload.py's offload sections
     cfg.setdefault("zero_optimization", {}).update(extra_cfg.pop("zero_optimization", {}))
     cfg.update(extra_cfg)
-    model_cfg = GPTConfig(**model) if model else BENCH_CONFIG
+    Path(outdir, f"{rank}.json").write_text(json.dumps(_train(deepspeed, cfg, GPTConfig(**model) if model else
+                                                              BENCH_CONFIG, rank, steps)))
+    deepspeed.comm.destroy_process_group()  # or a rank may abort at teardown (baselines.md)
+
+
+def _rank_batch(rank: int, world: int, port: int, items: list, steps: int, outdir: str) -> None:
+    """Each {"model", "config"} of `items` in turn in this process (the suite's batches); one row each,
+    or {"error": ...}; peak RSS per item from benchmarks/peak_rss.py."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.comm import comms_logger
+    deepspeed.init_distributed(dist_backend="gloo")
+    rows = []
+    for item in items:
+        restart_peak()
+        comms_logger.comms_dict.clear()  # the logger is per process: each item counts its own bytes
+        try:
+            row = _train(deepspeed, item["config"], GPTConfig(**item["model"]), rank, steps)
+            row["rss_mb"] = peak_mb()
+        except Exception as e:  # noqa: BLE001 - one row's failure, not the batch's
+            row = {"error": f"{type(e).__name__}: {e}"}
+        rows.append(row)
+    Path(outdir, f"{rank}.json").write_text(json.dumps(rows))
+    deepspeed.comm.destroy_process_group()
+
+
+def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) -> dict:
+    torch.manual_seed(0)
     micro, gas = cfg["train_micro_batch_size_per_gpu"], cfg.get("gradient_accumulation_steps", 1)
     stages = cfg.get("pipeline", {}).get("stages", 1)
     model = _pipeline_gpt(model_cfg, stages) if stages > 1 else GPT(model_cfg)
@@ -67,9 +96,7 @@ def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str,
         times.append((time.perf_counter() - t0) * 1e3)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     kept = times[2:-1] if len(times) > 4 else times[1:]
-    Path(outdir, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(kept), "rss_mb": rss,
-                                                        "times_ms": times, "bytes": _logged_bytes(steps)}))
-    deepspeed.comm.destroy_process_group()  # or a rank may abort at teardown (baselines.md)
+    return {"step_ms": statistics.median(kept), "rss_mb": rss, "times_ms": times, "bytes": _logged_bytes(steps)}
 
 
 def _pipeline_gpt(cfg: GPTConfig, stages: int):
@@ -100,11 +127,15 @@ def main() -> int:
     p.add_argument("--optimizer", type=json.loads, default=None,
                    help='the config\'s "optimizer" section as JSON (default: torch AdamW); bench_optimizers.py')
     p.add_argument("--extra", default="{}", help="JSON merged into the config (zero_optimization merged key by key)")
+    p.add_argument("--batch-json", default=None,
+                   help='a list of {"model": GPTConfig fields, "config": ...} run in turn; prints a JSON list of rows')
     args = p.parse_args()
     if not args.port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
+    if args.batch_json:
+        return _batch(args)
     with tempfile.TemporaryDirectory() as outdir:
         model = json.loads(args.model_json) if args.model_json else None
         config = json.loads(args.config_json) if args.config_json else None
@@ -114,6 +145,23 @@ def main() -> int:
     print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows),
                       "rss_per_rank_mb": [r["rss_mb"] for r in rows],
                       "bytes": max((r["bytes"] for r in rows if r["bytes"] is not None), default=None)}))
+    return 0
+
+
+def _batch(args) -> int:
+    items = json.loads(args.batch_json)
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_rank_batch, args=(args.world, args.port, items, args.steps, outdir), nprocs=args.world)
+        per_rank = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
+    rows = []
+    for i in range(len(items)):
+        here = [ranks[i] for ranks in per_rank]
+        errors = [r["error"] for r in here if "error" in r]
+        sent = [r["bytes"] for r in here if r.get("bytes") is not None]
+        rows.append({"error": errors[0]} if errors else
+                    {"step_ms": max(r["step_ms"] for r in here), "rss_mb": max(r["rss_mb"] for r in here),
+                     "bytes": max(sent) if sent else None})
+    print(json.dumps(rows))
     return 0
 
 

@@ -15,12 +15,13 @@ import torch.distributed as dist
 
 from benchmarks import bench_training as bt
 from benchmarks.comm_bytes import DispatchBytes, count_ddp_buckets
+from benchmarks.peak_rss import peak_mb, restart_peak
 from examples.gpt import GPT, GPTConfig
 
 # How each system's bytes/step/rank is counted (the report prints this next to the table).
 COUNTED_BY = {
     "dstrain": "dstrain's communicator counter (engine/comm.py, every data-parallel collective's payload)",
-    "dstrain-dispatch": "a dispatch mode over every torch.distributed op called from Python "
+    "dstrain-pipe2 and dstrain-tp2": "a dispatch mode over every torch.distributed op called from Python "
                         "(benchmarks/comm_bytes.py): pipeline sends and tensor-parallel layers have communicators "
                         "of their own",
     "ddp": "a comm hook around torch's default all-reduce hook (each gradient bucket's bytes)",
@@ -99,3 +100,21 @@ def _dstrain(steps: int, cfg: GPTConfig, config: dict) -> tuple[list[float], int
     sent = counter.bytes if one_copy else sum(eng.comm.stats.bytes.values())
     eng.destroy()
     return times, sent
+
+
+# -- several measurements in one spawn --------------------------------------------------------------------
+def rank_batch(items: list[tuple], steps: int, micro: int, warmup: int) -> list[dict]:
+    """`rank_entry` for each (system, model, config) in turn in this one process: on a shared 2-core
+    machine a spawn (torch, gloo) costs more than a small model's steps. Peak RSS: benchmarks/peak_rss.py.
+    An item that fails is its error's text (a "not built yet" refusal is one row's "not run: why")."""
+    rows = []
+    for system, model, config in items:
+        restart_peak()
+        try:
+            row = rank_entry(system, steps, model, micro, warmup, config)
+        except Exception as e:  # noqa: BLE001 - one row's failure, not the batch's
+            rows.append({"error": f"{type(e).__name__}: {e}"})
+            continue
+        row["rss_mb"] = peak_mb()
+        rows.append(row)
+    return rows
