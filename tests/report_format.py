@@ -32,3 +32,9 @@ def is_figure_or_reason(cell: str) -> bool:
 
 def missing_header_lines(text: str) -> list[str]:
     return [p for p in HEADER_PATTERNS if not re.search(p, text)]
+
+
+def ratio_matches(cell: str, ms: float, peer_ms: float) -> bool:
+    """A ratio cell (2 decimals) against the step times as shown (1 decimal, so each ±0.05 ms)."""
+    rel = 0.05 / ms + 0.05 / peer_ms
+    return abs(float(cell) - ms / peer_ms) <= 0.005 + rel * ms / peer_ms
