@@ -81,6 +81,10 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
 }
 # Strategies DeepSpeed has no counterpart for (it ignores unknown top-level keys: it would run plain Adam).
 NO_DEEPSPEED = {"dstrain-powersgd": "DeepSpeed has no PowerSGD"}
+# Strategies DeepSpeed runs, but not as the same thing: said next to the table.
+DEEPSPEED_CAVEATS = {"dstrain-z2-offload-nvme": "DeepSpeed 0.19.8's ZeRO-2 takes offload_optimizer.device \"nvme\" "
+                     "as CPU offload (stage_1_and_2.py: any device but none sets cpu_offload; only ZeRO-3 swaps to "
+                     "NVMe), so its row is CPU offload"}
 # Peers without the strategy's kind of parallelism: their ratio column says so instead of a figure.
 NO_TORCH_EQUIVALENT = {"dstrain-pipe2": "pipeline stages", "dstrain-tp2": "tensor parallelism"}
 TORCH_PEERS = {"ddp": 0, "fsdp2": 3}  # name -> the stage whose memory formula it follows
@@ -410,6 +414,8 @@ def write_report(args, model, results, scaling, load_before, load_after, ds_pyth
              f"{args.steps} steps per measurement, median after {args.warmup} warm-up steps, {args.rounds} "
              f"interleaved round(s); {load_note(args.load_threshold, marked, total)}"]
     notes += [f"bytes/step/rank of {who}: {how}" for who, how in COUNTED_BY.items()]
+    notes += [f"deepspeed ({name}'s config): {why}" for name, why in DEEPSPEED_CAVEATS.items()
+              if results.get(f"deepspeed:{name}") and results[f"deepspeed:{name}"].ok()]
     plots = _plots(base, results, scaling)
     lines = header_lines("dstrain benchmark suite", command_line(), load_before, load_after, versions, notes)
     lines += ["## Strategies and peers", "", main_table(results, n_params, args.world, args.load_threshold), "",
