@@ -57,12 +57,10 @@ def _rank_batch(rank: int, world: int, port: int, items: list, steps: int, outdi
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import deepspeed
-    from deepspeed.comm import comms_logger
     deepspeed.init_distributed(dist_backend="gloo")
     rows = []
     for item in items:
         restart_peak()
-        comms_logger.comms_dict.clear()  # the logger is per process: each item counts its own bytes
         try:
             row = _train(deepspeed, item["config"], GPTConfig(**item["model"]), rank, steps)
             row["rss_mb"] = peak_mb()
@@ -79,6 +77,8 @@ def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) ->
     stages = cfg.get("pipeline", {}).get("stages", 1)
     model = _pipeline_gpt(model_cfg, stages) if stages > 1 else GPT(model_cfg)
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    from deepspeed.comm import comms_logger
+    comms_logger.comms_dict.clear()  # bytes per training step: not initialize's one-time parameter broadcast
     # One model copy over all ranks (pipeline, AutoTP): every rank reads data-parallel rank 0's batches.
     one_copy = stages > 1 or cfg.get("tensor_parallel", {}).get("autotp_size", 1) > 1
     data = RandomTokens(steps * gas * micro, model_cfg.seq_len, model_cfg.vocab_size, seed=0 if one_copy else rank)
