@@ -154,9 +154,10 @@ def _deepspeed_python(venv: Path) -> Path:
 
 
 def _run_deepspeed(python: Path, stage: int, steps: int, world: int, extra: dict | None = None,
-                   model: dict | None = None, config: dict | None = None) -> tuple[float, float]:
+                   model: dict | None = None, config: dict | None = None, full: bool = False):
     """DeepSpeed on the benchmark GPT (or `model`, GPTConfig fields) with AdamW at `stage` (or `config`),
-    `extra` merged into the config (bench_offload.py's offload sections)."""
+    `extra` merged into the config (bench_offload.py's offload sections). (step ms, peak RSS MB), or with
+    `full` the peer's whole JSON row (the suite reads its bytes)."""
     cmd = [str(python), str(PEER), "--stage", str(stage), "--steps", str(steps), "--world", str(world)]
     cmd += ["--model-json", json.dumps(model)] if model else []
     cmd += ["--config-json", json.dumps(config)] if config else []
@@ -165,7 +166,7 @@ def _run_deepspeed(python: Path, stage: int, steps: int, world: int, extra: dict
     if out.returncode:
         raise SystemExit(f"DeepSpeed ZeRO-{stage} peer failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    return row["step_ms"], row["rss_mb"]
+    return row if full else (row["step_ms"], row["rss_mb"])
 
 
 def _rank_entry(system: str, steps: int, fused: bool):

@@ -2,8 +2,9 @@
 
     VENV/bin/python benchmarks/deepspeed_peer.py --stage 2 --steps 20 --world 2
 
-Imports only torch, deepspeed and examples/gpt.py (not dstrain: the venv does not have its
-dependencies). Prints one JSON line: the slowest rank's median step time and the largest peak RSS.
+Imports only torch, deepspeed and examples/gpt.py (and, for a `pipeline.stages` config, the layer list
+of examples/gpt_pipe.py built with DeepSpeed's LayerSpec). With `comms_logger` in the config the row
+carries the bytes per step DeepSpeed's own logger recorded. Prints one JSON line: the slowest rank's median step time and the largest peak RSS.
 Settings match bench_training.py's dstrain runs: fp32, torch's AdamW (DeepSpeed's FusedAdam differs
 numerically, baselines.md), gradient_clipping 1.0, overlap_comm, reduce_bucket_size 5e6.
 """
@@ -25,6 +26,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.peak_rss import peak_mb, restart_peak  # noqa: E402
 from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, RandomTokens  # noqa: E402
 
 MICRO, LR = 8, 1e-4
@@ -37,30 +39,80 @@ def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str,
     torch.set_num_threads(1)
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
     cfg = config or {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                      "optimizer": optimizer or {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
                      "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 5e6}}
     extra_cfg = json.loads(extra)  # e.g. bench_offload.py's offload sections
     cfg.setdefault("zero_optimization", {}).update(extra_cfg.pop("zero_optimization", {}))
     cfg.update(extra_cfg)
-    model_cfg = GPTConfig(**model) if model else BENCH_CONFIG
-    micro = cfg["train_micro_batch_size_per_gpu"]
-    model = GPT(model_cfg)
+    Path(outdir, f"{rank}.json").write_text(json.dumps(_train(deepspeed, cfg, GPTConfig(**model) if model else
+                                                              BENCH_CONFIG, rank, steps)))
+    deepspeed.comm.destroy_process_group()  # or a rank may abort at teardown (baselines.md)
+
+
+def _rank_batch(rank: int, world: int, port: int, items: list, steps: int, outdir: str) -> None:
+    """Each {"model", "config"} of `items` in turn in this process (the suite's batches); one row each,
+    or {"error": ...}; peak RSS per item from benchmarks/peak_rss.py."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    rows = []
+    for item in items:
+        restart_peak()
+        try:
+            row = _train(deepspeed, item["config"], GPTConfig(**item["model"]), rank, steps)
+            row["rss_mb"] = peak_mb()
+        except Exception as e:  # noqa: BLE001 - one row's failure, not the batch's
+            row = {"error": f"{type(e).__name__}: {e}"}
+        rows.append(row)
+    Path(outdir, f"{rank}.json").write_text(json.dumps(rows))
+    deepspeed.comm.destroy_process_group()
+
+
+def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    micro, gas = cfg["train_micro_batch_size_per_gpu"], cfg.get("gradient_accumulation_steps", 1)
+    stages = cfg.get("pipeline", {}).get("stages", 1)
+    model = _pipeline_gpt(model_cfg, stages) if stages > 1 else GPT(model_cfg)
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    data = RandomTokens(steps * micro, model_cfg.seq_len, model_cfg.vocab_size, seed=rank)
+    from deepspeed.comm import comms_logger
+    comms_logger.comms_dict.clear()  # bytes per training step: not initialize's one-time parameter broadcast
+    # One model copy over all ranks (pipeline, AutoTP): every rank reads data-parallel rank 0's batches.
+    one_copy = stages > 1 or cfg.get("tensor_parallel", {}).get("autotp_size", 1) > 1
+    data = RandomTokens(steps * gas * micro, model_cfg.seq_len, model_cfg.vocab_size, seed=0 if one_copy else rank)
+    batches = [data[i * micro:(i + 1) * micro] for i in range(steps * gas)]
     times = []
     for i in range(steps):
-        x, y = data[i * micro:(i + 1) * micro]
+        group = batches[i * gas:(i + 1) * gas]
         t0 = time.perf_counter()
-        eng.backward(eng(x, y))
-        eng.step()
+        if stages > 1:
+            eng.train_batch(iter(group))
+        else:
+            for x, y in group:
+                eng.backward(eng(x, y))
+                eng.step()
         times.append((time.perf_counter() - t0) * 1e3)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     kept = times[2:-1] if len(times) > 4 else times[1:]
-    Path(outdir, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(kept), "rss_mb": rss,
-                                                        "times_ms": times}))
-    deepspeed.comm.destroy_process_group()  # or a rank may abort at teardown (baselines.md)
+    return {"step_ms": statistics.median(kept), "rss_mb": rss, "times_ms": times, "bytes": _logged_bytes(steps)}
+
+
+def _pipeline_gpt(cfg: GPTConfig, stages: int):
+    """examples/gpt_pipe.py's layer list with DeepSpeed's own LayerSpec/TiedLayerSpec."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from examples.gpt_pipe import gpt_layers, gpt_loss
+    return PipelineModule(layers=gpt_layers(cfg, LayerSpec, TiedLayerSpec), num_stages=stages, loss_fn=gpt_loss)
+
+
+def _logged_bytes(steps: int) -> float | None:
+    """Bytes per step that DeepSpeed's comms_logger recorded on this rank (config section comms_logger)."""
+    from deepspeed.comm import comms_logger
+    if not comms_logger.enabled:
+        return None
+    total = sum(size * entry[0] for sizes in comms_logger.comms_dict.values() for size, entry in sizes.items())
+    return total / steps
 
 
 def main() -> int:
@@ -75,11 +127,15 @@ def main() -> int:
     p.add_argument("--optimizer", type=json.loads, default=None,
                    help='the config\'s "optimizer" section as JSON (default: torch AdamW); bench_optimizers.py')
     p.add_argument("--extra", default="{}", help="JSON merged into the config (zero_optimization merged key by key)")
+    p.add_argument("--batch-json", default=None,
+                   help='a list of {"model": GPTConfig fields, "config": ...} run in turn; prints a JSON list of rows')
     args = p.parse_args()
     if not args.port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
+    if args.batch_json:
+        return _batch(args)
     with tempfile.TemporaryDirectory() as outdir:
         model = json.loads(args.model_json) if args.model_json else None
         config = json.loads(args.config_json) if args.config_json else None
@@ -87,7 +143,25 @@ def main() -> int:
                               args.extra), nprocs=args.world)
         rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
     print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows),
-                      "rss_per_rank_mb": [r["rss_mb"] for r in rows]}))
+                      "rss_per_rank_mb": [r["rss_mb"] for r in rows],
+                      "bytes": max((r["bytes"] for r in rows if r["bytes"] is not None), default=None)}))
+    return 0
+
+
+def _batch(args) -> int:
+    items = json.loads(args.batch_json)
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_rank_batch, args=(args.world, args.port, items, args.steps, outdir), nprocs=args.world)
+        per_rank = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
+    rows = []
+    for i in range(len(items)):
+        here = [ranks[i] for ranks in per_rank]
+        errors = [r["error"] for r in here if "error" in r]
+        sent = [r["bytes"] for r in here if r.get("bytes") is not None]
+        rows.append({"error": errors[0]} if errors else
+                    {"step_ms": max(r["step_ms"] for r in here), "rss_mb": max(r["rss_mb"] for r in here),
+                     "bytes": max(sent) if sent else None})
+    print(json.dumps(rows))
     return 0
 
 

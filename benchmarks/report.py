@@ -41,6 +41,28 @@ def header_lines(title: str, command: str, load_before: tuple, load_after: tuple
             *[f"- {n}" for n in notes], ""]
 
 
+# Cells both reports write the same way (tests/test_bench_suite.py and tests/test_gpu_script.py parse them).
+LOADED = " †"
+
+
+def step_cells(median_ms: float, low_ms: float, high_ms: float, count: int, unit: str, loaded: bool) -> tuple[str, str]:
+    """("12.3 †", "11.9–13.0 (3 round(s))"): the median, marked when measured under load, and its spread."""
+    return f"{median_ms:.1f}{LOADED if loaded else ''}", f"{low_ms:.1f}–{high_ms:.1f} ({count} {unit}(s))"
+
+
+def ratio_cell(ms: float | None, peer_ms: float | None, peer_error: str | None = None) -> str:
+    if ms is None:
+        return "not run"
+    if peer_ms is None:
+        return f"not run: {peer_error or 'the peer did not run'}"
+    return f"{ms / peer_ms:.2f}"
+
+
+def load_note(threshold: float, marked: int, total: int) -> str:
+    return (f"† marks a figure with a round whose 1-minute load before it was above {threshold:g} "
+            f"({marked} of {total} measurements)")
+
+
 def _load(values: tuple) -> str:
     return ", ".join(f"{v:.2f}" for v in values)
 

@@ -1,13 +1,14 @@
 """The side-by-side benchmark suite: every built dstrain strategy against torch DDP, torch FSDP2 and
 DeepSpeed with the same config, on the benchmark GPT and 2 ranks, in one run on this machine.
 
-    python -m benchmarks.suite --deepspeed-venv /tmp/ds-venv            # full: ~25M GPT, 3 rounds
+    python -m benchmarks.suite --deepspeed-venv /tmp/ds-venv            # full: 0.7M GPT, 2 rounds, < 15 min
+    python -m benchmarks.suite --model bench --rounds 3 --steps 20 ...  # the 25M benchmark GPT (hours on 2 cores)
     python -m benchmarks.suite --quick                                  # tiny GPT, few steps (a test runs it)
 
 Writes `benchmarks/results/<date>-<machine>.md` (or `--out-dir`) and PNG plots next to it. Every system
-runs in fresh processes (peak RSS is per process) with the same model, data, seeds and threads (1 per
-rank); rounds are interleaved (round 1: every system, round 2: every system, ...), so a noisy
-neighbour hurts all systems alike. Columns:
+runs with the same model, data, seeds and threads (1 per rank) and 16 sequences per optimizer step;
+rounds are interleaved (round 1: every system, round 2: every system, ...), so a noisy neighbour hurts
+all systems alike. Columns:
 
 - step ms: the median over rounds of the slowest rank's median step time after the warm-up steps;
   spread: the lowest and highest round. A round whose 1-minute load average, read just before it
@@ -16,11 +17,17 @@ neighbour hurts all systems alike. Columns:
   compares with DeepSpeed running the same config.
 - vs bound: the ratio to the no-communication bound: one rank's forward, backward and AdamW step on
   its own micro-batch, alone (world size 1), with the same threads.
-- peak RSS/rank, bytes/step/rank (what dstrain's communicator sent, payload bytes; torch's and
-  DeepSpeed's collectives are not counted), and the ZeRO paper's model-state memory (fp32 AdamW:
-  params 4Ψ + grads 4Ψ + moments 8Ψ, partitioned by stage) next to the measured RSS.
+- peak RSS/rank; bytes/step/rank: the payload bytes each system's collectives carried, counted where
+  they pass, as `suite_runners.COUNTED_BY` says (the report repeats it); the ZeRO paper's model-state
+  memory (fp32 AdamW: params 4Ψ + grads 4Ψ + moments 8Ψ, partitioned by stage) next to the measured RSS.
 - scaling: step time and peak RSS per rank of `--scaling-system` against model size (3 sizes) and
   world size (`--worlds`, default 1, 2, 4).
+
+Each round runs in one spawn per world size (its ranks run every system in turn) and one DeepSpeed
+peer call: on a shared 2-core machine a spawn (torch, gloo, DeepSpeed's import) costs more than a small
+model's steps, and ~30 spawns per round would not fit 15 minutes. Peak RSS per system is the kernel's
+peak mark restarted before it (benchmarks/peak_rss.py), so it includes the interpreter, torch and what
+earlier systems left on the heap. `--quick` is one round of a 0.02M GPT: it checks the code path.
 
 A peer or strategy that cannot run is reported "not run: why" (the error's last line), never faked.
 A strategy is one row of STRATEGIES: a name and the config it runs; DeepSpeed gets the same config.
@@ -44,33 +51,49 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import bench_training as bt  # noqa: E402
-from benchmarks.report import command_line, header_lines, md_table  # noqa: E402
+from benchmarks.report import command_line, header_lines, load_note, md_table, ratio_cell, step_cells  # noqa: E402
+from benchmarks.suite_runners import COUNTED_BY, nvme_dir, rank_batch  # noqa: E402
 from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, count_parameters  # noqa: E402
 from tests.harness import RankFailed, run_distributed  # noqa: E402
 
 ADAMW = {"type": "AdamW", "params": {"lr": bt.LR}}
+_ZERO = {"overlap_comm": True, "reduce_bucket_size": 5e6}
 # name -> (config overrides on bench_training's AdamW fp32 base config, ZeRO stage of the memory formula).
-# Offload, pipeline and tensor-parallel rows run once their keys are built (until then: "not run: ...").
+# One model copy over both ranks (tensor parallel, pipeline): 16 sequences per step as gradient accumulation
+# (benchmarks/suite_runners.py), the same global batch as the data-parallel rows.
 STRATEGIES: dict[str, tuple[dict, int]] = {
-    "dstrain-z0": ({"zero_optimization": {"stage": 0, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 0),
-    "dstrain-z1": ({"zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 1),
-    "dstrain-z2": ({"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 2),
-    "dstrain-z3": ({"zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e6}}, 3),
+    "dstrain-z0": ({"zero_optimization": {"stage": 0, **_ZERO}}, 0),
+    "dstrain-z1": ({"zero_optimization": {"stage": 1, **_ZERO}}, 1),
+    "dstrain-z2": ({"zero_optimization": {"stage": 2, **_ZERO}}, 2),
+    "dstrain-z3": ({"zero_optimization": {"stage": 3, **_ZERO}}, 3),
     "dstrain-1bit-adam": ({"optimizer": {"type": "OneBitAdam", "params": {"lr": bt.LR, "freeze_step": 2}}}, 0),
     "dstrain-0/1-adam": ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": bt.LR, "var_freeze_step": 2,
                                                                          "local_step_scaler": 2,
                                                                          "local_step_clipper": 4}}}, 0),
     "dstrain-powersgd": ({"gradient_compression": {"type": "powersgd", "rank": 4, "start_step": 2}}, 0),
-    "dstrain-z2-offload-cpu": ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, 2),
-    "dstrain-z3-offload-nvme": ({"zero_optimization": {"stage": 3, "offload_optimizer": {
-        "device": "nvme", "nvme_path": "/tmp/dstrain-suite-nvme"}}}, 3),
-    "dstrain-pipe2": ({"pipeline": {"stages": 2}}, 0),
-    "dstrain-tp2": ({"tensor_parallel": {"autotp_size": 2}}, 0),
+    "dstrain-z2-offload-cpu": ({"zero_optimization": {"stage": 2, **_ZERO, "offload_optimizer": {"device": "cpu"}}}, 2),
+    "dstrain-z2-offload-nvme": ({"zero_optimization": {"stage": 2, **_ZERO, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "NVME_DIR"}}}, 2),
+    "dstrain-pipe2": ({"pipeline": {"stages": 2, "schedule": "1f1b"}, "train_micro_batch_size_per_gpu": 4,
+                       "gradient_accumulation_steps": 4}, 0),
+    "dstrain-tp2": ({"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1, **_ZERO},
+                     "gradient_accumulation_steps": 2}, 1),
 }
 # Strategies DeepSpeed has no counterpart for (it ignores unknown top-level keys: it would run plain Adam).
 NO_DEEPSPEED = {"dstrain-powersgd": "DeepSpeed has no PowerSGD"}
+# Strategies DeepSpeed runs, but not as the same thing: said next to the table.
+DEEPSPEED_CAVEATS = {"dstrain-z2-offload-nvme": "DeepSpeed 0.19.8's ZeRO-2 takes offload_optimizer.device \"nvme\" "
+                     "as CPU offload (stage_1_and_2.py: any device but none sets cpu_offload; only ZeRO-3 swaps to "
+                     "NVMe), so its row is CPU offload"}
+# Peers without the strategy's kind of parallelism: their ratio column says so instead of a figure.
+NO_TORCH_EQUIVALENT = {"dstrain-pipe2": "pipeline stages", "dstrain-tp2": "tensor parallelism"}
 TORCH_PEERS = {"ddp": 0, "fsdp2": 3}  # name -> the stage whose memory formula it follows
 QUICK_MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model=32)
+# The default round: ~30 measurements, each in fresh processes whose start-up (torch, gloo, and DeepSpeed's
+# import) costs more than a small model's steps, so a 0.7M GPT keeps the whole suite under 15 minutes on a
+# shared 2-core machine; `--model bench` runs the 25M benchmark GPT of the earlier measurements.
+SUITE_MODEL = GPTConfig(vocab_size=2048, seq_len=64, n_layer=2, n_head=4, d_model=128)
+MODELS = {"suite": SUITE_MODEL, "bench": BENCH_CONFIG}
 
 
 @dataclass
@@ -100,18 +123,21 @@ class Result:
 
 def strategy_config(name: str, micro: int) -> dict:
     overrides, _ = STRATEGIES[name]
-    cfg = bt._dstrain_config(0, True, copy.deepcopy(overrides))
-    cfg["train_micro_batch_size_per_gpu"] = micro
+    cfg = bt._dstrain_config(0, True, json.loads(json.dumps(overrides).replace("NVME_DIR", nvme_dir())))
+    cfg["train_micro_batch_size_per_gpu"] = overrides.get("train_micro_batch_size_per_gpu", micro)
     return cfg
 
 
 def deepspeed_config(cfg: dict) -> dict:
-    """The same config for DeepSpeed: torch's AdamW (`torch_adam`) instead of dstrain's `fused` flag."""
+    """The same config for DeepSpeed: torch's AdamW (`torch_adam`) instead of dstrain's `fused` flag, or,
+    with optimizer offload, DeepSpeed's CPU Adam (it refuses a torch optimizer there); its comms_logger on."""
     cfg = copy.deepcopy(cfg)
     params = cfg["optimizer"].setdefault("params", {})
     params.pop("fused", None)
-    if cfg["optimizer"]["type"] == "AdamW":
+    offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if cfg["optimizer"]["type"] == "AdamW" and not offload:
         params["torch_adam"] = True
+    cfg["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True}
     return cfg
 
 
@@ -120,32 +146,6 @@ def zero_formula_mb(n_params: int, stage: int, world: int) -> float:
     p, g, o = 4.0 * n_params, 4.0 * n_params, 8.0 * n_params
     shares = {0: p + g + o, 1: p + g + o / world, 2: p + (g + o) / world, 3: (p + g + o) / world}
     return shares[stage] / 2**20
-
-
-# -- one measurement: runs inside each spawned rank -------------------------------------------------
-def _rank_entry(system: str, steps: int, model: dict, micro: int, warmup: int) -> dict:
-    torch.manual_seed(0)
-    cfg = GPTConfig(**model)
-    sent = {}
-    if system == "ddp":
-        times = bt._run_ddp(steps, True, cfg)
-    elif system == "fsdp2":
-        times = bt._run_fsdp2(steps, True, cfg)
-    elif system == "bound":
-        times = _bound(steps, cfg, micro)
-    else:
-        config = strategy_config(system, micro)
-
-        def count(eng):
-            sent["bytes"] = sum(eng.comm.stats.bytes.values()) / steps
-        times = bt._run_dstrain(steps, True, extra={k: v for k, v in config.items()}, model_cfg=cfg, on_engine=count)
-    return {"step_ms": statistics.median(times[warmup:]), "rss_mb": bt._peak_rss_mb(), "bytes": sent.get("bytes")}
-
-
-def _bound(steps: int, cfg: GPTConfig, micro: int) -> list[float]:
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=bt.LR, fused=True)
-    return bt._timed_loop(bt._torch_step(model, opt), bt._batches(steps, 0, cfg, micro))
 
 
 def _last_line(text: str) -> str:
@@ -158,28 +158,60 @@ def _last_line(text: str) -> str:
     return last[:200]
 
 
-def measure(system: str, world: int, steps: int, model: GPTConfig, micro: int, warmup: int,
-            ds_python: Path | None, ds_missing: str) -> Round:
-    load = os.getloadavg()[0]
-    if system.startswith("deepspeed:"):
-        if system.split(":", 1)[1] in NO_DEEPSPEED:
-            return Round(load_before=load, error=NO_DEEPSPEED[system.split(":", 1)[1]])
-        if ds_python is None:
-            return Round(load_before=load, error=ds_missing)
-        config = deepspeed_config(strategy_config(system.split(":", 1)[1], micro))
+def measure_batch(points: list[tuple[str, int, GPTConfig]], steps: int, micro: int, warmup: int) -> dict:
+    """dstrain's and torch's points, {(system, world, model): Round}: one spawn per world size, its ranks
+    running the points in turn (suite_runners.rank_batch: a spawn costs more than a small model's steps)."""
+    out = {}
+    for world in sorted({w for _, w, _ in points}):
+        here = [(s, m) for s, w, m in points if w == world]
+        load = os.getloadavg()[0]
+        items = [(s, asdict(m), strategy_config(s, micro) if s in STRATEGIES else None) for s, m in here]
         try:
-            step_ms, rss = bt._run_deepspeed(ds_python, 0, steps, world, model=asdict(model), config=config)
-            return Round(step_ms, rss, None, load)
-        except SystemExit as e:
-            return Round(load_before=load, error=_last_line(e))
-    try:
-        per_rank = run_distributed(_rank_entry, world, args=(system, steps, asdict(model), micro, warmup),
-                                   timeout=1800)
-    except RankFailed as e:
-        return Round(load_before=load, error=_last_line(e))
+            per_rank = run_distributed(rank_batch, world, args=(items, steps, micro, warmup), timeout=1800)
+        except RankFailed as e:
+            out.update({(s, world, m): Round(load_before=load, error=_last_line(e)) for s, m in here})
+            continue
+        out.update({(s, world, m): _round([rows[i] for rows in per_rank], load) for i, (s, m) in enumerate(here)})
+    return out
+
+
+def _round(per_rank: list[dict], load: float) -> Round:
+    errors = [r["error"] for r in per_rank if "error" in r]
+    if errors:
+        return Round(load_before=load, error=_last_line(errors[0]))
     sent = [r["bytes"] for r in per_rank if r["bytes"] is not None]
     return Round(max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank),
                  max(sent) if sent else None, load)
+
+
+def measure_deepspeed(systems: list[str], results: dict, world: int, steps: int, model: GPTConfig, micro: int,
+                      ds_python: Path | None, ds_missing: str) -> dict[str, Round]:
+    """The "deepspeed:<strategy>" rows, {system: Round}: the runnable ones in one DeepSpeed peer call."""
+    load = os.getloadavg()[0]
+    out, items = {}, []
+    for system in systems:
+        base = system.split(":", 1)[1]
+        if results[base].error:
+            out[system] = Round(load_before=load, error="dstrain's row did not run: nothing to compare")
+        elif base in NO_DEEPSPEED:
+            out[system] = Round(load_before=load, error=NO_DEEPSPEED[base])
+        elif ds_python is None:
+            out[system] = Round(load_before=load, error=ds_missing)
+        else:
+            items.append((system, {"model": asdict(model), "config": deepspeed_config(strategy_config(base, micro))}))
+    if items:
+        cmd = [str(ds_python), str(bt.PEER), "--stage", "0", "--steps", str(steps), "--world", str(world),
+               "--batch-json", json.dumps([item for _, item in items])]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if done.returncode:
+            why = _last_line(f"DeepSpeed peer failed (exit {done.returncode}): {done.stderr[-2000:]}")
+            out.update({system: Round(load_before=load, error=why) for system, _ in items})
+        else:
+            rows = json.loads(done.stdout.strip().splitlines()[-1])
+            out.update({system: Round(load_before=load, error=_last_line(row["error"])) if "error" in row else
+                        Round(row["step_ms"], row["rss_mb"], row.get("bytes"), load)
+                        for (system, _), row in zip(items, rows)})
+    return out
 
 
 # -- the report -------------------------------------------------------------------------------------
@@ -188,18 +220,15 @@ def _ms(result: Result, threshold: float) -> tuple[str, str]:
     if not ok:
         return f"not run: {result.error}", "not run"
     marked = any(r.load_before > threshold for r in ok)
-    low, high = min(r.step_ms for r in ok), max(r.step_ms for r in ok)
-    return f"{result.step_ms():.1f}{' †' if marked else ''}", f"{low:.1f}–{high:.1f} ({len(ok)} round(s))"
+    times = [r.step_ms for r in ok]
+    return step_cells(result.step_ms(), min(times), max(times), len(ok), "round", marked)
 
 
 def _ratio(a: Result, b: Result | None, label: str) -> str:
     if b is None:
         return f"n/a: {label}"
-    if a.step_ms() is None:
-        return "not run"
-    if b.step_ms() is None:
-        return f"not run: {b.error}" if b.error.startswith(label) else f"not run: {label}: {b.error}"
-    return f"{a.step_ms() / b.step_ms():.2f}"
+    error = b.error if b.error is None or b.error.startswith(label) else f"{label}: {b.error}"
+    return ratio_cell(a.step_ms(), b.step_ms(), error)
 
 
 def main_table(results: dict[str, Result], n_params: int, world: int, threshold: float) -> str:
@@ -214,16 +243,17 @@ def main_table(results: dict[str, Result], n_params: int, world: int, threshold:
         ds = results.get(f"deepspeed:{name}") if name in STRATEGIES else None
         ok = result.ok()
         rss = f"{max(r.rss_mb for r in ok):.0f}" if ok else "not run"
-        if name in STRATEGIES:
-            sent = f"{max(r.bytes_per_step for r in ok) / 2**20:.2f} MiB" if ok else "not run"
-        else:
-            sent = "not counted: torch/DeepSpeed collectives"
+        sent = [r.bytes_per_step for r in ok if r.bytes_per_step is not None]
+        sent = f"{max(sent) / 2**20:.3f} MiB" if sent else ("not run" if not ok else "not counted: no counter reported")
         formula = zero_formula_mb(n_params, stage, world)
+        formula = f"{formula:.0f}" if formula >= 10 else f"{formula:.2f}"
         label = f"deepspeed ({base}'s config)" if name.startswith("deepspeed:") else name
-        rows.append((label, ms, spread, _ratio(result, results.get("ddp"), "ddp"),
-                     _ratio(result, results.get("fsdp2"), "fsdp2"),
-                     _ratio(result, ds, "is a peer" if ds is None else "DeepSpeed"),
-                     _ratio(result, bound, "bound"), rss, f"{formula:.0f}" if formula >= 10 else f"{formula:.2f}", sent))
+        torch_cells = [_ratio(result, results.get(p), p) for p in ("ddp", "fsdp2")]
+        if base in NO_TORCH_EQUIVALENT:
+            torch_cells = [f"n/a: {p} has no {NO_TORCH_EQUIVALENT[base]}" for p in ("DDP", "FSDP2")]
+            formula = "n/a: a data-parallel formula"
+        rows.append((label, ms, spread, *torch_cells, _ratio(result, ds, "is a peer" if ds is None else "DeepSpeed"),
+                     _ratio(result, bound, "bound"), rss, formula, sent))
     return md_table(("system", "step ms", "spread (rounds)", "vs DDP", "vs FSDP2", "vs DeepSpeed (same config)",
                      "vs no-comm bound", "peak RSS/rank MB", "ZeRO formula MB (model states)", "bytes/step/rank"),
                     rows)
@@ -282,9 +312,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny GPT, 4 steps, 1 round: checks the suite runs")
     p.add_argument("--systems", default=None,
                    help=f"comma-separated subset of {', '.join(['ddp', 'fsdp2', *STRATEGIES])} (default: all)")
-    p.add_argument("--steps", type=int, default=None, help="steps per measurement (default 20; quick 4)")
-    p.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 3; quick 1)")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; quick 1)")
+    p.add_argument("--model", choices=sorted(MODELS), default="suite",
+                   help="suite: a 0.7M GPT (default); bench: the 25M benchmark GPT (--quick: a 0.02M one)")
+    p.add_argument("--steps", type=int, default=None, help="steps per measurement (default 8; quick 4)")
+    p.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 2; quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2; quick 1)")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--worlds", default="1,2,4", help="world sizes of the scaling table")
     p.add_argument("--scaling-system", default="dstrain-z2")
@@ -294,9 +326,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="virtual environment with deepspeed (created when missing and under /tmp)")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args(argv)
-    args.steps = args.steps or (4 if args.quick else 20)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.steps = args.steps or (4 if args.quick else 8)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.rounds = args.rounds or (1 if args.quick else 2)
     known = ["ddp", "fsdp2", *STRATEGIES]
     args.systems = args.systems.split(",") if args.systems else known
     unknown = [s for s in args.systems if s not in known]
@@ -309,7 +341,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = QUICK_MODEL if args.quick else BENCH_CONFIG
+    model = QUICK_MODEL if args.quick else MODELS[args.model]
     micro = bt.MICRO
     load_before = os.getloadavg()
     ds_python, ds_missing = None, "no --deepspeed-venv given"
@@ -321,35 +353,49 @@ def main(argv=None) -> int:
     systems = ["bound", *args.systems]
     systems += [f"deepspeed:{s}" for s in args.systems if s in STRATEGIES]
     results = {s: Result() for s in systems}
+    first_round = {}
     for rnd in range(args.rounds):
-        for system in systems:
-            if results[system].rounds and results[system].error:
-                continue  # what could not run in round 1 (a config not built yet) will not run later either
-            ours = results.get(system.split(":", 1)[-1])
-            if system.startswith("deepspeed:") and ours is not None and ours.error:
-                results[system].rounds.append(Round(load_before=os.getloadavg()[0],
-                                                    error="dstrain's row did not run: nothing to compare"))
-                continue
-            world = 1 if system == "bound" else args.world
-            r = measure(system, world, args.steps, model, micro, args.warmup, ds_python, ds_missing)
+        # What could not run in round 1 (a config not built yet) will not run later either.
+        todo = [s for s in systems if not (results[s].rounds and results[s].error)]
+        points = [(s, 1 if s == "bound" else args.world, model) for s in todo if ":" not in s]
+        if rnd == 0:
+            points += [(args.scaling_system, w, m) for m, w in _scaling_points(args, model)
+                       if (args.scaling_system, w, m) not in points]
+        measured = measure_batch(points, args.steps, micro, args.warmup)
+        first_round = first_round or measured
+        for system, world, m in points:
+            if system in results and m == model and world == (1 if system == "bound" else args.world):
+                results[system].rounds.append(measured[(system, world, m)])
+        deepspeed = measure_deepspeed([s for s in todo if ":" in s], results, args.world, args.steps, model, micro,
+                                      ds_python, ds_missing)
+        for system, r in deepspeed.items():
             results[system].rounds.append(r)
+        for system in todo:
+            r = results[system].rounds[-1]
             shown = f"{r.step_ms:.1f} ms" if r.error is None else f"not run: {r.error}"
             print(f"[suite] round {rnd + 1}/{args.rounds} {system}: {shown} (load before {r.load_before:.2f})",
                   flush=True)
-    scaling = _scaling(args, model, micro, results)
+    scaling = _scaling(args, model, first_round)
     load_after = os.getloadavg()
     return write_report(args, model, results, scaling, load_before, load_after, ds_python)
 
 
-def _scaling(args, model: GPTConfig, micro: int, results: dict) -> dict:
-    sizes = [replace(model, d_model=d, n_head=model.n_head) for d in
-             ((16, 32, 64) if args.quick else (256, 512, 768))]
+def _scaling_sizes(args, model: GPTConfig) -> list[GPTConfig]:
+    return [replace(model, d_model=d) for d in
+            ((16, 32, 64) if args.quick else (model.d_model // 2, model.d_model, model.d_model * 2))]
+
+
+def _scaling_points(args, model: GPTConfig) -> list[tuple[GPTConfig, int]]:
+    return [(cfg, args.world) for cfg in _scaling_sizes(args, model)] + \
+        [(model, int(w)) for w in args.worlds.split(",")]
+
+
+def _scaling(args, model: GPTConfig, first_round: dict) -> dict:
+    sizes = _scaling_sizes(args, model)
     system = args.scaling_system
 
     def run(cfg: GPTConfig, world: int) -> Round:
-        if cfg == model and world == args.world and system in results:
-            return results[system].rounds[0]  # the main table measured this point already (round 1)
-        return measure(system, world, args.steps, cfg, micro, args.warmup, None, "")
+        return first_round[(system, world, cfg)]  # measured with round 1's batch
     out = {"size": [(f"{count_parameters(GPT(cfg)) / 1e6:.2f}", run(cfg, args.world)) for cfg in sizes]}
     out["world"] = [(w, run(model, w)) for w in (int(x) for x in args.worlds.split(","))]
     return out
@@ -366,8 +412,10 @@ def write_report(args, model, results, scaling, load_before, load_after, ds_pyth
     notes = [f"model: GPT {asdict(model)} ({n_params / 1e6:.2f}M parameters), micro-batch {bt.MICRO} per rank, "
              f"fp32, AdamW (torch's, fused), gradient_clipping 1.0, {args.world} ranks x 1 thread, gloo",
              f"{args.steps} steps per measurement, median after {args.warmup} warm-up steps, {args.rounds} "
-             f"interleaved round(s); † marks a figure with a round whose 1-minute load before it was above "
-             f"{args.load_threshold:g} ({marked} of {total} measurements)"]
+             f"interleaved round(s); {load_note(args.load_threshold, marked, total)}"]
+    notes += [f"bytes/step/rank of {who}: {how}" for who, how in COUNTED_BY.items()]
+    notes += [f"deepspeed ({name}'s config): {why}" for name, why in DEEPSPEED_CAVEATS.items()
+              if results.get(f"deepspeed:{name}") and results[f"deepspeed:{name}"].ok()]
     plots = _plots(base, results, scaling)
     lines = header_lines("dstrain benchmark suite", command_line(), load_before, load_after, versions, notes)
     lines += ["## Strategies and peers", "", main_table(results, n_params, args.world, args.load_threshold), "",

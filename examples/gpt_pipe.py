@@ -32,11 +32,12 @@ def lm_head(embeddings: Embeddings, x: torch.Tensor) -> torch.Tensor:
     return x @ embeddings.tok.weight.t()
 
 
-def gpt_layers(cfg: GPTConfig) -> list:
-    return [TiedLayerSpec("embeddings", Embeddings, cfg, tied_weight_attr="tok.weight"),
-            *(LayerSpec(BlockLayer, cfg) for _ in range(cfg.n_layer)),
-            LayerSpec(nn.LayerNorm, cfg.d_model),
-            TiedLayerSpec("embeddings", Embeddings, cfg, forward_fn=lm_head, tied_weight_attr="tok.weight")]
+def gpt_layers(cfg: GPTConfig, layer_spec=LayerSpec, tied_layer_spec=TiedLayerSpec) -> list:
+    """The layer list; the spec classes can be DeepSpeed's (the benchmark suite's DeepSpeed peer)."""
+    return [tied_layer_spec("embeddings", Embeddings, cfg, tied_weight_attr="tok.weight"),
+            *(layer_spec(BlockLayer, cfg) for _ in range(cfg.n_layer)),
+            layer_spec(nn.LayerNorm, cfg.d_model),
+            tied_layer_spec("embeddings", Embeddings, cfg, forward_fn=lm_head, tied_weight_attr="tok.weight")]
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

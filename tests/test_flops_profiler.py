@@ -68,6 +68,28 @@ def test_gpt_counted_flops_agree_with_the_transformer_formula():
     assert counted_train_per_token == pytest.approx(analytic, rel=0.03)
 
 
+def test_ignore_modules_leaves_their_params_and_flops_out(tmp_path):
+    from examples.gpt import Block
+    cfg = GPTConfig(vocab_size=96, seq_len=16, n_layer=2, n_head=2, d_model=32)
+    model, b = GPT(cfg), 2
+    idx = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len))
+    n, d, L = sum(p.numel() for p in model.parameters()), cfg.d_model, cfg.n_layer
+    out = tmp_path / "profile.txt"
+    flops, _, params = get_model_profile(model, args=[idx], as_string=False, ignore_modules=[Block],
+                                         output_file=str(out))
+    # Left: embeddings and LayerNorm (no matmul FLOPs) and the tied LM head, one (b·T x d) @ (d x V).
+    assert flops == 2 * b * cfg.seq_len * d * cfg.vocab_size
+    assert params == n - L * (12 * d * d + 13 * d)  # a block: qkv, proj, fc, out with biases; 2 LayerNorms
+    text = out.read_text()
+    assert "ln_f (LayerNorm)" in text and "blocks.0" not in text
+    full, _, _ = get_model_profile(model, args=[idx], print_profile=False, as_string=False)
+    flops, _, params = get_model_profile(model, args=[idx], print_profile=False, as_string=False,
+                                         ignore_modules=[nn.LayerNorm])
+    assert flops == full and params == n - (2 * L + 1) * 2 * d
+    with pytest.raises(TypeError, match="ignore_modules"):
+        get_model_profile(model, args=[idx], print_profile=False, ignore_modules=["Block"])
+
+
 def _profiled_training(out: str):
     import engine
     torch.manual_seed(0)

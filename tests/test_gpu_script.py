@@ -1,24 +1,49 @@
 """benchmarks/gpu/run.py's `--cpu` mode: the GPU script's checks, on CPU with gloo, so it cannot rot
-between the runs on a GPU machine (issue 15)."""
+between the runs on a GPU machine (issue 15); and its report in the suite's format (benchmarks/report.py:
+the same header, cells that are a figure or say why not, ratios that follow from the step times)."""
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.report_format import is_figure_or_reason, missing_header_lines, ratio_matches, tables
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_gpu_script_cpu_mode_passes_and_writes_its_report(tmp_path):
-    report = tmp_path / "report.md"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "run.py"), "--cpu", "--out", str(report)],
-                          capture_output=True, text=True, timeout=400, cwd=tmp_path)
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp("gpu")
+    out = tmp / "report.md"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "run.py"), "--cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400, cwd=tmp)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    text = report.read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    return out.read_text()
+
+
+def test_gpu_script_cpu_mode_passes_its_checks(report):
+    rows = [line for line in report.splitlines() if line.startswith("| ")]
     checks = [r for r in rows if "| PASS |" in r or "| FAIL |" in r]
     # 12 stage x precision cases, 6 resumes, zero.Init: on one rank and again on two.
-    assert len(checks) == 2 * 19 and all("| PASS |" in r for r in checks), text
+    assert len(checks) == 2 * 19 and all("| PASS |" in r for r in checks), report
     assert any("ZeRO-3 fp16" in r for r in checks) and any("2 ranks: resume ZeRO-3 async save" in r for r in checks)
-    bench = [r for r in rows if r.startswith("| tiny GPT")]
-    assert len(bench) == 4 and not any("FAIL" in r for r in bench), text
+
+
+def test_gpu_report_is_in_the_suite_format(report):
+    from benchmarks.gpu.run import SYSTEMS, THROUGHPUT_HEADER, TORCH_SYSTEM
+    assert missing_header_lines(report) == [], report
+    _, throughput = tables(report)
+    header, *rows = throughput
+    assert header == [*THROUGHPUT_HEADER[:-1], "peak RSS GiB"]
+    assert [r[1] for r in rows] == list(SYSTEMS)
+    for row in rows:
+        assert len(row) == len(header) and all(c and is_figure_or_reason(c) for c in row[2:]), row
+        assert not row[2].startswith("not run"), row  # on CPU every system runs the tiny GPT
+    ms = {r[1]: float(r[2].split()[0]) for r in rows}
+    for row in rows:
+        assert ratio_matches(row[4], ms[row[1]], ms[TORCH_SYSTEM]), row
+        low, high = (float(v) for v in row[3].split()[0].split("–"))
+        assert low <= ms[row[1]] <= high and row[3].endswith("(2 step(s))"), row  # 4 steps, 2 warm-up

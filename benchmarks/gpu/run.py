@@ -13,9 +13,11 @@
 3. The same checks on 2 ranks over gloo (CUDA tensors on a GPU, `DSTRAIN_DEVICE=cuda`, as far as
    gloo supports CUDA collectives; the report says which failed and why).
 4. Throughput in bf16: the 25M benchmark GPT and a ~1B GPT, plain torch (autocast), FSDP2 and dstrain
-   stages 0 and 3 on the same device in the same run: step time (median after warm-up), tokens/s, MFU
-   against the GPU's bf16 dense peak (6N + attention FLOPs per token), peak memory. `--cpu` runs a tiny
-   GPT only (the code path, not a measurement).
+   stages 0 and 3 on the same device in the same run: step time (median after warm-up, with its spread
+   over the steps, † when the machine's load was above `--load-threshold`), the ratio to plain torch,
+   tokens/s, MFU against the GPU's bf16 dense peak (6N + attention FLOPs per token), peak memory; a
+   system that fails is "not run: why". `--cpu` runs a tiny GPT only (the code path, not a measurement).
+The report's header and cells are the benchmark suite's (benchmarks/report.py).
 The script exits non-zero when a check fails; the report is written either way.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402
-from benchmarks.report import command_line, header_lines, md_table  # noqa: E402
+from benchmarks.report import command_line, header_lines, load_note, md_table, ratio_cell, step_cells  # noqa: E402
 from engine.profiling.mfu import transformer_train_flops_per_token  # noqa: E402
 from engine.profiling.peaks import gpu_peak_tflops  # noqa: E402
 from benchmarks.bench_training import _torch_step  # noqa: E402  (plain torch's step, as the CPU benchmark's)
@@ -214,8 +216,8 @@ def _flops_per_token(cfg: GPTConfig, n_params: int) -> float:
     return transformer_train_flops_per_token(n_params, cfg.n_layer, cfg.n_head, cfg.d_model // cfg.n_head, cfg.seq_len)
 
 
-def _timed(step, batches, dev) -> tuple[float, float]:
-    """Median step time (s) after 2 warm-up steps, and peak memory (GiB; host RSS on CPU)."""
+def _timed(step, batches, dev) -> tuple[list[float], float]:
+    """Step times (ms) after 2 warm-up steps, and peak memory (GiB; host RSS on CPU)."""
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     times = []
@@ -227,13 +229,13 @@ def _timed(step, batches, dev) -> tuple[float, float]:
         step(x, y)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) * 1e3)
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev) / 2**30
     else:
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return statistics.median(times[2:]), peak
+    return times[2:], peak
 
 
 def _plain(cfg, dev):
@@ -273,30 +275,45 @@ def _dstrain(stage: int):
     return build
 
 
-SYSTEMS = {"torch (autocast bf16)": _plain, "FSDP2 (bf16)": _fsdp2, "dstrain ZeRO-0 bf16": _dstrain(0),
+TORCH_SYSTEM = "torch (autocast bf16)"  # the peer of the "vs torch" column: first, so its row is there
+SYSTEMS = {TORCH_SYSTEM: _plain, "FSDP2 (bf16)": _fsdp2, "dstrain ZeRO-0 bf16": _dstrain(0),
            "dstrain ZeRO-3 bf16": _dstrain(3)}
 
 
-def run_throughput(models: list[tuple[str, GPTConfig, int, int]], dev, peak_tflops: float | None) -> list[tuple]:
-    rows = []
+THROUGHPUT_HEADER = ("model", "system", "step ms", "spread (steps)", "vs torch", "tokens/s", "MFU", "peak GiB")
+
+
+def run_throughput(models: list[tuple[str, GPTConfig, int, int]], dev, peak_tflops: float | None,
+                   threshold: float) -> tuple[list[tuple], int]:
+    """The suite's cells (benchmarks/report.py) for each model x system; and how many were measured under load."""
+    rows, loaded = [], 0
     for label, cfg, micro, steps in models:
         _dstrain.micro = micro
+        torch_ms = None
         for system, build in SYSTEMS.items():
             torch.manual_seed(0)
+            load = os.getloadavg()[0]
             try:
                 step = build(cfg, dev)
                 n = _n_params(cfg)
-                seconds, peak = _timed(step, _batches(steps, cfg, micro), dev)
-                tokens = micro * cfg.seq_len / seconds
-                mfu = (f"{100 * tokens * _flops_per_token(cfg, n) / (peak_tflops * 1e12):.1f}%"
-                       if peak_tflops else "n/a")
-                rows.append((label, system, f"{seconds * 1e3:.1f}", f"{tokens:,.0f}", mfu, f"{peak:.2f}"))
+                times, peak = _timed(step, _batches(steps, cfg, micro), dev)
+                del step
             except Exception as e:  # noqa: BLE001 - one system's failure is a row, not the end of the run
-                rows.append((label, system, "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", "", ""))
-            del step
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-    return rows
+                why = f"not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                rows.append((label, system, why, "not run", "not run", "not run", "not run", "not run"))
+                continue
+            finally:
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            ms = statistics.median(times)
+            torch_ms = ms if system == TORCH_SYSTEM else torch_ms
+            loaded += load > threshold
+            tokens = micro * cfg.seq_len / (ms / 1e3)
+            mfu = (f"{100 * tokens * _flops_per_token(cfg, n) / (peak_tflops * 1e12):.1f}%"
+                   if peak_tflops else "n/a: no peak for this device")
+            rows.append((label, system, *step_cells(ms, min(times), max(times), len(times), "step", load > threshold),
+                         ratio_cell(ms, torch_ms, f"{TORCH_SYSTEM} did not run"), f"{tokens:,.0f}", mfu, f"{peak:.2f}"))
+    return rows, loaded
 
 
 def _n_params(cfg: GPTConfig) -> int:
@@ -326,6 +343,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="run the same checks on CPU with gloo (CI)")
     parser.add_argument("--out", default=None, help="the markdown report (default: benchmarks/results/gpu_<gpu>.md)")
     parser.add_argument("--skip-throughput", action="store_true", help="checks only")
+    parser.add_argument("--load-threshold", type=float, default=float(os.cpu_count() or 1),
+                        help="mark a figure measured when the 1-minute load was above this (default: CPUs)")
     args = parser.parse_args(argv)
     gpu = not args.cpu
     if gpu and not torch.cuda.is_available():
@@ -337,24 +356,25 @@ def main(argv=None) -> int:
     syncs: dict = {}
     checks = run_checks(syncs=syncs if gpu else None)
     checks += _multirank(gpu)
-    bench = []
+    bench, loaded = [], 0
     if not args.skip_throughput:
         peak = gpu_peak_tflops(name) if gpu else None  # engine/profiling/peaks.py: dense bf16 table
         models = ([("25M GPT", BENCH_CONFIG, 8, 12), ("1B GPT", ONE_B, 8, 10)] if gpu
                   else [("tiny GPT (code path only)", TINY, 2, 4)])
-        bench = run_throughput(models, dev, peak)
-    failed = [c for c in checks if c[1] != "PASS"] + [b for b in bench if b[2] == "FAIL"]
-    # The suite's header (benchmarks/report.py): command, versions, machine, load before and after.
-    report = header_lines(f"dstrain on {name}", command_line(), load_before, os.getloadavg(), {},
-                          [f"backend {dist.get_backend()}, device {dev}, {time.perf_counter() - t0:.0f} s, "
-                           f"{len(failed)} failure(s)"])
+        bench, loaded = run_throughput(models, dev, peak, args.load_threshold)
+    failed = [c for c in checks if c[1] != "PASS"] + [b for b in bench if b[2].startswith("not run")]
+    # The suite's header and cells (benchmarks/report.py): command, versions, machine, load, † marks.
+    notes = [f"backend {dist.get_backend()}, device {dev}, {time.perf_counter() - t0:.0f} s, {len(failed)} failure(s)"]
+    if bench:
+        notes.append("throughput: median step after 2 warm-up steps, spread over the measured steps, 1 round; "
+                     + load_note(args.load_threshold, loaded, len(bench)))
+    report = header_lines(f"dstrain on {name}", command_line(), load_before, os.getloadavg(), {}, notes)
     report += ["## Checks", "", _table(("check", "result", "detail"), checks)]
     if gpu:
         report += ["", "## Host syncs per training step (world size 1, steps 2-4)", "", _syncs_table(syncs)]
     if bench:
-        report += ["", "## Throughput (bf16, world size 1)", "",
-                   _table(("model", "system", "step ms", "tokens/s", "MFU", "peak GiB" if gpu else "peak RSS GiB"),
-                          bench)]
+        header = THROUGHPUT_HEADER if gpu else (*THROUGHPUT_HEADER[:-1], "peak RSS GiB")
+        report += ["", "## Throughput (bf16, world size 1)", "", _table(header, bench)]
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"gpu_{name.split()[-1].lower()}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(report) + "\n")

@@ -24,15 +24,19 @@ def get_model_profile(model: torch.nn.Module, input_shape=None, args=None, kwarg
                       detailed: bool = True, module_depth: int = -1, top_modules: int = 1, warm_up: int = 1,
                       as_string: bool = True, output_file: str | None = None, ignore_modules=None,
                       mode: str = "forward"):
-    """Profile one forward pass of `model` (after `warm_up` unprofiled ones); returns (flops, macs, params)."""
-    if ignore_modules:
-        raise NotImplementedError("get_model_profile(ignore_modules=...) is not built yet in dstrain")
+    """Profile one forward pass of `model` (after `warm_up` unprofiled ones); returns (flops, macs, params).
+    `ignore_modules`: module types whose parameters and FLOPs are not counted (ModuleProfile's `ignore`)."""
+    ignore = tuple(ignore_modules or ())
+    bad = [t for t in ignore if not (isinstance(t, type) and issubclass(t, torch.nn.Module))]
+    if bad:
+        raise TypeError(f"get_model_profile(ignore_modules=...): {bad} are not torch.nn.Module types; "
+                        "pass the classes, e.g. ignore_modules=[torch.nn.Embedding]")
     call_args, call_kwargs = _inputs(model, input_shape, args, kwargs)
     run = getattr(model, mode) if mode != "forward" else model
     with torch.no_grad():
         for _ in range(warm_up):
             run(*call_args, **call_kwargs)
-        with ModuleProfile(model) as prof:
+        with ModuleProfile(model, ignore) as prof:
             run(*call_args, **call_kwargs)
     flops, params = prof.total_flops, prof.total_params
     if print_profile:

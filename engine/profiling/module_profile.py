@@ -40,10 +40,13 @@ class ModuleStats:
 
 
 class ModuleProfile:
-    """Context manager: `with ModuleProfile(model) as prof: model(x)`; then `prof.stats`, `prof.total_flops`."""
+    """Context manager: `with ModuleProfile(model) as prof: model(x)`; then `prof.stats`, `prof.total_flops`.
+    `ignore`: module types (exact types, as DeepSpeed's `ignore_modules`) whose parameters and FLOPs are
+    left out of every total and whose subtrees leave the table; their time stays in their parents'."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, ignore: tuple[type, ...] = ()):
         self.model = model
+        self.ignore = tuple(ignore)
         self.stats: dict[str, ModuleStats] = {}
         for name, mod in model.named_modules():
             params = sum(p.numel() for p in mod.parameters())
@@ -103,6 +106,27 @@ class ModuleProfile:
                 continue
             if name in self.stats:
                 self.stats[name].flops = sum(ops.values())
+        self._drop_ignored()
+
+    def _drop_ignored(self) -> None:
+        """Take each outermost ignored module's parameters and FLOPs off its ancestors, then its subtree."""
+        ignored = [n for n, m in self.model.named_modules() if n and type(m) in self.ignore]
+        outermost = [n for n in ignored if not any(n.startswith(o + ".") for o in ignored if o != n)]
+        for name in outermost:
+            if name not in self.stats:
+                continue
+            gone = self.stats[name]
+            self.total_flops -= gone.flops
+            parent = name.rpartition(".")[0] if "." in name else ""
+            self.stats[parent].children.remove(name)
+            while True:
+                self.stats[parent].params -= gone.params
+                self.stats[parent].flops -= gone.flops
+                if not parent:
+                    break
+                parent = parent.rpartition(".")[0] if "." in parent else ""
+            for sub in [n for n in self.stats if n == name or n.startswith(name + ".")]:
+                del self.stats[sub]
 
     @property
     def total_params(self) -> int:

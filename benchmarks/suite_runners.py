@@ -1,0 +1,120 @@
+"""What runs inside each rank of a suite measurement (benchmarks/suite.py): one system's timed steps,
+its peak RSS and the bytes it communicated. Every system trains the same GPT on the same global batch
+per optimizer step (2 ranks x micro-batch 8 = 16 sequences): data-parallel systems feed each rank its
+own micro-batch; tensor parallelism and the pipeline hold one model copy over both ranks, so they run
+gradient_accumulation_steps micro-batches per step (config) on the data of data-parallel rank 0."""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import bench_training as bt
+from benchmarks.comm_bytes import DispatchBytes, count_ddp_buckets
+from benchmarks.peak_rss import peak_mb, restart_peak
+from examples.gpt import GPT, GPTConfig
+
+# How each system's bytes/step/rank is counted (the report prints this next to the table).
+COUNTED_BY = {
+    "dstrain": "dstrain's communicator counter (engine/comm.py, every data-parallel collective's payload)",
+    "dstrain-pipe2 and dstrain-tp2": "a dispatch mode over every torch.distributed op called from Python "
+                        "(benchmarks/comm_bytes.py): pipeline sends and tensor-parallel layers have communicators "
+                        "of their own",
+    "ddp": "a comm hook around torch's default all-reduce hook (each gradient bucket's bytes)",
+    "fsdp2": "the dispatch mode of benchmarks/comm_bytes.py (FSDP2's all-gathers and reduce-scatters)",
+    "deepspeed": "DeepSpeed's own comms_logger (config section comms_logger, prof_all), its message sizes summed",
+}
+
+
+def nvme_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), "dstrain-suite-nvme")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def rank_entry(system: str, steps: int, model: dict, micro: int, warmup: int, config: dict | None) -> dict:
+    torch.manual_seed(0)
+    cfg = GPTConfig(**model)
+    if system == "ddp":
+        times, sent = _ddp(steps, cfg)
+    elif system == "fsdp2":
+        with DispatchBytes() as counter:
+            times = bt._run_fsdp2(steps, True, cfg)
+        sent = counter.bytes
+    elif system == "bound":
+        times, sent = _bound(steps, cfg, micro), None
+    else:
+        times, sent = _dstrain(steps, cfg, config)
+    return {"step_ms": statistics.median(times[warmup:]), "rss_mb": bt._peak_rss_mb(),
+            "bytes": None if sent is None else sent / steps}
+
+
+def _ddp(steps: int, cfg: GPTConfig) -> tuple[list[float], int]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(GPT(cfg), gradient_as_bucket_view=True)
+    sent = count_ddp_buckets(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=bt.LR, fused=True)
+    times = bt._timed_loop(bt._torch_step(model, opt), bt._batches(steps, dist.get_rank(), cfg))
+    return times, sent["bytes"]
+
+
+def _bound(steps: int, cfg: GPTConfig, micro: int) -> list[float]:
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=bt.LR, fused=True)
+    return bt._timed_loop(bt._torch_step(model, opt), bt._batches(steps, 0, cfg, micro))
+
+
+def _dstrain(steps: int, cfg: GPTConfig, config: dict) -> tuple[list[float], int]:
+    """dstrain's steps; bytes from its communicator, or (pipeline, tensor parallel) the dispatch mode."""
+    import engine
+    pipe = "pipeline" in config
+    if pipe:
+        from engine.pipe import PipelineModule
+        from examples.gpt_pipe import gpt_layers, gpt_loss
+        model = PipelineModule(gpt_layers(cfg), num_stages=config["pipeline"]["stages"], loss_fn=gpt_loss)
+    else:
+        model = GPT(cfg)
+    one_copy = pipe or "tensor_parallel" in config
+    eng, _, _, _ = engine.initialize(model=model, config=config)
+    gas = config["gradient_accumulation_steps"]
+    batches = bt._batches(steps * gas, 0 if one_copy else dist.get_rank(), cfg, config["train_micro_batch_size_per_gpu"])
+    groups = [batches[i * gas:(i + 1) * gas] for i in range(steps)]
+
+    def step(group):
+        if pipe:
+            eng.train_batch(iter(group))
+            return
+        for x, y in group:
+            eng.backward(eng(x, y))
+            eng.step()
+    times = []
+    with DispatchBytes() as counter:
+        for group in groups:
+            t0 = time.perf_counter()
+            step(group)
+            times.append((time.perf_counter() - t0) * 1e3)
+    sent = counter.bytes if one_copy else sum(eng.comm.stats.bytes.values())
+    eng.destroy()
+    return times, sent
+
+
+# -- several measurements in one spawn --------------------------------------------------------------------
+def rank_batch(items: list[tuple], steps: int, micro: int, warmup: int) -> list[dict]:
+    """`rank_entry` for each (system, model, config) in turn in this one process: on a shared 2-core
+    machine a spawn (torch, gloo) costs more than a small model's steps. Peak RSS: benchmarks/peak_rss.py.
+    An item that fails is its error's text (a "not built yet" refusal is one row's "not run: why")."""
+    rows = []
+    for system, model, config in items:
+        restart_peak()
+        try:
+            row = rank_entry(system, steps, model, micro, warmup, config)
+        except Exception as e:  # noqa: BLE001 - one row's failure, not the batch's
+            rows.append({"error": f"{type(e).__name__}: {e}"})
+            continue
+        row["rss_mb"] = peak_mb()
+        rows.append(row)
+    return rows
