@@ -1,5 +1,5 @@
-"""NVMe optimizer offload at stages 1 and 2 (engine/zero/nvme_tier.py) is a storage tier: every step equals
-the run without offload bit for bit, with the fp32 master weights and optimizer state in swap files.
+"""NVMe optimizer offload at stages 1, 2 and 3 (engine/zero/nvme_tier.py) is a storage tier: every step
+equals the run without offload bit for bit, with the fp32 master weights and optimizer state in swap files.
 
 Oracles: 10 steps on 2 ranks of tests.models.ReuseNet with gradient accumulation 2, AdamW with clipping
 that bites and SGD without clipping (linear in the gradient: a wrong gradient scale moves the weights),
@@ -8,7 +8,8 @@ torch.equal, gradient norms compared exactly. `sub_group_size` 100 (rounded up t
 lanes note) divides no partition (asserted), so every step has a short last sub-group; AdamW runs with
 pipelined reads and writes. fp16 (loss scale 2^8, unscaled on the host) and bf16 at stage 2 equal the
 run without offload in the same precision. An Inf on one rank's loss skips the step and leaves the
-swap files' SHA-256 unchanged; `destroy()` removes the swap directory; a missing `nvme_path` is one
+swap files' SHA-256 unchanged (stages 2 and 3); a stage-3 checkpoint saved at step 5 with NVMe offload
+loads into a fresh NVMe engine, which then trains on equal to the run never stopped; `destroy()` removes the swap directory; a missing `nvme_path` is one
 ConfigError line naming the key. Copies are staged (DSTRAIN_OFFLOAD_STAGE_COPIES=1) as on an accelerator.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from engine.utils import safe_get_full_fp32_param
 from tests.harness import run_distributed
 from tests.models import ReuseNet, make_batches, micro_batches
 
-STEPS, MICRO, GAS, INF_STEP, SUB_GROUP = 10, 2, 2, 4, 100
+STEPS, MICRO, GAS, INF_STEP, SUB_GROUP, RESUME_AT = 10, 2, 2, 4, 100, 5
 OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
               "sgd": {"type": "SGD", "params": {"lr": 0.2}}}
 
@@ -48,7 +49,7 @@ def _config(stage: int, optimizer: str, nvme_path: str | None, precision: str = 
             # a schedule: the swapped step must see the learning rate the engine sets on every step
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 6}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "allgather_bucket_size": 900,
-                                  "overlap_comm": True}}
+                                  "overlap_comm": True, "stage3_param_persistence_threshold": 30}}
     if precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     elif precision == "bf16":
@@ -65,7 +66,9 @@ def _swap_hashes(zopt) -> dict:
             for part in zopt.nvme.parts.values() for path in part._files.values()}
 
 
-def _train(stage: int, optimizer: str, nvme_path: str | None, inf: bool = False, precision: str = "fp32") -> dict:
+def _train(stage: int, optimizer: str, nvme_path: str | None, inf: bool = False, precision: str = "fp32",
+           resume: str | None = None) -> dict:
+    """`resume`: a checkpoint directory; save there after RESUME_AT steps, rebuild the engine, load, go on."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     batches = make_batches(STEPS, MICRO * GAS * world)
@@ -74,6 +77,13 @@ def _train(stage: int, optimizer: str, nvme_path: str | None, inf: bool = False,
     zopt, dtype = eng.zero_optimizer, next(eng.module.parameters()).dtype
     norms, unchanged = [], None
     for step, (x, y) in enumerate(batches):
+        if resume is not None and step == RESUME_AT:
+            eng.save_checkpoint(resume)
+            eng.destroy()
+            torch.manual_seed(1)  # other initial weights: only the checkpoint can make the run equal
+            eng, _, _, _ = engine.initialize(model=ReuseNet("reentrant"), config=cfg)
+            eng.load_checkpoint(resume)
+            zopt = eng.zero_optimizer
         poison = inf and step == INF_STEP
         before = _swap_hashes(zopt) if poison and zopt.nvme is not None else None
         for k, (xm, ym) in enumerate(micro_batches(x.to(dtype), y.to(dtype), rank, world, GAS)):
@@ -97,10 +107,11 @@ def _train(stage: int, optimizer: str, nvme_path: str | None, inf: bool = False,
     return out
 
 
-CASES = [(stage, opt) for stage in (1, 2) for opt in ("sgd", "adamw")]
+CASES = [(stage, opt) for stage in (1, 2, 3) for opt in ("sgd", "adamw")]
+INF_STAGES = (2, 3)
 
 
-def _all_cases(nvme_path: str) -> dict:
+def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     out = {}
     for stage, opt in CASES:
         out[(stage, opt, "none")] = _train(stage, opt, None)
@@ -108,8 +119,10 @@ def _all_cases(nvme_path: str) -> dict:
     for precision in ("fp16", "bf16"):
         out[(precision, "none")] = _train(2, "adamw", None, precision=precision)
         out[(precision, "nvme")] = _train(2, "adamw", nvme_path, precision=precision)
-    out[("inf", "none")] = _train(2, "adamw", None, inf=True)
-    out[("inf", "nvme")] = _train(2, "adamw", nvme_path, inf=True)
+    for stage in INF_STAGES:
+        out[("inf", stage, "none")] = _train(stage, "adamw", None, inf=True)
+        out[("inf", stage, "nvme")] = _train(stage, "adamw", nvme_path, inf=True)
+    out[("resume", 3, "nvme")] = _train(3, "adamw", nvme_path, resume=checkpoint_dir)
     out["left_in_nvme_path"] = sorted(os.listdir(nvme_path))
     try:
         engine.initialize(model=ReuseNet("reentrant"), config=_config(2, "sgd", os.path.join(nvme_path, "missing")))
@@ -128,7 +141,8 @@ def _all_cases(nvme_path: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     nvme_path = os.fspath(tmp_path_factory.mktemp("nvme"))
-    return run_distributed(_all_cases, 2, args=(nvme_path,), timeout=240,
+    checkpoint_dir = os.fspath(tmp_path_factory.mktemp("checkpoint"))
+    return run_distributed(_all_cases, 2, args=(nvme_path, checkpoint_dir), timeout=300,
                            env={"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"})
 
 
@@ -155,14 +169,22 @@ def test_16bit_nvme_offload_equals_no_offload_in_the_same_precision(runs, precis
         _assert_same(result[(precision, "nvme")], result[(precision, "none")], f"rank {rank} {precision}")
 
 
-def test_inf_on_one_rank_skips_and_leaves_the_swap_files_unchanged(runs):
+@pytest.mark.parametrize("stage", INF_STAGES)
+def test_inf_on_one_rank_skips_and_leaves_the_swap_files_unchanged(runs, stage):
     for rank, result in enumerate(runs):
-        got, want = result[("inf", "nvme")], result[("inf", "none")]
+        got, want = result[("inf", stage, "nvme")], result[("inf", stage, "none")]
         assert got["skipped"] == want["skipped"] == 1, f"rank {rank}: skipped {got['skipped']}, {want['skipped']}"
         assert got["unchanged"] is True, f"rank {rank}: the skipped step changed a swap file"
         assert not math.isfinite(got["norms"][INF_STEP])
         finite = lambda r: {**r, "norms": r["norms"][:INF_STEP] + r["norms"][INF_STEP + 1:]}  # noqa: E731
         _assert_same(finite(got), finite(want), f"rank {rank} after the skip")
+
+
+def test_a_stage3_nvme_checkpoint_resumes_into_nvme_offload_exactly(runs):
+    for rank, result in enumerate(runs):
+        got = result[("resume", 3, "nvme")]
+        assert got["state_in_memory"] == 0 and got["swap_files"] > 0
+        _assert_same(got, result[(3, "adamw", "none")], f"rank {rank} resumed at step {RESUME_AT}")
 
 
 def test_a_missing_nvme_path_is_a_config_error_naming_the_key(runs):
