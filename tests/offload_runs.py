@@ -35,6 +35,7 @@ OPT_CPU = {"offload_optimizer": {"device": "cpu"}}
 PARAM_CPU = {"offload_param": {"device": "cpu"}}
 BOTH_CPU = {**OPT_CPU, **PARAM_CPU}
 NVME = "nvme"  # offload_optimizer on NVMe under the run's nvme_path (`_nvme`)
+NVME_PARAM_CPU = "nvme+param_cpu"  # and offload_param on the host: sample_configs/zero3_nvme.json's tiers
 
 
 def _nvme(optimizer: str, nvme_path: str) -> dict:
@@ -51,8 +52,8 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 6}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "allgather_bucket_size": 900,
                                  "overlap_comm": True, "stage3_param_persistence_threshold": 30}}
-    if offload == NVME:
-        cfg["zero_optimization"].update(_nvme(optimizer, nvme_path))
+    if offload in (NVME, NVME_PARAM_CPU):
+        cfg["zero_optimization"].update(_nvme(optimizer, nvme_path), **(PARAM_CPU if offload == NVME_PARAM_CPU else {}))
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
     else:
         cfg["zero_optimization"].update(offload)
@@ -180,7 +181,7 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     gc.freeze()
     os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "1"
     out = {key: train(*args, nvme_path=nvme_path) for key, args in {**FP32_CASES, **MIXED_CASES, **INF_CASES}.items()}
-    out[("resume", 3, NVME)] = train(3, "adamw", NVME, resume=checkpoint_dir, nvme_path=nvme_path)
+    out[("resume", 3, NVME)] = train(3, "adamw", NVME_PARAM_CPU, resume=checkpoint_dir, nvme_path=nvme_path)
     out[("zero_init", "both_cpu")] = train(3, "sgd", BOTH_CPU, zero_init=True)
     out[("meta", 2)] = train(2, "sgd", OPT_CPU, meta=True)
     out[("meta", 3)] = train(3, "sgd", BOTH_CPU, meta=True)
