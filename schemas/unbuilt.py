@@ -51,7 +51,8 @@ def _is(value: Any) -> Callable[[Any], bool]:
 _ZEROPP = "ZeRO++ is not built yet; remove it"
 UNBUILT: tuple[Unbuilt, ...] = (
     # Offload (README, Offload): device "cpu" is built, NVMe for the optimizer; NVMe parameters are not.
-    Unbuilt("zero_optimization.offload_param.device", 'NVMe offload is not built yet; use "cpu" or "none"',
+    Unbuilt("zero_optimization.offload_param.device", 'NVMe parameter offload is not built yet; use "cpu" or '
+            '"none" (offload_optimizer.device "nvme" is built)',
             built=lambda v: v in ("none", "cpu")),
     *(Unbuilt(f"zero_optimization.offload_param.{key}", "it applies to NVMe offload, which is not built yet; "
               "remove it") for key in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),

@@ -9,8 +9,8 @@ fp32 master weights and the optimizer state live in `SwappedPartition` swap file
 sends from (`PartitionedParams.flat`), so the gather path is the CPU tier's. That host flat is the
 send image, not the state: the configured optimizer never steps, and its state stays empty; the
 state's host memory is the swap pool. At stage 3 the host flat is also the chunk the prefetcher's
-all-gathers send from (tier.py's stage-3 note), so the same copy serves both. A skipped step never calls the stepper, so the files are left
-bit for bit as they were (two slots, the stepper's note).
+all-gathers send from (tier.py's stage-3 note), so the same copy serves both. A skipped step never
+calls the stepper, so the files are left bit for bit as they were (two slots, the stepper's note).
 [Note: hyperparameters] The user's optimizer keeps its param groups, so LR schedules and
 `engine.optimizer` still act on it; before every step each group's hyperparameters are copied into
 the inner optimizer of that group's partitions.
