@@ -13,8 +13,11 @@ AdamW, fp32, gradient_clipping 1.0, 2 ranks x 1 thread, gloo). Systems:
 - `dstrain-z2-nvme`: ZeRO-2 with `offload_optimizer: {"device": "nvme"}` (engine/zero/nvme_tier.py),
   swap files under `--nvme-path` (default: a temporary directory), `sub_group_size` 1e6, pipelined;
   DeepSpeed has no counterpart (it documents NVMe optimizer offload for stage 3 only);
+- `dstrain-z3` / `dstrain-z3-nvme-opt` / `deepspeed-z3-nvme-opt`: ZeRO-3 without offload, and with the
+  optimizer on NVMe (swap files under `--nvme-path`, the same sub-group and pool settings) in dstrain
+  and in DeepSpeed (its async I/O op, JIT-built with libaio);
 - `dstrain-z3-nvme` / `deepspeed-z3-nvme`: ZeRO-3 with NVMe offload of optimizer and parameters: not
-  run, NVMe offload at stage 3 is not built in dstrain's engine yet (the row says so).
+  run, NVMe parameter offload is not built in dstrain's engine yet (the row says so).
 Goals (issue 17): dstrain-z2-cpu ≤ 1.10x dstrain-z2 and faster than deepspeed-z2-cpu. On a CPU-only
 machine the offloaded partition already is where the step runs, so dstrain stages nothing
 (engine/zero/tier.py) and the ratio measures that this costs nothing; `dstrain-z2-cpu-staged` runs the
@@ -39,13 +42,17 @@ from tests.harness import run_distributed  # noqa: E402
 
 ZERO2 = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}
 CPU_OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
-DSTRAIN = {"dstrain-z2": ({}, {}), "dstrain-z2-cpu": (CPU_OFFLOAD, {}),
-           "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}),
-           "dstrain-z2-nvme": (None, {})}  # None: NVMe offload under --nvme-path (_nvme_offload)
+NVME = None  # NVMe optimizer offload under --nvme-path (_nvme_offload)
+# name: (offload sections, environment, ZeRO stage)
+DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
+           "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}, 2),
+           "dstrain-z2-nvme": (NVME, {}, 2), "dstrain-z3": ({}, {}, 3), "dstrain-z3-nvme-opt": (NVME, {}, 3)}
 # DeepSpeed's offload path: without torch_adam, its AdamW with offload is DeepSpeedCPUAdam.
-DEEPSPEED = {"deepspeed-z2-cpu": {"zero_optimization": CPU_OFFLOAD,
-                                  "optimizer": {"type": "AdamW", "params": {"lr": bt.LR}}}}
-NOT_RUN = {"dstrain-z3-nvme": "NVMe offload at stage 3 is not built in dstrain's engine yet",
+ADAMW = {"type": "AdamW", "params": {"lr": bt.LR}}
+# name: (ZeRO stage, config merged in, NVMe optimizer offload under --nvme-path)
+DEEPSPEED = {"deepspeed-z2-cpu": (2, {"zero_optimization": CPU_OFFLOAD, "optimizer": ADAMW}, False),
+             "deepspeed-z3-nvme-opt": (3, {"optimizer": ADAMW}, True)}
+NOT_RUN = {"dstrain-z3-nvme": "NVMe parameter offload is not built in dstrain's engine yet",
            "deepspeed-z3-nvme": "its dstrain counterpart is not built yet"}
 
 
@@ -56,9 +63,10 @@ def _nvme_offload(nvme_path: str) -> dict:
                                   "pipeline_read": True, "pipeline_write": True}}
 
 
-def _entry(offload: dict, steps: int):
+def _entry(offload: dict, steps: int, stage: int = 2):
     torch.manual_seed(0)
-    times = bt._run_dstrain(steps, True, stage=2, extra={"zero_optimization": {**ZERO2, **offload}})
+    zero = {**ZERO2, "stage": stage, **offload}
+    times = bt._run_dstrain(steps, True, stage=stage, extra={"zero_optimization": zero})
     return {"step_ms": statistics.median(times[2:-1] if len(times) > 4 else times), "rss_mb": bt._peak_rss_mb()}
 
 
@@ -72,9 +80,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--deepspeed-venv", type=Path, default=None, help="virtual environment with deepspeed")
-    p.add_argument("--nvme-path", default=None, help="directory for dstrain-z2-nvme's swap files (default: a temp dir)")
+    p.add_argument("--nvme-path", default=None, help="directory for the NVMe systems' swap files (default: a temp dir)")
     args = p.parse_args(argv)
     systems = args.systems.split(",")
+
+    def nvme_dir() -> str:
+        return args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-")
     print(f"before: {_load()}", flush=True)
     rows = []
     for name in systems:
@@ -84,17 +95,20 @@ def main(argv=None) -> int:
             if args.deepspeed_venv is None:
                 rows.append((name, None, None, "not run: no --deepspeed-venv"))
                 continue
+            stage, extra, nvme = DEEPSPEED[name]
+            if nvme:
+                extra = {**extra, "zero_optimization": _nvme_offload(nvme_dir())}
             try:
-                step, rss = bt._run_deepspeed(bt._deepspeed_python(args.deepspeed_venv), 2, args.steps, args.world,
-                                              DEEPSPEED[name])
+                step, rss = bt._run_deepspeed(bt._deepspeed_python(args.deepspeed_venv), stage, args.steps,
+                                              args.world, extra)
                 rows.append((name, step, rss, ""))
             except SystemExit as failed:  # the peer's own error, shortened to its last line
                 rows.append((name, None, None, f"not run: {str(failed).strip().splitlines()[-1][:200]}"))
         else:
-            offload, env = DSTRAIN[name]
-            if offload is None:
-                offload = _nvme_offload(args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-"))
-            per_rank = run_distributed(_entry, args.world, args=(offload, args.steps), timeout=1800, env=env)
+            offload, env, stage = DSTRAIN[name]
+            if offload is NVME:
+                offload = _nvme_offload(nvme_dir())
+            per_rank = run_distributed(_entry, args.world, args=(offload, args.steps, stage), timeout=1800, env=env)
             rows.append((name, max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank), ""))
         print(f"{name:>22}: {rows[-1][1] or 0:8.1f} ms/step  {rows[-1][3]}", flush=True)
     print(f"after: {_load()}")

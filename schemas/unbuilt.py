@@ -38,10 +38,10 @@ def _stage(*stages: int) -> Callable[[Any], bool]:
 def _not_nvme_optimizer(config: Any) -> bool:
     """Configs where the NVMe optimizer tier (engine/zero/nvme_tier.py), the one reader of the swap keys, is off."""
     section = config.zero_optimization.offload_optimizer
-    return not (section is not None and section.device == "nvme" and config.zero_optimization.stage in (1, 2))
+    return not (section is not None and section.device == "nvme" and config.zero_optimization.stage in (1, 2, 3))
 
 
-_NVME_WHERE = 'without zero_optimization.offload_optimizer.device "nvme" at zero_optimization.stage 1 or 2'
+_NVME_WHERE = 'without zero_optimization.offload_optimizer.device "nvme" at zero_optimization.stage 1, 2 or 3'
 
 
 def _is(value: Any) -> Callable[[Any], bool]:
@@ -50,12 +50,10 @@ def _is(value: Any) -> Callable[[Any], bool]:
 
 _ZEROPP = "ZeRO++ is not built yet; remove it"
 UNBUILT: tuple[Unbuilt, ...] = (
-    # Offload (README, Offload): device "cpu" is built; NVMe and the keys only it reads are not.
-    Unbuilt("zero_optimization.offload_param.device", 'NVMe offload is not built yet; use "cpu" or "none"',
+    # Offload (README, Offload): device "cpu" is built, NVMe for the optimizer; NVMe parameters are not.
+    Unbuilt("zero_optimization.offload_param.device", 'NVMe parameter offload is not built yet; use "cpu" or '
+            '"none" (offload_optimizer.device "nvme" is built)',
             built=lambda v: v in ("none", "cpu")),
-    Unbuilt("zero_optimization.offload_optimizer.device", 'use "cpu" or "none", or '
-            'zero_optimization.stage 1 or 2 (where NVMe is built)', built=lambda v: v in ("none", "cpu"),
-            when=_stage(3), where="at zero_optimization.stage 3"),
     *(Unbuilt(f"zero_optimization.offload_param.{key}", "it applies to NVMe offload, which is not built yet; "
               "remove it") for key in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
     Unbuilt("zero_optimization.offload_optimizer.fast_init", "NVMe state is initialised by writing the master "

@@ -46,8 +46,7 @@ class OffloadOptimizerConfig(StrictModel):
     device: OffloadDevice = "none"
     """Where the fp32 master weights, optimizer state and gradient partitions live: "none" (the
     accelerator) or "cpu" (host memory; the step runs there with torch's fused CPU kernel). Stages 1-3;
-    "nvme" (master weights and state in swap files under nvme_path, engine/zero/nvme_tier.py): stages 1
-    and 2 (not built yet at stage 3)."""
+    "nvme" (master weights and state in swap files under nvme_path, engine/zero/nvme_tier.py): stages 1-3."""
     nvme_path: Optional[str] = None
     """Directory on the NVMe device for optimizer-state swap files (device "nvme"; a per-job directory is
     made in it and removed at exit)."""
@@ -110,7 +109,7 @@ class ZeroConfig(StrictModel):
     offload_param: Optional[OffloadParamConfig] = None
     """Parameter offload (stage 3 only)."""
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
-    """Optimizer-state offload (CPU: stages 1-3; NVMe: stages 1-2)."""
+    """Optimizer-state offload (CPU and NVMe: stages 1-3)."""
     zenflow: Optional[dict[str, Any]] = None
     """DeepSpeed's ZenFlow (stall-free offload) options (not built yet: the section is rejected)."""
     leaf_module: Optional[dict[str, Any]] = None
@@ -118,7 +117,7 @@ class ZeroConfig(StrictModel):
     dstrain's units are chosen as docs/zero3.md says)."""
     sub_group_size: Size = Field(1_000_000_000, ge=0)
     """Elements per optimizer sub-group stepped (and swapped) at a time; read by NVMe optimizer offload
-    at stages 1-2 (rounded up to a multiple of 64, engine/zero/nvme_tier.py), refused elsewhere."""
+    at stages 1-3 (rounded up to a multiple of 64, engine/zero/nvme_tier.py), refused elsewhere."""
     prefetch_bucket_size: Size = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
     """Stage 3: parameter elements fetched ahead of use."""
     param_persistence_threshold: Size = Field(100_000, ge=0, alias="stage3_param_persistence_threshold")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..zero.stage3_params import full_shape, spec_of
+from .nvme import NvmeAdapter
 from .state import PartitionedAdapter
 
 
@@ -45,3 +46,8 @@ class Stage3Adapter(PartitionedAdapter):
     def finish_load(self) -> None:
         super().finish_load()
         self.zopt.refresh_after_load()
+
+
+class Stage3NvmeAdapter(NvmeAdapter, Stage3Adapter):
+    """Stage 3 with `offload_optimizer.device: "nvme"`: the state from the swap files (NvmeAdapter), the
+    shapes and frozen chunks of stage 3; loading refreshes the gathered copies, then fills the files."""

@@ -185,8 +185,8 @@ def adapter_for(zopt, rank: int, world: int):
     if zopt is None:
         return None
     if getattr(zopt, "stage", None) == 3:  # before the partition check: stage 3 has one too
-        from .stage3 import Stage3Adapter
-        return Stage3Adapter(zopt, rank, world)
+        from .stage3 import Stage3Adapter, Stage3NvmeAdapter
+        return (Stage3NvmeAdapter if getattr(zopt, "nvme", None) is not None else Stage3Adapter)(zopt, rank, world)
     if getattr(zopt, "nvme", None) is not None:  # stages 1-2 with optimizer state in swap files
         from .nvme import NvmeAdapter
         return NvmeAdapter(zopt, rank, world)

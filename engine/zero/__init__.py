@@ -77,6 +77,8 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
             raise schemas.ConfigError(problems)
         zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, tier=PartitionTier.for_zero(comm.device, zero),
                                    **common)
+        if wants_nvme(zero):  # the fp32 partition is the master at stage 3 too: the same swapped step
+            zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
         attach_per_tensor(zopt)
         tag_parameters(zopt, zopt.params)
         return zopt

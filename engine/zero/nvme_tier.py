@@ -1,4 +1,4 @@
-"""ZeRO-Infinity's optimizer tier at stages 1 and 2 (`offload_optimizer.device: "nvme"`).
+"""ZeRO-Infinity's optimizer tier at stages 1, 2 and 3 (`offload_optimizer.device: "nvme"`).
 
 [Note: nvme tier] The partition is placed as for `device: "cpu"` (tier.py): reduced gradient segments
 land in host memory, clipping and the NaN/Inf check run over them there. What changes is the step: the
@@ -8,8 +8,9 @@ fp32 master weights and the optimizer state live in `SwappedPartition` swap file
 (offload/swapped_partition.py). The updated master slice is copied into the host flat the all-gather
 sends from (`PartitionedParams.flat`), so the gather path is the CPU tier's. That host flat is the
 send image, not the state: the configured optimizer never steps, and its state stays empty; the
-state's host memory is the swap pool. A skipped step never calls the stepper, so the files are left
-bit for bit as they were (two slots, the stepper's note).
+state's host memory is the swap pool. At stage 3 the host flat is also the chunk the prefetcher's
+all-gathers send from (tier.py's stage-3 note), so the same copy serves both. A skipped step never
+calls the stepper, so the files are left bit for bit as they were (two slots, the stepper's note).
 [Note: hyperparameters] The user's optimizer keeps its param groups, so LR schedules and
 `engine.optimizer` still act on it; before every step each group's hyperparameters are copied into
 the inner optimizer of that group's partitions.
@@ -73,7 +74,7 @@ def _copy_hyper(src: dict, dst: dict) -> None:
 
 
 class NvmeOptimizerTier:
-    """The swapped step of one rank's stage-1/2 partition (module note)."""
+    """The swapped step of one rank's stage-1/2/3 partition (module note)."""
 
     def __init__(self, zopt, zero, aio):
         section = zero.offload_optimizer
