@@ -2,14 +2,16 @@
 rank 0 only, with values checked against a single-process reference run with SGD (the update is
 linear in the gradient, so a wrong loss or gradient scale shows in the logged loss and grad norm).
 
-One 2-rank run writes csv, TensorBoard and wandb (offline) at once; the TensorBoard events are read
-back with TensorBoard's own reader, the wandb run from its offline history file."""
+One 2-rank run writes csv, TensorBoard, wandb and Comet (both offline: no account) at once; the
+TensorBoard events are read back with TensorBoard's own reader, the wandb run from its offline history
+file, the Comet run from the archive its offline mode writes."""
 from __future__ import annotations
 
 import copy
 import csv
 import json
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,8 @@ def _config(out: Path) -> dict:
             "mfu": {"peak_tflops": PEAK_TFLOPS},
             "csv_monitor": {"enabled": True, "output_path": str(out / "csv"), "job_name": "job"},
             "tensorboard": {"enabled": True, "output_path": str(out / "tb"), "job_name": "job"},
-            "wandb": {"enabled": True, "project": "dstrain-test", "group": "g"}}
+            "wandb": {"enabled": True, "project": "dstrain-test", "group": "g"},
+            "comet": {"enabled": True, "project": "dstrain-test", "online": False, "samples_log_interval": 1}}
 
 
 def _train(out: str):
@@ -71,7 +74,8 @@ def _reference():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("monitors")
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(out / "wandb"), "WANDB_SILENT": "true"}
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(out / "wandb"), "WANDB_SILENT": "true",
+           "COMET_OFFLINE_DIRECTORY": str(out / "comet")}
     (out / "wandb").mkdir()
     run_distributed(_train, WORLD, args=(str(out),), timeout=120, env=env)
     return out
@@ -157,6 +161,18 @@ def test_wandb_offline_history(run_dir):
                 logged.append((items["_step"], items["Train/Samples/train_loss"]))
     assert [s for s, _ in logged] == [WORLD * MICRO * (i + 1) for i in range(STEPS)]
     assert [v for _, v in logged] == pytest.approx(losses, rel=1e-5)
+
+
+def test_comet_offline_archive(run_dir):
+    losses, _ = _reference()
+    archives = list((run_dir / "comet").glob("*.zip"))
+    assert len(archives) == 1  # rank 0 only
+    with zipfile.ZipFile(archives[0]) as z:
+        messages = [json.loads(line) for line in z.read("messages.json").splitlines() if line.strip()]
+    metrics = [m["payload"]["metric"] for m in messages if m["type"] == "metric_msg"]
+    logged = [(m["step"], m["metricValue"]) for m in metrics if m["metricName"] == "Train/Samples/train_loss"]
+    assert [s for s, _ in logged] == [WORLD * MICRO * (i + 1) for i in range(STEPS)]
+    assert [float(v) for _, v in logged] == pytest.approx(losses, rel=1e-5)
 
 
 def test_only_rank_zero_writes(run_dir):
