@@ -247,6 +247,11 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
     names = {id(p): n for n, p in eng.module.named_parameters()}
     trainable = {id(p): names[id(p)] for p in adapter.params()} if adapter else {}
     tensors, index = _fragments(eng, adapter, names)
+    streams = adapter.streams() if hasattr(adapter, "streams") else []  # NVMe state: streamed.py's note
+    if arena is not None:  # an async save snapshots into memory: the state is read in now
+        for stream in streams:
+            stream.fill()
+        streams = []
     entries, aliases = module_entries(eng.module, trainable)
     _entry_fragments(adapter, entries, comm.rank, tensors, index)  # data rank 0 of each stage: buffers
     tensors = pack(tensors, arena)
@@ -260,7 +265,7 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
     snap = Snapshot(Path(save_dir), tag, gathered[0][0][1], rank,
                     {"format": fmt.FORMAT_NAME, "rank": rank, "world_size": world, "tag": tag,
                      "coord": table["coord"], "tensors": tensors, "rng": rng_state()},
-                    save_latest=save_latest, keep_last=keep_last, ready=ready,
+                    save_latest=save_latest, keep_last=keep_last, ready=ready, streams=streams,
                     nbytes=sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)))
     if rank == 0:
         snap.engine_state = _engine_state(eng, client_state)
