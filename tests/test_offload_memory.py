@@ -136,8 +136,9 @@ def test_nvme_checkpoint_save_and_load_stream_the_state(tmp_path, fixed_mmap_thr
                         timeout=120)[0]
     print({k: round(v / MiB, 2) for k, v in r.items()})  # MiB, shown with -s
     assert r["state"] > 3 * MARGIN  # assembling it, as the save did before it streamed, would show
-    # Fixed costs named: the writer's 3 hashing blocks (blockio.py); at load the verification's two read
-    # buffers and the rank file's pages, memory-mapped by torch.load (page cache, the same for any load).
+    # Fixed costs named: the writer's 3 hashing blocks (blockio.py); at load the rank file's pages,
+    # memory-mapped by torch.load (page cache, the same for any load), or before them the verification's
+    # two read buffers (freed when it ends).
     assert r["save"] <= 3 * BLOCK + MARGIN, f"save peak {r['save'] / MiB:.1f} MiB (state {r['state'] / MiB:.0f} MiB)"
-    assert r["load"] <= r["file"] + 2 * BLOCK + MARGIN, \
+    assert r["load"] <= max(r["file"], 2 * BLOCK) + MARGIN, \
         f"load peak {r['load'] / MiB:.1f} MiB, file {r['file'] / MiB:.1f} MiB (state {r['state'] / MiB:.0f} MiB)"
