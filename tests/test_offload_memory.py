@@ -12,6 +12,7 @@ the spawn).
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -81,12 +82,17 @@ HELD_MARGIN = 3 * 2**20  # the first steps' per-sub-group transients and interpr
 
 
 def _held_by_stepping(nvme_path: str) -> dict:
+    warm = _engine(64, "nvme", nvme_path)  # one-time costs of the first NVMe engine (lazy imports, I/O threads)
+    for _ in range(2):
+        _step(warm, 64)
+    warm.destroy()
     out = {}
-    for device in ("cpu", "nvme"):  # cpu first: one-time costs (lazy imports, threads) land on the contrast
+    for device in ("cpu", "nvme"):
         for width in WIDTHS:
             eng = _engine(width, device, nvme_path)
             x = torch.randn(2, width, device="cpu")
             eng.backward(eng(x, x))  # gradients, buckets and host flats exist before the baseline
+            gc.collect()  # the previous engine's cycles are freed now, not during the measurement
             before = _rss()
             eng.step()
             _step(eng, width)
@@ -106,12 +112,14 @@ def test_nvme_optimizer_state_host_memory_is_the_pool_while_the_model_grows_4x(t
         assert large["numel"] == 4 * small["numel"]
         assert small["pool"] == large["pool"] > 0, (rank, small, large)  # sub-groups, not the model, size it
         for width in WIDTHS:
-            nvme, cpu = r["nvme", width], r["cpu", width]
-            state = 8 * cpu["numel"]  # AdamW's two fp32 moments of this rank's partition
+            nvme = r["nvme", width]
             assert nvme["held"] <= HELD_MARGIN, f"rank {rank} width {width}: NVMe stepping holds {nvme['held'] / MiB:.1f} MiB"
-            # the oracle sees in-memory state when it is there (CPU offload keeps AdamW's moments in RAM)
-            assert cpu["held"] >= 0.8 * state, f"rank {rank} width {width}: cpu {cpu['held'] / MiB:.1f} MiB, state {state / MiB:.1f}"
-        assert r["cpu", WIDTHS[1]]["held"] > 2 * HELD_MARGIN  # state held in memory would break the NVMe bound
+        # the oracle sees in-memory state when it is there (CPU offload keeps AdamW's moments in RAM): at the
+        # large size, where they are 3x the margin (at the small one, 2.3 MiB, they are within RSS noise)
+        cpu = r["cpu", WIDTHS[1]]
+        state = 8 * cpu["numel"]  # AdamW's two fp32 moments of this rank's partition
+        assert cpu["held"] >= 0.8 * state > 2 * HELD_MARGIN, \
+            f"rank {rank}: cpu {cpu['held'] / MiB:.1f} MiB held, state {state / MiB:.1f} MiB"
 
 
 # -- checkpoints: save and load stream the swapped state ------------------------------------------------

@@ -129,13 +129,19 @@ class NvmeAdapter(PartitionedAdapter):
             raise ValueError(f"the checkpoint has optimizer state {kinds} but not {missing}, which the "
                              "NVMe-offloaded optimizer needs; load with load_optimizer_states=False")
         pending = sorted(self._pending[key], key=lambda f: f.offset)
+        first = 0  # fragments before it end before the current sub-group (both ascending)
         for s, e in part.groups:
             master = flat[s:e]  # filled in place: the host flat is the send image (nvme_tier.py)
             state = {kind: torch.zeros(e - s, dtype=torch.float32, device="cpu") for kind in part.state_keys} \
                 if kinds else {}
-            for frag in pending:
+            while first < len(pending) and pending[first].offset + pending[first].numel <= s:
+                first += 1
+            for i in range(first, len(pending)):
+                frag = pending[i]
+                if frag.offset >= e:
+                    break
                 a, b = max(s, frag.offset), min(e, frag.offset + frag.numel)
-                if a >= b:
+                if a >= b:  # an empty fragment (a rank holding no rows of that parameter)
                     continue
                 lo, hi = a - frag.offset, b - frag.offset  # elements of the fragment
                 r0, r1 = lo // frag.row_numel, -(-hi // frag.row_numel)
