@@ -158,13 +158,15 @@ def _nvme_save_and_load(ckpt: str, nvme_path: str, uninterrupted: dict) -> dict:
 
 
 def _nvme_load_at_one_rank(ckpt: str, nvme_path: str) -> dict:
+    """The 2-rank NVMe checkpoint, and the 2-rank one without offload, each into 1 rank with and without NVMe."""
     out = {}
-    for name, offload in (("none", {}), ("nvme", _nvme(nvme_path))):
-        eng = _engine(2, offload, seed=1)
-        eng.load_checkpoint(ckpt, tag="nvme")
-        _train(eng, BATCHES[SAVE_AT:])
-        out[name] = _params(eng)
-        eng.destroy()
+    for tag, prefix in (("nvme", ""), ("none", "none->")):
+        for name, offload in (("none", {}), ("nvme", _nvme(nvme_path))):
+            eng = _engine(2, offload, seed=1)
+            eng.load_checkpoint(ckpt, tag=tag)
+            _train(eng, BATCHES[SAVE_AT:])
+            out[prefix + name] = _params(eng)
+            eng.destroy()
     return out
 
 
@@ -203,6 +205,8 @@ def test_nvme_offloaded_checkpoint_loads_anywhere_and_the_reverse(two_ranks, one
     one = one_rank["nvme"]
     _close(one["nvme"], one["none"], 0, "1 rank: NVMe vs no offload from a 2-rank NVMe checkpoint")
     _close(one["nvme"], two_ranks[0]["nvme"]["uninterrupted"], 1e-5, "1 rank vs the 2-rank uninterrupted run")
+    _close(one["none->nvme"], one["none->none"], 0, "1 rank: a 2-rank checkpoint without offload into NVMe vs none")
+    _close(one["none->nvme"], two_ranks[0]["nvme"]["uninterrupted"], 1e-5, "none -> 1-rank NVMe vs the 2-rank run")
 
 
 def _equal_states(got: dict, want: dict, what: str) -> None:
