@@ -4,6 +4,8 @@
     w = safe_get_full_fp32_param(model.l1.weight)      # fp32 master weight, full shape
     g = safe_get_full_grad(model.l1.weight)            # reduced, averaged, unscaled gradient
     m = safe_get_full_optimizer_state(model.l1.weight, "exp_avg")
+    w_r = safe_get_local_fp32_param(model.l1.weight)   # this rank's rows only, no collective
+    m_r = safe_get_local_optimizer_state(model.l1.weight, "exp_avg")
 
 Call them on every rank at the same time: at stages 1 and above the pieces live on different ranks and
 are all-gathered. `safe_get_full_grad` is meaningful between the boundary's backward and `step()`.
@@ -63,3 +65,21 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
         return zopt.full_optimizer_state(param, optim_state_key)
     value = zopt.optimizer.state.get(_stage0_master(zopt, param), {}).get(optim_state_key)
     return value.detach().float().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _local(param: torch.nn.Parameter, method: str, *args):
+    """This rank's rows of `param` (a partitioned stage's fragment; stage 0 holds whole tensors)."""
+    zopt = _owner(param)
+    if zopt is None:
+        return None
+    if hasattr(zopt, method):
+        return getattr(zopt, method)(param, *args)
+    return (safe_get_full_optimizer_state if args else safe_get_full_fp32_param)(param, *args)
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
+    return _local(param, "local_fp32_param")
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str):
+    return _local(param, "local_optimizer_state", optim_state_key)

@@ -8,15 +8,22 @@ uninterrupted 7-step run without offload bit for bit at stage 2 (same reduction 
 atol 2e-6 at stages 1 and 3 (their buckets sum in another order). Loaded at 1 rank with and without
 offload, the two continuations are bitwise equal to each other and within 1e-5 of the 2-rank run (only
 the reduction order differs). AdamW's moments make a lost or misplaced optimizer state visible.
+The same with NVMe optimizer offload (the swapped state streamed by engine/checkpoint/nvme.py), and under
+NVMe the state APIs (safe_get_full_* / safe_get_local_*, `eng.optimizer.state_dict()` and
+`load_state_dict()`) return the swapped state: equal to the same run without offload.
+[Note: two spawns] Every 2-rank scenario runs in one spawned job and every 1-rank one in another
+(module-scoped fixtures); the tests assert on their results. The uninterrupted run is shared.
 """
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import engine
-from engine.utils import safe_get_full_fp32_param
+from engine.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_get_local_fp32_param,
+                          safe_get_local_optimizer_state)
 from tests.harness import run_distributed
 from tests.models import OddMLP, make_batches, micro_batches
 
@@ -55,15 +62,13 @@ TARGETS_2 = {"stage2-none": (2, {}), "stage2-cpu": (2, OPT_CPU), "stage1-cpu": (
 TARGETS_1 = {"stage2-none": (2, {}), "stage2-cpu": (2, OPT_CPU)}
 
 
-def _save_and_load_at_two_ranks(ckpt: str) -> dict:
-    uninterrupted = _engine(2, {})
-    _train(uninterrupted, BATCHES)
+def _save_and_load_at_two_ranks(ckpt: str, uninterrupted: dict) -> dict:
     saver = _engine(2, OPT_CPU)
     assert saver.zero_optimizer.tier.staged
     _train(saver, BATCHES[:SAVE_AT])
     saver.save_checkpoint(ckpt, tag="offloaded")
     saver.wait_for_checkpoint()
-    out = {"uninterrupted": _params(uninterrupted)}
+    out = {"uninterrupted": uninterrupted}
     for name, (stage, offload) in TARGETS_2.items():
         eng = _engine(stage, offload, seed=1)
         eng.load_checkpoint(ckpt, tag="offloaded")
@@ -88,18 +93,17 @@ def _close(got: dict, want: dict, atol: float, what: str) -> None:
         assert (torch.equal(got[n], w) if atol == 0 else err <= atol), f"{what} {n}: max |diff| {err:.3e}"
 
 
-def test_offloaded_checkpoint_loads_anywhere_and_continues_as_the_uninterrupted_run(tmp_path):
-    ckpt = os.fspath(tmp_path / "ckpt")
-    two = run_distributed(_save_and_load_at_two_ranks, 2, args=(ckpt,), timeout=180, env=STAGED)
-    for rank, result in enumerate(two):
+def test_offloaded_checkpoint_loads_anywhere_and_continues_as_the_uninterrupted_run(two_ranks, one_rank):
+    for rank, result in enumerate(two_ranks):
+        result = result["cpu"]
         want = result["uninterrupted"]
         _close(result["stage2-none"], want, 0, f"rank {rank} offload -> no offload")
         _close(result["stage2-cpu"], want, 0, f"rank {rank} offload -> offload")
         _close(result["stage1-cpu"], want, 2e-6, f"rank {rank} stage 2 -> stage 1 offload")
         _close(result["stage3-both"], want, 2e-6, f"rank {rank} stage 2 -> stage 3 param+optimizer offload")
-    one = run_distributed(_load_at_one_rank, 1, args=(ckpt,), timeout=120, env=STAGED)[0]
+    one = one_rank["cpu"]
     _close(one["stage2-cpu"], one["stage2-none"], 0, "1 rank: offload vs no offload")
-    _close(one["stage2-cpu"], two[0]["uninterrupted"], 1e-5, "1 rank vs the 2-rank uninterrupted run")
+    _close(one["stage2-cpu"], two_ranks[0]["cpu"]["uninterrupted"], 1e-5, "1 rank vs the 2-rank uninterrupted run")
 
 
 # -- NVMe optimizer offload (engine/checkpoint/nvme.py) ---------------------------------------------
@@ -107,18 +111,41 @@ def _nvme(path: str) -> dict:
     return {"sub_group_size": 100, "offload_optimizer": {"device": "nvme", "nvme_path": path}}
 
 
-def _nvme_save_and_load(ckpt: str, nvme_path: str) -> dict:
+def _state_apis(eng) -> dict:
+    """What the state APIs say after training: per parameter, and the optimizer's own state_dict."""
+    per_param = {}
+    for n, p in eng.module.named_parameters():
+        if p.requires_grad:
+            per_param[n] = {"fp32": safe_get_full_fp32_param(p), "local_fp32": safe_get_local_fp32_param(p),
+                            **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq", "step")},
+                            "local_exp_avg": safe_get_local_optimizer_state(p, "exp_avg")}
+    return {"per_param": per_param, "state_dict": eng.optimizer.state_dict()["state"]}
+
+
+def _load_state_dict_round_trip(eng, state_dict: dict) -> dict:
+    """`eng.optimizer.load_state_dict` of another run's state, read back through state_dict()."""
+    eng.optimizer.load_state_dict(state_dict)
+    return {"in_memory": sum(len(s) for s in eng.optimizer.state.values()),
+            "read_back": eng.optimizer.state_dict()["state"]}
+
+
+def _nvme_save_and_load(ckpt: str, nvme_path: str, uninterrupted: dict) -> dict:
     """Save with NVMe offload, load into no offload, CPU offload and NVMe; save without offload, load
-    into NVMe. Every continuation must be the uninterrupted run (stage 2, same reduction order)."""
-    uninterrupted = _engine(2, {})
-    _train(uninterrupted, BATCHES)
-    out = {"uninterrupted": _params(uninterrupted)}
+    into NVMe. Every continuation must be the uninterrupted run (stage 2, same reduction order). The
+    two savers trained alike: their state APIs must agree."""
+    out = {"uninterrupted": uninterrupted, "apis": {}}
     for source, offload in (("nvme", _nvme(nvme_path)), ("none", {})):
         saver = _engine(2, offload)
         _train(saver, BATCHES[:SAVE_AT])
         saver.save_checkpoint(ckpt, tag=source)
         saver.wait_for_checkpoint()
-        saver.destroy()
+        out["apis"][source] = _state_apis(saver)
+        if source == "nvme":
+            nvme_saver = saver  # kept for the load_state_dict round trip below
+        else:
+            out["round_trip"] = _load_state_dict_round_trip(nvme_saver, saver.optimizer.state_dict())
+            nvme_saver.destroy()
+            saver.destroy()
     for name, (tag, offload) in {"nvme->none": ("nvme", {}), "nvme->cpu": ("nvme", OPT_CPU),
                                  "nvme->nvme": ("nvme", _nvme(nvme_path)),
                                  "none->nvme": ("none", _nvme(nvme_path))}.items():
@@ -131,22 +158,76 @@ def _nvme_save_and_load(ckpt: str, nvme_path: str) -> dict:
 
 
 def _nvme_load_at_one_rank(ckpt: str, nvme_path: str) -> dict:
+    """The 2-rank NVMe checkpoint, and the 2-rank one without offload, each into 1 rank with and without NVMe."""
     out = {}
-    for name, offload in (("none", {}), ("nvme", _nvme(nvme_path))):
-        eng = _engine(2, offload, seed=1)
-        eng.load_checkpoint(ckpt, tag="nvme")
-        _train(eng, BATCHES[SAVE_AT:])
-        out[name] = _params(eng)
-        eng.destroy()
+    for tag, prefix in (("nvme", ""), ("none", "none->")):
+        for name, offload in (("none", {}), ("nvme", _nvme(nvme_path))):
+            eng = _engine(2, offload, seed=1)
+            eng.load_checkpoint(ckpt, tag=tag)
+            _train(eng, BATCHES[SAVE_AT:])
+            out[prefix + name] = _params(eng)
+            eng.destroy()
     return out
 
 
-def test_nvme_offloaded_checkpoint_loads_anywhere_and_the_reverse(tmp_path):
-    ckpt, nvme_path = os.fspath(tmp_path / "ckpt"), os.fspath(tmp_path)
-    two = run_distributed(_nvme_save_and_load, 2, args=(ckpt, nvme_path), timeout=180, env=STAGED)
-    for rank, result in enumerate(two):
+def _two_rank_job(ckpt: str, nvme_ckpt: str, nvme_path: str) -> dict:
+    uninterrupted = _engine(2, {})
+    _train(uninterrupted, BATCHES)
+    params = _params(uninterrupted)
+    return {"cpu": _save_and_load_at_two_ranks(ckpt, params), "nvme": _nvme_save_and_load(nvme_ckpt, nvme_path, params)}
+
+
+def _one_rank_job(ckpt: str, nvme_ckpt: str, nvme_path: str) -> dict:
+    return {"cpu": _load_at_one_rank(ckpt), "nvme": _nvme_load_at_one_rank(nvme_ckpt, nvme_path)}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> tuple[str, str, str]:
+    d = tmp_path_factory.mktemp("offload_ckpt")
+    return os.fspath(d / "ckpt"), os.fspath(d / "nvme_ckpt"), os.fspath(d)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(paths) -> list:
+    return run_distributed(_two_rank_job, 2, args=paths, timeout=300, env=STAGED)
+
+
+@pytest.fixture(scope="module")
+def one_rank(paths, two_ranks) -> dict:  # loads what the 2-rank job saved
+    return run_distributed(_one_rank_job, 1, args=paths, timeout=180, env=STAGED)[0]
+
+
+def test_nvme_offloaded_checkpoint_loads_anywhere_and_the_reverse(two_ranks, one_rank):
+    for rank, result in enumerate(two_ranks):
+        result = result["nvme"]
         for name in ("nvme->none", "nvme->cpu", "nvme->nvme", "none->nvme"):
             _close(result[name], result["uninterrupted"], 0, f"rank {rank} {name}")
-    one = run_distributed(_nvme_load_at_one_rank, 1, args=(ckpt, nvme_path), timeout=120, env=STAGED)[0]
+    one = one_rank["nvme"]
     _close(one["nvme"], one["none"], 0, "1 rank: NVMe vs no offload from a 2-rank NVMe checkpoint")
-    _close(one["nvme"], two[0]["uninterrupted"], 1e-5, "1 rank vs the 2-rank uninterrupted run")
+    _close(one["nvme"], two_ranks[0]["nvme"]["uninterrupted"], 1e-5, "1 rank vs the 2-rank uninterrupted run")
+    _close(one["none->nvme"], one["none->none"], 0, "1 rank: a 2-rank checkpoint without offload into NVMe vs none")
+    _close(one["none->nvme"], two_ranks[0]["nvme"]["uninterrupted"], 1e-5, "none -> 1-rank NVMe vs the 2-rank run")
+
+
+def _equal_states(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want) and want, f"{what}: state of {sorted(got)} vs {sorted(want)}"
+    for i in want:
+        assert set(got[i]) == set(want[i]), f"{what} [{i}]: keys {sorted(got[i])} vs {sorted(want[i])}"
+        for k, w in want[i].items():
+            assert torch.equal(got[i][k], w), f"{what} [{i}][{k}] differs"
+
+
+def test_nvme_state_is_what_the_state_apis_return(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        apis = result["nvme"]["apis"]
+        nvme, none = apis["nvme"]["per_param"], apis["none"]["per_param"]
+        assert set(nvme) == set(none)
+        for n, want in none.items():
+            for k, w in want.items():
+                got = nvme[n][k]
+                assert got is not None and torch.equal(got, w), f"rank {rank} {n} {k}: NVMe differs from no offload"
+        assert int(none["l1.weight"]["step"]) == SAVE_AT and none["l1.weight"]["exp_avg"].abs().sum() > 0
+        _equal_states(apis["nvme"]["state_dict"], apis["none"]["state_dict"], f"rank {rank} optimizer.state_dict()")
+        trip = result["nvme"]["round_trip"]
+        assert trip["in_memory"] == 0, f"rank {rank}: load_state_dict left state in memory under NVMe"
+        _equal_states(trip["read_back"], apis["none"]["state_dict"], f"rank {rank} load_state_dict -> state_dict")

@@ -240,13 +240,20 @@ def _swap_dirs(nvme: Path) -> list[Path]:
     return sorted(nvme.glob("dstrain-swap-*"))
 
 
-@pytest.mark.parametrize("then", ["pass", "raise RuntimeError('boom')"], ids=["normal-exit", "exception"])
-def test_swap_dir_removed_at_exit(tmp_path, then):
-    child = _child(tmp_path, then)
-    out, err = child.communicate(timeout=120)
-    assert Path(out.strip()).parent == tmp_path, err
-    assert child.returncode == (0 if then == "pass" else 1), err
-    assert _swap_dirs(tmp_path) == []
+def test_swap_dir_removed_at_normal_exit_and_at_an_exception(tmp_path):
+    # both children at once (each imports torch): their own nvme_path each, so each check is its own
+    children = {then: (tmp_path / name, _child_in(tmp_path / name, then))
+                for name, then in (("normal-exit", "pass"), ("exception", "raise RuntimeError('boom')"))}
+    for then, (nvme, child) in children.items():
+        out, err = child.communicate(timeout=120)
+        assert Path(out.strip()).parent == nvme, err
+        assert child.returncode == (0 if then == "pass" else 1), err
+        assert _swap_dirs(nvme) == []
+
+
+def _child_in(nvme: Path, then: str) -> subprocess.Popen:
+    nvme.mkdir()
+    return _child(nvme, then)
 
 
 def test_killed_jobs_dir_removed_at_next_start_live_jobs_kept(tmp_path):

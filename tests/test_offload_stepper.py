@@ -208,9 +208,10 @@ MEASURE = textwrap.dedent("""
     torch.set_num_threads(1)
     from offload import AsyncFileIO, SwapBufferPool, SwapDir, SwappedPartition, sub_group_buffer_elements
     from schemas.features import AioConfig
-    numel, sub_group = {numel}, {sub_group}
+    sub_group = {sub_group}
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)
-    with tempfile.TemporaryDirectory(dir={tmp!r}) as d:
+
+    def measure(numel, d):
         swap = SwapDir.create(d, path_key="k")
         io = AsyncFileIO(AioConfig(), path_key="k")
         before_pool = psutil.Process().memory_info().rss
@@ -239,15 +240,19 @@ MEASURE = textwrap.dedent("""
         peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
         rss = me.memory_info().rss
         part.close(); io.close(); swap.close()
-    print(json.dumps({{"held": rss - base_rss, "peak_growth": peak - base_rss,
-                       "peak_with_pool": pool_rss + peak - base_rss,
-                       "sampled_peak_growth": max(sampled) - base_rss,
-                       "pool": pool.nbytes, "streamed": chunks}}))
+        return {{"held": rss - base_rss, "peak_growth": peak - base_rss, "peak_with_pool": pool_rss + peak - base_rss,
+                "sampled_peak_growth": max(sampled) - base_rss, "pool": pool.nbytes, "streamed": chunks}}
+
+    out = []
+    for numel in {numels}:  # one process for every size: the pool and grad of the last are freed first
+        with tempfile.TemporaryDirectory(dir={tmp!r}) as d:
+            out.append(measure(numel, d))
+    print(json.dumps(out))
 """)
 
 
-def _measure(tmp_path: Path, numel: int) -> dict:
-    code = MEASURE.format(root=str(Path(__file__).resolve().parents[1]), numel=numel, sub_group=SUB_GROUP,
+def _measure(tmp_path: Path, numels: tuple[int, ...]) -> list[dict]:
+    code = MEASURE.format(root=str(Path(__file__).resolve().parents[1]), numels=list(numels), sub_group=SUB_GROUP,
                           buffers=BUFFERS, tmp=str(tmp_path))
     # [Note: glibc] Transient sub-group tensors (the optimizer's first-step state, checkpoint chunks)
     # are freed at once, but glibc raises its mmap threshold after the first such free and then keeps
@@ -260,7 +265,7 @@ def _measure(tmp_path: Path, numel: int) -> dict:
 
 
 def test_host_memory_bounded_by_pool_while_partition_grows_4x(tmp_path):
-    small, large = (_measure(tmp_path, n) for n in (1_000_000, 4_000_000))
+    small, large = _measure(tmp_path, (1_000_000, 4_000_000))
     # The 4x partition's state is 48 MB (fp32 master + 2 moments): far above the bound if it were held.
     assert large["streamed"] == 4_000_000
     for m in (small, large):  # the pool's pages were touched before the baseline was taken

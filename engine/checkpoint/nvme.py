@@ -4,60 +4,158 @@
 from and written to the swap files instead of `optimizer.state`: so a checkpoint saved with NVMe offload
 is the one saved without it (same keys, same layout) and loads into any stage, offload setting and
 world size, and the other way round.
-[Note: memory at save] The save reads each flat's state with `state_chunks()`, one sub-group at a time,
-into flat-sized host tensors that the snapshot then packs and writes: while a save runs, this rank's
-whole optimizer state is in host memory once (what the checkpoint format's one torch.save per rank
-needs). Writing the rank file sub-group by sub-group would remove that peak; not built yet.
+[Note: memory at save and load] Neither direction holds a flat of optimizer state in host memory.
+Save: each state kind's fragments are views of a `StreamedRows` placeholder (streamed.py), whose bytes
+the writer reads from `state_chunks()` one sub-group at a time while it writes the rank file; the fp32
+rows are the host flat the all-gather sends from (resident anyway, and equal to the swapped master bit
+for bit: the tier copies every updated master slice into it). An async save (`checkpoint.async_save`)
+snapshots into memory by definition, so there the placeholders are filled first (the whole state once,
+as before this was streamed). Load: `write` only records where each fragment's rows are (restore.py
+passes row readers, `streams_rows`); `finish_load` then feeds `load_chunks()` one sub-group at a time,
+each cut from the checkpoint's memory-mapped fragments. Measured in tests/test_offload_checkpoint.py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
+from .format import FP32
 from .state import PartitionedAdapter
+from .streamed import StreamedRows
+
+
+@dataclass
+class _Pending:
+    """One fragment's saved rows, read on demand: `rows(kind, r0, r1)` gives rows [r0, r1) of it."""
+    offset: int
+    numel: int
+    row_numel: int
+    rows: Callable[[str, int, int], torch.Tensor]
 
 
 class NvmeAdapter(PartitionedAdapter):
+    streams_rows = True  # restore.py: row readers instead of row tensors (module note)
+
     def __init__(self, zopt, rank: int, world: int):
         super().__init__(zopt, rank, world)
         self.nvme = zopt.nvme
-        self._state: dict[tuple, dict] = {}  # key -> the state read for this save (module note)
+        self._streams: dict[tuple, StreamedRows] = {}  # (flat key, kind) -> placeholder, this save
+        self._scalars: dict[tuple, dict] = {}
+        self._pending: dict[tuple, list[_Pending]] = {}
+        self._loaded_kinds: dict[tuple, set] = {}
 
     def row_kinds(self) -> set[str]:
         """The per-element state kinds: the configured optimizer holds no state, so its layout names
         none (state_layout.py); the swapped keys are the stepper's own."""
         return {k for part in self.nvme.parts.values() for k in part.state_keys}
 
-    def _swapped_state(self, key) -> dict:
-        if key not in self._state:
-            flat = self.part.flat[key]
-            state: dict = {}
+    # -- save --------------------------------------------------------------------------------------
+    def _first_chunk(self, key) -> dict:
+        """Sub-group 0's chunk: which state kinds exist yet, and the per-step scalars (equal in every
+        sub-group: Adam's step)."""
+        if key not in self._scalars:
+            chunk = next(iter(self.nvme.state_chunks(key)))
+            self._scalars[key] = {"kinds": sorted(chunk["state"]), "scalars": chunk["scalars"]}
+        return self._scalars[key]
+
+    def _produce(self, key, kind: str):
+        def produce(a: int, b: int):
             for chunk in self.nvme.state_chunks(key):
-                for kind, value in chunk["state"].items():
-                    if kind not in state:
-                        state[kind] = torch.zeros(flat.shape, dtype=value.dtype, device=value.device)
-                    state[kind][chunk["start"]:chunk["end"]].copy_(value)
-                for kind, value in chunk["scalars"].items():
-                    state.setdefault(kind, value)  # per-step scalars (Adam's step) are equal in every sub-group
-            self._state[key] = state
-        return self._state[key]
+                s, e = chunk["start"], chunk["end"]
+                if e <= a:
+                    continue
+                if s >= b:
+                    return
+                yield chunk["state"][kind][max(a, s) - s:min(b, e) - s]
+        return produce
+
+    def _placeholder(self, key, kind: str) -> StreamedRows:
+        if (key, kind) not in self._streams:
+            frags = [f for f in self.part.fragments.values() if f.key == key and f.numel]
+            start = min(f.offset for f in frags)
+            stop = max(f.offset + f.numel for f in frags)
+            self._streams[key, kind] = StreamedRows.over(start, stop, self._produce(key, kind))
+        return self._streams[key, kind]
 
     def read(self, p, kinds: set[str]) -> dict:
-        key = self.part.fragments[p].key
-        optimizer_state = self.zopt.optimizer.state
-        flat = self.part.flat[key]
-        optimizer_state[flat] = self._swapped_state(key)  # lent for the base read, taken back at once
-        try:
-            return super().read(p, kinds)
-        finally:
-            optimizer_state.pop(flat, None)
+        frag = self.part.fragments[p]
+        flat = self.part.flat[frag.key]
+        tensors = {FP32: flat.detach()[frag.offset:frag.offset + frag.numel].view(frag.shape)}
+        first = self._first_chunk(frag.key)
+        for kind in first["kinds"]:
+            stream = self._placeholder(frag.key, kind)
+            lo = frag.offset - stream.start
+            tensors[kind] = stream.placeholder[lo:lo + frag.numel].view(frag.shape)
+        for kind, value in first["scalars"].items():
+            tensors[kind] = value.clone() if torch.is_tensor(value) else value
+        return tensors
+
+    def streams(self) -> list[StreamedRows]:
+        """This save's placeholders (snapshot.py hands them to the writer); the next save starts afresh."""
+        out = list(self._streams.values())
+        self._streams, self._scalars = {}, {}
+        return out
+
+    # -- load --------------------------------------------------------------------------------------
+    def begin_load(self, load_state: bool) -> None:
+        self._load_state = load_state
+        self._pending = {key: [] for key in self.part.flat}
+        self._scalars, self._loaded_kinds = {}, {key: set() for key in self.part.flat}
+
+    @torch.no_grad()
+    def write(self, p, readers: dict, load_state: bool) -> None:
+        """Record where `p`'s rows are; `readers[kind]` is `rows(r0, r1)` for row kinds, the value for
+        scalars (restore.py, `streams_rows`). Nothing is read here."""
+        frag = self.part.fragments[p]
+        self._pending[frag.key].append(_Pending(frag.offset, frag.numel, frag.spec.row_numel,
+                                                lambda kind, r0, r1: readers[kind](r0, r1)))
+        for kind, value in readers.items():
+            if kind == FP32 or not load_state:
+                continue
+            if callable(value):
+                self._loaded_kinds[frag.key].add(kind)
+            else:
+                self._scalars.setdefault(frag.key, {}).setdefault(kind, value.clone() if torch.is_tensor(value)
+                                                                  else value)
+
+    def _chunks(self, key):
+        """`load_chunks` input for flat `key`, one target sub-group at a time (module note)."""
+        part, flat = self.nvme.parts[key], self.part.flat[key].detach()
+        kinds = sorted(self._loaded_kinds[key]) if self._load_state else []
+        missing = sorted(set(part.state_keys) - set(kinds)) if kinds else []
+        if missing:
+            raise ValueError(f"the checkpoint has optimizer state {kinds} but not {missing}, which the "
+                             "NVMe-offloaded optimizer needs; load with load_optimizer_states=False")
+        pending = sorted(self._pending[key], key=lambda f: f.offset)
+        first = 0  # fragments before it end before the current sub-group (both ascending)
+        for s, e in part.groups:
+            master = flat[s:e]  # filled in place: the host flat is the send image (nvme_tier.py)
+            state = {kind: torch.zeros(e - s, dtype=torch.float32, device="cpu") for kind in part.state_keys} \
+                if kinds else {}
+            while first < len(pending) and pending[first].offset + pending[first].numel <= s:
+                first += 1
+            for i in range(first, len(pending)):
+                frag = pending[i]
+                if frag.offset >= e:
+                    break
+                a, b = max(s, frag.offset), min(e, frag.offset + frag.numel)
+                if a >= b:  # an empty fragment (a rank holding no rows of that parameter)
+                    continue
+                lo, hi = a - frag.offset, b - frag.offset  # elements of the fragment
+                r0, r1 = lo // frag.row_numel, -(-hi // frag.row_numel)
+                cut = slice(lo - r0 * frag.row_numel, hi - r0 * frag.row_numel)
+                master[a - s:b - s].copy_(frag.rows(FP32, r0, r1).reshape(-1)[cut])
+                for kind in state:
+                    state[kind][a - s:b - s].copy_(frag.rows(kind, r0, r1).reshape(-1)[cut])
+            yield {"start": s, "end": e, "master": master, "state": state,
+                   "scalars": self._scalars.get(key, {}) if kinds else {}}
 
     def finish_load(self) -> None:
-        """The loaded master rows and state go into the swap files, one chunk per flat; the configured
-        optimizer keeps no state (nvme_tier.py's note)."""
-        super().finish_load()
-        for key, flat in self.part.flat.items():
-            state = self.zopt.optimizer.state.pop(flat, {})
-            elementwise = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape}
-            scalars = {k: v for k, v in state.items() if k not in elementwise}
-            self.nvme.load_chunks(key, [{"start": 0, "end": flat.numel(), "master": flat.detach(),
-                                         "state": elementwise, "scalars": scalars}])
+        """The loaded rows go into the swap files and the host flats, sub-group by sub-group; the
+        configured optimizer keeps no state (nvme_tier.py's note). Without optimizer state
+        (load_optimizer_states=False) the stepper restarts it: it has no "replace the master only"."""
+        for key in self.part.flat:
+            self.nvme.load_chunks(key, self._chunks(key))
+        self._pending = {}

@@ -41,6 +41,11 @@ def _check_shape(src: FragmentSource, name: str, shape) -> None:
                                   "in the model")
 
 
+def _row_reader(src: FragmentSource, name: str, kind: str, start: int, stop: int):
+    """Rows [start + r0, start + r1) on demand, for an adapter that reads a fragment piecewise."""
+    return lambda r0, r1: src.rows(name, kind, start + r0, min(start + r1, stop))
+
+
 @torch.no_grad()
 def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool) -> None:
     adapter.begin_load(load_state)
@@ -54,11 +59,12 @@ def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool)
         if adapter.holds_module_weights:  # the model's cast of the fp32 rows (module note)
             src.copy_rows(name, weights, p)
         # stage 3: p is a placeholder; the adapter refreshes what the stage keeps in finish_load
-        tensors = {fmt.FP32: src.rows(name, weights, start, stop)}
+        rows = _row_reader if getattr(adapter, "streams_rows", False) else FragmentSource.rows  # nvme.py's note
+        tensors = {fmt.FP32: rows(src, name, weights, start, stop)}
         if load_state:
             for kind, cls in src.kinds(name).items():
                 if kind not in (fmt.FP32, fmt.MODULE):
-                    tensors[kind] = src.rows(name, kind, start, stop) if cls == "rows" else src.scalar(name, kind)
+                    tensors[kind] = rows(src, name, kind, start, stop) if cls == "rows" else src.scalar(name, kind)
         adapter.write(p, tensors, load_state)
     adapter.finish_load()
 

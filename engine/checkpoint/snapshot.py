@@ -257,6 +257,11 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
     trainable = {id(p): names[id(p)] for p in adapter.params()} if adapter else {}
     coord, degree = coordinates(eng), model_degree(eng)
     tensors, index = _fragments(eng, adapter, names, coord.model)
+    streams = adapter.streams() if hasattr(adapter, "streams") else []  # NVMe state: streamed.py's note
+    if arena is not None:  # an async save snapshots into memory: the state is read in now
+        for stream in streams:
+            stream.fill()
+        streams = []
     entries, aliases = module_entries(eng.module, trainable)
     frozen_shards = sorted(k for k, t in entries.items() if is_partitioned(t))
     if frozen_shards:  # entries are written whole by model coordinate 0: a shard would lose the others
@@ -275,7 +280,7 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
     snap = Snapshot(Path(save_dir), tag, gathered[0][0][1], rank,
                     {"format": fmt.FORMAT_NAME, "rank": rank, "world_size": world, "tag": tag,
                      "coord": table["coord"], "tensors": tensors, "rng": rng_state()},
-                    save_latest=save_latest, keep_last=keep_last, ready=ready,
+                    save_latest=save_latest, keep_last=keep_last, ready=ready, streams=streams,
                     nbytes=sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)))
     if rank == 0:
         snap.engine_state = _engine_state(eng, client_state)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..comm import Communicator
 from . import format as fmt
+from .streamed import save_streamed
 
 CRASH_ENV = "DSTRAIN_CKPT_TEST_CRASH"
 
@@ -51,16 +52,20 @@ class Snapshot:
     keep_last: int | None = None
     nbytes: int = field(default=0)
     ready: object = None  # a CUDA event the arena copies finish at (snapshot.py's note: accelerators)
+    streams: list = field(default_factory=list)  # placeholders written from swap files (streamed.py)
 
 
 def new_nonce() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def _save_file(path: Path, obj, kill_after: int | None = None) -> dict:
+def _save_file(path: Path, obj, kill_after: int | None = None, streams: list | None = None) -> dict:
     f = fmt.HashingFile(path, kill_after)
     try:
-        torch.save(obj, f)
+        if streams:
+            save_streamed(obj, f, streams)
+        else:
+            torch.save(obj, f)
     finally:
         entry = f.close()
     return entry
@@ -80,7 +85,7 @@ def write_and_commit(snap: Snapshot, comm: Communicator) -> None:
     tmp = fmt.tmp_dir(snap.save_dir, snap.tag, snap.nonce)
     tmp.mkdir(parents=True, exist_ok=True)
     entries = {fmt.rank_file(snap.rank): _save_file(tmp / fmt.rank_file(snap.rank), snap.rank_content,
-                                                    _kill_after(snap))}
+                                                    _kill_after(snap), snap.streams)}
     if snap.rank == 0:
         entries[fmt.ENGINE_STATE] = _save_file(tmp / fmt.ENGINE_STATE, snap.engine_state)
     gathered = comm.all_gather_object(entries)

@@ -25,6 +25,8 @@ import schemas
 from offload import (AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir, SwappedPartition,
                      sub_group_buffer_elements)
 
+from .nvme_state import install_state_dict_hooks
+
 PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
 # [Note: lanes] torch's fused CPU AdamW steps whole SIMD vectors and then a scalar tail, and the two round
 # differently (fused multiply-add). A sub-group starting mid-vector would put other elements in the tail
@@ -101,6 +103,7 @@ class NvmeOptimizerTier:
                                         name=f"rank{rank}-group{key[0]}-{str(key[1]).removeprefix('torch.')}")
                 part.initialize(lambda s, e, flat=flat: flat.detach()[s:e])
                 self.parts[key] = part
+            self._hooks = install_state_dict_hooks(self)  # state_dict() sees the swap files (nvme_state.py)
         except BaseException:
             self.close()
             raise
@@ -130,6 +133,8 @@ class NvmeOptimizerTier:
     def close(self) -> None:
         """Delete the swap files and the job's swap directory (also done at exit by SwapDir)."""
         try:
+            for hook in getattr(self, "_hooks", []):
+                hook.remove()
             for part in self.parts.values():
                 part.close()
             self.parts.clear()

@@ -35,6 +35,7 @@ from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
 from .arrivals import ArrivalLog
 from .partition import REDUCE_DEPTH, InFlight, PartitionedParams, RankMajorLayout, split_runs
+from .nvme_state import state_value
 from .tier import HostGradients, PartitionTier
 from .stage0 import checked_step, reduction_settings
 
@@ -387,11 +388,11 @@ class PartitionedZeroOptimizer:
         if state.get("world_size", self.comm.world_size) != self.comm.world_size:
             raise ValueError(f"this ZeRO-{self.stage} state was saved by {state['world_size']} ranks, this run has "
                              f"{self.comm.world_size}; resharding is done by checkpoint loading, not here")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.guard.load_state_dict(state["guard"])
-        with torch.no_grad():
+        with torch.no_grad():  # before the optimizer's state: NVMe offload writes both to its swap files
             for flat, saved in zip(self.partition.flat.values(), state["master"]):
                 flat.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.guard.load_state_dict(state["guard"])
         self._gather_params()
 
     # -- full tensors from the fragments (engine.utils.safe_get_full_*) -----------------------------
@@ -418,11 +419,26 @@ class PartitionedZeroOptimizer:
         return grad / self.guard.scaler.loss_scale
 
     def full_optimizer_state(self, param: torch.nn.Parameter, name: str):
-        flat = self.partition.flat[self.partition.fragments[param].key]
-        value = self.optimizer.state.get(flat, {}).get(name)
+        key = self.partition.fragments[param].key
+        flat = self.partition.flat[key]
+        value = self.optimizer.state.get(flat, {}).get(name) if self.nvme is None else state_value(self.nvme, key, name)
         if isinstance(value, torch.Tensor) and value.shape == flat.shape:
             return self._gather_full(param, value)
         # Per-tensor state (e.g. Adam's step) or absent; a copy, since the optimizer updates it in place.
+        return value.clone() if isinstance(value, torch.Tensor) else value
+
+    def local_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's rows of `param`'s fp32 master (a copy, shaped as the rows; no collective)."""
+        frag = self.partition.fragments[param]
+        flat = self.partition.flat[frag.key].detach()
+        return flat[frag.offset:frag.offset + frag.numel].view(frag.shape).clone()
+
+    def local_optimizer_state(self, param: torch.nn.Parameter, name: str):
+        frag = self.partition.fragments[param]
+        flat = self.partition.flat[frag.key]
+        value = self.optimizer.state.get(flat, {}).get(name) if self.nvme is None else state_value(self.nvme, frag.key, name)
+        if isinstance(value, torch.Tensor) and value.shape == flat.shape:
+            return value.detach()[frag.offset:frag.offset + frag.numel].view(frag.shape).clone()
         return value.clone() if isinstance(value, torch.Tensor) else value
 
 
