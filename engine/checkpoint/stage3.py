@@ -50,4 +50,11 @@ class Stage3Adapter(PartitionedAdapter):
 
 class Stage3NvmeAdapter(NvmeAdapter, Stage3Adapter):
     """Stage 3 with `offload_optimizer.device: "nvme"`: the state from the swap files (NvmeAdapter), the
-    shapes and frozen chunks of stage 3; loading refreshes the gathered copies, then fills the files."""
+    shapes and frozen chunks of stage 3."""
+
+    def finish_load(self) -> None:
+        """NvmeAdapter fills the host flat and the swap files sub-group by sub-group; only then can the
+        gathered copies be refreshed from the flat (Stage3Adapter's step, without its row copy, which
+        NvmeAdapter's streamed load replaces)."""
+        NvmeAdapter.finish_load(self)
+        self.zopt.refresh_after_load()
