@@ -418,8 +418,12 @@ class PartitionedZeroOptimizer:
         return grad / self.guard.scaler.loss_scale
 
     def full_optimizer_state(self, param: torch.nn.Parameter, name: str):
-        flat = self.partition.flat[self.partition.fragments[param].key]
-        value = self.optimizer.state.get(flat, {}).get(name)
+        key = self.partition.fragments[param].key
+        flat = self.partition.flat[key]
+        if self.nvme is not None:  # the state lives in the swap files (nvme_tier.py)
+            value = self.nvme.flat_state(key, name)
+        else:
+            value = self.optimizer.state.get(flat, {}).get(name)
         if isinstance(value, torch.Tensor) and value.shape == flat.shape:
             return self._gather_full(param, value)
         # Per-tensor state (e.g. Adam's step) or absent; a copy, since the optimizer updates it in place.
