@@ -24,10 +24,11 @@ from tests.harness import run_distributed
 ENV = {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}
 
 
-def _part(out: dict, name: str, fn, *args) -> None:
+def record(out: dict, name, fn, *args) -> None:
+    """out[name] = fn(*args), or the failure's traceback, re-raised in the test that reads it."""
     try:
         out[name] = fn(*args)
-    except Exception:  # recorded, re-raised by `part` in the test that reads it
+    except Exception:
         out[name] = PartFailed(traceback.format_exc())
 
 
@@ -36,16 +37,26 @@ class PartFailed:
         self.text = text
 
 
+class Results(dict):
+    """A dict of recorded results whose failed entries raise, with their traceback, where a test reads them."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if isinstance(value, PartFailed):
+            raise AssertionError(f"{key} failed on rank 0:\n{value.text}")
+        return value
+
+
 def _work(root: str) -> dict:
     from tests import test_optimizer_checkpoint as ckpt, test_optimizer_set as opt_set, test_optimizers as optimizers
     world, out = torch.distributed.get_world_size(), {}
     nvme_path = os.path.join(root, "nvme")
     if world in opt_set.CASES:
-        _part(out, "set", opt_set._runs, opt_set.CASES[world], nvme_path)
+        record(out, "set", opt_set._runs, opt_set.CASES[world], nvme_path)
     if world == 2:
-        _part(out, "uncorrected_zero2", optimizers._train_uncorrected_zero2)
-        _part(out, "saved", ckpt._save_all, root)
-    _part(out, "loaded", ckpt._load_all, root)
+        record(out, "uncorrected_zero2", optimizers._train_uncorrected_zero2)
+        record(out, "saved", ckpt._save_all, root)
+    record(out, "loaded", ckpt._load_all, root)
     return out
 
 
