@@ -3,14 +3,18 @@
     python benchmarks/bench_optimizers.py --part kernels --numel 1e8
     python benchmarks/bench_optimizers.py --part muon
     python benchmarks/bench_optimizers.py --part gpt --steps 8 --deepspeed-venv /tmp/ds-venv
+    python benchmarks/bench_optimizers.py --part gpt --offload cpu --deepspeed-venv /tmp/ds-venv
 
 - kernels: one optimizer step over `--numel` fp32 parameters (one flat tensor, as a ZeRO partition),
   each optimizer's median time against its memory-bandwidth bound: the bytes it must read and write
   per parameter (below) at the `add_` bandwidth measured in the same run (a.add_(b): 12 bytes/element).
+  Adagrad runs twice, torch's fused CPU kernel and its foreach kernel, to show which the offloaded
+  step should use (ops.Adagrad picks fused).
 - muon: Newton-Schulz time of the benchmark GPT's Muon matrices, owner-based (the most loaded rank's
   share under engine/zero/per_tensor.py's assignment) against redundant (every rank all of them).
 - gpt: step time of each optimizer on the benchmark GPT (examples/gpt.py BENCH_CONFIG), 2 ranks, ZeRO-2,
-  and DeepSpeed's same config in its venv where DeepSpeed can build that optimizer on CPU.
+  and DeepSpeed's same config in its venv where DeepSpeed can build that optimizer on CPU. With
+  `--offload cpu` (or nvme, at `--nvme-path`) both sides offload the optimizer (`offload_optimizer`).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from ops.muon import muon_cost, orthogonalized  # noqa: E402
 BYTES_PER_PARAM = {
     "AdamW": 4 * (4 + 3),       # read w, g, m, v; write w, m, v
     "Adagrad": 4 * (3 + 2),     # read w, g, s; write w, s
+    "Adagrad foreach": 4 * (3 + 2),
     "Lion": 4 * (3 + 2),        # read w, g, m; write w, m
     "Lamb": 4 * (4 + 3 + 4),    # Adam's, plus the update written and read back, and w, u read for the norms
 }
@@ -49,6 +54,9 @@ CONFIGS = {  # the config's optimizer sections benchmarked on the GPT
 # FusedLamb are CUDA ops, so only these run there.
 DEEPSPEED_ON_CPU = {"AdamW": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
                     "Adagrad": CONFIGS["Adagrad"], "Muon": CONFIGS["Muon"]}
+# With the optimizer offloaded DeepSpeed steps on the host with its C++ ops (DeepSpeedCPUAdam,
+# DeepSpeedCPUAdagrad, DeepSpeedCPULion), JIT-built on first use: only CPU Adam is built in the peer venv.
+DEEPSPEED_OFFLOADED = {"AdamW": {"type": "AdamW", "params": {"lr": 1e-4}}}
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -64,6 +72,7 @@ def _median_ms(fn, repeats: int) -> float:
 def _make(name: str, p: torch.Tensor) -> torch.optim.Optimizer:
     return {"AdamW": lambda: torch.optim.AdamW([p], lr=1e-4, fused=True),
             "Adagrad": lambda: ops.Adagrad([p], lr=1e-2, fused=True),
+            "Adagrad foreach": lambda: ops.Adagrad([p], lr=1e-2, foreach=True),
             "Lion": lambda: ops.Lion([p], lr=1e-5),
             "Lamb": lambda: ops.Lamb([p], lr=1e-3)}[name]()
 
@@ -105,14 +114,23 @@ def muon(world: int, repeats: int) -> dict:
             "owner_max_ms": max(per_rank), "speedup": sum(times) / max(per_rank)}
 
 
-def _gpt_rank(cfg: dict, steps: int) -> float:
+def _offload_section(offload: str, nvme_path: str | None) -> dict:
+    if offload == "none":
+        return {}
+    section = {"device": offload}
+    if offload == "nvme":
+        section["nvme_path"] = nvme_path
+    return {"offload_optimizer": section}
+
+
+def _gpt_rank(cfg: dict, steps: int, offload: dict) -> float:
     import torch.distributed as dist
 
     import engine
     from examples.gpt import RandomTokens
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-              "optimizer": cfg, "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}}
+              "optimizer": cfg, "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6, **offload}}
     eng, _, _, _ = engine.initialize(model=GPT(BENCH_CONFIG), config=config)
     data = RandomTokens(steps * 8, BENCH_CONFIG.seq_len, BENCH_CONFIG.vocab_size, seed=dist.get_rank())
     times = []
@@ -125,16 +143,20 @@ def _gpt_rank(cfg: dict, steps: int) -> float:
     return statistics.median(times[2:])
 
 
-def gpt(steps: int, venv: Path | None, names: list[str]) -> list[dict]:
+def gpt(steps: int, venv: Path | None, names: list[str], offload: str = "none",
+        nvme_path: str | None = None) -> list[dict]:
     from tests.harness import run_distributed
-    rows = []
+    rows, section = [], _offload_section(offload, nvme_path)
     for name in names:
         cfg = CONFIGS[name]
-        row = {"optimizer": name, "dstrain_ms": max(run_distributed(_gpt_rank, 2, args=(cfg, steps), timeout=1800))}
-        if venv is not None and name in DEEPSPEED_ON_CPU:
+        row = {"optimizer": name, "offload": offload,
+               "dstrain_ms": max(run_distributed(_gpt_rank, 2, args=(cfg, steps, section), timeout=1800))}
+        peer = DEEPSPEED_ON_CPU if offload == "none" else DEEPSPEED_OFFLOADED
+        if venv is not None and name in peer:
             out = subprocess.run([str(venv / "bin" / "python"), str(Path(__file__).parent / "deepspeed_peer.py"),
                                   "--stage", "2", "--steps", str(steps), "--world", "2",
-                                  "--optimizer", json.dumps(DEEPSPEED_ON_CPU[name])],
+                                  "--optimizer", json.dumps(peer[name]),
+                                  "--extra", json.dumps({"zero_optimization": section})],
                                  capture_output=True, text=True, timeout=1800)
             row["deepspeed_ms"] = (json.loads(out.stdout.strip().splitlines()[-1])["step_ms"] if out.returncode == 0
                                    else f"failed: {out.stderr.strip().splitlines()[-1][:200]}")
@@ -151,6 +173,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--deepspeed-venv", type=Path, default=None)
     p.add_argument("--optimizers", default=",".join(CONFIGS), help="gpt part: which of " + ", ".join(CONFIGS))
+    p.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none",
+                   help="gpt part: zero_optimization.offload_optimizer.device on both sides")
+    p.add_argument("--nvme-path", default=None, help="gpt part with --offload nvme: the swap directory")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.part == "kernels":
@@ -158,7 +183,7 @@ def main(argv=None) -> int:
     elif args.part == "muon":
         result = muon(args.world, args.repeats)
     else:
-        result = gpt(args.steps, args.deepspeed_venv, args.optimizers.split(","))
+        result = gpt(args.steps, args.deepspeed_venv, args.optimizers.split(","), args.offload, args.nvme_path)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -1,13 +1,17 @@
-"""Each optimizer's state survives a checkpoint: resumed at the same stage and world size it continues
-bit for bit; loaded at another world size (2 -> 1 rank for all, 2 -> 4 ranks for Lamb and Muon) or
-stage (1 -> 3) every state tensor
-is the saved one exactly (its declared layout, engine/checkpoint/state_layout.py, files it per element
-or per tensor) and training continues to the uninterrupted result at fp32 tolerance (only the ranks'
-summation order differs). The global batch is the same at every world size.
+"""Each optimizer's state survives a checkpoint, with and without the optimizer offloaded: resumed at the
+same stage and world size it continues bit for bit; loaded at another world size (2 -> 1 rank for all,
+2 -> 4 ranks for Lamb and Muon), stage (1 -> 3) or offload tier (none <-> cpu, cpu -> nvme for the
+elementwise ones) every state tensor is the saved one exactly (its declared layout,
+engine/checkpoint/state_layout.py, files it per element or per tensor) and training continues to the
+uninterrupted result at fp32 tolerance (only the ranks' summation order differs). The global batch is
+the same at every world size. Checkpoints are saved at stage 1 on 2 ranks, once without offload and
+once with `offload_optimizer.device: "cpu"` (DSTRAIN_OFFLOAD_STAGE_COPIES=1: the accelerator's copy path).
+torch's Adafactor (per-tensor state: each matrix's row and column factors, refused at stage >= 1) is
+saved at stage 0 on 2 ranks and resumes bit for bit there and at 1 rank.
 """
 from __future__ import annotations
 
-import tempfile
+import os
 from pathlib import Path
 
 import pytest
@@ -16,26 +20,34 @@ import torch
 import engine
 from engine.checkpoint.state_layout import STATE_LAYOUTS
 from engine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-from tests.harness import run_distributed
+from tests import optimizer_runs
 from tests.models import make_batches, micro_batches
-from tests.test_optimizer_set import OPTIMIZERS, Net
+from tests.test_optimizer_set import OPTIMIZERS, Net, _offload
 
-GLOBAL_BATCH, STEPS, SAVE_AT, SAVED_STAGE = 8, 5, 3, 1
-CLASS_OF = {"Adagrad": "Adagrad", "Lion": "Lion", "Lamb": "Lamb", "Muon": "MuonWithAuxAdam"}
-# world -> [(stage, optimizers)] each saved 2-rank stage-1 checkpoint is loaded into; at 4 ranks
+GLOBAL_BATCH, STEPS, SAVE_AT, SAVED_STAGE = 8, 4, 2, 1
+CLASS_OF = {"Adagrad": "Adagrad", "Lion": "Lion", "Lamb": "Lamb", "Muon": "MuonWithAuxAdam", "Adafactor": "Adafactor"}
+PARAMS = {**OPTIMIZERS, "Adafactor": {"lr": 0.02}}
+SAVES = [(saved, kind, SAVED_STAGE) for saved in ("none", "cpu") for kind in ("Adagrad", "Lion", "Lamb", "Muon")] + [
+    ("none", "Adafactor", 0)]  # (offload, optimizer, stage) of each saved checkpoint
+ALL, ELEMENTWISE = ("Adagrad", "Lion", "Lamb", "Muon"), ("Adagrad", "Lion")
+SAVED = ("none", "cpu")  # the offload of the two saved checkpoints
+# world -> [(saved offload, stage, offload, optimizers)] each saved checkpoint is loaded into; at 4 ranks
 # (oversubscribed) the per-tensor ones, whose state layout differs most from the elementwise.
 # RMSprop (a torch class by name) is left out for time: its state goes through the same declared-layout
 # path as Adagrad's, and test_optimizer_set.py steps it at stages 0-3.
-ALL = ("Adagrad", "Lion", "Lamb", "Muon")
-TARGETS = {1: [(0, ALL)], 2: [(SAVED_STAGE, ALL), (3, ALL)], 4: [(2, ("Lamb", "Muon"))]}
+TARGETS = {1: [("none", 0, "none", ALL + ("Adafactor",)), ("cpu", 0, "none", ALL)],
+           2: [("none", SAVED_STAGE, "none", ALL), ("cpu", SAVED_STAGE, "cpu", ALL), ("none", 3, "cpu", ALL),
+               ("cpu", 3, "none", ALL), ("cpu", 2, "nvme", ELEMENTWISE), ("none", 0, "none", ("Adafactor",))],
+           4: [("none", 2, "none", ("Lamb", "Muon")), ("cpu", 3, "cpu", ("Lamb", "Muon"))]}
 
 
-def _engine(kind: str, stage: int):
+def _engine(kind: str, stage: int, offload: str = "none", nvme_path: str | None = None):
     world = torch.distributed.get_world_size()
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
-           "gradient_clipping": 0.0, "optimizer": {"type": kind, "params": OPTIMIZERS[kind]},
+           "gradient_clipping": 0.0, "optimizer": {"type": kind, "params": PARAMS[kind]},
            "zero_allow_untested_optimizer": kind == "RMSprop",
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 150, "stage3_param_persistence_threshold": 10}}
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 150, "stage3_param_persistence_threshold": 10,
+                                 **_offload(offload, nvme_path)}}
     torch.manual_seed(0)
     eng, _, _, _ = engine.initialize(model=Net(), config=cfg)
     return eng
@@ -66,58 +78,82 @@ def _weights(eng) -> dict:
 
 def _save_all(root: str) -> dict:
     out = {}
-    for kind in ALL:
-        eng = _engine(kind, SAVED_STAGE)
+    for saved, kind, stage in SAVES:
+        eng = _engine(kind, stage, saved)
         _train(eng, 0, SAVE_AT)
-        eng.save_checkpoint(Path(root) / kind)
+        eng.save_checkpoint(Path(root) / saved / kind)
         eng.wait_for_checkpoint()
-        saved = _state(eng, kind)
+        state = _state(eng, kind)
         _train(eng, SAVE_AT, STEPS)
-        out[kind] = {"saved": saved, "final": _weights(eng)}
+        out[(saved, kind)] = {"saved": state, "final": _weights(eng)}
     return out
 
 
 def _load_all(root: str) -> dict:
     out = {}
-    for stage, kinds in TARGETS[torch.distributed.get_world_size()]:
-        for kind in kinds:
-            eng = _engine(kind, stage)
-            eng.load_checkpoint(Path(root) / kind)
-            loaded = _state(eng, kind)
-            _train(eng, SAVE_AT, STEPS)
-            out[(kind, stage)] = {"loaded": loaded, "final": _weights(eng)}
+    for saved, stage, offload, kinds in TARGETS[torch.distributed.get_world_size()]:
+        for kind in kinds:  # each load its own part: one that fails fails only its tests
+            optimizer_runs.record(out, (saved, kind, stage, offload), _load_one, root, saved, kind, stage, offload)
     return out
+
+
+def _load_one(root: str, saved: str, kind: str, stage: int, offload: str) -> dict:
+    eng = _engine(kind, stage, offload, nvme_path=os.path.join(root, "nvme"))
+    eng.load_checkpoint(Path(root) / saved / kind)
+    loaded = _state(eng, kind)
+    _train(eng, SAVE_AT, STEPS)
+    if offload == "nvme":
+        eng.destroy()  # removes the swap directory (destroy's gc.collect costs ~1 s: only where needed)
+    return {"loaded": loaded, "final": _weights(eng)}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    with tempfile.TemporaryDirectory() as root:
-        full = run_distributed(_save_all, 2, args=(root,), timeout=240)[0]
-        loaded = {w: run_distributed(_load_all, w, args=(root,), timeout=300)[0] for w in TARGETS}
-    return full, loaded
+    """tests/optimizer_runs.py saves at 2 ranks, then loads at 2 ranks in the same spawn, and at 1 and 4."""
+    return optimizer_runs.part(2, "saved")[0], {w: optimizer_runs.Results(optimizer_runs.part(w, "loaded")[0])
+                                                for w in TARGETS}
 
 
+@pytest.mark.parametrize("saved", SAVED)
 @pytest.mark.parametrize("kind", ALL)
-def test_resume_at_the_same_stage_is_bit_for_bit(runs, kind):
+def test_resume_at_the_same_stage_is_bit_for_bit(runs, kind, saved):
     full, loaded = runs
-    got = loaded[2][(kind, SAVED_STAGE)]
-    for key, value in full[kind]["saved"].items():
+    got = loaded[2][(saved, kind, SAVED_STAGE, saved)]
+    for key, value in full[(saved, kind)]["saved"].items():
         assert torch.equal(got["loaded"][key], value), f"{kind} {key}: loaded state differs"
-    for name, value in full[kind]["final"].items():
+    for name, value in full[(saved, kind)]["final"].items():
         assert torch.equal(got["final"][name], value), f"{kind} {name}: resumed training differs"
 
 
-RESHARDS = [(world, stage, kind) for world, targets in TARGETS.items() for stage, kinds in targets
-            for kind in kinds if (world, stage) != (2, SAVED_STAGE)]
+RESHARDS = [(world, saved, stage, offload, kind) for world, targets in TARGETS.items()
+            for saved, stage, offload, kinds in targets for kind in kinds
+            if (world, stage, offload) != (2, SAVED_STAGE, saved) and kind != "Adafactor"]
 
 
-@pytest.mark.parametrize("world, stage, kind", RESHARDS, ids=lambda v: str(v))
-def test_reshard_keeps_every_state_tensor_and_continues(runs, world, stage, kind):
+@pytest.mark.parametrize("world, saved, stage, offload, kind", RESHARDS, ids=lambda v: str(v))
+def test_reshard_keeps_every_state_tensor_and_continues(runs, world, saved, stage, offload, kind):
     full, loaded = runs
-    got = loaded[world][(kind, stage)]
-    assert set(got["loaded"]) == set(full[kind]["saved"]), f"{kind}: state keys differ"
-    for key, value in full[kind]["saved"].items():
+    got, want = loaded[world][(saved, kind, stage, offload)], full[(saved, kind)]
+    assert set(got["loaded"]) == set(want["saved"]), f"{kind}: state keys differ"
+    for key, value in want["saved"].items():
         assert torch.equal(got["loaded"][key], value), f"{kind} {key}: loaded state differs"
-    for name, value in full[kind]["final"].items():
+    for name, value in want["final"].items():
         err = (got["final"][name] - value).abs().max().item()
         assert err < 2e-5, f"{kind} {name}: after resharding max |w - w_uninterrupted| = {err:.2e}"
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_adafactor_per_tensor_state_round_trips_at_stage_0(runs, world):
+    """Row and column factors are whole per tensor (state_layout.PER_TENSOR): every rank holds and saves
+    them whole, and any world size loads them as saved; the biases' `variance` is per element. At 2
+    ranks training resumes bit for bit, at 1 rank to fp32 tolerance."""
+    full, loaded = runs
+    got, want = loaded[world][("none", "Adafactor", 0, "none")], full[("none", "Adafactor")]
+    kinds = {key[1] for key in want["saved"]}
+    assert {"row_var", "col_var", "variance", "step"} <= kinds, kinds
+    assert set(got["loaded"]) == set(want["saved"])
+    for key, value in want["saved"].items():
+        assert torch.equal(got["loaded"][key], value), f"Adafactor {key}: loaded state differs"
+    for name, value in want["final"].items():  # at 1 rank only the gradient's summation order differs
+        err = (got["final"][name] - value).abs().max().item()
+        assert err == 0 if world == 2 else err < 2e-5, f"Adafactor {name}: max |w - w_uninterrupted| = {err:.2e}"

@@ -1,12 +1,15 @@
 """DeepSpeed's optimizer set (Adagrad, Lion, Lamb, Muon) and a torch.optim class by name equal
-single-process training at every ZeRO stage, with and without gradient accumulation.
+single-process training at every ZeRO stage, with and without gradient accumulation; with the
+optimizer offloaded (`offload_optimizer.device` "cpu" at stages 1-3, "nvme" at stages 1-2 for the
+elementwise ones) each equals its own run without offload bit for bit, and NVMe refuses Lamb and Muon.
 
 References: torch's own class where one exists (Adagrad, RMSprop; AdamW for Muon's non-matrix half);
 for Lion, Lamb and Muon's matrix half a plain per-tensor implementation written here from the papers'
 equations (Lion: arXiv:2302.06675 Alg. 2; LAMB: arXiv:1904.00962 Alg. 2 with DeepSpeed's ratio clip;
 Muon: Jordan 2024, DeepSpeed's Nesterov form and aspect-ratio scale). The model's matrices are
 non-square and their dim-0 chunks cross the partition boundary; at 4 ranks one rank holds no row of
-`mid`. Tolerance: fp32, atol 2e-5 after 5 steps — only summation order differs between the ranks'
+`mid`. Offload runs with DSTRAIN_OFFLOAD_STAGE_COPIES=1, so the accelerator's copy path (gradient segments
+staged to the host, weights copied out for the all-gather) runs on this CPU-only machine. Tolerance: fp32, atol 2e-5 after 5 steps — only summation order differs between the ranks'
 reductions and one process (measured below 2e-6 for the elementwise optimizers; Lamb's and Muon's
 norms amplify it slightly, measured below 5e-6).
 """
@@ -14,20 +17,22 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
 from torch import nn
 
 import engine
+import schemas
 from engine.utils import safe_get_full_fp32_param
 from engine.zero.per_tensor import assign_owners
-from tests.harness import run_distributed
+from tests import optimizer_runs
 from tests.models import make_batches, micro_batches
 
 STEPS, MICRO = 5, 2
 # a torch class by name is stepped like any elementwise optimizer: a few cases show it (time budget)
-RMSPROP_CASES = {(0, 1), (1, 2), (3, 1)}
+RMSPROP_CASES = {(0, 1), (1, 2), (2, 2), (3, 1), (3, 2)}  # (s, 2): the offload cases' baselines
 OPTIMIZERS = {
     "Adagrad": {"lr": 0.05, "weight_decay": 0.01},
     "Lion": {"lr": 0.01, "betas": [0.9, 0.99], "weight_decay": 0.1},
@@ -50,18 +55,31 @@ class Net(nn.Module):
         return nn.functional.mse_loss(self.out(torch.tanh(self.mid(h))), y)
 
 
-def _config(kind: str, stage: int, gas: int) -> dict:
+# NVMe: sub-groups of 64 elements (a multiple of nvme_tier.LANES), so each rank's ~200-element partition
+# is stepped in several swapped pieces.
+NVME_SUB_GROUP = 64
+
+
+def _offload(offload: str, nvme_path: str | None) -> dict:
+    if offload == "cpu":
+        return {"offload_optimizer": {"device": "cpu"}}
+    if offload == "nvme":
+        return {"sub_group_size": NVME_SUB_GROUP, "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}}
+    return {}
+
+
+def _config(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: str | None = None) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
             "optimizer": {"type": kind.lower(), "params": OPTIMIZERS[kind]},
             "zero_allow_untested_optimizer": kind == "RMSprop",
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 150, "allgather_bucket_size": 200,
-                                  "stage3_param_persistence_threshold": 10}}
+                                  "stage3_param_persistence_threshold": 10, **_offload(offload, nvme_path)}}
 
 
-def _train(kind: str, stage: int, gas: int) -> dict:
+def _train(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: str | None = None) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
-    eng, _, _, _ = engine.initialize(model=Net(), config=_config(kind, stage, gas))
+    eng, _, _, _ = engine.initialize(model=Net(), config=_config(kind, stage, gas, offload, nvme_path))
     norms, step_calls = [], []
     stats = eng.zero_optimizer.comm.stats
     for x, y in make_batches(STEPS, MICRO * gas * world):
@@ -74,14 +92,33 @@ def _train(kind: str, stage: int, gas: int) -> dict:
         norms.append(eng.get_global_grad_norm())
     result = {"params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}, "norms": norms,
               "step_calls": step_calls}
-    orthogonalizer = getattr(eng.zero_optimizer.optimizer, "orthogonalize_flats", None)
+    zopt = eng.zero_optimizer
+    orthogonalizer = getattr(zopt.optimizer, "orthogonalize_flats", None)
     if orthogonalizer is not None:
         result["owned_cost"] = orthogonalizer.owned_cost()
+    if offload != "none":  # where the step ran: staged host flats, or swap files with no state in memory
+        result["tier"] = {"home": str(zopt.tier.home), "staged": zopt.tier.staged,
+                          "nvme": getattr(zopt, "nvme", None) is not None,
+                          "state_in_memory": sum(len(s) for s in zopt.optimizer.state.values())}
+    if offload == "nvme":
+        eng.destroy()  # removes the swap directory (destroy's gc.collect costs ~1 s: only where needed)
     return result
 
 
-def _runs(cases) -> dict:
-    return {case: _train(*case) for case in cases}
+def _refused(kind: str, nvme_path: str) -> list[str] | None:
+    try:
+        engine.initialize(model=Net(), config=_config(kind, 2, 1, "nvme", nvme_path))
+    except schemas.ConfigError as error:
+        return error.problems
+    return None
+
+
+def _runs(cases, nvme_path: str | None = None) -> dict:
+    out = {case: _train(*case, nvme_path=nvme_path) for case in cases}
+    if nvme_path is not None:
+        out["refused"] = {kind: _refused(kind, nvme_path) for kind in NVME_REFUSED}
+        out["left_in_nvme_path"] = sorted(os.listdir(nvme_path))
+    return out
 
 
 # -- references, per tensor, from the equations -------------------------------------------------------
@@ -197,20 +234,53 @@ def _initial() -> dict:
     return {n: p.detach() for n, p in Net().named_parameters()}
 
 
-# -- 2 ranks: every optimizer x stage x accumulation in one spawn --------------------------------------
-TWO_RANK_CASES = [(k, s, g) for k in OPTIMIZERS for s in (0, 1, 2, 3) for g in (1, 2)
+# -- 2 ranks: every optimizer x stage x accumulation, and each with offload, in one spawn ----------------
+TWO_RANK_CASES = [(k, s, g, "none") for k in OPTIMIZERS for s in (0, 1, 2, 3) for g in (1, 2)
                   if k != "RMSprop" or (s, g) in RMSPROP_CASES]
+NVME_BUILT, NVME_REFUSED = ("Adagrad", "Lion", "RMSprop"), ("Lamb", "Muon")
+OFFLOAD_CASES = ([(k, s, 2, "cpu") for k in OPTIMIZERS for s in (1, 2, 3)]
+                 + [(k, s, 2, "nvme") for k in NVME_BUILT for s in (1, 2)])
+
+
+FOUR_RANK_CASES = [(k, s, 2, "none") for k in ("Muon", "Lamb") for s in (1, 3)]
+CASES = {2: TWO_RANK_CASES + OFFLOAD_CASES, 4: FOUR_RANK_CASES}  # run by tests/optimizer_runs.py
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_distributed(_runs, 2, args=(TWO_RANK_CASES,), timeout=300)
+    return optimizer_runs.part(2, "set")
 
 
-@pytest.mark.parametrize("kind, stage, gas", TWO_RANK_CASES, ids=lambda v: str(v))
-def test_optimizer_matches_single_process(two_ranks, kind, stage, gas):
+@pytest.mark.parametrize("kind, stage, gas, offload", TWO_RANK_CASES, ids=lambda v: str(v))
+def test_optimizer_matches_single_process(two_ranks, kind, stage, gas, offload):
     for rank, results in enumerate(two_ranks):
-        _assert_matches(results[(kind, stage, gas)], kind, 2, gas, f"rank {rank} {kind} stage {stage} gas {gas}")
+        _assert_matches(results[(kind, stage, gas, offload)], kind, 2, gas, f"rank {rank} {kind} stage {stage} gas {gas}")
+
+
+@pytest.mark.parametrize("kind, stage, gas, offload", OFFLOAD_CASES, ids=lambda v: str(v))
+def test_offloaded_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stage, gas, offload):
+    """The offload tier changes where the step runs, not what it computes (DeepSpeed's Muon and Lion
+    diverged with CPU offload): weights and every step's gradient norm equal the in-memory run's."""
+    for rank, results in enumerate(two_ranks):
+        got, want = results[(kind, stage, gas, offload)], results[(kind, stage, gas, "none")]
+        assert got["tier"]["home"] == "cpu" and got["tier"]["staged"], f"rank {rank}: {got['tier']}"
+        if offload == "nvme":  # the state lives in the swap files only
+            assert got["tier"]["nvme"] and got["tier"]["state_in_memory"] == 0, f"rank {rank}: {got['tier']}"
+        for name, w in want["params"].items():
+            g = got["params"][name]
+            assert torch.equal(g, w), f"rank {rank} {kind} {offload} stage {stage} {name}: {(g - w).abs().max():.2e}"
+        assert got["norms"] == want["norms"], f"rank {rank} {kind} {offload} stage {stage}: gradient norms"
+
+
+@pytest.mark.parametrize("kind", NVME_REFUSED)
+def test_nvme_refuses_the_whole_tensor_optimizers_by_name(two_ranks, kind):
+    for rank, results in enumerate(two_ranks):
+        problems = results["refused"][kind]
+        assert problems is not None and len(problems) == 1, f"rank {rank}: {problems}"
+        assert problems[0].startswith('zero_optimization.offload_optimizer.device: "nvme" with optimizer '
+                                      f'{kind} is not built yet'), problems[0]
+        assert 'use offload_optimizer.device "cpu"' in problems[0] and "whole" in problems[0]
+        assert results["left_in_nvme_path"] == [], f"rank {rank}: swap files left {results['left_in_nvme_path']}"
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -219,29 +289,29 @@ def test_per_tensor_steps_communicate_once_per_step(two_ranks, stage):
     all-reduce of all per-parameter partial norms, plus Muon's two all-to-alls (fragments to owners, slices back)."""
     for results in two_ranks:
         for gas in (1, 2):
-            assert results[("Lion", stage, gas)]["step_calls"] == [{"all_reduce": 1, "all_to_all": 0}] * STEPS
-            assert results[("Lamb", stage, gas)]["step_calls"] == [{"all_reduce": 2, "all_to_all": 0}] * STEPS
-            assert results[("Muon", stage, gas)]["step_calls"] == [{"all_reduce": 1, "all_to_all": 2}] * STEPS
+            assert results[("Lion", stage, gas, "none")]["step_calls"] == [{"all_reduce": 1, "all_to_all": 0}] * STEPS
+            assert results[("Lamb", stage, gas, "none")]["step_calls"] == [{"all_reduce": 2, "all_to_all": 0}] * STEPS
+            assert results[("Muon", stage, gas, "none")]["step_calls"] == [{"all_reduce": 1, "all_to_all": 2}] * STEPS
 
 
 # -- Muon and Lamb on 4 ranks: a rank without rows of a matrix; owners spread ----------------------------
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_distributed(_runs, 4, args=([(k, s, 2) for k in ("Muon", "Lamb") for s in (1, 3)],), timeout=300)
+    return optimizer_runs.part(4, "set")
 
 
 @pytest.mark.parametrize("kind", ["Muon", "Lamb"])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_per_tensor_optimizers_on_four_ranks(four_ranks, kind, stage):
     for rank, results in enumerate(four_ranks):
-        _assert_matches(results[(kind, stage, 2)], kind, 4, 2, f"rank {rank} {kind} stage {stage}")
+        _assert_matches(results[(kind, stage, 2, "none")], kind, 4, 2, f"rank {rank} {kind} stage {stage}")
 
 
 def test_muon_owners_spread_the_newton_schulz_cost(four_ranks):
-    costs = four_ranks[0][("Muon", 1, 2)]["owned_cost"]
+    costs = four_ranks[0][("Muon", 1, 2, "none")]["owned_cost"]
     # three Muon matrices (9x13, 7x9, 5x7) on four ranks: each on its own rank, none twice
     assert sorted(costs) == sorted([0, 9 * 13 * 9, 7 * 9 * 7, 5 * 7 * 5])
-    assert all(r[("Muon", 1, 2)]["owned_cost"] == costs for r in four_ranks)  # every rank agrees
+    assert all(r[("Muon", 1, 2, "none")]["owned_cost"] == costs for r in four_ranks)  # every rank agrees
 
 
 def test_owner_assignment_is_balanced_largest_first():

@@ -13,7 +13,7 @@ import schemas
 from engine.optimizers import (ZERO_SUPPORTED_OPTIMIZERS, build_optimizer, is_zero_supported_optimizer,
                                resolve_optimizer)
 from schemas.optimizer import NOT_BUILT_OPTIMIZERS, OptimizerConfig
-from tests.harness import run_distributed
+from tests import optimizer_runs
 from tests.models import OddMLP, make_batches, micro_batches, reference_train
 
 
@@ -249,7 +249,7 @@ def _train_uncorrected_zero2():
 
 
 def test_bias_correction_false_under_zero_stage_2_is_single_process_training():
-    results = run_distributed(_train_uncorrected_zero2, 2)
+    results = optimizer_runs.part(2, "uncorrected_zero2")  # in the optimizer tests' shared 2-rank spawn
     torch.manual_seed(0)
     ref, _, _ = reference_train(OddMLP(), make_batches(5, 4),
                                 lambda ps: ops.UncorrectedAdam(ps, lr=1e-2, weight_decay=0.1))

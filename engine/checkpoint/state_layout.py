@@ -4,8 +4,10 @@
   the parameter, cut and reassembled like the weights, so it reshards across stages and world sizes.
 - SCALAR: one value per parameter tensor that is the same for every fragment (step, ASGD's eta/mu):
   saved once per fragment, loaded as is.
-- PER_TENSOR: a per-tensor value with its own shape (Adafactor's row/column factors). Not built yet in
-  checkpoints: saving one is an error naming the optimizer and the key.
+- PER_TENSOR: a per-tensor value with its own shape (Adafactor's row/column factors): saved whole with
+  every fragment, like a scalar, and loaded as is. Only stage 0 holds such state (ZeRO stages >= 1
+  refuse optimizers that need whole tensors: engine/zero/per_tensor.py), where every rank holds whole
+  tensors, so it reshards across world sizes unchanged.
 
 A class declares its layout with a `STATE_LAYOUT` class attribute ({key: layout}); the table below
 covers torch.optim's classes (read from their `step` in torch 2.13) and ops'. A client optimizer of
@@ -65,7 +67,7 @@ def _shape_rule(optimizer) -> dict[str, str]:
 
 
 def state_layout(optimizer) -> dict[str, str]:
-    """key -> ELEMENTWISE / SCALAR for every state key `optimizer` holds (module docstring)."""
+    """key -> ELEMENTWISE / SCALAR / PER_TENSOR for every state key `optimizer` holds (module docstring)."""
     declared = declared_layout(optimizer)
     if declared is None:
         name = type(optimizer).__name__
@@ -79,10 +81,6 @@ def state_layout(optimizer) -> dict[str, str]:
     if unknown:
         raise ValueError(f"optimizer {type(optimizer).__name__} holds state {unknown} that its declared layout "
                          "does not name; add them to its STATE_LAYOUT (engine/checkpoint/state_layout.py)")
-    per_tensor = sorted(k for k in held if declared[k] == PER_TENSOR)
-    if per_tensor:
-        raise NotImplementedError(f"checkpointing the per-tensor state {per_tensor} of optimizer "
-                                  f"{type(optimizer).__name__} is not built yet in dstrain")
     return {k: declared[k] for k in held}
 
 

@@ -17,13 +17,12 @@ the inner optimizer of that group's partitions.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 import schemas
 from offload import (AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir, SwappedPartition,
                      sub_group_buffer_elements)
+from .swappable import SWAPPABLE_NAMES, config_name, constructor_args, swap_problem
 
 from .nvme_state import install_state_dict_hooks
 
@@ -36,17 +35,13 @@ PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
 LANES = 64
 
 
-# Optimizers the swapped step is built and tested for: elementwise, state created lazily. Per-tensor ones
-# (Lamb's trust ratio, Muon's orthogonalisation: per_tensor.py) would be wrong per sub-group; Adagrad
-# builds its state in __init__ (offload/swapped_partition.py); the rest is untested here.
-ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-
-
 def optimizer_problem(optimizer) -> str | None:
-    if isinstance(optimizer, ELEMENTWISE):
+    """Why `optimizer` cannot step swapped sub-groups (swappable.py decides), naming the key."""
+    why = swap_problem(optimizer)
+    if why is None:
         return None
-    return (f'zero_optimization.offload_optimizer.device: "nvme" with optimizer {type(optimizer).__name__} is not '
-            'built yet (the swapped step is built for Adam, AdamW and SGD); use device "cpu" or one of those')
+    return (f'zero_optimization.offload_optimizer.device: "nvme" with optimizer {config_name(optimizer)} is not '
+            f'built yet ({why}); use offload_optimizer.device "cpu", or an elementwise optimizer ({SWAPPABLE_NAMES})')
 
 
 def wants_nvme(zero) -> bool:
@@ -59,7 +54,7 @@ def _inner_factory(optimizer: torch.optim.Optimizer, group: dict):
     kind = type(optimizer)
     # `defaults` may hold keys the constructor does not take (AdamW's decoupled_weight_decay): pass the
     # ones it takes; the group copy below sets the rest, which is what `step` reads.
-    accepted = inspect.signature(kind.__init__).parameters
+    accepted = constructor_args(kind)
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
     def make(params: list) -> torch.optim.Optimizer:
