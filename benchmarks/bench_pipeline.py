@@ -3,6 +3,7 @@ PipelineStage + schedule on the same layers, and (with --deepspeed-venv) DeepSpe
 
     python benchmarks/bench_pipeline.py --stages 2,4 --micro-batches 1,4,8 --steps 5
     python benchmarks/bench_pipeline.py --stages 2 --micro-batches 4 --deepspeed-venv /tmp/ds-venv
+    python benchmarks/bench_pipeline.py --stages 2 --micro-batches 4 --tensor-parallel 2   # 3D rows
 
 Workload: benchmarks/pipe_workload.py (16 layers: 8 × Linear(512, 512) + GELU, micro-batch 16, MSE,
 SGD), one rank per stage, 1 thread each, gloo over loopback, fp32. Per row: the median train_batch
@@ -10,6 +11,10 @@ time of steps 2..N (the first builds the stages), the bubble fraction from the e
 (engine/pipe/schedule.py) next to its formula, and the peak bytes of activations autograd holds per
 stage (saved-tensor hooks). Interleaved and zero-bubble rows use 2 chunks per rank. These machines are
 shared and noisy: read ratios, and the load printed with them.
+`--tensor-parallel T` adds pipeline × tensor parallelism rows instead: examples/gpt_pipe.py's GPT
+(d_model 256, 4 blocks, seq 64) in 1F1B on `stages` × T ranks with AutoTP (`autotp_size: T`), next to
+the same model on `stages` ranks without it. DeepSpeed has no peer row here: its PipelineEngine takes
+tensor parallelism only from a Megatron `mpu`, not from AutoTP.
 """
 from __future__ import annotations
 
@@ -88,6 +93,47 @@ def _torch_native(m: int, steps: int) -> dict:
     return {"step_ms": statistics.median(times[1:])}
 
 
+def _gpt_pipe(stages: int, degree: int, m: int, steps: int) -> dict:
+    """1F1B on the GPT layer list, pipe `stages` × model `degree` (AutoTP), ZeRO-1, AdamW."""
+    import torch
+    import torch.distributed as dist
+    import engine
+    from engine.pipe import PipelineModule
+    from engine.topology import Topology
+    from examples.gpt import GPTConfig, RandomTokens
+    from examples.gpt_pipe import gpt_layers, gpt_loss
+    cfg = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)
+    topo = Topology.for_world(dist.get_world_size(), pipe=stages, model=degree)
+    pm = PipelineModule(gpt_layers(cfg), topology=topo, loss_fn=gpt_loss, seed_layers=True,
+                        partition_method="type:BlockLayer")
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": m, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
+              "tensor_parallel": {"autotp_size": degree}}
+    eng, *_ = engine.initialize(model=pm, config=config)
+    data = RandomTokens(4 * m * steps, cfg.seq_len, cfg.vocab_size)
+    times = []
+    for i in range(steps):
+        batch = iter([tuple(torch.stack(t) for t in zip(*(data[4 * (i * m + k) + j] for j in range(4))))
+                      for k in range(m)])
+        t0 = time.perf_counter()
+        eng.train_batch(batch)
+        times.append((time.perf_counter() - t0) * 1e3)
+    eng.destroy()
+    return {"step_ms": statistics.median(times[1:])}
+
+
+def _tensor_parallel_rows(stages: int, degree: int, ms: list[int], steps: int) -> None:
+    print(f"{'p':>2} {'m':>2} {'system':<26} {'ranks':>5} {'step ms':>9} {'vs tp1':>6}")
+    for m in ms:
+        base = max(r["step_ms"] for r in run_distributed(_gpt_pipe, world_size=stages, args=(stages, 1, m, steps),
+                                                          timeout=1800))
+        tp = max(r["step_ms"] for r in run_distributed(_gpt_pipe, world_size=stages * degree,
+                                                        args=(stages, degree, m, steps), timeout=1800))
+        print(f"{stages:>2} {m:>2} {'dstrain-1f1b-gpt':<26} {stages:>5} {base:>9.1f} {1.0:>6.2f}")
+        print(f"{stages:>2} {m:>2} {f'dstrain-1f1b-gpt-autotp{degree}':<26} {stages * degree:>5} {tp:>9.1f} "
+              f"{tp / base:>6.2f}")
+
+
 def _all(stages: int, ms: list[int], steps: int) -> dict:
     out = {}
     for m in ms:
@@ -116,9 +162,16 @@ def main() -> int:
     p.add_argument("--micro-batches", default="1,4,8")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--deepspeed-venv", default=None)
+    p.add_argument("--tensor-parallel", type=int, default=1, help="T > 1: the pipeline x tensor-parallel rows")
     args = p.parse_args()
     from engine.pipe.schedule import formula_bubble
     print(f"load before: {os.getloadavg()}")
+    if args.tensor_parallel > 1:
+        for stages in [int(s) for s in args.stages.split(",")]:
+            _tensor_parallel_rows(stages, args.tensor_parallel, [int(m) for m in args.micro_batches.split(",")],
+                                  args.steps)
+        print(f"load after: {os.getloadavg()}")
+        return 0
     print(f"{'p':>2} {'m':>2} {'system':<18} {'step ms':>9} {'vs DS':>6} {'bubble':>7} {'formula':>7} {'act KB/stage':>12}")
     for stages in [int(s) for s in args.stages.split(",")]:
         ms = [int(m) for m in args.micro_batches.split(",")]

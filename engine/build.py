@@ -26,7 +26,7 @@ from .tensor_parallel import from_config as tensor_parallel
 from .engine import Engine
 from .precision import model_dtype
 from .optimizers import resolve_optimizer, tag_muon_parameters
-from .pipe.build import check_pipeline_config, pipeline_groups
+from .pipe.build import check_model_axis, check_pipeline_config, pipeline_groups
 from .schedules import resolve_scheduler
 from .zero import build_zero_optimizer
 
@@ -99,13 +99,14 @@ def _param_groups(model: torch.nn.Module, model_parameters) -> list:
     return list(model_parameters)
 
 
-def _broadcast_model(model: torch.nn.Module, comm: Communicator) -> None:
-    """Make every rank start from rank 0's weights and buffers, one broadcast per dtype."""
+def _broadcast_model(model: torch.nn.Module, comm: Communicator, skip=lambda t: False) -> None:
+    """Make every rank start from rank 0's weights and buffers (but those `skip` names), one broadcast per dtype."""
     if comm.world_size == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in list(model.parameters()) + list(model.buffers()):
-        by_dtype.setdefault(t.dtype, []).append(t)
+        if not skip(t):
+            by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
         for tensors in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -122,9 +123,8 @@ def _parallel_layout(model: torch.nn.Module, source, overrides) -> tuple[int, An
     before its optimizer is built; a PipelineModule brought its topology's groups (engine/pipe)."""
     degree = tensor_parallel.requested_degree(source, overrides)
     groups = pipeline_groups(model)
-    if groups is not None and degree > 1:
-        raise schemas.ConfigError([f"tensor_parallel.autotp_size: {degree} with an engine.pipe.PipelineModule is not "
-                                   "built yet in dstrain (pipeline × tensor parallelism); remove the key or use 1"])
+    if groups is not None:  # its topology's model axis: AutoTP's degree or its tensor-parallel layers'
+        degree = check_model_axis(groups, degree)
     data_world = groups.topology.data if groups is not None else max(1, dist.get_world_size() // degree)
     return degree, groups, data_world
 
@@ -156,14 +156,17 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     degree, groups, data_world = _parallel_layout(model, source, config_overrides)
     cfg = schemas.load_config(source, world_size=data_world, overrides=config_overrides)
     check_pipeline_config(cfg, model)
+    pipelined = groups is not None
     if groups is None:
         groups = tensor_parallel.tensor_parallel_groups(degree)  # None without tensor parallelism
     comm = Communicator(groups.data_group if groups is not None else None)
     _seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
-    _broadcast_model(model, comm if degree == 1 else Communicator(None))
+    _broadcast_model(model, comm)
+    if degree > 1:  # one copy of what a model group replicates (tensor_parallel/from_config.py's note)
+        _broadcast_model(model, Communicator(groups.model_group), skip=tensor_parallel.is_partitioned)
     if degree > 1:
-        tensor_parallel.apply_tensor_parallel(model, cfg, groups)
+        tensor_parallel.apply_tensor_parallel(model, cfg, groups, pipelined)
     _apply_activation_checkpointing(model, cfg)
     tag_muon_parameters(model, cfg.optimizer)  # DeepSpeed's set_optimizer_flags
     params = _param_groups(model, model_parameters)

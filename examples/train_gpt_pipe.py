@@ -2,9 +2,14 @@
 
     dslaunch --num_gpus 2 examples/train_gpt_pipe.py --deepspeed_config sample_configs/pipe2.json
     dslaunch --num_gpus 4 examples/train_gpt_pipe.py --deepspeed_config sample_configs/dp2_pipe2.json
+    dslaunch --num_gpus 4 examples/train_gpt_pipe.py --deepspeed_config sample_configs/pipe2_tp2.json
+    dslaunch --num_gpus 8 examples/train_gpt_pipe.py --deepspeed_config sample_configs/dp2_pipe2_tp2.json
 
-The stage count is the config's `pipeline.stages`; the data-parallel degree is what the world leaves
-(world / stages); `pipeline.schedule` picks the schedule. Each step is one `engine.train_batch()`.
+The stage count is the config's `pipeline.stages`, the tensor-parallel degree its
+`tensor_parallel.autotp_size` (AutoTP shards the dense blocks; with `--tensor-parallel-layers` the
+blocks are built from engine.tensor_parallel's layers instead); the data-parallel degree is what the
+world leaves (world / (stages × degree)); `pipeline.schedule` picks the schedule. Each step is one
+`engine.train_batch()`.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import engine  # noqa: E402
 import schemas  # noqa: E402
 from engine.pipe import PipelineModule  # noqa: E402
+from engine.tensor_parallel import from_config as tensor_parallel  # noqa: E402
+from engine.topology import Topology  # noqa: E402
 from examples.gpt import ByteCorpus, GPTConfig, uniform_loss  # noqa: E402
 from examples.gpt_pipe import gpt_layers, gpt_loss  # noqa: E402
 
@@ -35,18 +42,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: cores / local ranks)")
+    p.add_argument("--tensor-parallel-layers", action="store_true",
+                   help="build the blocks from engine.tensor_parallel layers (else AutoTP shards dense ones)")
     engine.add_config_arguments(p)
     args = p.parse_args(argv)
     args.deepspeed_config = args.deepspeed_config or str(DEFAULT_CONFIG)
     return args
 
 
-def _stages(config_path: str) -> int:
+def _topology(config_path: str) -> Topology:
+    """pipe × data × model from the config's `pipeline.stages` and `tensor_parallel.autotp_size`."""
     body, _ = schemas.loading.read_config_source(config_path)
     stages = body.get("pipeline", {}).get("stages", "auto")
     if not isinstance(stages, int):
         raise SystemExit(f"{config_path}: pipeline.stages must be a number of stages for this demo")
-    return stages
+    degree = tensor_parallel.requested_degree(config_path, None)
+    return Topology.for_world(dist.get_world_size(), pipe=stages, model=degree)
 
 
 def main(argv=None) -> int:
@@ -54,8 +65,10 @@ def main(argv=None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.layers, d_model=args.d_model, n_head=4)
-    model = PipelineModule(gpt_layers(cfg), num_stages=_stages(args.deepspeed_config), loss_fn=gpt_loss,
-                           seed_layers=True, partition_method="type:BlockLayer")
+    engine.init_distributed()
+    model = PipelineModule(gpt_layers(cfg, tensor_parallel=args.tensor_parallel_layers),
+                           topology=_topology(args.deepspeed_config), loss_fn=gpt_loss, seed_layers=True,
+                           partition_method="type:BlockLayer")
     eng, _, _, _ = engine.initialize(args=args, model=model, training_data=ByteCorpus(seq_len=args.seq_len))
     losses, t0 = [], time.perf_counter()
     while eng.global_steps < args.steps:
@@ -65,7 +78,8 @@ def main(argv=None) -> int:
     if dist.get_rank() == 0:
         first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
         topo = model.topology
-        print(f"[dstrain] pipeline demo done: {eng.global_steps} steps, pipe={topo.pipe} × data={topo.data}, "
+        print(f"[dstrain] pipeline demo done: {eng.global_steps} steps, pipe={topo.pipe} × data={topo.data} × "
+              f"model={topo.model}, "
               f"schedule {eng.schedule_name}, loss {first:.3f} -> {last:.3f} (uniform {uniform_loss(256):.3f}), "
               f"{elapsed / len(losses) * 1000:.0f} ms/step")
         if not last < first:

@@ -74,9 +74,22 @@ CASES = {
 }
 
 
+def _two_rank_checks():
+    """Every 2-rank check of this file in one spawn (each spawn costs a torch import and rendezvous per rank)."""
+    return {"schedules": _train_each(2, CASES[2]), "peaks": _activation_peaks(), "dicts": _dicts_and_lengths()}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_distributed(_two_rank_checks, world_size=2, timeout=300)
+
+
 @pytest.mark.parametrize("stages", [2, 4])
-def test_every_schedule_matches_single_process(stages):
-    per_rank = run_distributed(_train_each, world_size=stages, args=(stages, CASES[stages]), timeout=240)
+def test_every_schedule_matches_single_process(stages, request):
+    if stages == 2:
+        per_rank = [r["schedules"] for r in request.getfixturevalue("two_rank_results")]
+    else:
+        per_rank = run_distributed(_train_each, world_size=stages, args=(stages, CASES[stages]), timeout=240)
     idle = {}
     for k, (schedule, _, gas, tied, n_layers) in enumerate(CASES[stages]):
         _check_against_reference([r[k] for r in per_rank], tied, gas, dp=1, n_layers=n_layers)
@@ -110,8 +123,8 @@ def _activation_peaks():
     return peaks
 
 
-def test_1f1b_holds_at_most_p_micro_batches_gpipe_m_and_checkpointing_less():
-    for stage, peaks in enumerate(run_distributed(_activation_peaks, world_size=2, timeout=150)):
+def test_1f1b_holds_at_most_p_micro_batches_gpipe_m_and_checkpointing_less(two_rank_results):
+    for stage, peaks in enumerate(r["peaks"] for r in two_rank_results):
         one = peaks[("1f1b", 1, 0)]
         assert one > 0
         assert peaks[("1f1b", 4, 0)] == min(2 - stage, 4) * one  # stage 0 holds p = 2, the last stage 1
@@ -143,8 +156,8 @@ def _dicts_and_lengths():
     return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, eval_loss, errors
 
 
-def test_dicts_masks_and_changing_lengths_cross_stages():
-    per_rank = run_distributed(_dicts_and_lengths, world_size=2, timeout=150)
+def test_dicts_masks_and_changing_lengths_cross_stages(two_rank_results):
+    per_rank = [r["dicts"] for r in two_rank_results]
     batches = varying_length_batches(STEPS + 1, MICRO * 2)
     ref, ref_losses = reference_sgd(dict_specs(), batches, lm_loss, LR, STEPS)
     want = reference_params(ref)

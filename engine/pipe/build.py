@@ -1,5 +1,11 @@
 """How `initialize()` meets a `PipelineModule`: the groups come from the module (it built them), the
-config is checked against it, and ZeRO-3 is refused (docs/parallelism.md says why)."""
+config is checked against it, and ZeRO-3 is refused (docs/parallelism.md says why).
+
+[Note: pipeline × tensor parallelism] The module's topology carries the model axis: its stages' layers
+are either engine.tensor_parallel layers (built inside the module, over its model group) or dense
+layers that AutoTP shards at initialize (`tensor_parallel.autotp_size`, which must then equal the
+axis). A stage's tensor-parallel ranks start from one copy of what they replicate: initialize
+broadcasts over the data group and then, skipping the shards, over the model group."""
 from __future__ import annotations
 
 import schemas
@@ -10,6 +16,18 @@ from .module import PipelineModule
 def pipeline_groups(model):
     """The module's `ProcessGroups` for a PipelineModule, else None (pure data parallelism)."""
     return model.process_groups if isinstance(model, PipelineModule) else None
+
+
+def check_model_axis(groups, degree: int) -> int:
+    """The model axis of a PipelineModule's topology, which `tensor_parallel.autotp_size` (when > 1) must equal."""
+    model = groups.topology.model
+    if degree > 1 and degree != model:
+        topo = groups.topology
+        raise schemas.ConfigError([f"tensor_parallel.autotp_size: {degree}, but the PipelineModule's topology has "
+                                   f"model={model}; build it with topology=Topology(pipe={topo.pipe}, "
+                                   f"data={topo.world_size // (topo.pipe * degree)}, model={degree}) "
+                                   "(engine.topology), or make the key equal to its model axis"])
+    return model
 
 
 def check_pipeline_config(cfg, model) -> None:

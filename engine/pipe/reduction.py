@@ -9,13 +9,16 @@ the norm each stage's optimizer agreed over its data group is summed over the mo
 the world. A tied weight is held by several stages with the same (summed) gradient; the stages
 other than the first subtract their copy's square first, so it is counted once. The square of a
 non-finite gradient is non-finite, and stays so through the sum (Inf − Inf is NaN): every rank
-skips the same step without a separate flag.
+skips the same step without a separate flag. With tensor parallelism a replicated tied weight is
+left out on tensor ranks r > 0 already (tensor_parallel/norm.py), so only tensor rank 0 subtracts
+it; a vocabulary-split tied weight is subtracted on every tensor rank (each holds its own slice).
 """
 from __future__ import annotations
 
 import torch
 
 from ..comm import Communicator
+from ..tensor_parallel.layers import is_partitioned
 
 
 class TiedGradients:
@@ -27,6 +30,7 @@ class TiedGradients:
         stage = groups.coord.pipe
         self.comms = {key: Communicator(group) for key, group in module.tie_groups.items()}
         self.owner = {key: stage == module.tie_stages()[key][0] for key in self.comms}
+        self.tensor_rank = groups.coord.model
         self.duplicate_square: torch.Tensor | None = None
 
     def all_reduce_grads(self) -> None:
@@ -43,6 +47,8 @@ class TiedGradients:
             if self.owner[key]:
                 continue
             for p in self.params[key]:
+                if self.tensor_rank > 0 and not is_partitioned(p):  # counted on tensor rank 0 (module note)
+                    continue
                 g = p.grad.detach().float().clone()
                 self.data_comm.all_reduce(g)
                 sq += (g / (self.data_comm.world_size * loss_scale)).square().sum()

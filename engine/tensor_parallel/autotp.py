@@ -40,9 +40,10 @@ def _divide_head_counts(owner: nn.Module, world: int, where: str) -> None:
             setattr(owner, attribute, value // world)
 
 
-def shard_model(model: nn.Module, comm: Communicator) -> list[str]:
+def shard_model(model: nn.Module, comm: Communicator, require_projections: bool = True) -> list[str]:
     """Replace `model`'s projections in place with parallel layers over `comm`; returns their names.
-    Every tensor-parallel rank must hold the same full weights when this runs."""
+    Every tensor-parallel rank must hold the same full weights when this runs. Finding none is an error
+    unless `require_projections` is False (one pipeline stage of many: the caller checks the whole)."""
     if comm.world_size == 1:
         return []
     replaced = []
@@ -68,7 +69,7 @@ def shard_model(model: nn.Module, comm: Communicator) -> list[str]:
             sharded_attention |= name in ATTENTION_PROJECTIONS
         if sharded_attention:
             _divide_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
-    if not replaced:
+    if not replaced and require_projections:
         raise ValueError(f"tensor_parallel.autotp_size: {comm.world_size}, but no projection of "
                          f"{type(model).__name__} has a name AutoTP knows (column: {sorted(COLUMN_PARALLEL)}; "
                          f"row: {list(ROW_PARALLEL)}); shard it with engine.tensor_parallel's layers instead")

@@ -2,9 +2,12 @@
 sharded on it.
 
 [Note: order at initialize] The degree T is read before the config is resolved, because batch-size
-arithmetic needs the data-parallel size, world / T. Every rank then takes rank 0's full weights (a
-broadcast over the world, not the data group: the ranks of one tensor-parallel group must shard the
-same matrices), AutoTP shards them, and the optimizer is built on the sharded parameters.
+arithmetic needs the data-parallel size, world / T. Every rank then takes its data group's first
+rank's weights, and then its model group's first rank's for every tensor that is not a shard already
+(the ranks of one tensor-parallel group must shard the same matrices; for a dense model this is rank
+0's weights everywhere, and it works the same on one pipeline stage), AutoTP shards them, and the
+optimizer is built on the sharded parameters. A model built from this package's layers (after the
+topology existed) is sharded already: AutoTP leaves it alone, and its shards are not broadcast.
 Seeds: the default stream gets `seed + data rank × T` (the same on the T ranks of one model:
 replicated dropout agrees), the tracked model-parallel stream `that + 2718 + tensor rank`
 (engine.checkpointing's `model_parallel_cuda_manual_seed`), distinct for every (data, tensor) pair.
@@ -13,14 +16,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import schemas
 
+from ..comm import Communicator
 from ..topology import ProcessGroups, Topology, set_current
 from .autotp import shard_model
 from .group import ModelParallelUnit, tensor_parallel_comm
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_partitioned
 from .norm import agree_norm_over_tensor_parallel  # noqa: F401 - initialize's route to it (build.py)
 
 KEY = "tensor_parallel.autotp_size"
@@ -58,24 +64,52 @@ def tensor_parallel_groups(degree: int) -> ProcessGroups | None:
 def refused_with_tensor_parallel(cfg: schemas.Config) -> list[str]:
     """What does not compose with AutoTP yet: each one a config key and what to do."""
     problems = []
-    if cfg.zero_optimization.stage > 1:
-        problems.append(f"zero_optimization.stage {cfg.zero_optimization.stage} with {KEY} > 1 is not built yet "
-                        "in dstrain; use stage 0 or 1")
+    if cfg.zero_optimization.stage == 3:  # stages 1 and 2 partition over the data axis (norm.py's note)
+        problems.append(f"zero_optimization.stage 3 with {KEY} > 1 is not built yet in dstrain: stage 3 gathers "
+                        "parameters over the data axis and agrees its gradient norm over it alone, without the "
+                        "model group's shards and replicated copies; use stage 0, 1 or 2")
     return problems
 
 
-def apply_tensor_parallel(model: nn.Module, cfg: schemas.Config, groups: ProcessGroups) -> list[str]:
-    """Shard `model` over this rank's model group, seed the dropout streams; the names it replaced."""
+def apply_tensor_parallel(model: nn.Module, cfg: schemas.Config, groups: ProcessGroups,
+                          pipelined: bool = False) -> list[str]:
+    """Shard `model` over this rank's model group, seed the dropout streams; the names it replaced.
+    A model built from this package's layers is sharded already and kept as it is. `pipelined`: this
+    rank holds one stage, which may have no projection while another stage does (checked over the world)."""
     problems = refused_with_tensor_parallel(cfg)
     if problems:
         raise schemas.ConfigError(problems)
     import engine.checkpointing as ac
     comm = tensor_parallel_comm(groups.model_group)
-    replaced = shard_model(model, comm)
+    prebuilt = _prebuilt_degrees(model)
+    if prebuilt - {comm.world_size}:
+        raise schemas.ConfigError([f"{KEY}: {comm.world_size}, but the model's engine.tensor_parallel layers split "
+                                   f"over {sorted(prebuilt)} rank(s): build them after the topology exists "
+                                   "(inside a PipelineModule with topology=Topology(..., model=T), or after "
+                                   "engine.topology.set_current), with T equal to the key"])
+    replaced = [] if prebuilt else shard_model(model, comm, require_projections=not pipelined)
+    if pipelined:
+        _require_some_stage_sharded(model, comm.device)
     ac.configure(mpu_=ModelParallelUnit(comm))
     ac.model_parallel_cuda_manual_seed(cfg.seed + groups.coord.data * groups.topology.model)
     return replaced
 
+
+
+def _prebuilt_degrees(model: nn.Module) -> set[int]:
+    """The group sizes of the tensor-parallel layers a model was built from (empty: a dense model)."""
+    return {m.comm.world_size for m in model.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))}
+
+
+def _require_some_stage_sharded(model: nn.Module, device) -> None:
+    """Collective over the world: at least one stage of a pipeline holds tensor-parallel parameters."""
+    count = torch.tensor([float(sum(is_partitioned(p) for p in model.parameters()))], device=device)
+    Communicator(None).all_reduce(count)
+    if count.item() == 0:
+        raise schemas.ConfigError([f"{KEY}: no stage of the PipelineModule holds a projection AutoTP knows "
+                                   "(column: q_proj, c_attn, qkv, fc, ...; row: o_proj, c_proj, proj, out, ...); "
+                                   "build its layers from engine.tensor_parallel instead"])
 
 
 def check_parameters(model: nn.Module, param_groups: list, optimizer) -> None:

@@ -1,0 +1,146 @@
+"""Pipeline × tensor parallelism (× data): examples/gpt_pipe.py's GPT on a pipe × data × model grid
+equals the dense model trained in one process.
+
+Two ways to put the model axis in the stages, both tested: the blocks built from engine.tensor_parallel
+layers (`gpt_layers(cfg, tensor_parallel=True)`, Megatron's layout) and dense blocks that AutoTP shards
+at initialize (`tensor_parallel.autotp_size: 2`). The reference is the dense layer list with the same
+per-layer seeds, plain SGD without clipping on the global batch (the update is linear in the gradient,
+so a gradient off by the tensor-parallel size, a replicated tied embedding summed twice or a missing
+1/m shows in the weights), with accumulation. Every rank also reports the gradient norm it clipped
+with, compared to the reference's: sharded parameters counted fully, replicated and tied ones once.
+An Inf on one tensor rank of one stage makes every rank of the world skip that step.
+4 ranks: 2 pipe × 2 model, ZeRO-1 and ZeRO-2; 8 ranks: 2 pipe × 2 data × 2 model at ZeRO-2 (one run of
+3 steps: 8 processes share 2 cores; ZeRO-2 partitions gradients as well as the optimizer state ZeRO-1
+partitions, over the same data axis).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.models import micro_batches
+
+LR, MICRO, GAS, INF_STEP = 0.5, 2, 2, 1
+
+
+def _cfg():
+    from examples.gpt import GPTConfig
+    return GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=4, d_model=16)
+
+
+def _batches(steps: int, dp: int):
+    g = torch.Generator().manual_seed(0)
+    cfg = _cfg()
+    return [(torch.randint(0, cfg.vocab_size, (MICRO * GAS * dp, cfg.seq_len), generator=g),
+             torch.randint(0, cfg.vocab_size, (MICRO * GAS * dp, cfg.seq_len), generator=g)) for _ in range(steps)]
+
+
+def _dense_name(name: str) -> str:
+    """The dense block's parameter name of a tensor-parallel block's (`1.attn.qkv.weight` → `1.qkv.weight`)."""
+    return name.replace(".attn.", ".").replace(".mlp.", ".")
+
+
+def _train_3d(route: str, zero: int, steps: int, inf_at: int | None = None) -> dict:
+    """One run on this world as pipe 2 × data × model 2; `route` "layers" or "autotp"."""
+    import torch.distributed as dist
+
+    import engine
+    from engine.pipe import PipelineModule
+    from engine.topology import Topology
+    from examples.gpt_pipe import gpt_layers, gpt_loss
+    topo = Topology.for_world(dist.get_world_size(), pipe=2, model=2)
+    pm = PipelineModule(gpt_layers(_cfg(), tensor_parallel=route == "layers"), topology=topo, loss_fn=gpt_loss,
+                        seed_layers=True, partition_method="type:BlockLayer")
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": zero}, "gradient_clipping": 0.0}  # DeepSpeed's default clips at 1
+    if route == "autotp":
+        config["tensor_parallel"] = {"autotp_size": 2}
+    eng, *_ = engine.initialize(model=pm, config=config)
+    coord = pm.process_groups.coord
+    poison = []
+    if inf_at is not None and coord.pipe == 1 and coord.model == 1:  # one tensor rank of the last stage
+        weight = next(p for n, p in pm.named_parameters() if n.endswith("fc.weight"))
+        weight.register_hook(lambda g: g * float("inf") if poison else g)
+    dp, dp_rank = eng.comm.world_size, eng.comm.rank
+    losses, norms = [], []
+    for step, (x, y) in enumerate(_batches(steps, dp)):
+        poison[:] = [True] if step == inf_at else []
+        losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))))
+        norms.append(eng.get_global_grad_norm())
+    params = {_dense_name(n): (p.detach().clone(), getattr(p, "tensor_parallel_dim", None),
+                               getattr(p, "tensor_parallel_parts", 1)) for n, p in pm.named_parameters()}
+    result = {"coord": tuple(coord), "params": params, "losses": losses, "norms": norms,
+              "skipped": eng.skipped_steps, "sharded": sum(d is not None for _, d, _ in params.values())}
+    eng.destroy()
+    return result
+
+
+def _reference(steps: int, dp: int, skip: frozenset = frozenset()):
+    from examples.gpt_pipe import gpt_layers, gpt_loss
+    from tests.pipe_models import reference_params, reference_sgd
+    norms: list = []
+    model, losses = reference_sgd(gpt_layers(_cfg()), _batches(steps, dp), gpt_loss, LR, steps, skip=skip, norms=norms)
+    return reference_params(model), losses, norms
+
+
+def _check(results: list, steps: int, dp: int, skip: frozenset = frozenset()) -> None:
+    from engine.tensor_parallel.layers import shard
+    want, ref_losses, ref_norms = _reference(steps, dp, skip)
+    assert sorted(r["coord"] for r in results) == sorted((p, d, m) for p in range(2) for d in range(dp) for m in range(2))
+    seen = set()
+    for r in results:
+        pipe, _, model = r["coord"]
+        assert r["sharded"] > 0, r["coord"]  # the stage really holds tensor-parallel shards
+        assert r["skipped"] == len(skip), r["coord"]
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), r["coord"]  # the same on every rank
+        for step, (norm, ref) in enumerate(zip(r["norms"], ref_norms)):
+            if step in skip:
+                assert not torch.isfinite(torch.tensor(norm)), (r["coord"], step, norm)
+            else:
+                assert norm == pytest.approx(ref, rel=1e-5), (r["coord"], step)
+        for name, (p, dim, parts) in r["params"].items():
+            if pipe == 1 and name == "tied_modules.embeddings.pos.weight":
+                continue  # the LM head's copy of the embeddings: its position table is never used
+            expected = want[name] if dim is None else shard(want[name], dim, model, 2, parts)
+            torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6, msg=f"{r['coord']} {name}")
+            seen.add(name)
+    assert seen == set(want)  # the stages together hold the whole model
+    from examples.gpt_pipe import gpt_layers
+    from tests.pipe_models import Reference, reference_params
+    init = reference_params(Reference(gpt_layers(_cfg())))
+    assert any(not torch.allclose(init[n], want[n]) for n in want)  # the model moved
+
+
+STEPS_4, STEPS_8 = 5, 3
+CASES_4 = {"layers-zero1": ("layers", 1, None), "autotp-zero2": ("autotp", 2, None), "inf-zero2": ("layers", 2, INF_STEP)}
+CASES_8 = {"autotp-zero2": ("autotp", 2)}
+
+
+def _four_rank_cases():
+    return {name: _train_3d(route, zero, STEPS_4, inf_at) for name, (route, zero, inf_at) in CASES_4.items()}
+
+
+def _eight_rank_cases():
+    return {name: _train_3d(route, zero, STEPS_8) for name, (route, zero) in CASES_8.items()}
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    return run_distributed(_four_rank_cases, world_size=4, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["layers-zero1", "autotp-zero2"])
+def test_pipe2_x_tp2_equals_the_dense_model(four_rank_results, case):
+    _check([r[case] for r in four_rank_results], STEPS_4, dp=1)
+
+
+def test_an_inf_on_one_tensor_rank_of_one_stage_skips_the_step_everywhere(four_rank_results):
+    _check([r["inf-zero2"] for r in four_rank_results], STEPS_4, dp=1, skip=frozenset({INF_STEP}))
+
+
+def test_pipe2_x_dp2_x_tp2_on_eight_ranks_equals_the_dense_model():
+    per_rank = run_distributed(_eight_rank_cases, world_size=8, timeout=300)
+    for case in CASES_8:
+        _check([r[case] for r in per_rank], STEPS_8, dp=2)
