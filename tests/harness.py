@@ -7,6 +7,18 @@ MASTER_ADDR/MASTER_PORT as dslaunch would set them, one intra-op thread (2 cores
 ranks), and an initialised default process group. If a rank raises, the others are killed and its
 traceback is re-raised here; if the whole thing exceeds `timeout`, every rank is killed and the test
 fails with the ranks that had not finished — a hang costs seconds, not the 30-minute NCCL default.
+
+Ranks start from a forkserver that imported torch and the engine once, not by spawn: a spawned rank
+spends about 2 s of CPU importing torch, and the suite starts hundreds of ranks on 2 cores. The
+forkserver runs no torch op, so no intra-op thread exists to be lost in the fork; each rank is still a
+fresh process. Because a forkserver child inherits the forkserver's environment and directory, not
+the test's, each rank is given the test's current `os.environ`, working directory and standard output
+and error (duplicated file descriptors: what pytest's capture sees, as with spawned ranks) explicitly.
+The ranks meet through a file store in the run's own directory, not a TCP port: a free port found by
+binding port 0 can be taken by another process before rank 0 listens on it (it happened with several
+test runs on one machine: EADDRINUSE), and a rank that connected to someone else's store would join the
+wrong job. MASTER_ADDR/MASTER_PORT are still set, as dslaunch sets them, for code that reads them.
+DSTRAIN_TEST_START=spawn restores spawned ranks (to rule the forkserver out when chasing a failure).
 """
 from __future__ import annotations
 
@@ -14,9 +26,11 @@ import faulthandler
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
+from multiprocessing import reduction
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -26,13 +40,46 @@ class RankFailed(RuntimeError):
     pass
 
 
+class _Fd:
+    """A file descriptor of the test process handed to a rank: duplicated into the child when the
+    process object is pickled at start (multiprocessing's own fd passing, forkserver or spawn)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _Fd._detach, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _detach(dup) -> int:
+        return dup.detach()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, outdir, args, kwargs, env):
+_PRELOAD = ["torch", "torch.distributed", "engine", "engine.dist"]
+
+
+def _context():
+    if os.environ.get("DSTRAIN_TEST_START", "forkserver") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _rank_main(call, rank, world_size, port, outdir, env, parent_env, cwd, stdout, stderr):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "DSTRAIN_TIMEOUT": "60", **env})
@@ -43,21 +90,30 @@ def _rank_main(fn, rank, world_size, port, outdir, args, kwargs, env):
         import torch.distributed as dist
         torch.set_num_threads(1)
         from engine.dist import init_distributed
-        init_distributed(dist_backend="gloo")
+        init_distributed(dist_backend="gloo", init_method=f"file://{out / 'rendezvous'}")
+        fn, args, kwargs = pickle.loads(call)
         result = fn(*args, **kwargs)
         (out / f"{rank}.pkl").write_bytes(pickle.dumps(result))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         (out / f"{rank}.err").write_text(traceback.format_exc())
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(1)
 
 
 def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
                     timeout: float = 90.0, env: dict | None = None) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
+    # Plain pickle, by value: multiprocessing's own pickler would share tensors as file descriptors, and
+    # the forkserver refuses more than a few hundred of them.
+    call = pickle.dumps((fn, args, kwargs or {}))
+    sys.stdout.flush()
+    sys.stderr.flush()
     with tempfile.TemporaryDirectory() as outdir:
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, outdir, args, kwargs or {}, env or {}),
+        procs = [ctx.Process(target=_rank_main, args=(call, r, world_size, port, outdir, env or {}, dict(os.environ),
+                                                      os.getcwd(), _Fd(1), _Fd(2)),
                              daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
