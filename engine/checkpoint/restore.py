@@ -59,7 +59,8 @@ def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool)
         if adapter.holds_module_weights:  # the model's cast of the fp32 rows (module note)
             src.copy_rows(name, weights, p)
         # stage 3: p is a placeholder; the adapter refreshes what the stage keeps in finish_load
-        rows = _row_reader if getattr(adapter, "streams_rows", False) else FragmentSource.rows  # nvme.py's note
+        # src.rows, not FragmentSource.rows: src can be tensor_shards.LocalShards, which cuts this rank's shard
+        rows = _row_reader if getattr(adapter, "streams_rows", False) else (lambda s, *a: s.rows(*a))  # nvme.py's note
         tensors = {fmt.FP32: rows(src, name, weights, start, stop)}
         if load_state:
             for kind, cls in src.kinds(name).items():
