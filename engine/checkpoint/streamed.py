@@ -12,15 +12,17 @@ exists to avoid. So the save runs in two passes, the file's bytes unchanged:
    each hole is filled from memory, or for a placeholder from its producer, which reads the swap files
    one sub-group at a time (`SwappedPartition.state_chunks`). Host memory: one sub-group's chunk.
 Holes come in the order torch first meets each storage while pickling (its storage keys "0", "1", ...);
-`_storage_order` pickles the same object the same way to learn that order, and the hole sizes must
-match it (else the save fails rather than write a wrong file). The zip's CRC-32 fields of the data
+`_storage_order` walks the object in the order the pickler does (a dict's items in order, a list's or
+tuple's elements, a tensor's storage at the tensor, a storage met again not counted again) to learn
+that order, without importing pickle (tests/test_checkpoint_security.py: library code never does);
+the hole count and sizes must match it (else the save fails rather than write a wrong file: an object
+of another kind holding a tensor would add a hole the walk does not know). The zip's CRC-32 fields of the data
 records are 0 (as with `torch.serialization.set_crc32_options(False)`); torch.load does not check
 them, and the manifest's sha256 covers every byte.
 """
 from __future__ import annotations
 
 import io
-import pickle
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -94,16 +96,19 @@ def _storage_order(obj) -> list[torch.UntypedStorage]:
     """The storages of `obj` in the order torch.save first meets them while pickling (module note)."""
     seen: dict[int, torch.UntypedStorage] = {}
 
-    class _Order(pickle.Pickler):
-        def persistent_id(self, value):
-            if isinstance(value, torch.storage.TypedStorage):
-                value = value._untyped_storage
-            elif not torch.is_storage(value):
-                return None
-            seen.setdefault(value._cdata, value)
-            return "storage"
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            seen.setdefault(storage._cdata, storage)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k)
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
 
-    _Order(io.BytesIO(), protocol=2).dump(obj)
+    walk(obj)
     return list(seen.values())
 
 
