@@ -42,15 +42,15 @@ class PartitionTier:
     @classmethod
     def for_zero(cls, device: torch.device, zero) -> "PartitionTier":
         """The tier `zero_optimization` asks for: host memory when an offload section says "cpu"."""
-        optimizer, param = zero.offload_optimizer, zero.offload_param
-        offload_optimizer = optimizer is not None and optimizer.device in ("cpu", "nvme")  # nvme: nvme_tier.py
-        offload_param = zero.stage == 3 and param is not None and param.device == "cpu"
-        if not (offload_optimizer or offload_param):
+        offload_optimizer, offload_param = zero.offload_optimizer, zero.offload_param  # the sections
+        optimizer_off = offload_optimizer is not None and offload_optimizer.device in ("cpu", "nvme")  # nvme_tier.py
+        param_off = zero.stage == 3 and offload_param is not None and offload_param.device == "cpu"
+        if not (optimizer_off or param_off):
             return cls.on_device(device)
-        pin = device.type != "cpu" and ((offload_optimizer and optimizer.pin_memory)
-                                        or (offload_param and param.pin_memory))
+        pin = device.type != "cpu" and ((optimizer_off and offload_optimizer.pin_memory)
+                                        or (param_off and offload_param.pin_memory))
         staged = device != CPU or os.environ.get("DSTRAIN_OFFLOAD_STAGE_COPIES") == "1"
-        widen = optimizer.convert_grad_on_cpu if offload_optimizer else True
+        widen = offload_optimizer.convert_grad_on_cpu if optimizer_off else True
         return cls(device, CPU, pin=pin, staged=staged, widen_on_host=widen)
 
     @property
