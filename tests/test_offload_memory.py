@@ -6,9 +6,10 @@ through /proc/self/clear_refs) around what is measured. The same measurement wit
 `offload_optimizer.device: cpu`, whose AdamW state is in host memory, shows that it sees optimizer
 state when there is some (8 bytes per partition element).
 [Note: glibc] Freed transients (sub-group chunks, the first step's state) would otherwise stay in glibc's
-heap once its mmap threshold has risen, and RSS would show the allocator's cache, not the code: the
-spawned ranks run with a fixed MALLOC_MMAP_THRESHOLD_ (read by glibc at process start, so set before
-the spawn).
+heap once its mmap threshold has risen, and RSS would show the allocator's cache, not the code: each
+rank fixes the threshold with `mallopt(M_MMAP_THRESHOLD)` first (what MALLOC_MMAP_THRESHOLD_ does, but
+the environment variable is read only at process start, and a rank forked from the harness's
+forkserver started long before: measured, the variable then had no effect and the test saw 9 MiB).
 """
 from __future__ import annotations
 
@@ -71,9 +72,11 @@ def _peak_growth(fn) -> tuple[int, object]:
     return peak - base, out
 
 
-@pytest.fixture
-def fixed_mmap_threshold(monkeypatch):
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(256 * 1024))  # module note: glibc
+def _fix_mmap_threshold() -> None:
+    """Module note: glibc. Allocations from 256 KiB up get their own mapping, returned when freed."""
+    import ctypes
+    m_mmap_threshold = -3  # malloc.h
+    assert ctypes.CDLL(None).mallopt(m_mmap_threshold, 256 * 1024) == 1
 
 
 # -- training: the state's host memory while the model grows 4x --------------------------------------
@@ -82,6 +85,7 @@ HELD_MARGIN = 3 * 2**20  # the first steps' per-sub-group transients and interpr
 
 
 def _held_by_stepping(nvme_path: str) -> dict:
+    _fix_mmap_threshold()
     warm = _engine(64, "nvme", nvme_path)  # one-time costs of the first NVMe engine (lazy imports, I/O threads)
     for _ in range(2):
         _step(warm, 64)
@@ -104,7 +108,7 @@ def _held_by_stepping(nvme_path: str) -> dict:
     return out
 
 
-def test_nvme_optimizer_state_host_memory_is_the_pool_while_the_model_grows_4x(tmp_path, fixed_mmap_threshold):
+def test_nvme_optimizer_state_host_memory_is_the_pool_while_the_model_grows_4x(tmp_path):
     results = run_distributed(_held_by_stepping, 2, args=(os.fspath(tmp_path),), timeout=120)
     print({f"{k[0]}-{k[1]}": round(v["held"] / MiB, 2) for k, v in results[0].items()})  # MiB, shown with -s
     for rank, r in enumerate(results):
@@ -127,6 +131,7 @@ CKPT_WIDTH = 1536  # 2.4M parameters on 1 rank: AdamW's moments are 18 MiB
 
 
 def _checkpoint_peaks(ckpt: str, nvme_path: str) -> dict:
+    _fix_mmap_threshold()
     saver = _engine(CKPT_WIDTH, "nvme", nvme_path)
     _step(saver, CKPT_WIDTH)
     save_peak, _ = _peak_growth(lambda: saver.save_checkpoint(ckpt, tag="t"))
@@ -139,7 +144,7 @@ def _checkpoint_peaks(ckpt: str, nvme_path: str) -> dict:
             "file": os.path.getsize(os.path.join(ckpt, "t", "rank_00000.pt"))}
 
 
-def test_nvme_checkpoint_save_and_load_stream_the_state(tmp_path, fixed_mmap_threshold):
+def test_nvme_checkpoint_save_and_load_stream_the_state(tmp_path):
     r = run_distributed(_checkpoint_peaks, 1, args=(os.fspath(tmp_path / "ckpt"), os.fspath(tmp_path)),
                         timeout=120)[0]
     print({k: round(v / MiB, 2) for k, v in r.items()})  # MiB, shown with -s
