@@ -20,6 +20,7 @@ LR, MICRO, STEPS = 0.1, 2, 5
 def _config(schedule: str, gas: int, zero: int = 0, extra: dict | None = None) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
             "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,  # DeepSpeed's default clips at 1.0: a clip would hide a wrong gradient scale
             "pipeline": {"schedule": schedule}, "zero_optimization": {"stage": zero}, **(extra or {})}
 
 
