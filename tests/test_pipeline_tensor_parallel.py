@@ -212,7 +212,9 @@ def test_pipe2_x_dp2_x_tp2_on_eight_ranks_equals_the_dense_model():
 # same-precision reference's, as a fraction of the reference's update (the largest element of each
 # parameter's master − start): low-precision activations and gradients are rounded in another
 # summation order (split matmuls, per-stage accumulation), which moves the masters by a small part of
-# the update; a gradient off by a factor 2 moves them by the whole update. Measured: FILLME.
+# the update; a gradient off by a factor 2 moves them by the whole update. Measured on this machine:
+# fp16 0.2% of the update (losses 1.2e-5, norms 3.9e-5 relative), bf16 1.5% (losses 7.9e-5, norms
+# 2.2e-3); the bounds are 3-5x that.
 PRECISION_TOL = {"fp16-inf": 1e-2, "bf16": 5e-2}
 
 
