@@ -18,7 +18,12 @@ and a checkpoint the dense process saves loaded at 2 model ranks (degree 1 → 2
 equal to a dense single-process reference (SGD with momentum on the global batch, no clipping: a
 wrong shard or a wrong gradient scale moves the weights), losses and reported gradient norms
 included. The consolidate tool turns the tensor-parallel checkpoint into the dense model's state
-dict. Every job runs in one spawn of 4 processes, as successive worlds (`_every_layout`).
+dict. The same GPT at ZeRO-2 (2 model × 2 data) loads into 1 process and into 2 model × 1 data.
+
+Pipeline × tensor parallel: examples/gpt_pipe.py's GPT as 2 stages that AutoTP shards over 2 model
+ranks (SGD with momentum, `gradient_clipping: 0.0`) saves at step SAVE_AT; loaded into 1 process (one
+dense stage) and into 2 pipe × 1 model, the next step equals the dense layer list's single-process run.
+Every job runs in one spawn of 4 processes, as successive worlds (`_every_layout`).
 """
 from __future__ import annotations
 
