@@ -22,7 +22,8 @@ dict. The same GPT at ZeRO-2 (2 model × 2 data) loads into 1 process and into 2
 
 Pipeline × tensor parallel: examples/gpt_pipe.py's GPT as 2 stages that AutoTP shards over 2 model
 ranks (SGD with momentum, `gradient_clipping: 0.0`) saves at step SAVE_AT; loaded into 1 process (one
-dense stage) and into 2 pipe × 1 model, the next step equals the dense layer list's single-process run.
+dense stage) and into 2 pipe × 1 model, the next step equals the dense layer list's single-process run;
+the same with the stages built from engine.tensor_parallel's layers, loaded into 1 process.
 Every job runs in one spawn of 4 processes, as successive worlds (`_every_layout`).
 """
 from __future__ import annotations
@@ -231,7 +232,9 @@ def _tp_reference() -> dict:
 # (one data rank): tests/test_pipeline_tensor_parallel.py's GPT, batches and micro-batch size.
 
 
-def _pt_engine(pipe: int, model: int, zero: int = 1):
+def _pt_engine(pipe: int, model: int, zero: int = 1, layers: bool = False):
+    """`layers`: the blocks built from engine.tensor_parallel's layers (Megatron's layout, at any model
+    degree, 1 included), else dense blocks that AutoTP shards where model > 1."""
     import torch.distributed as dist
 
     import engine
@@ -240,34 +243,34 @@ def _pt_engine(pipe: int, model: int, zero: int = 1):
     from examples.gpt_pipe import gpt_layers, gpt_loss
     from tests.test_pipeline_tensor_parallel import MICRO, _cfg
     topo = Topology.for_world(dist.get_world_size(), pipe=pipe, model=model)
-    pm = PipelineModule(gpt_layers(_cfg()), topology=topo, loss_fn=gpt_loss, seed_layers=True,
+    pm = PipelineModule(gpt_layers(_cfg(), tensor_parallel=layers), topology=topo, loss_fn=gpt_loss, seed_layers=True,
                         partition_method="type:BlockLayer")
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
            "optimizer": {"type": "SGD", "params": {"lr": TP_LR, "momentum": MOMENTUM}},
            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero},
            "gradient_clipping": 0.0}  # the schema default clips at 1: the update would not be linear
-    if model > 1:
+    if model > 1 and not layers:
         cfg["tensor_parallel"] = {"autotp_size": model}
     eng, *_ = engine.initialize(model=pm, config=cfg)
     return eng, pm
 
 
 def _pt_train(eng, pm, steps: range) -> dict:
-    from tests.test_pipeline_tensor_parallel import _batches
+    from tests.test_pipeline_tensor_parallel import _batches, _dense_name
     batches = _batches(STEPS, eng.comm.world_size)
     losses, norms = [], []
     for s in steps:
         x, y = batches[s]
         losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, eng.comm.rank, eng.comm.world_size, GAS))))))
         norms.append(eng.get_global_grad_norm())
-    params = {n: (p.detach().clone(), getattr(p, "tensor_parallel_dim", None), getattr(p, "tensor_parallel_parts", 1))
-              for n, p in pm.named_parameters()}
+    params = {_dense_name(n): (p.detach().clone(), getattr(p, "tensor_parallel_dim", None),
+                               getattr(p, "tensor_parallel_parts", 1)) for n, p in pm.named_parameters()}
     return {"coord": tuple(pm.process_groups.coord), "steps": eng.global_steps, "losses": losses, "norms": norms,
             "params": params}
 
 
-def _pt_save_and_continue(save_dir: str) -> dict:
-    eng, pm = _pt_engine(2, 2)
+def _pt_save_and_continue(save_dir: str, layers: bool = False) -> dict:
+    eng, pm = _pt_engine(2, 2, layers=layers)
     _pt_train(eng, pm, range(SAVE_AT))
     eng.save_checkpoint(save_dir)
     result = _pt_train(eng, pm, range(SAVE_AT, STEPS))
@@ -275,8 +278,8 @@ def _pt_save_and_continue(save_dir: str) -> dict:
     return result
 
 
-def _pt_load_at(save_dir: str, pipe: int) -> dict:
-    eng, pm = _pt_engine(pipe, 1)
+def _pt_load_at(save_dir: str, pipe: int, layers: bool = False) -> dict:
+    eng, pm = _pt_engine(pipe, 1, layers=layers)
     eng.load_checkpoint(save_dir)
     result = _pt_train(eng, pm, range(SAVE_AT, STEPS))
     eng.destroy()
@@ -311,19 +314,21 @@ def _tp_zero2_save_and_continue(save_dir: str) -> dict:
 # open worlds of 1 and stop.
 def _every_layout(root: str) -> dict:
     import torch.distributed as dist
-    dirs = {k: f"{root}/{k}" for k in ("pipe", "tp", "dense", "pipe_tp", "tp_zero2")}
+    dirs = {k: f"{root}/{k}" for k in ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2")}
     rank = dist.get_rank()
     out = {"four": {"pipe": _guarded(_save_then_load_at_four_data, dirs["pipe"]),
                     "tp": _guarded(_tp_save_and_resume_on_grid, dirs["tp"]),
                     "tp_4x1": _guarded(_tp_load_at, dirs["tp"], 4),
                     "tp_frozen": _guarded(_tp_frozen_shard_refused, f"{root}/frozen"),
                     "pipe_tp": _guarded(_pt_save_and_continue, dirs["pipe_tp"]),
+                    "pipe_tp_layers": _guarded(_pt_save_and_continue, dirs["pipe_tp_layers"], True),
                     "tp_zero2": _guarded(_tp_zero2_save_and_continue, dirs["tp_zero2"])}}
     new_world(None, 0, 1)
     if rank == 0:
         out["one"] = {"pipe": _guarded(_resume_in_one_process, dirs["pipe"]),
                       "tp": _guarded(_tp_load_in_one_process, dirs["tp"], dirs["dense"]),
                       "pipe_tp": _guarded(_pt_load_at, dirs["pipe_tp"], 1),
+                      "pipe_tp_layers": _guarded(_pt_load_at, dirs["pipe_tp_layers"], 1, True),
                       "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 1, 2)}
     if rank < 2:
         new_world(f"{root}/world_of_two", rank, 2)
@@ -337,7 +342,7 @@ def _every_layout(root: str) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("model_parallel_ckpt")
     per_rank = run_distributed(_every_layout, world_size=4, args=(str(root),), timeout=400)
-    return {"dirs": {k: str(root / k) for k in ("pipe", "tp", "dense", "pipe_tp", "tp_zero2")}, "four": [r["four"] for r in per_rank],
+    return {"dirs": {k: str(root / k) for k in ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2")}, "four": [r["four"] for r in per_rank],
             "one": per_rank[0]["one"], "two": [r["two"] for r in per_rank[:2]]}
 
 
@@ -613,3 +618,13 @@ def test_zero2_tensor_parallel_checkpoint_loads_at_fewer_ranks(runs, reference, 
     for r in results:
         _assert_equals_reference(r, reference, degree, f"ZeRO-2 2 × 2 → {layout}, rank {r['coord']}")
         assert r["losses"] == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_megatron_layer_stages_checkpoint_loads_in_one_process(runs, pt_reference):
+    """The stages built from engine.tensor_parallel's layers: saved at 2 pipe × 2 model, loaded into the
+    same layer list in one process (the layers at degree 1 hold whole matrices)."""
+    saved = [_checked(r["pipe_tp_layers"]) for r in runs["four"]]
+    _assert_pt_equals_reference(saved, pt_reference, 2, "Megatron stages, 2 pipe × 2 model uninterrupted")
+    result = _checked(runs["one"]["pipe_tp_layers"])
+    assert result["coord"] == (0, 0, 0)
+    _assert_pt_equals_reference([result], pt_reference, 1, "Megatron stages, 2 pipe × 2 model → 1 process")
