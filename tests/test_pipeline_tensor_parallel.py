@@ -11,9 +11,13 @@ with, compared to the reference's: sharded parameters counted fully, replicated 
 An Inf on one tensor rank of one stage makes every rank of the world skip that step.
 4 ranks: 2 pipe × 2 model, ZeRO-1 and ZeRO-2; 8 ranks: 2 pipe × 2 data × 2 model at ZeRO-2 (one run of
 3 steps: 8 processes share 2 cores; ZeRO-2 partitions gradients as well as the optimizer state ZeRO-1
-partitions, over the same data axis).
+partitions, over the same data axis). fp16 (dynamic loss scale, an overflow on one tensor rank) and bf16
+on 2 pipe × 2 model against the same-precision engine in one process. All in one spawn of 8 processes:
+the 8-rank run, then ranks 0-3 as a world of 4, then rank 0 alone (tests/worlds.py).
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -81,6 +85,7 @@ def _train_3d(route: str, zero: int, steps: int, inf_at: int | None = None, prec
     return result
 
 
+@functools.lru_cache(maxsize=None)  # several tests check against the same run; none changes what it returns
 def _reference(steps: int, dp: int, skip: frozenset = frozenset()):
     from examples.gpt_pipe import gpt_layers, gpt_loss
     from tests.pipe_models import reference_params, reference_sgd
@@ -166,31 +171,38 @@ CASES_4 = {"layers-zero1": ("layers", 1, None, None), "autotp-zero2": ("autotp",
            "fp16-inf": ("layers", 1, INF_STEP, FP16), "bf16": ("autotp", 2, None, BF16)}
 
 
-def _four_rank_cases():
-    """The cases on 2 pipe × 2 model, then (rank 0, a world of 1) the same-precision references."""
+CASES_8 = {"autotp-zero2": ("autotp", 2)}
+
+
+def _every_world(root: str):
+    """One spawn of 8 processes (tests/worlds.py): the 8-rank cases; then ranks 0-3 as a new world of 4
+    for the 4-rank cases on 2 pipe × 2 model, then rank 0 alone for the same-precision references."""
     import torch.distributed as dist
 
     from tests.worlds import new_world
     rank = dist.get_rank()
-    out = {name: _train_3d(route, zero, STEPS_4, inf_at, precision)
-           for name, (route, zero, inf_at, precision) in CASES_4.items()}
+    out = {"eight": {name: _train_3d(route, zero, STEPS_8) for name, (route, zero) in CASES_8.items()}}
+    if rank >= 4:
+        new_world(None, 0, 1)
+        return out
+    new_world(f"{root}/world_of_four", rank, 4)
+    out["four"] = {name: _train_3d(route, zero, STEPS_4, inf_at, precision)
+                   for name, (route, zero, inf_at, precision) in CASES_4.items()}
     new_world(None, 0, 1)
     if rank == 0:
-        out["references"] = {name: _precision_reference(zero, STEPS_4, precision, inf_at)
-                             for name, (_, zero, inf_at, precision) in CASES_4.items() if precision}
+        out["four"]["references"] = {name: _precision_reference(zero, STEPS_4, precision, inf_at)
+                                     for name, (_, zero, inf_at, precision) in CASES_4.items() if precision}
     return out
 
 
-CASES_8 = {"autotp-zero2": ("autotp", 2)}
-
-
-def _eight_rank_cases():
-    return {name: _train_3d(route, zero, STEPS_8) for name, (route, zero) in CASES_8.items()}
+@pytest.fixture(scope="module")
+def every_world(tmp_path_factory):
+    return run_distributed(_every_world, world_size=8, args=(str(tmp_path_factory.mktemp("pipe_tp")),), timeout=400)
 
 
 @pytest.fixture(scope="module")
-def four_rank_results():
-    return run_distributed(_four_rank_cases, world_size=4, timeout=400)
+def four_rank_results(every_world):
+    return [r["four"] for r in every_world[:4]]
 
 
 @pytest.mark.parametrize("case", ["layers-zero1", "autotp-zero2"])
@@ -202,10 +214,9 @@ def test_an_inf_on_one_tensor_rank_of_one_stage_skips_the_step_everywhere(four_r
     _check([r["inf-zero2"] for r in four_rank_results], STEPS_4, dp=1, skip=frozenset({INF_STEP}))
 
 
-def test_pipe2_x_dp2_x_tp2_on_eight_ranks_equals_the_dense_model():
-    per_rank = run_distributed(_eight_rank_cases, world_size=8, timeout=300)
+def test_pipe2_x_dp2_x_tp2_on_eight_ranks_equals_the_dense_model(every_world):
     for case in CASES_8:
-        _check([r[case] for r in per_rank], STEPS_8, dp=2)
+        _check([r["eight"][case] for r in every_world], STEPS_8, dp=2)
 
 
 # fp16 and bf16 with a pipeline: the pipeline's fp32 master weights after STEPS_4 steps against the
