@@ -46,15 +46,16 @@ def _dense_name(name: str) -> str:
 
 
 def _train_3d(route: str, zero: int, steps: int, inf_at: int | None = None, precision: dict | None = None) -> dict:
-    """One run on this world as pipe 2 × data × model 2; `route` "layers" or "autotp"; `precision` an
-    fp16/bf16 config section (the result then holds the fp32 master weights and the loss scale)."""
+    """One run on this world as pipe 2 × data × model 2; `route` "layers" or "autotp" ("dense": no model
+    axis, pipe 2 × data); `precision` an fp16/bf16 config section (the result then holds the fp32 master
+    weights and the loss scale)."""
     import torch.distributed as dist
 
     import engine
     from engine.pipe import PipelineModule
     from engine.topology import Topology
     from examples.gpt_pipe import gpt_layers, gpt_loss
-    topo = Topology.for_world(dist.get_world_size(), pipe=2, model=2)
+    topo = Topology.for_world(dist.get_world_size(), pipe=2, model=1 if route == "dense" else 2)
     pm = PipelineModule(gpt_layers(_cfg(), tensor_parallel=route == "layers"), topology=topo, loss_fn=gpt_loss,
                         seed_layers=True, partition_method="type:BlockLayer")
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
@@ -66,7 +67,7 @@ def _train_3d(route: str, zero: int, steps: int, inf_at: int | None = None, prec
     eng, *_ = engine.initialize(model=pm, config=config)
     coord = pm.process_groups.coord
     poison = []
-    if inf_at is not None and coord.pipe == 1 and coord.model == 1:  # one tensor rank of the last stage
+    if inf_at is not None and coord.pipe == 1 and coord.model == topo.model - 1 and coord.data == 0:  # one rank
         weight = next(p for n, p in pm.named_parameters() if n.endswith("fc.weight"))
         weight.register_hook(lambda g: g * float("inf") if poison else g)
     dp, dp_rank = eng.comm.world_size, eng.comm.rank
@@ -129,7 +130,7 @@ def _precision_state(eng, module, rename) -> dict:
             "scale": eng.zero_optimizer.guard.scaler.loss_scale}
 
 
-def _precision_reference(zero: int, steps: int, precision: dict, inf_at: int | None = None) -> dict:
+def _precision_reference(zero: int, steps: int, precision: dict, inf_at: int | None, dp: int) -> dict:
     """The same-precision reference: the dense layer list (same per-layer seeds) trained by the ordinary
     engine in one process, micro-batch by micro-batch, with the same config section; an Inf in the
     gradient of the block the pipeline poisons at `inf_at`."""
@@ -141,13 +142,13 @@ def _precision_reference(zero: int, steps: int, precision: dict, inf_at: int | N
     poison: list = []
     model.named["2"].fc.weight.register_hook(lambda g: g * float("inf") if poison else g)
     eng, *_ = engine.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+        "train_micro_batch_size_per_gpu": MICRO * dp, "gradient_accumulation_steps": GAS,
         "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": zero}, "gradient_clipping": 0.0, **precision})
     rename = lambda n: names[id(dict(model.named_parameters())[n])]  # noqa: E731 - the pipeline's names
     start = _precision_state(eng, model, rename)["masters"]
     losses, norms = [], []
-    for step, (x, y) in enumerate(_batches(steps, 1)):
+    for step, (x, y) in enumerate(_batches(steps, dp)):
         poison[:] = [True] if step == inf_at else []
         micro = []
         for xm, ym in micro_batches(x, y, 0, 1, GAS):
@@ -168,7 +169,8 @@ FP16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}  #
 BF16 = {"bf16": {"enabled": True}}
 CASES_4 = {"layers-zero1": ("layers", 1, None, None), "autotp-zero2": ("autotp", 2, None, None),
            "inf-zero2": ("layers", 2, INF_STEP, None),
-           "fp16-inf": ("layers", 1, INF_STEP, FP16), "bf16": ("autotp", 2, None, BF16)}
+           "fp16-inf": ("layers", 1, INF_STEP, FP16), "bf16": ("autotp", 2, None, BF16),
+           "fp16-dense-inf": ("dense", 2, INF_STEP, FP16)}  # 2 pipe × 2 data
 
 
 CASES_8 = {"autotp-zero2": ("autotp", 2)}
@@ -190,8 +192,9 @@ def _every_world(root: str):
                    for name, (route, zero, inf_at, precision) in CASES_4.items()}
     new_world(None, 0, 1)
     if rank == 0:
-        out["four"]["references"] = {name: _precision_reference(zero, STEPS_4, precision, inf_at)
-                                     for name, (_, zero, inf_at, precision) in CASES_4.items() if precision}
+        out["four"]["references"] = {name: _precision_reference(zero, STEPS_4, precision, inf_at,
+                                                                2 if route == "dense" else 1)
+                                     for name, (route, zero, inf_at, precision) in CASES_4.items() if precision}
     return out
 
 
@@ -224,12 +227,12 @@ def test_pipe2_x_dp2_x_tp2_on_eight_ranks_equals_the_dense_model(every_world):
 # parameter's master − start): low-precision activations and gradients are rounded in another
 # summation order (split matmuls, per-stage accumulation), which moves the masters by a small part of
 # the update; a gradient off by a factor 2 moves them by the whole update. Measured on this machine:
-# fp16 0.2% of the update (losses 1.2e-5, norms 3.9e-5 relative), bf16 1.5% (losses 7.9e-5, norms
-# 2.2e-3); the bounds are 3-5x that.
-PRECISION_TOL = {"fp16-inf": 1e-2, "bf16": 5e-2}
+# fp16 0.2% of the update (losses 1.2e-5, norms 3.9e-5 relative; 2 pipe × 2 data: 0.2%, 3.5e-6,
+# 1.2e-4), bf16 1.5% (losses 7.9e-5, norms 2.2e-3); the bounds are 3-5x that.
+PRECISION_TOL = {"fp16-inf": 1e-2, "bf16": 5e-2, "fp16-dense-inf": 1e-2}
 
 
-@pytest.mark.parametrize("case", ["fp16-inf", "bf16"])
+@pytest.mark.parametrize("case", ["fp16-inf", "bf16", "fp16-dense-inf"])
 def test_low_precision_pipeline_equals_the_same_precision_reference(four_rank_results, case):
     from engine.tensor_parallel.layers import shard
     ref, tol = four_rank_results[0]["references"][case], PRECISION_TOL[case]
@@ -255,7 +258,8 @@ def test_low_precision_pipeline_equals_the_same_precision_reference(four_rank_re
             assert (master - want).abs().max() <= tol * update, (case, r["coord"], name)
 
 
-def test_an_fp16_overflow_halves_the_loss_scale_everywhere(four_rank_results):
-    ref = four_rank_results[0]["references"]["fp16-inf"]
+@pytest.mark.parametrize("case", ["fp16-inf", "fp16-dense-inf"])
+def test_an_fp16_overflow_halves_the_loss_scale_everywhere(four_rank_results, case):
+    ref = four_rank_results[0]["references"][case]
     assert ref["scale"] == 2.0 ** 7  # 2**initial_scale_power, halved once (hysteresis 1)
-    assert {r["fp16-inf"]["scale"] for r in four_rank_results} == {ref["scale"]}
+    assert {r[case]["scale"] for r in four_rank_results} == {ref["scale"]}
