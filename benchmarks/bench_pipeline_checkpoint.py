@@ -13,6 +13,9 @@ layout should cost about what the flat one does. The same weights as `--layers`/
 `tensor_parallel.autotp_size: 2` (2 model × world/2 data) give the tensor-parallel row: save, load
 into the same grid, and load at `world` model ranks (the reshard across degrees, which joins each
 parameter's shards and cuts the rank's own on every rank: engine/checkpoint/tensor_shards.py).
+The pipeline × tensor-parallel row is examples/gpt_pipe.py's GPT (4 blocks, width chosen for about
+`--mb` MiB) as 2 stages that AutoTP shards over 2 model ranks: save, load into the same grid, and load
+at 1 stage × `world` data ranks (dense: the reshard across stage count and degree at once).
 Output: one JSON object.
 """
 from __future__ import annotations
@@ -117,7 +120,46 @@ def _tp_case(width: int, layers: int, base: str, repeats: int) -> dict:
             f"load_model2_ckpt_at_model{world}_s": round(reshard, 4)}
 
 
-def _all(width: int, layers: int, base: str, repeats: int) -> dict:
+def _pipe_tp_engine(d_model: int, pipe: int, model: int):
+    import torch.distributed as dist
+
+    import engine
+    from engine.pipe import PipelineModule
+    from engine.topology import Topology
+    from examples.gpt import GPTConfig
+    from examples.gpt_pipe import gpt_layers, gpt_loss
+    cfg = GPTConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=8, d_model=d_model)
+    pm = PipelineModule(gpt_layers(cfg), topology=Topology.for_world(dist.get_world_size(), pipe=pipe, model=model),
+                        loss_fn=gpt_loss, partition_method="type:BlockLayer")
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
+              "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1}}
+    if model > 1:
+        config["tensor_parallel"] = {"autotp_size": model}
+    eng, *_ = engine.initialize(model=pm, config=config)
+    return eng
+
+
+def _pipe_tp_case(mb: float, base: str, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    d_model = max(64, int((mb * 2**20 / 4 / 48) ** 0.5)) // 64 * 64  # 4 blocks of 12 d² weights
+    eng = _pipe_tp_engine(d_model, 2, 2)
+    x = torch.randint(0, 256, (1, 16), device="cpu")
+    eng.train_batch(iter([(x, x)]))  # momentum exists
+    eng.save_checkpoint(base, tag="first")
+    save = _timed(lambda: eng.save_checkpoint(base, tag="t"), repeats)
+    load = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
+    eng.destroy()
+    eng = _pipe_tp_engine(d_model, 1, 1)
+    reshard = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
+    eng.destroy()
+    world = dist.get_world_size()
+    return {"d_model": d_model, f"pipe2_x_model2_x_data{world // 4}": {"save_s": round(save, 4), "load_s": round(load, 4)},
+            f"load_at_pipe1_x_data{world}_s": round(reshard, 4)}
+
+
+def _all(width: int, layers: int, base: str, repeats: int, mb: float) -> dict:
     import torch.distributed as dist
     world = dist.get_world_size()
     out = {}
@@ -128,6 +170,8 @@ def _all(width: int, layers: int, base: str, repeats: int) -> dict:
     out[f"load_pipe2_ckpt_at_data{world}_s"] = round(reshard, 4)
     eng.destroy()
     out["tensor_parallel"] = _tp_case(width, layers, f"{base}/tp", repeats)
+    if world % 4 == 0:
+        out["pipe_x_tensor_parallel"] = _pipe_tp_case(mb, f"{base}/ptp", repeats)
     return out
 
 
@@ -142,7 +186,7 @@ def main() -> int:
     width = max(8, int((args.mb * 2**20 / 4 / args.layers) ** 0.5)) // 8 * 8  # splits over 2 and 4 model ranks
     shutil.rmtree(args.dir, ignore_errors=True)
     try:
-        rows = run_distributed(_all, world_size=args.world, args=(width, args.layers, args.dir, args.repeats),
+        rows = run_distributed(_all, world_size=args.world, args=(width, args.layers, args.dir, args.repeats, args.mb),
                                timeout=1200)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)

@@ -75,11 +75,11 @@ class Reference(nn.Module):
 
 
 def reference_sgd(specs, batches, loss_fn, lr: float, steps: int, clip: float = 0.0, skip: set = frozenset(),
-                  norms: list | None = None):
-    """Plain SGD on the global batch: the model and the loss per step. `clip`: torch's clip_grad_norm_
-    (its pre-clip norms appended to `norms`); steps in `skip` are not applied (an overflow)."""
+                  norms: list | None = None, momentum: float = 0.0):
+    """Plain SGD (with `momentum`) on the global batch: the model and the loss per step. `clip`: torch's
+    clip_grad_norm_ (its pre-clip norms appended to `norms`); steps in `skip` are not applied (an overflow)."""
     model = Reference(specs)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses = []
     for step, (x, y) in enumerate(batches[:steps]):
         loss = loss_fn(model(x), y)

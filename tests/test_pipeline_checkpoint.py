@@ -18,7 +18,13 @@ and a checkpoint the dense process saves loaded at 2 model ranks (degree 1 → 2
 equal to a dense single-process reference (SGD with momentum on the global batch, no clipping: a
 wrong shard or a wrong gradient scale moves the weights), losses and reported gradient norms
 included. The consolidate tool turns the tensor-parallel checkpoint into the dense model's state
-dict. Every job runs in one spawn of 4 processes, as successive worlds (`_every_layout`).
+dict. The same GPT at ZeRO-2 (2 model × 2 data) loads into 1 process and into 2 model × 1 data.
+
+Pipeline × tensor parallel: examples/gpt_pipe.py's GPT as 2 stages that AutoTP shards over 2 model
+ranks (SGD with momentum, `gradient_clipping: 0.0`) saves at step SAVE_AT; loaded into 1 process (one
+dense stage) and into 2 pipe × 1 model, the next step equals the dense layer list's single-process run;
+the same with the stages built from engine.tensor_parallel's layers, loaded into 1 process.
+Every job runs in one spawn of 4 processes, as successive worlds (`_every_layout`).
 """
 from __future__ import annotations
 
@@ -121,14 +127,14 @@ def _tp_batches() -> list[torch.Tensor]:
     return [torch.randint(0, 32, (GLOBAL, 9), generator=g) for _ in range(STEPS)]
 
 
-def _tp_engine(tp: int):
+def _tp_engine(tp: int, zero: int = 1):
     import torch.distributed as dist
 
     import engine
     data = dist.get_world_size() // tp
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL // data, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "SGD", "params": {"lr": TP_LR, "momentum": MOMENTUM}},
-           "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1}}
+           "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero}}
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
     eng, *_ = engine.initialize(model=_tiny_gpt(), config=cfg)
@@ -176,8 +182,8 @@ def _tp_load_in_one_process(save_dir: str, dense_dir: str) -> dict:
     return result
 
 
-def _tp_load_at(save_dir: str, degree: int) -> dict:
-    eng = _tp_engine(degree)
+def _tp_load_at(save_dir: str, degree: int, zero: int = 1) -> dict:
+    eng = _tp_engine(degree, zero)
     eng.load_checkpoint(save_dir)
     result = _tp_train(eng, range(SAVE_AT, STEPS))
     eng.destroy()
@@ -219,6 +225,88 @@ def _tp_reference() -> dict:
     return out
 
 
+# -- pipeline × tensor parallel: 2 pipe × 2 model ----------------------------------------------------------
+# examples/gpt_pipe.py's GPT as dense stages that AutoTP shards at initialize (autotp_size 2), saved at
+# 2 pipe × 2 model and loaded at 1 process (one stage, dense) and at 2 pipe × 1 model (dense stages): the
+# parameter names are the dense layer list's at every layout. The global batch is MICRO × GAS at each
+# (one data rank): tests/test_pipeline_tensor_parallel.py's GPT, batches and micro-batch size.
+
+
+def _pt_engine(pipe: int, model: int, zero: int = 1, layers: bool = False):
+    """`layers`: the blocks built from engine.tensor_parallel's layers (Megatron's layout, at any model
+    degree, 1 included), else dense blocks that AutoTP shards where model > 1."""
+    import torch.distributed as dist
+
+    import engine
+    from engine.pipe import PipelineModule
+    from engine.topology import Topology
+    from examples.gpt_pipe import gpt_layers, gpt_loss
+    from tests.test_pipeline_tensor_parallel import MICRO, _cfg
+    topo = Topology.for_world(dist.get_world_size(), pipe=pipe, model=model)
+    pm = PipelineModule(gpt_layers(_cfg(), tensor_parallel=layers), topology=topo, loss_fn=gpt_loss, seed_layers=True,
+                        partition_method="type:BlockLayer")
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+           "optimizer": {"type": "SGD", "params": {"lr": TP_LR, "momentum": MOMENTUM}},
+           "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero},
+           "gradient_clipping": 0.0}  # the schema default clips at 1: the update would not be linear
+    if model > 1 and not layers:
+        cfg["tensor_parallel"] = {"autotp_size": model}
+    eng, *_ = engine.initialize(model=pm, config=cfg)
+    return eng, pm
+
+
+def _pt_train(eng, pm, steps: range) -> dict:
+    from tests.test_pipeline_tensor_parallel import _batches, _dense_name
+    batches = _batches(STEPS, eng.comm.world_size)
+    losses, norms = [], []
+    for s in steps:
+        x, y = batches[s]
+        losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, eng.comm.rank, eng.comm.world_size, GAS))))))
+        norms.append(eng.get_global_grad_norm())
+    params = {_dense_name(n): (p.detach().clone(), getattr(p, "tensor_parallel_dim", None),
+                               getattr(p, "tensor_parallel_parts", 1)) for n, p in pm.named_parameters()}
+    return {"coord": tuple(pm.process_groups.coord), "steps": eng.global_steps, "losses": losses, "norms": norms,
+            "params": params}
+
+
+def _pt_save_and_continue(save_dir: str, layers: bool = False) -> dict:
+    eng, pm = _pt_engine(2, 2, layers=layers)
+    _pt_train(eng, pm, range(SAVE_AT))
+    eng.save_checkpoint(save_dir)
+    result = _pt_train(eng, pm, range(SAVE_AT, STEPS))
+    eng.destroy()
+    return result
+
+
+def _pt_load_at(save_dir: str, pipe: int, layers: bool = False) -> dict:
+    eng, pm = _pt_engine(pipe, 1, layers=layers)
+    eng.load_checkpoint(save_dir)
+    result = _pt_train(eng, pm, range(SAVE_AT, STEPS))
+    eng.destroy()
+    return result
+
+
+def _pt_reference() -> dict:
+    """The dense layer list in one process (same per-layer seeds), SGD with momentum, no clipping."""
+    from examples.gpt_pipe import gpt_layers, gpt_loss
+    from tests.pipe_models import reference_params, reference_sgd
+    from tests.test_pipeline_tensor_parallel import _batches, _cfg
+    norms: list = []
+    model, losses = reference_sgd(gpt_layers(_cfg()), _batches(STEPS, 1), gpt_loss, TP_LR, STEPS, norms=norms,
+                                  momentum=MOMENTUM)
+    return {"final": reference_params(model), "losses": losses, "norms": norms}
+
+
+# -- ZeRO-2 × tensor parallel: the tiny GPT at 2 model × 2 data, ZeRO-2 -------------------------------------
+def _tp_zero2_save_and_continue(save_dir: str) -> dict:
+    eng = _tp_engine(2, zero=2)
+    _tp_train(eng, range(SAVE_AT))
+    eng.save_checkpoint(save_dir)
+    result = _tp_train(eng, range(SAVE_AT, STEPS))
+    eng.destroy()
+    return result
+
+
 # -- one spawn, three worlds ---------------------------------------------------------------------------
 # The later layouts run in the same 4 processes as new worlds (tests/worlds.py): after the 4-rank jobs
 # rank 0 opens a world of 1 (the single-process loads, and the dense checkpoint for 1 → 2), then ranks
@@ -226,19 +314,27 @@ def _tp_reference() -> dict:
 # open worlds of 1 and stop.
 def _every_layout(root: str) -> dict:
     import torch.distributed as dist
-    dirs = {k: f"{root}/{k}" for k in ("pipe", "tp", "dense")}
+    dirs = {k: f"{root}/{k}" for k in ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2")}
     rank = dist.get_rank()
     out = {"four": {"pipe": _guarded(_save_then_load_at_four_data, dirs["pipe"]),
                     "tp": _guarded(_tp_save_and_resume_on_grid, dirs["tp"]),
                     "tp_4x1": _guarded(_tp_load_at, dirs["tp"], 4),
-                    "tp_frozen": _guarded(_tp_frozen_shard_refused, f"{root}/frozen")}}
+                    "tp_frozen": _guarded(_tp_frozen_shard_refused, f"{root}/frozen"),
+                    "pipe_tp": _guarded(_pt_save_and_continue, dirs["pipe_tp"]),
+                    "pipe_tp_layers": _guarded(_pt_save_and_continue, dirs["pipe_tp_layers"], True),
+                    "tp_zero2": _guarded(_tp_zero2_save_and_continue, dirs["tp_zero2"])}}
     new_world(None, 0, 1)
     if rank == 0:
         out["one"] = {"pipe": _guarded(_resume_in_one_process, dirs["pipe"]),
-                      "tp": _guarded(_tp_load_in_one_process, dirs["tp"], dirs["dense"])}
+                      "tp": _guarded(_tp_load_in_one_process, dirs["tp"], dirs["dense"]),
+                      "pipe_tp": _guarded(_pt_load_at, dirs["pipe_tp"], 1),
+                      "pipe_tp_layers": _guarded(_pt_load_at, dirs["pipe_tp_layers"], 1, True),
+                      "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 1, 2)}
     if rank < 2:
         new_world(f"{root}/world_of_two", rank, 2)
-        out["two"] = {"tp_2x2": _guarded(_tp_load_at, dirs["tp"], 2), "tp_dense": _guarded(_tp_load_at, dirs["dense"], 2)}
+        out["two"] = {"tp_2x2": _guarded(_tp_load_at, dirs["tp"], 2), "tp_dense": _guarded(_tp_load_at, dirs["dense"], 2),
+                      "pipe_tp": _guarded(_pt_load_at, dirs["pipe_tp"], 2),
+                      "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 2, 2)}
     return out
 
 
@@ -246,7 +342,7 @@ def _every_layout(root: str) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("model_parallel_ckpt")
     per_rank = run_distributed(_every_layout, world_size=4, args=(str(root),), timeout=400)
-    return {"dirs": {k: str(root / k) for k in ("pipe", "tp", "dense")}, "four": [r["four"] for r in per_rank],
+    return {"dirs": {k: str(root / k) for k in ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2")}, "four": [r["four"] for r in per_rank],
             "one": per_rank[0]["one"], "two": [r["two"] for r in per_rank[:2]]}
 
 
@@ -448,3 +544,87 @@ def test_tensor_parallel_shard_into_a_dense_conv1d_is_refused(tmp_path):
         refuse_transposed_targets(model, src)
     src.params["c_proj.weight"].pop("tensor_parallel")  # a dense checkpoint of the same model loads
     refuse_transposed_targets(model, src)
+
+
+# -- pipeline × tensor parallel tests --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pt_reference():
+    return _pt_reference()
+
+
+def _assert_pt_equals_reference(results: list[dict], ref: dict, degree: int, what: str) -> None:
+    """Each rank's shards (or whole parameters) after the steps after the save, its losses and norms; the
+    ranks together hold the whole model."""
+    from engine.tensor_parallel.layers import shard
+    seen = set()
+    for r in results:
+        pipe, _, model = r["coord"]
+        assert r["steps"] == STEPS, (what, r["coord"])
+        assert r["losses"] == pytest.approx(ref["losses"][SAVE_AT:], rel=1e-5), (what, r["coord"])
+        assert r["norms"] == pytest.approx(ref["norms"][SAVE_AT:], rel=1e-5), (what, r["coord"])
+        for name, (p, dim, parts) in r["params"].items():
+            if pipe > 0 and name == "tied_modules.embeddings.pos.weight":
+                continue  # the LM head's copy of the embeddings: its position table is never used
+            want = ref["final"][name] if dim is None else shard(ref["final"][name], dim, model, degree, parts)
+            torch.testing.assert_close(p, want, rtol=1e-5, atol=1e-6, msg=f"{what} {r['coord']}: parameter {name}")
+            seen.add(name)
+    assert seen == set(ref["final"]), what
+
+
+def test_pipe_by_tensor_parallel_run_equals_the_dense_reference(runs, pt_reference):
+    results = [_checked(r["pipe_tp"]) for r in runs["four"]]
+    assert sorted(r["coord"] for r in results) == [(p, 0, m) for p in range(2) for m in range(2)]
+    assert all(any(dim is not None for _, dim, _ in r["params"].values()) for r in results)  # real shards
+    _assert_pt_equals_reference(results, pt_reference, 2, "2 pipe × 2 model uninterrupted")
+
+
+def test_pipe_by_tensor_parallel_checkpoint_records_stages_and_shards(runs):
+    meta = json.loads((Path(runs["dirs"]["pipe_tp"]) / TAG / "metadata.json").read_text())
+    assert (meta["pipe_parallel_size"], meta["data_parallel_size"], meta["model_parallel_size"]) == (2, 1, 2)
+    assert meta["coordinates"] == [[p, 0, m] for p in range(2) for m in range(2)]
+    sharded = {name: entry for name, entry in meta["params"].items() if "tensor_parallel" in entry}
+    assert sharded and all(entry["tensor_parallel"]["degree"] == 2 for entry in sharded.values())
+    for name, entry in meta["params"].items():
+        stages = {meta["coordinates"][f[0]][0] for f in entry["fragments"]}
+        models = {meta["coordinates"][f[0]][2] for f in entry["fragments"]}
+        assert len(stages) == 1, name  # from one stage (a tied copy on the last stage is dropped)
+        assert models == ({0, 1} if name in sharded else {0}), name
+
+
+@pytest.mark.parametrize("layout", ["one", "two"], ids=["2x2-to-1-process", "2x2-to-2-pipe-x-1-model"])
+def test_pipe_by_tensor_parallel_checkpoint_loads_at_fewer_ranks(runs, pt_reference, layout):
+    results = [_checked(runs["one"]["pipe_tp"])] if layout == "one" else [_checked(r["pipe_tp"]) for r in runs["two"]]
+    assert sorted(r["coord"] for r in results) == ([(0, 0, 0)] if layout == "one" else [(0, 0, 0), (1, 0, 0)])
+    assert all(dim is None for r in results for _, dim, _ in r["params"].values())  # dense stages
+    _assert_pt_equals_reference(results, pt_reference, 1, f"2 pipe × 2 model → {layout}")
+
+
+# -- ZeRO-2 × tensor parallel tests ----------------------------------------------------------------------
+def test_zero2_tensor_parallel_run_equals_the_dense_reference(runs, reference):
+    results = [_checked(r["tp_zero2"]) for r in runs["four"]]
+    assert sorted(r["coord"] for r in results) == [(0, d, m) for d in range(2) for m in range(2)]
+    for r in results:
+        _assert_equals_reference(r, reference, 2, f"ZeRO-2, 2 × 2 uninterrupted, rank {r['coord']}")
+    assert _mean_losses(results) == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
+    meta = json.loads((Path(runs["dirs"]["tp_zero2"]) / TAG / "metadata.json").read_text())
+    assert meta["zero_stage"] == 2 and meta["model_parallel_size"] == 2 and meta["data_parallel_size"] == 2
+
+
+@pytest.mark.parametrize("layout", ["one", "two"], ids=["to-1-process", "to-2-model-x-1-data"])
+def test_zero2_tensor_parallel_checkpoint_loads_at_fewer_ranks(runs, reference, layout):
+    results = [_checked(runs["one"]["tp_zero2"])] if layout == "one" else [_checked(r["tp_zero2"]) for r in runs["two"]]
+    degree = 1 if layout == "one" else 2
+    assert sorted(r["coord"] for r in results) == [(0, 0, m) for m in range(degree)]
+    for r in results:
+        _assert_equals_reference(r, reference, degree, f"ZeRO-2 2 × 2 → {layout}, rank {r['coord']}")
+        assert r["losses"] == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_megatron_layer_stages_checkpoint_loads_in_one_process(runs, pt_reference):
+    """The stages built from engine.tensor_parallel's layers: saved at 2 pipe × 2 model, loaded into the
+    same layer list in one process (the layers at degree 1 hold whole matrices)."""
+    saved = [_checked(r["pipe_tp_layers"]) for r in runs["four"]]
+    _assert_pt_equals_reference(saved, pt_reference, 2, "Megatron stages, 2 pipe × 2 model uninterrupted")
+    result = _checked(runs["one"]["pipe_tp_layers"])
+    assert result["coord"] == (0, 0, 0)
+    _assert_pt_equals_reference([result], pt_reference, 1, "Megatron stages, 2 pipe × 2 model → 1 process")

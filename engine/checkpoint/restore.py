@@ -46,6 +46,12 @@ def _row_reader(src: FragmentSource, name: str, kind: str, start: int, stop: int
     return lambda r0, r1: src.rows(name, kind, start + r0, min(start + r1, stop))
 
 
+def _rows_now(src, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) read at once, through `src`'s own method: a tensor-parallel rank's source is a
+    `LocalShards` that cuts its shard first (an unbound `FragmentSource.rows` skipped that)."""
+    return src.rows(name, kind, start, stop)
+
+
 @torch.no_grad()
 def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool) -> None:
     adapter.begin_load(load_state)
@@ -59,8 +65,7 @@ def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool)
         if adapter.holds_module_weights:  # the model's cast of the fp32 rows (module note)
             src.copy_rows(name, weights, p)
         # stage 3: p is a placeholder; the adapter refreshes what the stage keeps in finish_load
-        # src.rows, not FragmentSource.rows: src can be tensor_shards.LocalShards, which cuts this rank's shard
-        rows = _row_reader if getattr(adapter, "streams_rows", False) else (lambda s, *a: s.rows(*a))  # nvme.py's note
+        rows = _row_reader if getattr(adapter, "streams_rows", False) else _rows_now  # nvme.py's note
         tensors = {fmt.FP32: rows(src, name, weights, start, stop)}
         if load_state:
             for kind, cls in src.kinds(name).items():
