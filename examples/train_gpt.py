@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import engine  # noqa: E402
 from engine.display import TrainingProgress, print_summary  # noqa: E402
 from engine.monitor import rss_mb  # noqa: E402
-from engine.topology import current  # noqa: E402
 from examples.gpt import GPT, ByteCorpus, GPTConfig, uniform_loss  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "sample_configs" / "ddp.json"
@@ -88,9 +87,7 @@ def _summary(eng, losses, tokens, elapsed, args, resumed: bool) -> None:
     world = dist.get_world_size()
     rss = eng.comm.all_gather_object(round(rss_mb()))
     total_tokens = tokens * eng.comm.world_size  # data-parallel ranks: tensor-parallel ones share a batch
-    saved = current().topology.model == 1  # tensor-parallel checkpoints are not built yet
-    if saved:
-        eng.save_checkpoint(args.out)  # every rank writes its shards; resumable at any world size
+    eng.save_checkpoint(args.out)  # every rank writes its shards; resumable at any world size and TP degree
     eng.destroy()  # waits for the save, releases the engine's groups, lets gloo's threads finish
     if dist.get_rank() != 0:
         return
@@ -99,11 +96,11 @@ def _summary(eng, losses, tokens, elapsed, args, resumed: bool) -> None:
           f"loss {first:.3f} -> {last:.3f} (uniform would be {uniform_loss(256):.3f}), "
           f"{total_tokens / elapsed:,.0f} tokens/s, peak RSS per rank {rss} MB, "
           f"skipped steps {eng.skipped_steps}, "
-          + (f"checkpoint in {args.out}/global_step{eng.global_steps}" if saved else "no checkpoint (tensor parallel)"))
+          + f"checkpoint in {args.out}/global_step{eng.global_steps}")
     rows = [("steps", f"{eng.global_steps} on {world} rank(s)"), ("loss", f"{first:.3f} -> {last:.3f}"),
             ("tokens/s", f"{total_tokens / elapsed:,.0f}"), ("time", f"{elapsed:.1f} s"),
             ("peak RSS per rank", f"{max(rss)} MB"), ("skipped steps", str(eng.skipped_steps))]
-    written = [f"{args.out}/global_step{eng.global_steps}"] if saved else []
+    written = [f"{args.out}/global_step{eng.global_steps}"]
     print_summary("dstrain demo", rows, written + _monitor_dirs(eng.config), 0)
     if not resumed and not last < first:
         raise SystemExit("[dstrain] the loss did not fall — something is wrong")

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import engine  # noqa: E402
 import schemas  # noqa: E402
+from engine.display import TrainingProgress, print_summary  # noqa: E402
 from engine.pipe import PipelineModule  # noqa: E402
 from engine.tensor_parallel import from_config as tensor_parallel  # noqa: E402
 from engine.topology import Topology  # noqa: E402
@@ -71,9 +72,13 @@ def main(argv=None) -> int:
                            partition_method="type:BlockLayer")
     eng, _, _, _ = engine.initialize(args=args, model=model, training_data=ByteCorpus(seq_len=args.seq_len))
     losses, t0 = [], time.perf_counter()
+    progress = TrainingProgress(args.steps, dist.get_rank())  # rank 0 only; a live bar on a terminal
+    tokens_per_step = eng.train_batch_size() * args.seq_len
     while eng.global_steps < args.steps:
         losses.append(float(eng.train_batch()))
+        progress.update(eng.global_steps, losses[-1], tokens_per_step * len(losses) / (time.perf_counter() - t0))
     elapsed = time.perf_counter() - t0
+    progress.close()
     eng.destroy()
     if dist.get_rank() == 0:
         first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -82,6 +87,11 @@ def main(argv=None) -> int:
               f"model={topo.model}, "
               f"schedule {eng.schedule_name}, loss {first:.3f} -> {last:.3f} (uniform {uniform_loss(256):.3f}), "
               f"{elapsed / len(losses) * 1000:.0f} ms/step")
+        print_summary("dstrain pipeline demo", [
+            ("steps", f"{eng.global_steps} on {dist.get_world_size()} rank(s)"),
+            ("grid", f"pipe {topo.pipe} × data {topo.data} × model {topo.model}, schedule {eng.schedule_name}"),
+            ("loss", f"{first:.3f} -> {last:.3f}"), ("tokens/s", f"{tokens_per_step * len(losses) / elapsed:,.0f}"),
+            ("time", f"{elapsed:.1f} s")], [], 0)
         if not last < first:
             raise SystemExit("[dstrain] the loss did not fall — something is wrong")
     return 0
