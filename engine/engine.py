@@ -9,6 +9,7 @@ import contextlib
 import gc
 
 import torch
+import torch.distributed as dist
 
 from . import heartbeat
 from .monitor import StepLogger, Timers
@@ -39,7 +40,10 @@ class Engine(torch.nn.Module):
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
         # The FLOPs profiler reports the breakdown too, as DeepSpeed's turns wall_clock_breakdown on.
         self.timers = Timers(config.wall_clock_breakdown or config.flops_profiler.enabled, comm.device)
-        self.logger = StepLogger(config.steps_per_print, comm.rank, config.train_batch_size)
+        # Global rank 0, as the monitors: with pipeline or tensor parallelism several processes are
+        # data-parallel rank 0, and each printed the step line (the output grew with the model degree).
+        self.logger = StepLogger(config.steps_per_print, dist.get_rank() if dist.is_initialized() else 0,
+                                 config.train_batch_size)
         self.metrics = TrainingMetrics(config, comm, module)  # engine/monitors: monitors, MFU, profiler
         self.monitor = self.metrics.monitor  # DeepSpeed's `engine.monitor.write_events([...])`
 
