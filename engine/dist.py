@@ -107,6 +107,12 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | float
         print(f"[dstrain] initialised {backend} with world size {dist.get_world_size()}")
 
 
+def global_rank() -> int:
+    """This process's rank in the default group, 0 before one exists. The rank that prints and writes
+    monitors: with pipeline or tensor parallelism several processes are data-parallel rank 0."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 

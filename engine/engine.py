@@ -9,9 +9,9 @@ import contextlib
 import gc
 
 import torch
-import torch.distributed as dist
 
 from . import heartbeat
+from .dist import global_rank
 from .monitor import StepLogger, Timers
 from .monitors.training_metrics import TrainingMetrics
 
@@ -42,8 +42,7 @@ class Engine(torch.nn.Module):
         self.timers = Timers(config.wall_clock_breakdown or config.flops_profiler.enabled, comm.device)
         # Global rank 0, as the monitors: with pipeline or tensor parallelism several processes are
         # data-parallel rank 0, and each printed the step line (the output grew with the model degree).
-        self.logger = StepLogger(config.steps_per_print, dist.get_rank() if dist.is_initialized() else 0,
-                                 config.train_batch_size)
+        self.logger = StepLogger(config.steps_per_print, global_rank(), config.train_batch_size)
         self.metrics = TrainingMetrics(config, comm, module)  # engine/monitors: monitors, MFU, profiler
         self.monitor = self.metrics.monitor  # DeepSpeed's `engine.monitor.write_events([...])`
 

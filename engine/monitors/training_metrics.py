@@ -13,8 +13,8 @@ import resource
 import time
 
 import torch
-import torch.distributed as dist
 
+from ..dist import global_rank as dist_global_rank
 from ..profiling import ModuleProfile, peak_flops_per_device
 from ..profiling.mfu import Utilisation, utilisation
 from ..profiling.model_profile import write_profile
@@ -35,7 +35,7 @@ class TrainingMetrics:
     def __init__(self, config, comm, module: torch.nn.Module):
         # Global rank 0, not the data-parallel rank: with pipeline or tensor parallelism several
         # processes are data-parallel rank 0.
-        global_rank = dist.get_rank() if dist.is_initialized() else 0
+        global_rank = dist_global_rank()
         self.monitor = build_monitors(config, global_rank)
         # Every rank joins the loss all-reduce, so every rank reads the config, not `monitor.enabled`.
         self._reduce_loss = any_monitor_enabled(config)

@@ -9,10 +9,9 @@ holds the layout they share), stage 3 also parameters (`stage3.py`, docs/zero3.m
 """
 from __future__ import annotations
 
-import torch.distributed as dist
-
 import schemas
 
+from ..dist import global_rank
 from ..optimizers import is_zero_supported_optimizer
 from ..precision import build_guard
 from ..utils import tag_parameters
@@ -50,7 +49,7 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
         raise schemas.ConfigError([closure])
     # Global rank 0 says a step was skipped: with pipeline or tensor parallelism several processes
     # are data-parallel rank 0, and each printed it.
-    guard = build_guard(cfg, dist.get_rank() if dist.is_initialized() else 0)
+    guard = build_guard(cfg, global_rank())
     common = dict(overlap_comm=zero.overlap_comm, grad_accum_dtype=cfg.data_types.grad_accum_dtype,
                   gradient_clipping=cfg.gradient_clipping, prescale_gradients=cfg.prescale_gradients,
                   gradient_predivide_factor=cfg.gradient_predivide_factor,
