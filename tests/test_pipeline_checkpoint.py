@@ -19,6 +19,11 @@ equal to a dense single-process reference (SGD with momentum on the global batch
 wrong shard or a wrong gradient scale moves the weights), losses and reported gradient norms
 included. The consolidate tool turns the tensor-parallel checkpoint into the dense model's state
 dict. The same GPT at ZeRO-2 (2 model × 2 data) loads into 1 process and into 2 model × 1 data.
+HF GPT-2 (`Conv1D` projections, weights stored (in, out)) the same way at `autotp_size: 2`: loaded into
+the plain Conv1D model in 1 process, which saves a dense checkpoint that loads at autotp 2 (degree
+2 → 1 → 2); every weight right after each load equals the dense reference's at the save, and the
+consolidated state dict loads into the plain model. The tiny GPT with a column- and a row-parallel
+weight frozen saves (each model coordinate its own frozen shard) and loads at 1 process and at 2 × 1.
 
 Pipeline × tensor parallel: examples/gpt_pipe.py's GPT as 2 stages that AutoTP shards over 2 model
 ranks (SGD with momentum, `gradient_clipping: 0.0`) saves at step SAVE_AT; loaded into 1 process (one

@@ -9,7 +9,9 @@ rank as the ZeRO partition cuts any parameter. Elementwise optimizer state is sh
 parameter (same rows of the same shard); scalar state is repeated per fragment and loaded once.
 A replicated parameter (layer norms, a row-parallel bias, embeddings AutoTP leaves whole) is identical
 on the ranks of a model group (tensor_parallel/grads.py's note), so only model coordinate 0 writes it,
-as a plain entry. The format does not depend on the ZeRO stage: any stage whose adapter gives rows of
+as a plain entry. A frozen shard (`requires_grad=False`: no optimizer state) is recorded like a
+sharded parameter with kind `module` only, each model coordinate writing its own (snapshot.py).
+The format does not depend on the ZeRO stage: any stage whose adapter gives rows of
 the local shard (state.py) records shards the same way.
 [Note: resharding across degrees] A reader asks for the full tensor (`FragmentSource.full`: every
 shard's rows joined, then the shards joined along `dim`, section by section), and a loading rank with
