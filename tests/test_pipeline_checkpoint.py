@@ -239,6 +239,23 @@ def _tp_save_and_continue(save_dir: str, kind: str, zero: int = 1) -> dict:
     return result
 
 
+def _as_unflagged(saved: str, out: str) -> None:
+    """A copy of the HF checkpoint `saved` as an earlier dstrain wrote it: Conv1D shards without the
+    `transposed` flag, full shapes (out, in) (tensor_shards.py's note), manifest updated to match."""
+    import shutil
+
+    from engine.checkpoint import format as fmt
+    shutil.copytree(saved, out)
+    tag = Path(out) / TAG
+    meta = fmt.read_json(tag / fmt.METADATA)
+    for entry in meta["params"].values():
+        if entry.get("tensor_parallel", {}).pop("transposed", False):
+            entry["shape"] = entry["shape"][::-1]
+    manifest = fmt.read_json(tag / fmt.MANIFEST)
+    manifest["files"][fmt.METADATA] = fmt.write_json(tag / fmt.METADATA, meta)
+    fmt.write_json(tag / fmt.MANIFEST, manifest)
+
+
 def _tp_reference(kind: str = "gpt") -> dict:
     """The dense model in one process on the global batch (frozen parameters left out of the optimizer,
     as the engine leaves them): weights at SAVE_AT and STEPS, losses, norms."""
@@ -339,7 +356,7 @@ def _pt_reference() -> dict:
 # open worlds of 1 and stop.
 def _every_layout(root: str) -> dict:
     import torch.distributed as dist
-DIRS = ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2", "hf", "hf_dense", "frozen")
+DIRS = ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2", "hf", "hf_dense", "hf_unflagged", "frozen")
 
 
 def _every_layout(root: str) -> dict:
@@ -363,13 +380,16 @@ def _every_layout(root: str) -> dict:
                       "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 1, 2),
                       "hf": _guarded(_tp_load_in_one_process, dirs["hf"], dirs["hf_dense"], "hf"),
                       "frozen": _guarded(_tp_load_at, dirs["frozen"], 1, 1, "frozen")}
+        _as_unflagged(dirs["hf"], dirs["hf_unflagged"])
+        out["one"]["hf_unflagged"] = _guarded(_tp_load_at, dirs["hf_unflagged"], 1, 1, "hf")
     if rank < 2:
         new_world(f"{root}/world_of_two", rank, 2)
         out["two"] = {"tp_2x2": _guarded(_tp_load_at, dirs["tp"], 2), "tp_dense": _guarded(_tp_load_at, dirs["dense"], 2),
                       "pipe_tp": _guarded(_pt_load_at, dirs["pipe_tp"], 2),
                       "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 2, 2),
                       "hf_dense": _guarded(_tp_load_at, dirs["hf_dense"], 2, 1, "hf"),
-                      "frozen": _guarded(_tp_load_at, dirs["frozen"], 2, 1, "frozen")}
+                      "frozen": _guarded(_tp_load_at, dirs["frozen"], 2, 1, "frozen"),
+                      "hf_unflagged": _guarded(_tp_load_at, dirs["hf_unflagged"], 2, 1, "hf")}
     return out
 
 
@@ -643,6 +663,16 @@ def test_a_dense_hf_gpt2_checkpoint_loads_at_autotp_2(runs, hf_reference):
         assert sum(layout is not None for _, layout in r["params"].values()) == 6  # 4 weights, 2 column biases
         _assert_equals_reference(r, hf_reference, 2, f"dense HF GPT-2 → autotp 2, rank {r['coord']}")
         assert r["losses"] == pytest.approx(hf_reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_an_earlier_unflagged_hf_gpt2_checkpoint_loads_into_shards_and_is_refused_for_conv1d(runs, hf_reference):
+    """The 2 × 2 checkpoint rewritten as before the `transposed` flag ((out, in) shapes): it loads at
+    autotp 2 as it did, and the dense Conv1D model refuses it by name instead of transposing silently."""
+    for r in (_checked(r["hf_unflagged"]) for r in runs["two"]):
+        _assert_equals_reference(r, hf_reference, 2, f"unflagged HF GPT-2 → autotp 2, rank {r['coord']}")
+    refused = runs["one"]["hf_unflagged"]["error"]
+    assert "CheckpointError" in refused and "'transformer.h.0.attn.c_attn.weight' was saved as a tensor-parallel " \
+        "shard in (out, in) layout without the orientation flag" in refused and "autotp_size > 1" in refused
 
 
 def test_an_unflagged_shard_into_a_dense_conv1d_is_refused(tmp_path):
