@@ -592,9 +592,11 @@ def frozen_reference():
     return _tp_reference("frozen")
 
 
-def test_frozen_tensor_parallel_shards_save_and_load_at_every_degree(runs, frozen_reference):
+def test_frozen_tensor_parallel_shards_save_and_load_at_every_degree(runs, frozen_reference, tmp_path):
     """Each model coordinate writes its own frozen shard (no optimizer state); loaded at 1 process and at
-    2 model × 1 data, every weight is the saved one and training continues as the dense reference's."""
+    2 model × 1 data, every weight is the saved one and training continues as the dense reference's;
+    consolidate joins the frozen shards as it joins trainable ones."""
+    from engine.checkpoint.consolidate import consolidate
     ref = frozen_reference
     assert all(torch.equal(ref["at_save"][n], ref["final"][n]) for n in FROZEN)  # frozen: never moved
     four = [_checked(r["frozen"]) for r in runs["four"]]
@@ -610,6 +612,10 @@ def test_frozen_tensor_parallel_shards_save_and_load_at_every_degree(runs, froze
     _assert_equals_reference(_checked(runs["one"]["frozen"]), ref, 1, "frozen shards → 1 process")
     for r in (_checked(r["frozen"]) for r in runs["two"]):
         _assert_equals_reference(r, ref, 2, f"frozen shards → 2 model × 1 data, rank {r['coord']}")
+    model = _tiny_gpt()
+    model.load_state_dict(torch.load(consolidate(runs["dirs"]["frozen"], tmp_path / "dense.pt"), weights_only=True))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref["at_save"][name], rtol=0, atol=TP_ATOL, msg=name)
 
 
 # -- HF GPT-2 (Conv1D) through autotp_size: 2 ----------------------------------------------------------
