@@ -21,8 +21,10 @@ included. The consolidate tool turns the tensor-parallel checkpoint into the den
 dict. The same GPT at ZeRO-2 (2 model × 2 data) loads into 1 process and into 2 model × 1 data.
 HF GPT-2 (`Conv1D` projections, weights stored (in, out)) the same way at `autotp_size: 2`: loaded into
 the plain Conv1D model in 1 process, which saves a dense checkpoint that loads at autotp 2 (degree
-2 → 1 → 2); every weight right after each load equals the dense reference's at the save, and the
-consolidated state dict loads into the plain model. The tiny GPT with a column- and a row-parallel
+2 → 1 → 2), and at 4 model ranks (2 → 4); every weight right after each load equals the dense
+reference's at the save, and the consolidated state dict loads into the plain model. The same
+checkpoint rewritten as before the `transposed` flag still loads at autotp 2 and is refused by name
+for the dense Conv1D model. The tiny GPT with a column- and a row-parallel
 weight frozen saves (each model coordinate its own frozen shard) and loads at 1 process and at 2 × 1.
 
 Pipeline × tensor parallel: examples/gpt_pipe.py's GPT as 2 stages that AutoTP shards over 2 model
@@ -370,6 +372,7 @@ def _every_layout(root: str) -> dict:
                     "pipe_tp_layers": _guarded(_pt_save_and_continue, dirs["pipe_tp_layers"], True),
                     "tp_zero2": _guarded(_tp_save_and_continue, dirs["tp_zero2"], "gpt", 2),
                     "hf": _guarded(_tp_save_and_continue, dirs["hf"], "hf"),
+                    "hf_4x1": _guarded(_tp_load_at, dirs["hf"], 4, 1, "hf"),
                     "frozen": _guarded(_tp_save_and_continue, dirs["frozen"], "frozen")}}
     new_world(None, 0, 1)
     if rank == 0:
@@ -634,6 +637,14 @@ def test_hf_gpt2_tensor_parallel_run_equals_the_dense_reference(runs, hf_referen
         assert [n for n, (_, layout) in r["params"].items() if layout and layout[2]] == CONV1D_WEIGHTS, r["coord"]
         _assert_equals_reference(r, hf_reference, 2, f"HF GPT-2, 2 × 2 uninterrupted, rank {r['coord']}")
     assert _mean_losses(results) == pytest.approx(hf_reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_hf_gpt2_autotp_checkpoint_loads_at_four_model_ranks(runs, hf_reference):
+    results = [_checked(r["hf_4x1"]) for r in runs["four"]]
+    assert sorted(r["coord"] for r in results) == [(0, 0, m) for m in range(4)]
+    for r in results:
+        _assert_equals_reference(r, hf_reference, 4, f"HF GPT-2 2 × 2 → 4 × 1, rank {r['coord']}")
+        assert r["losses"] == pytest.approx(hf_reference["losses"][SAVE_AT:], rel=1e-5)
 
 
 def test_hf_gpt2_checkpoint_records_conv1d_weights_as_the_dense_model_holds_them(runs, hf_reference, tmp_path):
