@@ -16,6 +16,10 @@ parameter's shards and cuts the rank's own on every rank: engine/checkpoint/tens
 The pipeline × tensor-parallel row is examples/gpt_pipe.py's GPT (4 blocks, width chosen for about
 `--mb` MiB) as 2 stages that AutoTP shards over 2 model ranks: save, load into the same grid, and load
 at 1 stage × `world` data ranks (dense: the reshard across stage count and degree at once).
+The HF GPT-2 row is transformers' GPT2LMHeadModel (`Conv1D` projections stored (in, out), 2 blocks,
+width for about `--mb` MiB) at `autotp_size: 2`: save, load into the same grid, load at `world` model
+ranks, and load into the plain Conv1D model on `world` data ranks (each Conv1D weight's shards joined
+and transposed to the dense orientation: tensor_shards.py's note on HF Conv1D).
 Output: one JSON object.
 """
 from __future__ import annotations
@@ -159,6 +163,43 @@ def _pipe_tp_case(mb: float, base: str, repeats: int) -> dict:
             f"load_at_pipe1_x_data{world}_s": round(reshard, 4)}
 
 
+def _hf_engine(n_embd: int, degree: int):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import engine
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=16, n_embd=n_embd, n_layer=2, n_head=8))
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
+              "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1}}
+    if degree > 1:
+        config["tensor_parallel"] = {"autotp_size": degree}
+    eng, *_ = engine.initialize(model=model, config=config)
+    return eng
+
+
+def _hf_case(mb: float, base: str, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    n_embd = max(64, int((mb * 2**20 / 4 / 24) ** 0.5)) // 64 * 64  # 2 blocks of 12 d² weights
+    eng = _hf_engine(n_embd, 2)
+    x = torch.randint(0, 1024, (1, 16), device="cpu")
+    eng.backward(eng(input_ids=x, labels=x).loss)
+    eng.step()  # momentum exists
+    eng.save_checkpoint(base, tag="first")
+    save = _timed(lambda: eng.save_checkpoint(base, tag="t"), repeats)
+    load = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
+    eng.destroy()
+    world = dist.get_world_size()
+    out = {"n_embd": n_embd, f"model2_x_data{world // 2}": {"save_s": round(save, 4), "load_s": round(load, 4)}}
+    for degree, key in ((world, f"load_at_model{world}_s"), (1, f"load_into_dense_conv1d_x_data{world}_s")):
+        eng = _hf_engine(n_embd, degree)
+        out[key] = round(_timed(lambda: eng.load_checkpoint(base, tag="t"), repeats), 4)  # noqa: B023 - called now
+        eng.destroy()
+    return out
+
+
 def _all(width: int, layers: int, base: str, repeats: int, mb: float) -> dict:
     import torch.distributed as dist
     world = dist.get_world_size()
@@ -170,6 +211,7 @@ def _all(width: int, layers: int, base: str, repeats: int, mb: float) -> dict:
     out[f"load_pipe2_ckpt_at_data{world}_s"] = round(reshard, 4)
     eng.destroy()
     out["tensor_parallel"] = _tp_case(width, layers, f"{base}/tp", repeats)
+    out["hf_gpt2_tensor_parallel"] = _hf_case(mb, f"{base}/hf", repeats)
     if world % 4 == 0:
         out["pipe_x_tensor_parallel"] = _pipe_tp_case(mb, f"{base}/ptp", repeats)
     return out

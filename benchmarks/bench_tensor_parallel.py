@@ -8,6 +8,8 @@ Workload: a Llama-style HF model at the benchmark GPT's sizes (benchmarks/deepsp
 - `dstrain-tp2`: `tensor_parallel.autotp_size: 2`, ZeRO-1, both ranks one model and all 8 sequences;
 - `dstrain-tp2-clip`: the same with `gradient_clipping: 1.0` (DeepSpeed's default): the norm agreed
   over the world (engine/tensor_parallel/norm.py) costs one more all-reduce of one float per step (over the model group);
+- `dstrain-tp2-fp16`, `dstrain-tp2-fp16-clip`: the same in fp16 (dynamic loss scale), without and with
+  clipping (the agreed norm of the unscaled gradients; on CPU fp16 matmuls are slow, compare the pair);
 - `deepspeed-autotp2`: DeepSpeed 0.19's `tensor_parallel.autotp_size: 2`, ZeRO-1, the same.
 Median step time of steps 2..N-1, slowest rank, and the ratio to the first system. On 2 CPU cores
 tensor parallelism cannot beat DDP (the same flops plus 4 all-reduces of activations per layer); the
@@ -59,13 +61,13 @@ def _run_ddp(steps: int) -> list[float]:
     return _timed(step, bench_batches(steps, GLOBAL_BATCH // world, dist.get_rank()))
 
 
-def _run_dstrain_tp(steps: int, tp: int = 2, clip: float = 0.0) -> list[float]:
+def _run_dstrain_tp(steps: int, tp: int = 2, clip: float = 0.0, fp16: bool = False) -> list[float]:
     import engine
     from engine.topology import current
     data = dist.get_world_size() // tp
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // data, "gradient_accumulation_steps": 1,
            "gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-           "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}}
+           "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}, "fp16": {"enabled": fp16}}
     eng, _, _, _ = engine.initialize(model=bench_model(), config=cfg)
 
     def step(ids):
@@ -77,7 +79,9 @@ def _run_dstrain_tp(steps: int, tp: int = 2, clip: float = 0.0) -> list[float]:
 
 
 SYSTEMS = {"ddp": _run_ddp, "dstrain-tp2": _run_dstrain_tp,
-           "dstrain-tp2-clip": functools.partial(_run_dstrain_tp, clip=1.0)}
+           "dstrain-tp2-clip": functools.partial(_run_dstrain_tp, clip=1.0),
+           "dstrain-tp2-fp16": functools.partial(_run_dstrain_tp, fp16=True),
+           "dstrain-tp2-fp16-clip": functools.partial(_run_dstrain_tp, clip=1.0, fp16=True)}
 
 
 def _rank_entry(system: str, steps: int) -> dict:

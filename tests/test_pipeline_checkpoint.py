@@ -19,6 +19,13 @@ equal to a dense single-process reference (SGD with momentum on the global batch
 wrong shard or a wrong gradient scale moves the weights), losses and reported gradient norms
 included. The consolidate tool turns the tensor-parallel checkpoint into the dense model's state
 dict. The same GPT at ZeRO-2 (2 model × 2 data) loads into 1 process and into 2 model × 1 data.
+HF GPT-2 (`Conv1D` projections, weights stored (in, out)) the same way at `autotp_size: 2`: loaded into
+the plain Conv1D model in 1 process, which saves a dense checkpoint that loads at autotp 2 (degree
+2 → 1 → 2), and at 4 model ranks (2 → 4); every weight right after each load equals the dense
+reference's at the save, and the consolidated state dict loads into the plain model. The same
+checkpoint rewritten as before the `transposed` flag still loads at autotp 2 and is refused by name
+for the dense Conv1D model. The tiny GPT with a column- and a row-parallel
+weight frozen saves (each model coordinate its own frozen shard) and loads at 1 process and at 2 × 1.
 
 Pipeline × tensor parallel: examples/gpt_pipe.py's GPT as 2 stages that AutoTP shards over 2 model
 ranks (SGD with momentum, `gradient_clipping: 0.0`) saves at step SAVE_AT; loaded into 1 process (one
@@ -122,12 +129,38 @@ def _tiny_gpt():
     return GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=4, d_model=16))  # 4 heads: degree 4
 
 
+def _tiny_hf_gpt2():
+    """HF's GPT-2 (Conv1D projections, (in, out) weights), no dropout: the AutoTP route DeepSpeed users take."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=4, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+FROZEN = ("blocks.0.fc.weight", "blocks.0.proj.weight")  # a column- and a row-parallel shard
+
+
+def _frozen_gpt():
+    model = _tiny_gpt()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in FROZEN)
+    return model
+
+
+MODELS = {"gpt": _tiny_gpt, "hf": _tiny_hf_gpt2, "frozen": _frozen_gpt}
+
+
+def _loss(model, kind: str, batch: torch.Tensor) -> torch.Tensor:
+    x = batch[:, :-1]
+    return model(input_ids=x, labels=x).loss if kind == "hf" else model(x, batch[:, 1:])  # GPT-2 shifts itself
+
+
 def _tp_batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, 32, (GLOBAL, 9), generator=g) for _ in range(STEPS)]
 
 
-def _tp_engine(tp: int, zero: int = 1):
+def _tp_engine(tp: int, zero: int = 1, kind: str = "gpt"):
     import torch.distributed as dist
 
     import engine
@@ -137,26 +170,33 @@ def _tp_engine(tp: int, zero: int = 1):
            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero}}
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
-    eng, *_ = engine.initialize(model=_tiny_gpt(), config=cfg)
+    eng, *_ = engine.initialize(model=MODELS[kind](), config=cfg)
+    eng.kind = kind  # which loss _tp_train computes
     return eng
+
+
+def _tp_params(eng) -> dict:
+    """name -> (this rank's tensor, (dim, parts, transposed) of a shard or None)."""
+    from engine.tensor_parallel import is_partitioned
+    return {n: (p.detach().clone(), (p.tensor_parallel_dim, p.tensor_parallel_parts,
+                                     getattr(p, "tensor_parallel_transposed", False)) if is_partitioned(p) else None)
+            for n, p in eng.module.named_parameters()}
 
 
 def _tp_train(eng, steps: range) -> dict:
     """Train `steps`; this rank's losses, reported norms and parameters (shards with their layout)."""
     from engine.checkpoint.placement import coordinates
-    from engine.tensor_parallel import is_partitioned
     coord, micro = coordinates(eng), GLOBAL // eng.comm.world_size
     losses, norms = [], []
     for s in steps:
         batch = _tp_batches()[s][coord.data * micro:(coord.data + 1) * micro]
-        loss = eng(batch[:, :-1], batch[:, 1:])
+        loss = _loss(eng, eng.kind, batch)
         eng.backward(loss)
         eng.step()
         losses.append(loss.item())
         norms.append(eng.get_global_grad_norm())
-    params = {n: (p.detach().clone(), (p.tensor_parallel_dim, p.tensor_parallel_parts) if is_partitioned(p) else None)
-              for n, p in eng.module.named_parameters()}
-    return {"coord": tuple(coord), "steps": eng.global_steps, "losses": losses, "norms": norms, "params": params}
+    return {"coord": tuple(coord), "steps": eng.global_steps, "losses": losses, "norms": norms,
+            "params": _tp_params(eng)}
 
 
 def _tp_save_and_resume_on_grid(save_dir: str) -> dict:
@@ -172,52 +212,65 @@ def _tp_save_and_resume_on_grid(save_dir: str) -> dict:
     return {"uninterrupted": uninterrupted, "resumed": resumed}
 
 
-def _tp_load_in_one_process(save_dir: str, dense_dir: str) -> dict:
+def _tp_load_in_one_process(save_dir: str, dense_dir: str, kind: str = "gpt") -> dict:
     """The 2 × 2 checkpoint into a dense model; it saves what it loaded, for the 1 → 2 case."""
-    eng = _tp_engine(1)
+    eng = _tp_engine(1, kind=kind)
     eng.load_checkpoint(save_dir)
+    loaded = _tp_params(eng)
     eng.save_checkpoint(dense_dir)
     result = _tp_train(eng, range(SAVE_AT, STEPS))
     eng.destroy()
-    return result
+    return {**result, "loaded": loaded}
 
 
-def _tp_load_at(save_dir: str, degree: int, zero: int = 1) -> dict:
-    eng = _tp_engine(degree, zero)
+def _tp_load_at(save_dir: str, degree: int, zero: int = 1, kind: str = "gpt") -> dict:
+    eng = _tp_engine(degree, zero, kind)
     eng.load_checkpoint(save_dir)
+    loaded = _tp_params(eng)
+    result = _tp_train(eng, range(SAVE_AT, STEPS))
+    eng.destroy()
+    return {**result, "loaded": loaded}
+
+
+def _tp_save_and_continue(save_dir: str, kind: str, zero: int = 1) -> dict:
+    eng = _tp_engine(2, zero, kind)
+    _tp_train(eng, range(SAVE_AT))
+    eng.save_checkpoint(save_dir)
     result = _tp_train(eng, range(SAVE_AT, STEPS))
     eng.destroy()
     return result
 
 
-def _tp_frozen_shard_refused(save_dir: str) -> str:
-    """A frozen sharded projection would be written whole by model coordinate 0 only: refused by name."""
-    import engine
-    model = _tiny_gpt()
-    model.blocks[0].fc.weight.requires_grad_(False)
-    eng, *_ = engine.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": TP_LR}},
-        "tensor_parallel": {"autotp_size": 2}})
-    try:
-        eng.save_checkpoint(save_dir)
-    except NotImplementedError as err:
-        return str(err)
-    finally:
-        eng.destroy()
-    return "saved"
+def _as_unflagged(saved: str, out: str) -> None:
+    """A copy of the HF checkpoint `saved` as an earlier dstrain wrote it: Conv1D shards without the
+    `transposed` flag, full shapes (out, in) (tensor_shards.py's note), manifest updated to match."""
+    import shutil
+
+    from engine.checkpoint import format as fmt
+    shutil.copytree(saved, out)
+    tag = Path(out) / TAG
+    meta = fmt.read_json(tag / fmt.METADATA)
+    for entry in meta["params"].values():
+        if entry.get("tensor_parallel", {}).pop("transposed", False):
+            entry["shape"] = entry["shape"][::-1]
+    manifest = fmt.read_json(tag / fmt.MANIFEST)
+    manifest["files"][fmt.METADATA] = fmt.write_json(tag / fmt.METADATA, meta)
+    fmt.write_json(tag / fmt.MANIFEST, manifest)
 
 
-def _tp_reference() -> dict:
-    """The dense GPT in one process on the global batch: weights at SAVE_AT and STEPS, losses, norms."""
-    model = _tiny_gpt()
-    opt = torch.optim.SGD(model.parameters(), lr=TP_LR, momentum=MOMENTUM)
+def _tp_reference(kind: str = "gpt") -> dict:
+    """The dense model in one process on the global batch (frozen parameters left out of the optimizer,
+    as the engine leaves them): weights at SAVE_AT and STEPS, losses, norms."""
+    model = MODELS[kind]()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trained, lr=TP_LR, momentum=MOMENTUM)
     out = {"losses": [], "norms": []}
     for s, batch in enumerate(_tp_batches()):
         if s == SAVE_AT:
             out["at_save"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        loss = model(batch[:, :-1], batch[:, 1:])
+        loss = _loss(model, kind, batch)
         loss.backward()
-        out["norms"].append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        out["norms"].append(torch.nn.utils.get_total_norm([p.grad for p in trained]).item())
         opt.step()
         opt.zero_grad()
         out["losses"].append(loss.item())
@@ -298,15 +351,6 @@ def _pt_reference() -> dict:
 
 
 # -- ZeRO-2 × tensor parallel: the tiny GPT at 2 model × 2 data, ZeRO-2 -------------------------------------
-def _tp_zero2_save_and_continue(save_dir: str) -> dict:
-    eng = _tp_engine(2, zero=2)
-    _tp_train(eng, range(SAVE_AT))
-    eng.save_checkpoint(save_dir)
-    result = _tp_train(eng, range(SAVE_AT, STEPS))
-    eng.destroy()
-    return result
-
-
 # -- one spawn, three worlds ---------------------------------------------------------------------------
 # The later layouts run in the same 4 processes as new worlds (tests/worlds.py): after the 4-rank jobs
 # rank 0 opens a world of 1 (the single-process loads, and the dense checkpoint for 1 → 2), then ranks
@@ -314,27 +358,41 @@ def _tp_zero2_save_and_continue(save_dir: str) -> dict:
 # open worlds of 1 and stop.
 def _every_layout(root: str) -> dict:
     import torch.distributed as dist
-    dirs = {k: f"{root}/{k}" for k in ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2")}
+DIRS = ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2", "hf", "hf_dense", "hf_unflagged", "frozen")
+
+
+def _every_layout(root: str) -> dict:
+    import torch.distributed as dist
+    dirs = {k: f"{root}/{k}" for k in DIRS}
     rank = dist.get_rank()
     out = {"four": {"pipe": _guarded(_save_then_load_at_four_data, dirs["pipe"]),
                     "tp": _guarded(_tp_save_and_resume_on_grid, dirs["tp"]),
                     "tp_4x1": _guarded(_tp_load_at, dirs["tp"], 4),
-                    "tp_frozen": _guarded(_tp_frozen_shard_refused, f"{root}/frozen"),
                     "pipe_tp": _guarded(_pt_save_and_continue, dirs["pipe_tp"]),
                     "pipe_tp_layers": _guarded(_pt_save_and_continue, dirs["pipe_tp_layers"], True),
-                    "tp_zero2": _guarded(_tp_zero2_save_and_continue, dirs["tp_zero2"])}}
+                    "tp_zero2": _guarded(_tp_save_and_continue, dirs["tp_zero2"], "gpt", 2),
+                    "hf": _guarded(_tp_save_and_continue, dirs["hf"], "hf"),
+                    "hf_4x1": _guarded(_tp_load_at, dirs["hf"], 4, 1, "hf"),
+                    "frozen": _guarded(_tp_save_and_continue, dirs["frozen"], "frozen")}}
     new_world(None, 0, 1)
     if rank == 0:
         out["one"] = {"pipe": _guarded(_resume_in_one_process, dirs["pipe"]),
                       "tp": _guarded(_tp_load_in_one_process, dirs["tp"], dirs["dense"]),
                       "pipe_tp": _guarded(_pt_load_at, dirs["pipe_tp"], 1),
                       "pipe_tp_layers": _guarded(_pt_load_at, dirs["pipe_tp_layers"], 1, True),
-                      "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 1, 2)}
+                      "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 1, 2),
+                      "hf": _guarded(_tp_load_in_one_process, dirs["hf"], dirs["hf_dense"], "hf"),
+                      "frozen": _guarded(_tp_load_at, dirs["frozen"], 1, 1, "frozen")}
+        _as_unflagged(dirs["hf"], dirs["hf_unflagged"])
+        out["one"]["hf_unflagged"] = _guarded(_tp_load_at, dirs["hf_unflagged"], 1, 1, "hf")
     if rank < 2:
         new_world(f"{root}/world_of_two", rank, 2)
         out["two"] = {"tp_2x2": _guarded(_tp_load_at, dirs["tp"], 2), "tp_dense": _guarded(_tp_load_at, dirs["dense"], 2),
                       "pipe_tp": _guarded(_pt_load_at, dirs["pipe_tp"], 2),
-                      "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 2, 2)}
+                      "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 2, 2),
+                      "hf_dense": _guarded(_tp_load_at, dirs["hf_dense"], 2, 1, "hf"),
+                      "frozen": _guarded(_tp_load_at, dirs["frozen"], 2, 1, "frozen"),
+                      "hf_unflagged": _guarded(_tp_load_at, dirs["hf_unflagged"], 2, 1, "hf")}
     return out
 
 
@@ -342,7 +400,7 @@ def _every_layout(root: str) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("model_parallel_ckpt")
     per_rank = run_distributed(_every_layout, world_size=4, args=(str(root),), timeout=400)
-    return {"dirs": {k: str(root / k) for k in ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2")}, "four": [r["four"] for r in per_rank],
+    return {"dirs": {k: str(root / k) for k in DIRS}, "four": [r["four"] for r in per_rank],
             "one": per_rank[0]["one"], "two": [r["two"] for r in per_rank[:2]]}
 
 
@@ -418,21 +476,31 @@ def reference():
 
 
 def _dense_slice(full: torch.Tensor, layout, model_rank: int, degree: int) -> torch.Tensor:
-    """The reference's slice for a shard: the layers' own cut (test_tensor_parallel.py checks it)."""
+    """The reference's slice for a shard: the layers' own cut (test_tensor_parallel.py checks it) of the
+    (out, in) matrix (a Conv1D's weight is the transpose of what the dense model holds)."""
     if layout is None:
         return full
     from engine.tensor_parallel.layers import shard
-    dim, parts = layout
-    return shard(full, dim, model_rank, degree, parts)
+    dim, parts, transposed = layout
+    return shard(full.t() if transposed else full, dim, model_rank, degree, parts)
+
+
+def _assert_weights(params: dict, want: dict, model: int, degree: int, what: str) -> None:
+    """Every weight of one rank (its shards, or whole parameters) against the dense model's `want`."""
+    assert set(params) == set(want), what
+    for name, (p, layout) in params.items():
+        torch.testing.assert_close(p, _dense_slice(want[name], layout, model, degree), rtol=0, atol=TP_ATOL,
+                                   msg=f"{what}: parameter {name}")
 
 
 def _assert_equals_reference(result: dict, reference: dict, degree: int, what: str) -> None:
-    """Weights (this rank's shards), losses (this data rank's) and norms after the steps after the save."""
+    """Weights (this rank's shards), losses (this data rank's) and norms after the steps after the save;
+    where the result was loaded, every weight right after loading too."""
     model = result["coord"][2]
     assert result["steps"] == STEPS, what
-    for name, (p, layout) in result["params"].items():
-        want = _dense_slice(reference["final"][name], layout, model, degree)
-        torch.testing.assert_close(p, want, rtol=0, atol=TP_ATOL, msg=f"{what}: parameter {name}")
+    if "loaded" in result:
+        _assert_weights(result["loaded"], reference["at_save"], model, degree, f"{what}, as loaded")
+    _assert_weights(result["params"], reference["final"], model, degree, what)
     assert result["norms"] == pytest.approx(reference["norms"][SAVE_AT:], rel=1e-5), what
 
 
@@ -521,15 +589,112 @@ def test_consolidate_gives_the_dense_model(runs, reference, tmp_path):
     assert isinstance(model.head, nn.Linear) and model.head.weight is model.tok.weight
 
 
-def test_a_frozen_tensor_parallel_shard_is_refused_at_save(runs):
-    for r in runs["four"]:
-        assert "save_checkpoint of frozen tensor-parallel parameters ['blocks.0.fc.weight'] is not built yet" \
-            in _checked(r["tp_frozen"])
+# -- frozen tensor-parallel shards: blocks.0.fc.weight (column) and blocks.0.proj.weight (row) frozen -------
+@pytest.fixture(scope="module")
+def frozen_reference():
+    return _tp_reference("frozen")
 
 
-def test_tensor_parallel_shard_into_a_dense_conv1d_is_refused(tmp_path):
-    """AutoTP keeps HF Conv1D weights as (out, in); a dense Conv1D holds (in, out): a square one would
-    load transposed without a word, so the load is refused by name (tensor_shards.py)."""
+def test_frozen_tensor_parallel_shards_save_and_load_at_every_degree(runs, frozen_reference, tmp_path):
+    """Each model coordinate writes its own frozen shard (no optimizer state); loaded at 1 process and at
+    2 model × 1 data, every weight is the saved one and training continues as the dense reference's;
+    consolidate joins the frozen shards as it joins trainable ones."""
+    from engine.checkpoint.consolidate import consolidate
+    ref = frozen_reference
+    assert all(torch.equal(ref["at_save"][n], ref["final"][n]) for n in FROZEN)  # frozen: never moved
+    four = [_checked(r["frozen"]) for r in runs["four"]]
+    for r in four:
+        assert sum(r["params"][n][1] is not None for n in FROZEN) == 2, r["coord"]  # really sharded
+        _assert_equals_reference(r, ref, 2, f"frozen shards, 2 × 2, rank {r['coord']}")
+    meta = json.loads((Path(runs["dirs"]["frozen"]) / TAG / "metadata.json").read_text())
+    for name in FROZEN:
+        entry = meta["params"][name]
+        assert entry["trainable"] is False and set(entry["kinds"]) == {"module"}, name
+        assert entry["shape"] == list(ref["final"][name].shape) and entry["tensor_parallel"]["degree"] == 2, name
+        assert sorted(f[3] for f in entry["fragments"]) == [0, 1], name  # one fragment per model coordinate
+    _assert_equals_reference(_checked(runs["one"]["frozen"]), ref, 1, "frozen shards → 1 process")
+    for r in (_checked(r["frozen"]) for r in runs["two"]):
+        _assert_equals_reference(r, ref, 2, f"frozen shards → 2 model × 1 data, rank {r['coord']}")
+    model = _tiny_gpt()
+    model.load_state_dict(torch.load(consolidate(runs["dirs"]["frozen"], tmp_path / "dense.pt"), weights_only=True))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref["at_save"][name], rtol=0, atol=TP_ATOL, msg=name)
+
+
+# -- HF GPT-2 (Conv1D) through autotp_size: 2 ----------------------------------------------------------
+CONV1D_WEIGHTS = [f"transformer.h.0.{m}.weight" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    return _tp_reference("hf")
+
+
+def test_hf_gpt2_tensor_parallel_run_equals_the_dense_reference(runs, hf_reference):
+    results = [_checked(r["hf"]) for r in runs["four"]]
+    assert sorted(r["coord"] for r in results) == [(0, d, m) for d in range(2) for m in range(2)]
+    for r in results:
+        assert [n for n, (_, layout) in r["params"].items() if layout and layout[2]] == CONV1D_WEIGHTS, r["coord"]
+        _assert_equals_reference(r, hf_reference, 2, f"HF GPT-2, 2 × 2 uninterrupted, rank {r['coord']}")
+    assert _mean_losses(results) == pytest.approx(hf_reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_hf_gpt2_autotp_checkpoint_loads_at_four_model_ranks(runs, hf_reference):
+    results = [_checked(r["hf_4x1"]) for r in runs["four"]]
+    assert sorted(r["coord"] for r in results) == [(0, 0, m) for m in range(4)]
+    for r in results:
+        _assert_equals_reference(r, hf_reference, 4, f"HF GPT-2 2 × 2 → 4 × 1, rank {r['coord']}")
+        assert r["losses"] == pytest.approx(hf_reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_hf_gpt2_checkpoint_records_conv1d_weights_as_the_dense_model_holds_them(runs, hf_reference, tmp_path):
+    """Full shapes (in, out), flagged `transposed`; consolidate gives the dense HF model's state dict."""
+    from transformers import GPT2LMHeadModel
+
+    from engine.checkpoint.consolidate import consolidate
+    meta = json.loads((Path(runs["dirs"]["hf"]) / TAG / "metadata.json").read_text())
+    for name, want in hf_reference["at_save"].items():
+        if name in meta["params"]:
+            assert meta["params"][name]["shape"] == list(want.shape), name
+    for name in CONV1D_WEIGHTS:
+        assert meta["params"][name]["tensor_parallel"]["transposed"] is True, name
+    model = _tiny_hf_gpt2()
+    model.load_state_dict(torch.load(consolidate(runs["dirs"]["hf"], tmp_path / "dense.pt"), weights_only=True))
+    assert isinstance(model, GPT2LMHeadModel) and model.lm_head.weight is model.transformer.wte.weight
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), hf_reference["at_save"][name], rtol=0, atol=TP_ATOL, msg=name)
+
+
+def test_hf_gpt2_autotp_checkpoint_loads_into_the_dense_conv1d_model(runs, hf_reference):
+    result = _checked(runs["one"]["hf"])
+    assert all(layout is None for _, layout in result["params"].values())  # the plain Conv1D model
+    _assert_equals_reference(result, hf_reference, 1, "HF GPT-2 2 × 2 → 1 process")
+    assert result["losses"] == pytest.approx(hf_reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_a_dense_hf_gpt2_checkpoint_loads_at_autotp_2(runs, hf_reference):
+    """The checkpoint the dense model saved after loading the 2 × 2 one (degree 2 → 1 → 2)."""
+    results = [_checked(r["hf_dense"]) for r in runs["two"]]
+    assert sorted(r["coord"] for r in results) == [(0, 0, 0), (0, 0, 1)]
+    for r in results:
+        assert sum(layout is not None for _, layout in r["params"].values()) == 6  # 4 weights, 2 column biases
+        _assert_equals_reference(r, hf_reference, 2, f"dense HF GPT-2 → autotp 2, rank {r['coord']}")
+        assert r["losses"] == pytest.approx(hf_reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+def test_an_earlier_unflagged_hf_gpt2_checkpoint_loads_into_shards_and_is_refused_for_conv1d(runs, hf_reference):
+    """The 2 × 2 checkpoint rewritten as before the `transposed` flag ((out, in) shapes): it loads at
+    autotp 2 as it did, and the dense Conv1D model refuses it by name instead of transposing silently."""
+    for r in (_checked(r["hf_unflagged"]) for r in runs["two"]):
+        _assert_equals_reference(r, hf_reference, 2, f"unflagged HF GPT-2 → autotp 2, rank {r['coord']}")
+    refused = runs["one"]["hf_unflagged"]["error"]
+    assert "CheckpointError" in refused and "'transformer.h.0.attn.c_attn.weight' was saved as a tensor-parallel " \
+        "shard in (out, in) layout without the orientation flag" in refused and "autotp_size > 1" in refused
+
+
+def test_an_unflagged_shard_into_a_dense_conv1d_is_refused(tmp_path):
+    """A Conv1D shard recorded (out, in) without `transposed` (tensor_shards.py's note): a square one
+    would load transposed without a word, so the load into a dense Conv1D is refused by name."""
     from types import SimpleNamespace
 
     from transformers.pytorch_utils import Conv1D
@@ -542,6 +707,8 @@ def test_tensor_parallel_shard_into_a_dense_conv1d_is_refused(tmp_path):
     src = SimpleNamespace(path=tmp_path, params={"c_proj.weight": {"shape": [16, 16], "tensor_parallel": layout}})
     with pytest.raises(CheckpointError, match="'c_proj.weight' was saved as a tensor-parallel shard in \\(out, in\\)"):
         refuse_transposed_targets(model, src)
+    layout["transposed"] = True  # recorded in the dense orientation: loads
+    refuse_transposed_targets(model, src)
     src.params["c_proj.weight"].pop("tensor_parallel")  # a dense checkpoint of the same model loads
     refuse_transposed_targets(model, src)
 

@@ -153,7 +153,7 @@ class FragmentSource:
                 raise fmt.CheckpointError(f"{self.path / fmt.METADATA}: the fragments of shard {index} of {name!r} do "
                                           "not cover its rows; the file is damaged or not written by dstrain")
             shards.append(torch.cat([self._tensors(rank)[key] for _, _, rank in pieces]).reshape(shape))
-        full = tensor_shards.join_shards(shards, layout["dim"], layout["parts"])
+        full = tensor_shards.join_shards(shards, layout)
         self._joined_cache = (name, kind, full)
         return full
 

@@ -59,7 +59,8 @@ def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool)
         name = names[id(p)]
         if name not in src.params:
             continue
-        _check_shape(src, name, tensor_shards.full_shape(p) if is_partitioned(p) else adapter.shape(p))
+        shape = tensor_shards.expected_shape(p, src.params[name]) if is_partitioned(p) else adapter.shape(p)
+        _check_shape(src, name, shape)
         weights = src.weights_kind(name)
         start, stop = adapter.load_rows(p)
         if adapter.holds_module_weights:  # the model's cast of the fp32 rows (module note)
@@ -77,8 +78,14 @@ def _load_trainable(src: FragmentSource, adapter, names: dict, load_state: bool)
 
 @torch.no_grad()
 def _load_module_entries(src: FragmentSource, entries: dict, adapter) -> None:
+    """Buffers and frozen parameters; a frozen tensor-parallel shard is cut from the full tensor by
+    `src`, a `LocalShards` (tensor_shards.py)."""
     for key, t in entries.items():
         if key not in src.params:
+            continue
+        if is_partitioned(t):
+            _check_shape(src, key, tensor_shards.expected_shape(t, src.params[key]))
+            src.copy_rows(key, src.weights_kind(key), t)
             continue
         _check_shape(src, key, adapter.shape(t) if adapter else t.shape)
         held = adapter.entry_rows(t) if adapter else None
@@ -143,10 +150,11 @@ def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states:
     load_state = load_optimizer_states and not load_module_only
     layouts = tensor_shards.live_layouts(eng.module, coordinates(eng).model, model_degree(eng))
     tensor_shards.refuse_transposed_targets(eng.module, src)
-    if adapter is not None:  # a tensor-parallel rank reads its own shards (tensor_shards.py's note)
-        _load_trainable(tensor_shards.LocalShards(src, layouts) if layouts else src, adapter, names, load_state)
+    source = tensor_shards.LocalShards(src, layouts) if layouts else src  # a rank's own shards (its note)
+    if adapter is not None:
+        _load_trainable(source, adapter, names, load_state)
         eng.zero_optimizer.zero_grad()
-    _load_module_entries(src, entries, adapter)
+    _load_module_entries(source, entries, adapter)
     state = load_torch(path / fmt.ENGINE_STATE, mmap=False)
     if not load_module_only:
         _load_engine_state(eng, state, load_state, load_lr_scheduler_states)

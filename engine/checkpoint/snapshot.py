@@ -263,12 +263,10 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
             stream.fill()
         streams = []
     entries, aliases = module_entries(eng.module, trainable)
-    frozen_shards = sorted(k for k, t in entries.items() if is_partitioned(t))
-    if frozen_shards:  # entries are written whole by model coordinate 0: a shard would lose the others
-        raise NotImplementedError(f"save_checkpoint of frozen tensor-parallel parameters {frozen_shards[:4]} is not "
-                                  "built yet in dstrain; keep the sharded projections trainable")
-    if coord.model == 0:  # buffers and frozen tensors are replicated over the model axis
-        _entry_fragments(adapter, entries, comm.rank, tensors, index)  # data rank 0 of each stage
+    # buffers and frozen tensors are replicated over the model axis, written by model coordinate 0, but
+    # each model coordinate writes its own frozen tensor-parallel shards (tensor_shards.py's note)
+    written = entries if coord.model == 0 else {k: t for k, t in entries.items() if is_partitioned(t)}
+    _entry_fragments(adapter, written, comm.rank, tensors, index)  # data rank 0 of each stage
     tensors = pack(tensors, arena)
     ready = _copies_enqueued(tensors) if arena is not None else None
     nonce = new_nonce() if rank == 0 else None

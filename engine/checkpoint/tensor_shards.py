@@ -9,7 +9,9 @@ rank as the ZeRO partition cuts any parameter. Elementwise optimizer state is sh
 parameter (same rows of the same shard); scalar state is repeated per fragment and loaded once.
 A replicated parameter (layer norms, a row-parallel bias, embeddings AutoTP leaves whole) is identical
 on the ranks of a model group (tensor_parallel/grads.py's note), so only model coordinate 0 writes it,
-as a plain entry. The format does not depend on the ZeRO stage: any stage whose adapter gives rows of
+as a plain entry. A frozen shard (`requires_grad=False`: no optimizer state) is recorded like a
+sharded parameter with kind `module` only, each model coordinate writing its own (snapshot.py).
+The format does not depend on the ZeRO stage: any stage whose adapter gives rows of
 the local shard (state.py) records shards the same way.
 [Note: resharding across degrees] A reader asks for the full tensor (`FragmentSource.full`: every
 shard's rows joined, then the shards joined along `dim`, section by section), and a loading rank with
@@ -17,60 +19,97 @@ tensor parallelism cuts its own shard of it (`LocalShards`) with the layers' own
 checkpoint saved at degree T loads at any degree that divides the dimension, including 1 (a dense
 model). The full tensor of one parameter and kind at a time is built on each loading rank: transient
 memory of the largest parameter, not of the model.
+[Note: HF Conv1D] GPT-2's `Conv1D` stores its weight (in, out); its shards are kept (out, in) like
+any other (layers.py) and carry `tensor_parallel_transposed`. The checkpoint records such a weight in
+the dense model's orientation, so that every layout agrees on it: the full shape is (in, out), the
+layout says `"transposed": true`, the fragments are still rows of the (out, in) shards, and the
+reader transposes what it joined. A dense `Conv1D` then loads `full` as it is, consolidate writes
+the dense model's state dict, and a rank with shards transposes `full` back before cutting its own.
+A checkpoint of a Conv1D shard written before the flag existed records (out, in): it still loads
+into shards, and is refused by name for a dense `Conv1D` (the orientation cannot be told apart for a
+square weight).
 """
 from __future__ import annotations
 
 import torch
 
-from ..tensor_parallel.layers import is_partitioned, shard
+from ..tensor_parallel.layers import is_conv1d, is_partitioned, shard
 from .format import CheckpointError
 from .state import rows_of
 
 KEY = "tensor_parallel"
 
 
+def _transposed(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "tensor_parallel_transposed", False))
+
+
 def shard_entry(p: torch.Tensor, degree: int) -> dict | None:
     """The metadata of a sharded parameter's layout (module note), None for a replicated one."""
     if not is_partitioned(p):
         return None
-    return {"dim": int(p.tensor_parallel_dim), "parts": int(p.tensor_parallel_parts), "degree": int(degree)}
+    entry = {"dim": int(p.tensor_parallel_dim), "parts": int(p.tensor_parallel_parts), "degree": int(degree)}
+    if _transposed(p):
+        entry["transposed"] = True  # module note: HF Conv1D
+    return entry
 
 
 def full_shape(p: torch.Tensor) -> tuple[int, ...]:
-    """The dense shape a parameter has in the checkpoint: the whole matrix for a shard."""
-    return tuple(p.tensor_parallel_full_shape) if is_partitioned(p) else tuple(p.shape)
+    """The dense shape a parameter has in the checkpoint: the whole matrix for a shard, in the dense
+    model's orientation (module note: HF Conv1D)."""
+    if not is_partitioned(p):
+        return tuple(p.shape)
+    shape = tuple(p.tensor_parallel_full_shape)
+    return shape[::-1] if _transposed(p) else shape
+
+
+def _saved_in_dense_orientation(entry: dict) -> bool:
+    """Whether a checkpoint entry's full tensor is the dense model's own: a dense entry, or a shard
+    recorded with `transposed` (module note: HF Conv1D); False for an unflagged shard, kept (out, in)."""
+    return KEY not in entry or bool(entry[KEY].get("transposed"))
+
+
+def expected_shape(p: torch.Tensor, entry: dict) -> tuple[int, ...]:
+    """The full shape the checkpoint `entry` must have to load into the shard `p`."""
+    shape = full_shape(p)
+    return shape if not _transposed(p) or _saved_in_dense_orientation(entry) else shape[::-1]
 
 
 def local_shape(shape: list[int], layout: dict) -> list[int]:
-    out = list(shape)
+    """The (out, in) shape of one shard of a full tensor recorded as `shape` with `layout`."""
+    out = list(shape[::-1]) if layout.get("transposed") else list(shape)
     out[layout["dim"]] //= layout["degree"]
     return out
 
 
-def join_shards(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
-    """The full tensor from every shard in index order: the inverse of `layers.shard` (each shard holds
-    its slice of each of the `parts` fused sections, so the sections are joined one by one)."""
+def join_shards(shards: list[torch.Tensor], layout: dict) -> torch.Tensor:
+    """The full tensor from every shard in index order, in the recorded orientation: the inverse of
+    `layers.shard` (each shard holds its slice of each of the `parts` fused sections, so the sections
+    are joined one by one), transposed back for a Conv1D weight (module note)."""
+    dim, parts = layout["dim"], layout["parts"]
     sections = [s.chunk(parts, dim=dim) for s in shards]
-    return torch.cat([torch.cat([sec[i] for sec in sections], dim=dim) for i in range(parts)], dim=dim)
+    full = torch.cat([torch.cat([sec[i] for sec in sections], dim=dim) for i in range(parts)], dim=dim)
+    return full.t().contiguous() if layout.get("transposed") else full
 
 
 def live_layouts(module: torch.nn.Module, model_rank: int, degree: int) -> dict[str, tuple]:
-    """name -> (dim, parts, index, degree) of this rank's sharded parameters."""
-    return {name: (p.tensor_parallel_dim, p.tensor_parallel_parts, model_rank, degree)
+    """name -> (dim, parts, index, degree, transposed) of this rank's sharded parameters."""
+    return {name: (p.tensor_parallel_dim, p.tensor_parallel_parts, model_rank, degree, _transposed(p))
             for name, p in module.named_parameters() if is_partitioned(p)}
 
 
 def refuse_transposed_targets(module: torch.nn.Module, src) -> None:
-    """Shards are recorded in (out, in) layout (layers.py's `dense_weight`), also where AutoTP took them
-    from HF's `Conv1D`, which stores (in, out): loading one into a dense `Conv1D` would fail on the
-    shape, or silently transpose a square weight. Refused before anything is copied."""
-    for name, _ in module.named_parameters():
+    """A dense HF `Conv1D` (in, out) cannot take a shard recorded (out, in) without the `transposed`
+    flag (module note): it would fail on the shape, or silently transpose a square weight. Refused
+    before anything is copied."""
+    for name, p in module.named_parameters():
         owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-        if type(owner).__name__ == "Conv1D" and KEY in src.params.get(name, {}):
-            raise CheckpointError(f"{src.path}: {name!r} was saved as a tensor-parallel shard in (out, in) layout and "
-                                  "the model holds it as an HF Conv1D (in, out); loading tensor-parallel GPT-2-style "
-                                  "checkpoints into the dense model is not built yet in dstrain: load at "
-                                  "tensor_parallel.autotp_size > 1")
+        entry = src.params.get(name, {})
+        if is_conv1d(owner) and p is owner.weight and not _saved_in_dense_orientation(entry):  # a bias is 1-D
+            raise CheckpointError(f"{src.path}: {name!r} was saved as a tensor-parallel shard in (out, in) layout "
+                                  "without the orientation flag of HF Conv1D weights (a checkpoint of an earlier "
+                                  "dstrain) and the model holds it as a Conv1D (in, out): load it at "
+                                  "tensor_parallel.autotp_size > 1 and save it again")
 
 
 class LocalShards:
@@ -85,9 +124,12 @@ class LocalShards:
 
     def _local(self, name: str, kind: str) -> torch.Tensor:
         if self._cached[:2] != (name, kind):
-            dim, parts, index, degree = self.layouts[name]
+            dim, parts, index, degree, transposed = self.layouts[name]
+            full = self.src.full(name, kind)
+            if transposed and _saved_in_dense_orientation(self.params[name]):
+                full = full.t()  # the dense Conv1D's (in, out) → the shards' (out, in): module note
             try:
-                local = shard(self.src.full(name, kind), dim, index, degree, parts)
+                local = shard(full, dim, index, degree, parts)
             except ValueError as err:
                 raise CheckpointError(f"{self.path}: parameter {name!r} cannot be cut into {degree} tensor-parallel "
                                       f"shards ({err}); load it at a tensor_parallel.autotp_size that divides it") from None

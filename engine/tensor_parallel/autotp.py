@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..comm import Communicator
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 
 # leaf name -> number of fused sections
 COLUMN_PARALLEL = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_proj": 1, "c_fc": 1, "fc": 1,
@@ -27,7 +27,7 @@ HEAD_COUNT_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "num_key_
 
 
 def _is_projection(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _divide_head_counts(owner: nn.Module, world: int, where: str) -> None:

@@ -15,7 +15,8 @@ default seed (Megatron's rule, engine.checkpointing's `model_parallel_cuda_manua
 layer holds exactly the dense layer's numbers. `from_dense` shards an existing `nn.Linear` or HF
 `Conv1D` (whose weight is stored transposed, in × out) the same way; AutoTP uses it.
 Each sharded parameter carries `tensor_parallel_dim`, `tensor_parallel_parts` and
-`tensor_parallel_full_shape` (grads.py counts it in the norm fully; checkpoints record the full shape).
+`tensor_parallel_full_shape` (grads.py counts it in the norm fully; checkpoints record the full shape),
+and a shard of a `Conv1D` weight `tensor_parallel_transposed`.
 """
 from __future__ import annotations
 
@@ -28,11 +29,22 @@ from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parall
                        reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region)
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """HF's `Conv1D` (GPT-2's projections): a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
 def dense_weight(module: nn.Module) -> torch.Tensor:
     """(out, in) weight of an `nn.Linear` or of HF's `Conv1D` (stored in × out; forward x @ W + b)."""
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return module.weight.t()
-    return module.weight
+    return module.weight.t() if is_conv1d(module) else module.weight
+
+
+def _mark_conv1d_origin(weight: nn.Parameter, dense: nn.Module) -> None:
+    """A shard of a `Conv1D` is kept (out, in) like any other; `tensor_parallel_transposed` says that the
+    dense model holds its transpose, so a checkpoint records and reloads it in the dense orientation
+    (engine/checkpoint/tensor_shards.py, note on HF Conv1D)."""
+    if is_conv1d(dense):
+        weight.tensor_parallel_transposed = True
 
 
 def shard(full: torch.Tensor, dim: int, rank: int, world: int, parts: int = 1) -> torch.Tensor:
@@ -79,6 +91,7 @@ class ColumnParallelLinear(nn.Module):
         weight = dense_weight(dense)
         self.weight = mark_partitioned(_param(shard(weight, 0, rank, world, parts), weight.requires_grad),
                                        0, parts, weight.shape)
+        _mark_conv1d_origin(self.weight, dense)
         self.bias = None
         if getattr(dense, "bias", None) is not None:
             self.bias = mark_partitioned(_param(shard(dense.bias, 0, rank, world, parts), dense.bias.requires_grad),
@@ -114,6 +127,7 @@ class RowParallelLinear(nn.Module):
         weight = dense_weight(dense)
         self.weight = mark_partitioned(_param(shard(weight, 1, self.comm.rank, self.comm.world_size),
                                               weight.requires_grad), 1, 1, weight.shape)
+        _mark_conv1d_origin(self.weight, dense)
         bias_t = getattr(dense, "bias", None)
         self.bias = _param(bias_t, bias_t.requires_grad) if bias_t is not None else None
 
