@@ -10,8 +10,9 @@ through a `SwapBufferPool`, so the host memory held for optimizer state is the p
 parameter. For each sub-group the placeholder's `.data` and `.grad` become the sub-group's master and
 gradient slices, and its `state` entries become views of the pool buffers the state was read into,
 so fused CPU AdamW (or SGD, Adagrad, ...) updates them in place. Which state tensors are elementwise
-(swapped) and which are per-step scalars (`step`, kept in memory per sub-group) is learnt once, by
-stepping a throw-away copy of the optimizer on a tiny parameter. The first real step lets the
+(swapped) and which are per-step scalars (`step`, kept in memory per sub-group) is the optimizer
+class's declaration (ops/state_layout.py); which of the declared keys exist is learnt once, by
+stepping a throw-away copy of the optimizer on a tiny parameter (never by comparing shapes). The first real step lets the
 optimizer create its state as it always does; from then on the state comes from the files.
 
 [Note: two slots] Every file exists twice; a step reads slot s and writes slot 1-s, and flips only
@@ -30,6 +31,7 @@ import torch
 from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
+from ops.state_layout import ELEMENTWISE, PER_TENSOR, SCALAR, StateLayoutError, check_state
 
 MASTER = "master"
 SUB_GROUP_KEY = "zero_optimization.sub_group_size"
@@ -42,20 +44,24 @@ def sub_group_buffer_elements(numel: int, sub_group_size: int) -> int:
 
 
 def learn_state_layout(make_optimizer: Callable[[list], torch.optim.Optimizer]) -> tuple[list[str], list[str]]:
-    """(elementwise state keys, other state keys) of the optimizer `make_optimizer` builds."""
+    """(per-element state keys, scalar state keys) of the optimizer `make_optimizer` builds: which keys
+    its first step creates (hyperparameters decide: SGD without momentum has none), each of the kind its
+    class declares (ops/state_layout.py), checked against what the step made."""
     probe = torch.nn.Parameter(torch.zeros(7, dtype=torch.float32, device="cpu"))
     optimizer = make_optimizer([probe])
     probe.grad = torch.ones(7, dtype=torch.float32, device="cpu")
     optimizer.step()
-    elementwise, other = [], []
-    for key, value in optimizer.state[probe].items():
-        if torch.is_tensor(value) and value.shape == probe.shape:
-            if value.dtype != torch.float32:
-                raise OffloadIOError(f"optimizer state {key!r} is {value.dtype}; NVMe offload swaps fp32 state only")
-            elementwise.append(key)
-        else:
-            other.append(key)
-    return sorted(elementwise), sorted(other)
+    kinds = check_state(optimizer, probe, optimizer.state[probe])
+    whole = sorted(k for k, kind in kinds.items() if kind == PER_TENSOR)
+    if whole:
+        raise StateLayoutError(f"optimizer {type(optimizer).__name__}'s state {whole} is per tensor; swap files "
+                               "hold per-element and scalar state only")
+    elementwise = sorted(k for k, kind in kinds.items() if kind == ELEMENTWISE)
+    for key in elementwise:
+        if optimizer.state[probe][key].dtype != torch.float32:
+            raise OffloadIOError(f"optimizer state {key!r} is {optimizer.state[probe][key].dtype}; NVMe offload "
+                                 "swaps fp32 state only")
+    return elementwise, sorted(k for k, kind in kinds.items() if kind == SCALAR)
 
 
 class SwappedPartition:
@@ -273,6 +279,10 @@ class SwappedPartition:
             state.update({key: views[key] for key in self.state_keys})
             state.update(self.scalars(k))
         self.optimizer.step()
+        late = sorted(set(state) - set(self.state_keys) - set(self.scalar_keys))
+        if late:  # made after the first step: it was not in learn_state_layout's probe, so has no file
+            raise StateLayoutError(f"optimizer {type(self.optimizer).__name__} made state {late} after its first "
+                                   "step; swap files are laid out from the first step's state")
         for key in self.state_keys:
             value, view = state[key], views[key]
             if value.data_ptr() != view.data_ptr():  # created by the optimizer, or replaced rather than updated

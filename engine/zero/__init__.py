@@ -10,6 +10,7 @@ holds the layout they share), stage 3 also parameters (`stage3.py`, docs/zero3.m
 from __future__ import annotations
 
 import schemas
+from ops.state_layout import layout_problem
 
 from ..dist import global_rank
 from ..optimizers import is_zero_supported_optimizer
@@ -34,6 +35,9 @@ def _partitioned_problems(optimizer, cfg) -> list[str]:
     whole_tensors = per_tensor_problem(optimizer, zero.stage, from_config)
     if whole_tensors:  # never applied to chunks, whatever zero_allow_untested_optimizer says
         return [whole_tensors]
+    no_layout = layout_problem(optimizer, f"zero_optimization.stage {zero.stage}")
+    if no_layout:  # its state is cut into fragments by kind: that must be declared (ops/state_layout.py)
+        return [no_layout]
     if not is_zero_supported_optimizer(optimizer) and not cfg.zero_allow_untested_optimizer:
         problems.append(f"zero_optimization.stage: {zero.stage} with optimizer {type(optimizer).__name__}, which "
                         "ZeRO has not been tested with (supported: Adam, AdamW, Adagrad, Lion, Lamb, Muon); set "

@@ -23,6 +23,7 @@ import ops
 import schemas
 from offload import (AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir, SwappedPartition,
                      sub_group_buffer_elements)
+from ops.state_layout import StateLayoutError
 from .swappable import SWAPPABLE_NAMES, config_name, constructor_args, swap_problem
 
 from .nvme_per_tensor import per_tensor_stepper
@@ -109,6 +110,9 @@ class NvmeOptimizerTier:
                 self.parts[key] = part
             self.per_tensor = per_tensor_stepper(self, zopt)  # Lamb, Muon: two passes (nvme_per_tensor.py)
             self._hooks = install_state_dict_hooks(self)  # state_dict() sees the swap files (nvme_state.py)
+        except StateLayoutError as undeclared:  # state the swap files cannot hold, said at initialize
+            self.close()
+            raise schemas.ConfigError([f'zero_optimization.offload_optimizer.device: "nvme": {undeclared}']) from None
         except BaseException:
             self.close()
             raise
