@@ -31,7 +31,7 @@ import torch
 from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
-from ops.state_layout import ELEMENTWISE, PER_TENSOR, SCALAR, StateLayoutError, check_state
+from ops.state_layout import ELEMENTWISE, PER_TENSOR, SCALAR, StateLayoutError, probe_state
 
 MASTER = "master"
 SUB_GROUP_KEY = "zero_optimization.sub_group_size"
@@ -44,14 +44,9 @@ def sub_group_buffer_elements(numel: int, sub_group_size: int) -> int:
 
 
 def learn_state_layout(make_optimizer: Callable[[list], torch.optim.Optimizer]) -> tuple[list[str], list[str]]:
-    """(per-element state keys, scalar state keys) of the optimizer `make_optimizer` builds: which keys
-    its first step creates (hyperparameters decide: SGD without momentum has none), each of the kind its
-    class declares (ops/state_layout.py), checked against what the step made."""
-    probe = torch.nn.Parameter(torch.zeros(7, dtype=torch.float32, device="cpu"))
-    optimizer = make_optimizer([probe])
-    probe.grad = torch.ones(7, dtype=torch.float32, device="cpu")
-    optimizer.step()
-    kinds = check_state(optimizer, probe, optimizer.state[probe])
+    """(per-element state keys, scalar state keys) of the optimizer `make_optimizer` builds: the keys
+    its first step creates, each of the kind its class declares (ops/state_layout.py `probe_state`)."""
+    optimizer, probe, kinds = probe_state(make_optimizer)
     whole = sorted(k for k, kind in kinds.items() if kind == PER_TENSOR)
     if whole:
         raise StateLayoutError(f"optimizer {type(optimizer).__name__}'s state {whole} is per tensor; swap files "

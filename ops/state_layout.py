@@ -92,3 +92,30 @@ def check_state(optimizer, param: torch.Tensor, state: dict) -> dict[str, str]:
                                    "whole-tensor value, which only zero_optimization.stage 0 holds)")
         kinds[key] = kind
     return kinds
+
+
+def probe_state(make_optimizer) -> tuple[torch.optim.Optimizer, torch.Tensor, dict[str, str]]:
+    """Step a throw-away optimizer from `make_optimizer([param])` once on a small parameter: (it, the
+    parameter, {key: kind} of the state its first step made, checked by `check_state`). Which declared
+    keys exist depends on hyperparameters (SGD without momentum makes none), so it is asked, not assumed."""
+    probe = torch.nn.Parameter(torch.zeros(7, dtype=torch.float32, device="cpu"))
+    optimizer = make_optimizer([probe])
+    probe.grad = torch.ones(7, dtype=torch.float32, device="cpu")
+    optimizer.step()
+    return optimizer, probe, check_state(optimizer, probe, optimizer.state[probe])
+
+
+def partitioned_state_problem(make_optimizer, where: str) -> str | None:
+    """Why state of the optimizer `make_optimizer` builds cannot be cut into ZeRO fragments at `where`:
+    a key of another shape than its declared kind, an undeclared key, or per-tensor state."""
+    try:
+        optimizer, _, kinds = probe_state(make_optimizer)
+    except StateLayoutError as wrong:
+        return f"{where}: {wrong}"
+    except Exception:  # noqa: BLE001 - a copy this cannot build or step on a CPU probe (a client's own
+        return None  # constructor, capturable=True): the optimizer itself is not wrong; its checkpoints check keys
+    whole = sorted(k for k, kind in kinds.items() if kind == PER_TENSOR)
+    if whole:
+        return (f"{where}: optimizer {type(optimizer).__name__}'s state {whole} is per tensor, and ZeRO hands "
+                "the optimizer dim-0 chunks of each tensor; use zero_optimization.stage 0")
+    return None

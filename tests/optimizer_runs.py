@@ -56,7 +56,7 @@ def _work(root: str) -> dict:
         record(out, "set", opt_set._runs, opt_set.CASES[world], nvme_path)
     if world == 2:
         record(out, "uncorrected_zero2", optimizers._train_uncorrected_zero2)
-        record(out, "undeclared", layout._undeclared_refusal)
+        record(out, "layout_refusals", layout._refusals)
         record(out, "saved", ckpt._save_all, root)
     record(out, "loaded", ckpt._load_all, root)
     return out

@@ -5,9 +5,9 @@ nothing is decided by comparing a state tensor's shape with its parameter's.
 Oracles: an optimizer whose per-tensor state has, by coincidence, the shape of the tensor NVMe probes
 the layout with is refused by name (a shape rule would swap it per element, cutting it into
 sub-groups); one whose state changes set after the first step (a per-element key made at step 2,
-which a probe of one step cannot see) is an error naming the key, not state silently dropped; an
-undeclared client optimizer is refused at ZeRO stage >= 1 at initialize, naming the class and the
-fix; and at stage 0, where ranks hold whole tensors, its state is saved whole, whatever its shape.
+which a probe of one step cannot see) is an error naming the key, not state silently dropped; at
+ZeRO stage >= 1 (with CPU offload) an undeclared client optimizer, and one whose declared per-tensor
+state the stage would cut into chunks, are refused at initialize naming the class; and at stage 0, where ranks hold whole tensors, its state is saved whole, whatever its shape.
 The engine case runs in tests/optimizer_runs.py's 2-rank spawn.
 """
 from __future__ import annotations
@@ -99,20 +99,34 @@ def test_undeclared_state_is_saved_whole_at_stage_0_whatever_its_shape():
     assert state_layout(optimizer) == {"velocity": PER_TENSOR}  # shaped like p, and still not cut into rows
 
 
-def _undeclared_refusal() -> list[str] | None:
-    """An undeclared client optimizer at ZeRO stage 1 (rank's work in optimizer_runs' 2-rank spawn)."""
+def _refusal(optimizer_class) -> list[str] | None:
     from tests.test_optimizer_set import Net, _config
-    model, cfg = Net(), _config("RMSprop", 1, 1)  # RMSprop's config: zero_allow_untested_optimizer
+    model, cfg = Net(), _config("RMSprop", 1, 1, "cpu")  # RMSprop's config: zero_allow_untested_optimizer
     del cfg["optimizer"]
     try:
-        engine.initialize(model=model, optimizer=UndeclaredSGD(model.parameters()), config=cfg)
+        engine.initialize(model=model, optimizer=optimizer_class(model.parameters(), lr=0.1), config=cfg)
     except schemas.ConfigError as error:
         return error.problems
     return None
 
 
+def _refusals() -> dict:
+    """ZeRO stage 1 with CPU offload, in optimizer_runs' 2-rank spawn: an undeclared client optimizer,
+    and one whose declared per-tensor state the stage would cut into chunks."""
+    return {"undeclared": _refusal(UndeclaredSGD), "per_tensor": _refusal(LrHistorySGD)}
+
+
 def test_an_undeclared_optimizer_is_refused_at_stage_1_by_name():
-    for rank, problems in enumerate(optimizer_runs.part(2, "undeclared")):
-        assert problems == ["optimizer UndeclaredSGD declares no state layout, so zero_optimization.stage 1 cannot "
-                            "tell which of its state is per element; set UndeclaredSGD.STATE_LAYOUT = {state key: "
-                            "'elementwise', 'scalar'} for every key its step creates"], f"rank {rank}: {problems}"
+    for rank, problems in enumerate(optimizer_runs.part(2, "layout_refusals")):
+        assert problems["undeclared"] == [
+            "optimizer UndeclaredSGD declares no state layout, so zero_optimization.stage 1 cannot tell which of "
+            "its state is per element; set UndeclaredSGD.STATE_LAYOUT = {state key: 'elementwise', 'scalar'} for "
+            "every key its step creates"], f"rank {rank}: {problems}"
+
+
+def test_per_tensor_state_is_refused_at_stage_1_at_initialize_by_name():
+    """A probe step at initialize sees the state: never run per chunk (which main's stages did silently)."""
+    for rank, problems in enumerate(optimizer_runs.part(2, "layout_refusals")):
+        assert problems["per_tensor"] == [
+            "zero_optimization.stage 1: optimizer LrHistorySGD's state ['lr_history'] is per tensor, and ZeRO hands "
+            "the optimizer dim-0 chunks of each tensor; use zero_optimization.stage 0"], f"rank {rank}: {problems}"

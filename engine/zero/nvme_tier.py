@@ -52,7 +52,7 @@ def wants_nvme(zero) -> bool:
     return section is not None and section.device == "nvme"
 
 
-def _inner_factory(optimizer: torch.optim.Optimizer, group: dict):
+def inner_factory(optimizer: torch.optim.Optimizer, group: dict):
     """A constructor of the same optimizer over other parameters, with `group`'s hyperparameters."""
     kind = type(optimizer)
     if isinstance(optimizer, ops.MuonWithAuxAdam):  # one half per flat (nvme_per_tensor.py)
@@ -102,7 +102,7 @@ class NvmeOptimizerTier:
         try:
             for key, flat in partition.flat.items():
                 group = self.optimizer.param_groups[key[0]]
-                part = SwappedPartition(flat.numel(), _inner_factory(self.optimizer, group), self.swap, self.io,
+                part = SwappedPartition(flat.numel(), inner_factory(self.optimizer, group), self.swap, self.io,
                                         self.pool, sub_group, pipeline_read=section.pipeline_read,
                                         pipeline_write=section.pipeline_write,
                                         name=f"rank{rank}-group{key[0]}-{str(key[1]).removeprefix('torch.')}")
