@@ -38,6 +38,12 @@ STATE_LAYOUTS: dict[str, dict[str, str]] = {
     "Lion": {"exp_avg": _E},
     "Lamb": {"step": _S, "exp_avg": _E, "exp_avg_sq": _E},
     "MuonWithAuxAdam": {"momentum_buffer": _E, **_ADAM},
+    # the 1-bit optimizers (ZeRO stage 0 only): read from their steps (their compression state is not
+    # per parameter: CompressedOptimizer.state_dict adds it beside)
+    "OneBitAdam": {"exp_avg": _E, "exp_avg_sq": _E},
+    "ZeroOneAdam": {"exp_avg": _E, "exp_avg_sq": _E, "momentum_accumulator": _E, "lr_sum": _S},
+    "OneBitLamb": {"exp_avg": _E, "exp_avg_sq": _E, "exp_avg_sq_fresh": _E, "lamb_coeff_freeze": _S,
+                   "last_factor": _S, "scaling_coeff": _S},
 }
 SETTING = "STATE_LAYOUT"
 
