@@ -7,8 +7,11 @@ the layout with is refused by name (a shape rule would swap it per element, cutt
 sub-groups); one whose state changes set after the first step (a per-element key made at step 2,
 which a probe of one step cannot see) is an error naming the key, not state silently dropped; at
 ZeRO stage >= 1 (with CPU offload) an undeclared client optimizer, and one whose declared per-tensor
-state the stage would cut into chunks, are refused at initialize naming the class; and at stage 0, where ranks hold whole tensors, its state is saved whole, whatever its shape.
-The engine case runs in tests/optimizer_runs.py's 2-rank spawn.
+state the stage would cut into chunks, are refused at initialize naming the class; at stage 0, where
+ranks hold whole tensors, undeclared state is saved whole, whatever its shape; and a checkpoint
+refuses state whose shape is not its declared kind's. Every case but the engine's fails with main's
+shape rule (run against main's code with this file and ops/state_layout.py added). The engine cases
+run in tests/optimizer_runs.py's 2-rank spawn.
 """
 from __future__ import annotations
 
@@ -97,6 +100,21 @@ def test_undeclared_state_is_saved_whole_at_stage_0_whatever_its_shape():
     p.grad = torch.ones(5, device="cpu")
     optimizer.step()
     assert state_layout(optimizer) == {"velocity": PER_TENSOR}  # shaped like p, and still not cut into rows
+
+
+class MisdeclaredSGD(UndeclaredSGD):
+    """Declares its per-element velocity a scalar."""
+
+    STATE_LAYOUT = {"velocity": SCALAR}
+
+
+def test_a_checkpoint_refuses_state_of_another_shape_than_declared():
+    p = torch.nn.Parameter(torch.zeros(5, device="cpu"))
+    optimizer = MisdeclaredSGD([p])
+    p.grad = torch.ones(5, device="cpu")
+    optimizer.step()
+    with pytest.raises(StateLayoutError, match=r"MisdeclaredSGD's state 'velocity' is declared scalar but has shape"):
+        state_layout(optimizer)
 
 
 def _refusal(optimizer_class) -> list[str] | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ops.state_layout import (ELEMENTWISE, PER_TENSOR, SCALAR, STATE_LAYOUTS,  # noqa: F401 (re-exported)
-                              declared_layout)
+                              check_state, declared_layout)
 
 logger = logging.getLogger(__name__)
 _warned: set = set()
@@ -29,10 +29,8 @@ def state_layout(optimizer) -> dict[str, str]:
             logger.warning("optimizer %s declares no STATE_LAYOUT; checkpoints save all its state whole with "
                            "every fragment (set %s.STATE_LAYOUT to save per-element state as rows)", name, name)
         return dict.fromkeys(held, PER_TENSOR)
-    unknown = sorted(held - set(declared))
-    if unknown:
-        raise ValueError(f"optimizer {type(optimizer).__name__} holds state {unknown} that its declared layout "
-                         "does not name; add them to its STATE_LAYOUT (ops/state_layout.py)")
+    for owner, state in optimizer.state.items():  # undeclared keys, and values of another shape, refused
+        check_state(optimizer, owner, state)
     return {k: declared[k] for k in held}
 
 

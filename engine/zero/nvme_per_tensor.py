@@ -36,7 +36,7 @@ from offload.swapped_partition import MASTER
 from ops.lamb import (advance_moments, advance_step, apply_ratio, clipped_ratio, direction_from_moments)
 from ops.muon import apply_muon_update, nesterov_momentum
 
-from .per_tensor import _all_reduce_sum
+from .per_tensor import all_reduce_sum
 
 CPU = torch.device("cpu")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -69,7 +69,7 @@ class SwappedLamb:
     def __init__(self, tier, zopt):
         self.tier, self.partition = tier, zopt.partition
         index = {p: i for i, p in enumerate(self.partition.params())}
-        self.count, self.reduce = len(index), _all_reduce_sum(zopt.comm)
+        self.count, self.reduce = len(index), all_reduce_sum(zopt.comm)
         self.runs = {key: _FlatRuns(self.partition, key, index) for key in tier.parts}
 
     def step(self) -> None:
