@@ -4,6 +4,7 @@
     python benchmarks/bench_optimizers.py --part muon
     python benchmarks/bench_optimizers.py --part gpt --steps 8 --deepspeed-venv /tmp/ds-venv
     python benchmarks/bench_optimizers.py --part gpt --offload cpu --deepspeed-venv /tmp/ds-venv
+    python benchmarks/bench_optimizers.py --part nvme --nvme-path /local_nvme
 
 - kernels: one optimizer step over `--numel` fp32 parameters (one flat tensor, as a ZeRO partition),
   each optimizer's median time against its memory-bandwidth bound: the bytes it must read and write
@@ -15,6 +16,12 @@
 - gpt: step time of each optimizer on the benchmark GPT (examples/gpt.py BENCH_CONFIG), 2 ranks, ZeRO-2,
   and DeepSpeed's same config in its venv where DeepSpeed can build that optimizer on CPU. With
   `--offload cpu` (or nvme, at `--nvme-path`) both sides offload the optimizer (`offload_optimizer`).
+- nvme (short): the boundary step (`eng.step()`: optimizer step and all-gather) of AdamW, Lamb and Muon
+  on a small MLP (`--width`, 4 layers), 2 ranks, ZeRO-2, with the optimizer in memory and on NVMe at
+  `--nvme-path` (`--sub-group` elements per swapped sub-group): what the swap files cost each, and
+  what Lamb's and Muon's second pass over them (engine/zero/nvme_per_tensor.py) costs on top of the
+  one pass AdamW takes. No DeepSpeed peer: its Lamb is a CUDA op, and its NVMe path needs its
+  async_io op built.
 """
 from __future__ import annotations
 
@@ -164,9 +171,48 @@ def gpt(steps: int, venv: Path | None, names: list[str], offload: str = "none",
     return rows
 
 
+class _MLP(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.layers(x), y)
+
+
+def _nvme_step_rank(cfg: dict, width: int, steps: int, zero: dict) -> float:
+    import engine
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 16, "gradient_clipping": 0.0, "optimizer": cfg,
+              "zero_optimization": {"stage": 2, **zero}}
+    eng, _, _, _ = engine.initialize(model=_MLP(width), config=config)
+    times = []
+    for _ in range(steps):
+        x = torch.randn(16, width, device="cpu")
+        eng.backward(eng(x, x))
+        t0 = time.perf_counter()
+        eng.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    eng.destroy()  # removes the swap directory
+    return statistics.median(times[2:])
+
+
+def nvme_step(width: int, steps: int, sub_group: int, nvme_path: str, names: list[str]) -> list[dict]:
+    from tests.harness import run_distributed
+    rows = []
+    for name in names:
+        row = {"optimizer": name, "params": 4 * (width * width + width)}
+        for where, zero in (("memory", {}), ("nvme", {"sub_group_size": sub_group, **_offload_section("nvme", nvme_path)})):
+            row[f"{where}_step_ms"] = max(run_distributed(_nvme_step_rank, 2, args=(CONFIGS[name], width, steps, zero),
+                                                          timeout=1800))
+        row["nvme_over_memory"] = row["nvme_step_ms"] / row["memory_step_ms"]
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["kernels", "muon", "gpt"], required=True)
+    p.add_argument("--part", choices=["kernels", "muon", "gpt", "nvme"], required=True)
     p.add_argument("--numel", type=float, default=1e8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--world", type=int, default=2)
@@ -175,13 +221,20 @@ def main(argv=None) -> int:
     p.add_argument("--optimizers", default=",".join(CONFIGS), help="gpt part: which of " + ", ".join(CONFIGS))
     p.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none",
                    help="gpt part: zero_optimization.offload_optimizer.device on both sides")
-    p.add_argument("--nvme-path", default=None, help="gpt part with --offload nvme: the swap directory")
+    p.add_argument("--nvme-path", default=None, help="gpt part with --offload nvme, nvme part: the swap directory")
+    p.add_argument("--width", type=int, default=512, help="nvme part: the MLP's width")
+    p.add_argument("--sub-group", type=int, default=65536, help="nvme part: zero_optimization.sub_group_size")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.part == "kernels":
         result = kernels(int(args.numel), args.repeats)
     elif args.part == "muon":
         result = muon(args.world, args.repeats)
+    elif args.part == "nvme":
+        if args.nvme_path is None:
+            p.error("--part nvme needs --nvme-path (a directory for the swap files)")
+        names = args.optimizers.split(",") if args.optimizers != ",".join(CONFIGS) else ["AdamW", "Lamb", "Muon"]
+        result = nvme_step(args.width, args.steps, args.sub_group, args.nvme_path, names)
     else:
         result = gpt(args.steps, args.deepspeed_venv, args.optimizers.split(","), args.offload, args.nvme_path)
     print(json.dumps(result, indent=1))

@@ -19,9 +19,12 @@ The interface the engine calls (stable; later versions add, never change):
               lambda start, end, master: model_flat[start:end].copy_(master))  # master valid during the call
     for chunk in part.state_chunks(): ...    # checkpoint: {"start","end","master","state":{k: t},"scalars"}
     part.load_chunks(chunks)                 # from such chunks, cut at any boundaries, ascending
+    part.sweep(visit, read={key: slot}, write=[keys]); part.commit(scalars)  # a step in several passes
+                                             # (Lamb, Muon: engine/zero/nvme_per_tensor.py)
     part.close(); io.close(); swap.close()   # swap also closes at exit and on the next start after a kill
 
-Errors of the swap tier are `OffloadIOError`, one line naming the path and the key to change.
+Errors of the swap tier are `OffloadIOError`, one line naming the path and the key to change; state
+the optimizer's declared layout (ops/state_layout.py) does not describe is `StateLayoutError`.
 `pool.acquire()` / `pool.release(buf)` are there for other swappers (parameters at stage 3).
 
 Not built yet (rejected by the config in schemas/unbuilt.py until the engine uses this package):

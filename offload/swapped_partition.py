@@ -10,8 +10,9 @@ through a `SwapBufferPool`, so the host memory held for optimizer state is the p
 parameter. For each sub-group the placeholder's `.data` and `.grad` become the sub-group's master and
 gradient slices, and its `state` entries become views of the pool buffers the state was read into,
 so fused CPU AdamW (or SGD, Adagrad, ...) updates them in place. Which state tensors are elementwise
-(swapped) and which are per-step scalars (`step`, kept in memory per sub-group) is learnt once, by
-stepping a throw-away copy of the optimizer on a tiny parameter. The first real step lets the
+(swapped) and which are per-step scalars (`step`, kept in memory per sub-group) is the optimizer
+class's declaration (ops/state_layout.py); which of the declared keys exist is learnt once, by
+stepping a throw-away copy of the optimizer on a tiny parameter (never by comparing shapes). The first real step lets the
 optimizer create its state as it always does; from then on the state comes from the files.
 
 [Note: two slots] Every file exists twice; a step reads slot s and writes slot 1-s, and flips only
@@ -23,13 +24,14 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
 from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
+from ops.state_layout import ELEMENTWISE, PER_TENSOR, SCALAR, StateLayoutError, probe_state
 
 MASTER = "master"
 SUB_GROUP_KEY = "zero_optimization.sub_group_size"
@@ -42,20 +44,19 @@ def sub_group_buffer_elements(numel: int, sub_group_size: int) -> int:
 
 
 def learn_state_layout(make_optimizer: Callable[[list], torch.optim.Optimizer]) -> tuple[list[str], list[str]]:
-    """(elementwise state keys, other state keys) of the optimizer `make_optimizer` builds."""
-    probe = torch.nn.Parameter(torch.zeros(7, dtype=torch.float32, device="cpu"))
-    optimizer = make_optimizer([probe])
-    probe.grad = torch.ones(7, dtype=torch.float32, device="cpu")
-    optimizer.step()
-    elementwise, other = [], []
-    for key, value in optimizer.state[probe].items():
-        if torch.is_tensor(value) and value.shape == probe.shape:
-            if value.dtype != torch.float32:
-                raise OffloadIOError(f"optimizer state {key!r} is {value.dtype}; NVMe offload swaps fp32 state only")
-            elementwise.append(key)
-        else:
-            other.append(key)
-    return sorted(elementwise), sorted(other)
+    """(per-element state keys, scalar state keys) of the optimizer `make_optimizer` builds: the keys
+    its first step creates, each of the kind its class declares (ops/state_layout.py `probe_state`)."""
+    optimizer, probe, kinds = probe_state(make_optimizer)
+    whole = sorted(k for k, kind in kinds.items() if kind == PER_TENSOR)
+    if whole:
+        raise StateLayoutError(f"optimizer {type(optimizer).__name__}'s state {whole} is per tensor; swap files "
+                               "hold per-element and scalar state only")
+    elementwise = sorted(k for k, kind in kinds.items() if kind == ELEMENTWISE)
+    for key in elementwise:
+        if optimizer.state[probe][key].dtype != torch.float32:
+            raise OffloadIOError(f"optimizer state {key!r} is {optimizer.state[probe][key].dtype}; NVMe offload "
+                                 "swaps fp32 state only")
+    return elementwise, sorted(k for k, kind in kinds.items() if kind == SCALAR)
 
 
 class SwappedPartition:
@@ -107,10 +108,10 @@ class SwappedPartition:
         return read, bool(pipeline_write) and fits >= 2 + read
 
     # -- buffers and transfers -----------------------------------------------------------------
-    def _acquire(self) -> list[torch.Tensor]:
-        while self.pool.free_count() < self.per_group and self._writes:
+    def _acquire(self, count: int) -> list[torch.Tensor]:
+        while self.pool.free_count() < count and self._writes:
             self._finish_oldest_write()
-        return [self.pool.acquire() for _ in range(self.per_group)]
+        return [self.pool.acquire() for _ in range(count)]
 
     def _release(self, buffers: list[torch.Tensor]) -> None:
         for buf in buffers:
@@ -131,22 +132,26 @@ class SwappedPartition:
     def _keys(self, with_state: bool) -> list[str]:
         return [MASTER, *self.state_keys] if with_state else [MASTER]
 
-    def _transfer(self, k: int, buffers, slot: int, write: bool, with_state: bool) -> list[IOHandle]:
+    def _transfer(self, k: int, files: list[tuple[str, int]], buffers, write: bool) -> list[IOHandle]:
         op = self.aio.write if write else self.aio.read
-        return [op(self._files[key, slot], buf, k * self.stride_bytes)
-                for key, buf in zip(self._keys(with_state), buffers)]
+        return [op(self._files[key, slot], buf, k * self.stride_bytes) for (key, slot), buf in zip(files, buffers)]
 
-    def _start_read(self, k: int, slot: int, with_state: bool):
-        buffers = self._acquire()
+    def _start_read(self, k: int, keys: list[str], read: dict[str, int]):
+        """Buffers for `keys` of sub-group k; those in `read` (key -> slot) are read into theirs."""
+        buffers = self._acquire(len(keys))
         try:
-            return buffers, self._transfer(k, buffers, slot, write=False, with_state=with_state)
+            pairs = [((key, read[key]), buf) for key, buf in zip(keys, buffers) if key in read]
+            return buffers, self._transfer(k, [f for f, _ in pairs], [b for _, b in pairs], write=False)
         except BaseException:
             self._release(buffers)
             raise
 
-    def _start_write(self, k: int, buffers, slot: int, with_state: bool) -> None:
+    def _start_write(self, k: int, keys: list[str], buffers, write: Sequence[str]) -> None:
+        """Write the buffers of `write` (a subset of `keys`) to the target slot; all of `buffers` go back
+        to the pool once the writes finished."""
         try:
-            handles = self._transfer(k, buffers, slot, write=True, with_state=with_state)
+            pairs = [((key, 1 - self._slot), buf) for key, buf in zip(keys, buffers) if key in write]
+            handles = self._transfer(k, [f for f, _ in pairs], [b for _, b in pairs], write=True)
         except BaseException:
             self._release(buffers)
             raise
@@ -173,73 +178,110 @@ class SwappedPartition:
     def initialize(self, read_master_slice: Callable[[int, int], torch.Tensor]) -> None:
         """Write the initial fp32 master weights, sub-group by sub-group; the optimizer state starts
         empty (the first step creates it, as the optimizer would in memory)."""
-        target = 1 - self._slot
         try:
             for k, (s, e) in enumerate(self.groups):
-                buffers = self._acquire()
+                buffers = self._acquire(1)
                 try:
                     buffers[0][:e - s].copy_(read_master_slice(s, e))
                 except BaseException:
                     self._release(buffers)
                     raise
-                self._start_write(k, buffers, target, with_state=False)
+                self._start_write(k, [MASTER], buffers, write=[MASTER])
             self._finish_writes()
         except BaseException:
             self._abandon({})
             raise
-        self._slot, self._has_state, self._scalars = target, False, [{} for _ in self.groups]
+        self.commit([{} for _ in self.groups], has_state=False)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the files hold optimizer state (false until the first step or a load)."""
+        return self._has_state
+
+    @property
+    def source_slot(self) -> int:
+        """The slot the last committed step wrote: what a step reads."""
+        return self._slot
+
+    def scalars(self, k: int) -> dict:
+        """Sub-group k's per-step scalars (copies)."""
+        return {key: _copy(value) for key, value in self._scalars[k].items()}
+
+    def sweep(self, visit: Callable[[int, dict], None], read: dict[str, int], write: Sequence[str]) -> None:
+        """One pass over every sub-group, in order, without committing (a step may take several passes:
+        engine/zero/nvme_per_tensor.py). For sub-group k, `visit(k, views)` gets {key: n-element view}
+        for every key in `read` (key -> slot to read it from) or `write`; a key only written starts as
+        zeros. The `write` keys then go to the slot `commit` makes current; until then the current
+        slot is as the last commit left it (the two-slots note)."""
+        keys = [key for key in [MASTER, *self.state_keys] if key in read or key in write]
+        reads: dict = {}
+        try:
+            for k, (s, e) in enumerate(self.groups):
+                if k not in reads:
+                    reads[k] = self._start_read(k, keys, read)
+                buffers, handles = reads.pop(k)
+                try:
+                    for handle in handles:
+                        handle.wait()
+                    if self.pipeline_read and k + 1 < len(self.groups):
+                        reads[k + 1] = self._start_read(k + 1, keys, read)
+                    views = {key: buf[:e - s] for key, buf in zip(keys, buffers)}
+                    for key in keys:
+                        if key not in read:
+                            views[key].zero_()
+                    visit(k, views)
+                except BaseException:
+                    self._release(buffers)
+                    raise
+                self._start_write(k, keys, buffers, write)
+            self._finish_writes()
+        except BaseException:
+            self._abandon(reads)
+            raise
+
+    def commit(self, scalars: list[dict], has_state: bool = True) -> None:
+        """Make the slot the last sweeps wrote current, with these per-sub-group scalars."""
+        self._slot, self._has_state, self._scalars = 1 - self._slot, has_state, scalars
 
     def step(self, grad_slice: Callable[[int, int], torch.Tensor],
              on_updated: Optional[Callable[[int, int, torch.Tensor], None]] = None) -> None:
         """One optimizer step over every sub-group. `grad_slice(start, end)` gives the fp32 gradient of
         elements [start, end) (a CPU tensor); `on_updated(start, end, master)` sees the updated master
         slice, valid only during the call (copy it to the model there)."""
-        source, target, had_state = self._slot, 1 - self._slot, self._has_state
+        had_state = self._has_state
         scalars = [dict() for _ in self.groups]
-        reads: dict = {}
-        try:
-            for k, (s, e) in enumerate(self.groups):
-                if k not in reads:
-                    reads[k] = self._start_read(k, source, had_state)
-                buffers, handles = reads[k]
-                for handle in handles:
-                    handle.wait()
-                if self.pipeline_read and k + 1 < len(self.groups):
-                    reads[k + 1] = self._start_read(k + 1, source, had_state)
-                del reads[k]
-                try:
-                    scalars[k] = self._step_sub_group(k, buffers, grad_slice(s, e), had_state)
-                    if on_updated is not None:
-                        on_updated(s, e, buffers[0][:e - s])
-                except BaseException:
-                    self._release(buffers)
-                    raise
-                self._start_write(k, buffers, target, with_state=True)
-            self._finish_writes()
-        except BaseException:
-            self._abandon(reads)
-            raise
-        self._slot, self._has_state, self._scalars = target, True, scalars
 
-    def _step_sub_group(self, k: int, buffers, grad: torch.Tensor, had_state: bool) -> dict:
+        def visit(k: int, views: dict) -> None:
+            s, e = self.groups[k]
+            scalars[k] = self._step_sub_group(k, views, grad_slice(s, e), had_state)
+            if on_updated is not None:
+                on_updated(s, e, views[MASTER])
+        self.sweep(visit, {key: self._slot for key in self._keys(had_state)}, self._keys(True))
+        self.commit(scalars)
+
+    def _step_sub_group(self, k: int, views: dict, grad: torch.Tensor, had_state: bool) -> dict:
         s, e = self.groups[k]
         n = e - s
         if grad.shape != (n,) or grad.dtype != torch.float32 or grad.device.type != "cpu":
             raise ValueError(f"grad_slice({s}, {e}) gave {tuple(grad.shape)} {grad.dtype} on {grad.device}; "
                              f"expected ({n},) torch.float32 on cpu")
         param = self._param
-        param.data = buffers[0][:n]
+        param.data = views[MASTER]
         param.grad = grad
         state = self.optimizer.state[param]
         state.clear()
         if had_state:
-            state.update({key: buf[:n] for key, buf in zip(self.state_keys, buffers[1:])})
-            state.update({key: _copy(value) for key, value in self._scalars[k].items()})
+            state.update({key: views[key] for key in self.state_keys})
+            state.update(self.scalars(k))
         self.optimizer.step()
-        for key, buf in zip(self.state_keys, buffers[1:]):
-            value = state[key]
-            if value.data_ptr() != buf.data_ptr():  # created by the optimizer, or replaced rather than updated
-                buf[:n].copy_(value)
+        late = sorted(set(state) - set(self.state_keys) - set(self.scalar_keys))
+        if late:  # made after the first step: it was not in learn_state_layout's probe, so has no file
+            raise StateLayoutError(f"optimizer {type(self.optimizer).__name__} made state {late} after its first "
+                                   "step; swap files are laid out from the first step's state")
+        for key in self.state_keys:
+            value, view = state[key], views[key]
+            if value.data_ptr() != view.data_ptr():  # created by the optimizer, or replaced rather than updated
+                view.copy_(value)
         kept = {key: state[key] for key in self.scalar_keys if key in state}
         state.clear()
         param.grad = None
@@ -250,7 +292,8 @@ class SwappedPartition:
         """The state, one sub-group at a time: {"start", "end", "master", "state": {key: tensor},
         "scalars": {key: value}}; tensors are copies owned by the caller (one sub-group each)."""
         for k, (s, e) in enumerate(self.groups):
-            buffers, handles = self._start_read(k, self._slot, self._has_state)
+            keys = self._keys(self._has_state)
+            buffers, handles = self._start_read(k, keys, dict.fromkeys(keys, self._slot))
             try:
                 for handle in handles:
                     handle.wait()
@@ -266,7 +309,6 @@ class SwappedPartition:
     def load_chunks(self, chunks: Iterable[dict]) -> None:
         """Load state from chunks as `state_chunks` yields them, cut at any boundaries (another
         sub_group_size or partitioning), in ascending order and covering [0, numel) exactly once."""
-        target = 1 - self._slot
         scalars = [dict() for _ in self.groups]
         with_state: Optional[bool] = None
         k, buffers, filled = 0, None, 0
@@ -284,7 +326,7 @@ class SwappedPartition:
                     if pos != s + filled:
                         raise ValueError(f"load_chunks: expected element {s + filled} next, chunk gives {pos}")
                     if buffers is None:
-                        buffers = self._acquire()
+                        buffers = self._acquire(self.per_group)
                         scalars[k] = {key: _copy(v) for key, v in chunk["scalars"].items()}
                     take = min(chunk["end"], e) - pos
                     lo = pos - chunk["start"]
@@ -294,7 +336,7 @@ class SwappedPartition:
                         buf[filled:filled + take].copy_(src[lo:lo + take])
                     filled, pos = filled + take, pos + take
                     if s + filled == e:
-                        self._start_write(k, buffers, target, with_state=has)
+                        self._start_write(k, self._keys(True), buffers, self._keys(has))
                         k, buffers, filled = k + 1, None, 0
             if k != len(self.groups):
                 raise ValueError(f"load_chunks: chunks end at element {self.groups[k][0] + filled}, numel is {self.numel}")
@@ -304,7 +346,7 @@ class SwappedPartition:
                 self._release(buffers)
             self._abandon({})
             raise
-        self._slot, self._has_state, self._scalars = target, bool(with_state), scalars
+        self.commit(scalars, has_state=bool(with_state))
 
     def close(self) -> None:
         """Finish outstanding writes and delete this partition's swap files."""

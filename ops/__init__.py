@@ -11,6 +11,7 @@ Communication compression (docs/compression.md):
 - `Lion`: Lion, elementwise, foreach. `MuonWithAuxAdam`: Muon for hidden matrices, AdamW for the rest.
 - `UncorrectedAdam`: Adam/AdamW without bias correction (DeepSpeed's `bias_correction: false`).
 - `PowerSGD`: low-rank gradient averaging with error feedback, a bucket reducer for data parallelism.
+- `state_layout`: each optimizer class's declared state kinds (per element, scalar, per tensor).
 Collectives go through any object shaped like `engine.comm.Communicator` (world_size, all_reduce,
 all_to_all, all_gather), so the bytes they move are counted.
 """

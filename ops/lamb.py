@@ -29,19 +29,36 @@ def trust_ratio(param: torch.Tensor, update: torch.Tensor, max_coeff: float, min
     return clipped_ratio(torch.linalg.vector_norm(param), torch.linalg.vector_norm(update), max_coeff, min_coeff)
 
 
-def lamb_direction(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
-    """Advance the moments of `p` and return its unscaled LAMB update m̂/(√v̂ + ε) + wd·x."""
+def advance_moments(state: dict, grad: torch.Tensor, group: dict, like: torch.Tensor) -> None:
+    """m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g² in place (zeros like `like` at the first step)."""
     beta1, beta2 = group["betas"]
     if "exp_avg" not in state:
-        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(like), torch.zeros_like(like)
     state["exp_avg"].lerp_(grad, 1 - beta1)
     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+
+def direction_from_moments(p: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
+    """The unscaled LAMB update m̂/(√v̂ + ε) + wd·x from moments already advanced to `step` (a new
+    tensor; elementwise, so any slice of `p` and its moments gives that slice of the update)."""
+    beta1, beta2 = group["betas"]
     bc1 = 1 - beta1 ** step if group["bias_correction"] else 1.0
     bc2 = 1 - beta2 ** step if group["bias_correction"] else 1.0
     update = (state["exp_avg"] / bc1).div_(adam_denominator(state["exp_avg_sq"], bc2, group["eps"]))
     if group["weight_decay"]:
         update.add_(p, alpha=group["weight_decay"])
     return update
+
+
+def lamb_direction(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
+    """Advance the moments of `p` and return its unscaled LAMB update m̂/(√v̂ + ε) + wd·x."""
+    advance_moments(state, grad, group, p)
+    return direction_from_moments(p, state, group, step)
+
+
+def apply_ratio(p: torch.Tensor, update: torch.Tensor, ratio: torch.Tensor, lr: float) -> None:
+    """x ← x − lr·r·update, with `ratio` a scalar or one ratio per element of `p`."""
+    p.sub_(update * (ratio.to(p.device) * lr))
 
 
 def lamb_update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
@@ -69,25 +86,25 @@ class Lamb(torch.optim.Optimizer):
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        lamb_update(p, p.grad, self.state[p], group, _advance(self.state[p]))
+                        lamb_update(p, p.grad, self.state[p], group, advance_step(self.state[p]))
             return loss
         self._segmented_step()
         return loss
 
     def _segmented_step(self) -> None:
-        items = [(group, p, lamb_direction(p, p.grad, self.state[p], group, _advance(self.state[p])))
+        items = [(group, p, lamb_direction(p, p.grad, self.state[p], group, advance_step(self.state[p])))
                  for group in self.param_groups for p in group["params"] if p.grad is not None]
         device = self.segmented.segments[next(iter(self.segmented.segments))].ids.device
         w_sq, u_sq = sums_of_squares([p for _, p, _ in items], [u for _, _, u in items], self.segmented, device)
         w_norm, u_norm = w_sq.sqrt(), u_sq.sqrt()
         for group, p, update in items:
             ids = self.segmented.segments[p].ids
-            ratio = clipped_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])[ids]
-            p.sub_(update * (ratio.to(p.device) * group["lr"]))
+            apply_ratio(p, update, clipped_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])[ids],
+                        group["lr"])
 
 
 
-def _advance(state: dict) -> int:
+def advance_step(state: dict) -> int:
     """Count this tensor's steps in its state (a host scalar, as torch's `step`), so that checkpoints,
     which save per-parameter state, resume the bias correction where it was."""
     if "step" not in state:

@@ -58,6 +58,18 @@ def muon_cost(rows: int, cols: int) -> int:
     return rows * cols * min(rows, cols)
 
 
+def nesterov_momentum(momentum: torch.Tensor, grad: torch.Tensor, beta: float) -> torch.Tensor:
+    """m ← β·m + (1−β)·G in place; returns U = (1−β)·G + β·m (elementwise: slices give slices)."""
+    momentum.lerp_(grad, 1 - beta)
+    return grad.lerp(momentum, beta)
+
+
+def apply_muon_update(p: torch.Tensor, update: torch.Tensor, group: dict) -> None:
+    """W ← W·(1 − lr·wd) − lr·O (elementwise in W and O)."""
+    p.mul_(1 - group["lr"] * group["weight_decay"])
+    p.add_(update.to(p.device), alpha=-group["lr"])
+
+
 class MuonWithAuxAdam(torch.optim.Optimizer):
     """Param groups carry `use_muon`; missing settings take DeepSpeed's defaults for their half."""
 
@@ -87,8 +99,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             updates = [orthogonalized(u.reshape(len(u), -1), self.ns_dtype).view_as(p)
                        for (_, p), u in zip(muon, updates)]
         for (group, p), update in zip(muon, updates):
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(update.to(p.device), alpha=-group["lr"])
+            apply_muon_update(p, update, group)
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adam_step(group)
@@ -98,9 +109,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        beta = group["momentum"]
-        state["momentum_buffer"].lerp_(p.grad, 1 - beta)
-        return p.grad.lerp(state["momentum_buffer"], beta)
+        return nesterov_momentum(state["momentum_buffer"], p.grad, group["momentum"])
 
     def _adam_step(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]

@@ -187,8 +187,6 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     out[("meta", 3)] = train(3, "sgd", BOTH_CPU, meta=True)
     out["left_in_nvme_path"] = sorted(os.listdir(nvme_path))
     out["missing_path"] = _refusal(config(2, "sgd", NVME, nvme_path=os.path.join(nvme_path, "missing")))
-    out["lamb"] = _refusal({**config(2, "sgd", NVME, nvme_path=nvme_path),
-                            "optimizer": {"type": "Lamb", "params": {"lr": 0.01}}})
     os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "0"  # a CPU-only machine's own path: nothing staged
     out[("unstaged", "opt_cpu")] = train(2, "sgd", OPT_CPU)
     out["hf_gpt2"] = _seed_config_example(os.path.join(checkpoint_dir, "hf_gpt2"))  # last: it imports transformers

@@ -74,15 +74,6 @@ def test_a_missing_nvme_path_is_a_config_error_naming_the_key(runs):
         assert problems[0].endswith("fix zero_optimization.offload_optimizer.nvme_path")
 
 
-def test_a_per_tensor_optimizer_is_refused_by_name(runs):
-    for rank, result in enumerate(runs):
-        assert result["lamb"] == ['zero_optimization.offload_optimizer.device: "nvme" with optimizer Lamb is not '
-                                  'built yet (its trust ratio needs the norms of each whole tensor, and a swapped '
-                                  'sub-group holds pieces of tensors); use offload_optimizer.device "cpu", or an '
-                                  "elementwise optimizer (Adam, AdamW, SGD, Adagrad, Lion, or torch's ASGD, Adadelta, "
-                                  'Adamax, NAdam, RAdam, RMSprop, Rprop)'], f"rank {rank}: {result['lamb']}"
-
-
 def test_destroy_removes_the_swap_directory(runs):
     for rank, result in enumerate(runs):
         for key, got in result.items():

@@ -1,7 +1,9 @@
 """DeepSpeed's optimizer set (Adagrad, Lion, Lamb, Muon) and a torch.optim class by name equal
 single-process training at every ZeRO stage, with and without gradient accumulation; with the
 optimizer offloaded (`offload_optimizer.device` "cpu" at stages 1-3, "nvme" at stages 1-2 for the
-elementwise ones) each equals its own run without offload bit for bit, and NVMe refuses Lamb and Muon.
+elementwise ones and 1-3 for Lamb and Muon, whose whole-tensor rules step in two passes over swapped
+sub-groups that cut their tensors) each equals its own run without offload bit for bit; an Inf on one
+rank skips Lamb's and Muon's swapped step and leaves their swap files' SHA-256 unchanged.
 
 References: torch's own class where one exists (Adagrad, RMSprop; AdamW for Muon's non-matrix half);
 for Lion, Lamb and Muon's matrix half a plain per-tensor implementation written here from the papers'
@@ -28,6 +30,7 @@ import schemas
 from engine.utils import safe_get_full_fp32_param
 from engine.zero.per_tensor import assign_owners
 from tests import optimizer_runs
+from tests.offload_runs import _swap_hashes
 from tests.models import make_batches, micro_batches
 
 STEPS, MICRO = 5, 2
@@ -76,22 +79,30 @@ def _config(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: s
                                   "stage3_param_persistence_threshold": 10, **_offload(offload, nvme_path)}}
 
 
-def _train(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: str | None = None) -> dict:
+def _train(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: str | None = None,
+           inf_step: int | None = None) -> dict:
+    """`inf_step`: rank 1's last micro-batch loss of that step is multiplied by Inf (the step is skipped)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     eng, _, _, _ = engine.initialize(model=Net(), config=_config(kind, stage, gas, offload, nvme_path))
-    norms, step_calls = [], []
+    norms, step_calls, unchanged = [], [], None
     stats = eng.zero_optimizer.comm.stats
-    for x, y in make_batches(STEPS, MICRO * gas * world):
+    for step, (x, y) in enumerate(make_batches(STEPS, MICRO * gas * world)):
+        before = _swap_hashes(eng.zero_optimizer) if step == inf_step and offload == "nvme" else None
         for k, (xm, ym) in enumerate(micro_batches(x, y, rank, world, gas)):
-            eng.backward(eng(xm, ym))
+            loss = eng(xm, ym)
+            if step == inf_step and rank == 1 and k == gas - 1:
+                loss = loss * float("inf")
+            eng.backward(loss)
             if k == gas - 1:  # the boundary: count what the step itself sends
                 stats.reset()
             eng.step()
+        if before is not None:
+            unchanged = len(before) > 0 and before == _swap_hashes(eng.zero_optimizer)
         step_calls.append({op: stats.calls[op] for op in ("all_reduce", "all_to_all")})
         norms.append(eng.get_global_grad_norm())
     result = {"params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}, "norms": norms,
-              "step_calls": step_calls}
+              "step_calls": step_calls, "skipped": eng.skipped_steps, "unchanged": unchanged}
     zopt = eng.zero_optimizer
     orthogonalizer = getattr(zopt.optimizer, "orthogonalize_flats", None)
     if orthogonalizer is not None:
@@ -105,9 +116,15 @@ def _train(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: st
     return result
 
 
-def _refused(kind: str, nvme_path: str) -> list[str] | None:
+class ClientSGD(torch.optim.SGD):
+    """A client's optimizer class: nothing tells the swapped step its update is elementwise."""
+
+
+def _refused(nvme_path: str) -> list[str] | None:
+    model, cfg = Net(), _config("RMSprop", 2, 1, "nvme", nvme_path)  # RMSprop's: zero_allow_untested_optimizer
+    del cfg["optimizer"]
     try:
-        engine.initialize(model=Net(), config=_config(kind, 2, 1, "nvme", nvme_path))
+        engine.initialize(model=model, optimizer=ClientSGD(model.parameters(), lr=0.01), config=cfg)
     except schemas.ConfigError as error:
         return error.problems
     return None
@@ -116,7 +133,9 @@ def _refused(kind: str, nvme_path: str) -> list[str] | None:
 def _runs(cases, nvme_path: str | None = None) -> dict:
     out = {case: _train(*case, nvme_path=nvme_path) for case in cases}
     if nvme_path is not None:
-        out["refused"] = {kind: _refused(kind, nvme_path) for kind in NVME_REFUSED}
+        for case in INF_CASES:
+            out[("inf", *case)] = _train(*case, nvme_path=nvme_path, inf_step=INF_STEP)
+        out["refused"] = _refused(nvme_path)
         out["left_in_nvme_path"] = sorted(os.listdir(nvme_path))
     return out
 
@@ -237,9 +256,13 @@ def _initial() -> dict:
 # -- 2 ranks: every optimizer x stage x accumulation, and each with offload, in one spawn ----------------
 TWO_RANK_CASES = [(k, s, g, "none") for k in OPTIMIZERS for s in (0, 1, 2, 3) for g in (1, 2)
                   if k != "RMSprop" or (s, g) in RMSPROP_CASES]
-NVME_BUILT, NVME_REFUSED = ("Adagrad", "Lion", "RMSprop"), ("Lamb", "Muon")
+NVME_ELEMENTWISE, NVME_PER_TENSOR = ("Adagrad", "Lion", "RMSprop"), ("Lamb", "Muon")
 OFFLOAD_CASES = ([(k, s, 2, "cpu") for k in OPTIMIZERS for s in (1, 2, 3)]
-                 + [(k, s, 2, "nvme") for k in NVME_BUILT for s in (1, 2)])
+                 + [(k, s, 2, "nvme") for k in NVME_ELEMENTWISE for s in (1, 2)]
+                 + [(k, s, 2, "nvme") for k in NVME_PER_TENSOR for s in (1, 2, 3)])
+# An Inf at step INF_STEP, with and without NVMe: Lamb at stage 3, Muon at stage 2.
+INF_STEP = 2
+INF_CASES = [(k, s, 2, offload) for k, s in (("Lamb", 3), ("Muon", 2)) for offload in ("none", "nvme")]
 
 
 FOUR_RANK_CASES = [(k, s, 2, "none") for k in ("Muon", "Lamb") for s in (1, 3)]
@@ -272,15 +295,29 @@ def test_offloaded_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stag
         assert got["norms"] == want["norms"], f"rank {rank} {kind} {offload} stage {stage}: gradient norms"
 
 
-@pytest.mark.parametrize("kind", NVME_REFUSED)
-def test_nvme_refuses_the_whole_tensor_optimizers_by_name(two_ranks, kind):
+def test_nvme_refuses_an_optimizer_it_cannot_swap_by_name(two_ranks):
     for rank, results in enumerate(two_ranks):
-        problems = results["refused"][kind]
+        problems = results["refused"]
         assert problems is not None and len(problems) == 1, f"rank {rank}: {problems}"
         assert problems[0].startswith('zero_optimization.offload_optimizer.device: "nvme" with optimizer '
-                                      f'{kind} is not built yet'), problems[0]
-        assert 'use offload_optimizer.device "cpu"' in problems[0] and "whole" in problems[0]
+                                      'ClientSGD is not built yet (the swapped step is built for Adam, AdamW, '
+                                      'SGD, Adagrad, Lion, Lamb, Muon, or torch'), problems[0]
+        assert 'use offload_optimizer.device "cpu"' in problems[0]
         assert results["left_in_nvme_path"] == [], f"rank {rank}: swap files left {results['left_in_nvme_path']}"
+
+
+@pytest.mark.parametrize("kind, stage, gas, offload", [c for c in INF_CASES if c[-1] == "nvme"], ids=lambda v: str(v))
+def test_inf_skips_the_swapped_per_tensor_step_and_leaves_the_swap_files_unchanged(two_ranks, kind, stage, gas,
+                                                                                     offload):
+    for rank, results in enumerate(two_ranks):
+        got, want = results[("inf", kind, stage, gas, offload)], results[("inf", kind, stage, gas, "none")]
+        assert got["skipped"] == want["skipped"] == 1, f"rank {rank}: skipped {got['skipped']}, {want['skipped']}"
+        assert got["unchanged"] is True, f"rank {rank} {kind}: the skipped step changed a swap file"
+        assert not math.isfinite(got["norms"][INF_STEP])
+        for name, w in want["params"].items():  # the steps after the skip: bit for bit
+            assert torch.equal(got["params"][name], w), f"rank {rank} {kind} {name}"
+        finite = [n for i, n in enumerate(got["norms"]) if i != INF_STEP]
+        assert finite == [n for i, n in enumerate(want["norms"]) if i != INF_STEP]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -292,6 +329,9 @@ def test_per_tensor_steps_communicate_once_per_step(two_ranks, stage):
             assert results[("Lion", stage, gas, "none")]["step_calls"] == [{"all_reduce": 1, "all_to_all": 0}] * STEPS
             assert results[("Lamb", stage, gas, "none")]["step_calls"] == [{"all_reduce": 2, "all_to_all": 0}] * STEPS
             assert results[("Muon", stage, gas, "none")]["step_calls"] == [{"all_reduce": 1, "all_to_all": 2}] * STEPS
+        # with the state on NVMe too: the two passes share the one reduction / the two all-to-alls
+        assert results[("Lamb", stage, 2, "nvme")]["step_calls"] == [{"all_reduce": 2, "all_to_all": 0}] * STEPS
+        assert results[("Muon", stage, 2, "nvme")]["step_calls"] == [{"all_reduce": 1, "all_to_all": 2}] * STEPS
 
 
 # -- Muon and Lamb on 4 ranks: a rank without rows of a matrix; owners spread ----------------------------

@@ -10,6 +10,7 @@ holds the layout they share), stage 3 also parameters (`stage3.py`, docs/zero3.m
 from __future__ import annotations
 
 import schemas
+from ops.state_layout import layout_problem, partitioned_state_problem
 
 from ..dist import global_rank
 from ..optimizers import is_zero_supported_optimizer
@@ -20,7 +21,7 @@ from .stage0 import DataParallelOptimizer
 from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
 from .tier import PartitionTier
-from .nvme_tier import NvmeOptimizerTier, wants_nvme
+from .nvme_tier import NvmeOptimizerTier, inner_factory, wants_nvme
 from .init import (GatheredParameters, Init, register_external_parameter,  # noqa: F401  (deepspeed.zero's names)
                    unregister_external_parameter)
 
@@ -34,6 +35,13 @@ def _partitioned_problems(optimizer, cfg) -> list[str]:
     whole_tensors = per_tensor_problem(optimizer, zero.stage, from_config)
     if whole_tensors:  # never applied to chunks, whatever zero_allow_untested_optimizer says
         return [whole_tensors]
+    where = f"zero_optimization.stage {zero.stage}"
+    no_layout = layout_problem(optimizer, where)
+    if no_layout:  # its state is cut into fragments by kind: that must be declared (ops/state_layout.py)
+        return [no_layout]
+    wrong_state = partitioned_state_problem(inner_factory(optimizer, optimizer.param_groups[0]), where)
+    if wrong_state:  # a copy stepped once on a probe: state the declaration does not describe, said now
+        return [wrong_state]
     if not is_zero_supported_optimizer(optimizer) and not cfg.zero_allow_untested_optimizer:
         problems.append(f"zero_optimization.stage: {zero.stage} with optimizer {type(optimizer).__name__}, which "
                         "ZeRO has not been tested with (supported: Adam, AdamW, Adagrad, Lion, Lamb, Muon); set "

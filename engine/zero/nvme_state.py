@@ -51,8 +51,8 @@ def install_state_dict_hooks(tier) -> list:
     def into_swap_files(_optimizer) -> None:
         for key, flat in tier.partition.flat.items():
             loaded = optimizer.state.pop(flat, {})
-            rows = {k: v.reshape(-1) for k, v in loaded.items() if torch.is_tensor(v) and v.numel() == flat.numel()
-                    and v.dim() > 0}
+            per_element = tier.parts[key].state_keys  # the declared layout's (ops/state_layout.py), not shapes
+            rows = {k: v.reshape(-1) for k, v in loaded.items() if k in per_element}
             scalars = {k: v for k, v in loaded.items() if k not in rows}
             tier.load_chunks(key, [{"start": 0, "end": flat.numel(), "master": flat.detach(), "state": rows,
                                     "scalars": scalars}])

@@ -5,7 +5,8 @@ land in host memory, clipping and the NaN/Inf check run over them there. What ch
 fp32 master weights and the optimizer state live in `SwappedPartition` swap files under a per-job
 `SwapDir` in `nvme_path`, one partition per flat (param group, model dtype), and each sub-group of
 `sub_group_size` elements is read, stepped by a copy of the configured optimizer and written back
-(offload/swapped_partition.py). The updated master slice is copied into the host flat the all-gather
+(offload/swapped_partition.py); Lamb and Muon, which need whole tensors, take two passes over the
+sub-groups instead (nvme_per_tensor.py). The updated master slice is copied into the host flat the all-gather
 sends from (`PartitionedParams.flat`), so the gather path is the CPU tier's. That host flat is the
 send image, not the state: the configured optimizer never steps, and its state stays empty; the
 state's host memory is the swap pool. At stage 3 the host flat is also the chunk the prefetcher's
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import torch
 
+import ops
 import schemas
 from offload import (AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir, SwappedPartition,
                      sub_group_buffer_elements)
+from ops.state_layout import StateLayoutError
 from .swappable import SWAPPABLE_NAMES, config_name, constructor_args, swap_problem
 
+from .nvme_per_tensor import per_tensor_stepper
 from .nvme_state import install_state_dict_hooks
 
 PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
@@ -49,9 +53,16 @@ def wants_nvme(zero) -> bool:
     return section is not None and section.device == "nvme"
 
 
-def _inner_factory(optimizer: torch.optim.Optimizer, group: dict):
+def inner_factory(optimizer: torch.optim.Optimizer, group: dict):
     """A constructor of the same optimizer over other parameters, with `group`'s hyperparameters."""
     kind = type(optimizer)
+    if isinstance(optimizer, ops.MuonWithAuxAdam):  # one half per flat (nvme_per_tensor.py)
+        def make_muon(params: list) -> torch.optim.Optimizer:
+            inner = kind([{"params": params, "use_muon": group["use_muon"]}], adam_w_mode=optimizer.adam_w_mode,
+                         ns_dtype=optimizer.ns_dtype)
+            _copy_hyper(group, inner.param_groups[0])
+            return inner
+        return make_muon
     # `defaults` may hold keys the constructor does not take (AdamW's decoupled_weight_decay): pass the
     # ones it takes; the group copy below sets the rest, which is what `step` reads.
     accepted = constructor_args(kind)
@@ -92,13 +103,17 @@ class NvmeOptimizerTier:
         try:
             for key, flat in partition.flat.items():
                 group = self.optimizer.param_groups[key[0]]
-                part = SwappedPartition(flat.numel(), _inner_factory(self.optimizer, group), self.swap, self.io,
+                part = SwappedPartition(flat.numel(), inner_factory(self.optimizer, group), self.swap, self.io,
                                         self.pool, sub_group, pipeline_read=section.pipeline_read,
                                         pipeline_write=section.pipeline_write,
                                         name=f"rank{rank}-group{key[0]}-{str(key[1]).removeprefix('torch.')}")
                 part.initialize(lambda s, e, flat=flat: flat.detach()[s:e])
                 self.parts[key] = part
+            self.per_tensor = per_tensor_stepper(self, zopt)  # Lamb, Muon: two passes (nvme_per_tensor.py)
             self._hooks = install_state_dict_hooks(self)  # state_dict() sees the swap files (nvme_state.py)
+        except StateLayoutError as undeclared:  # state the swap files cannot hold, said at initialize
+            self.close()
+            raise schemas.ConfigError([f'zero_optimization.offload_optimizer.device: "nvme": {undeclared}']) from None
         except BaseException:
             self.close()
             raise
@@ -106,11 +121,17 @@ class NvmeOptimizerTier:
     def step(self) -> None:
         """The optimizer step over every partition, sub-group by sub-group; the host flats receive the
         updated master weights for the all-gather."""
+        if self.per_tensor is not None:
+            self.per_tensor.step()
+            return
         for key, part in self.parts.items():
-            _copy_hyper(self.optimizer.param_groups[key[0]], part.param_groups[0])
-            flat, grad = self.partition.flat[key].detach(), self.partition.flat_grad[key]
-            part.step(lambda s, e, grad=grad: grad[s:e],
-                      lambda s, e, master, flat=flat: flat[s:e].copy_(master))
+            self.step_elementwise(key, part)
+
+    def step_elementwise(self, key: tuple, part: SwappedPartition) -> None:
+        """Flat `key`'s step by the inner copy of the optimizer, sub-group by sub-group."""
+        _copy_hyper(self.optimizer.param_groups[key[0]], part.param_groups[0])
+        flat, grad = self.partition.flat[key].detach(), self.partition.flat_grad[key]
+        part.step(lambda s, e: grad[s:e], lambda s, e, master: flat[s:e].copy_(master))
 
     def state_chunks(self, key: tuple):
         return self.parts[key].state_chunks()

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ops.state_layout import ELEMENTWISE, declared_layout
+
 from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
 from .arrivals import ArrivalLog
@@ -422,10 +424,15 @@ class PartitionedZeroOptimizer:
         key = self.partition.fragments[param].key
         flat = self.partition.flat[key]
         value = self.optimizer.state.get(flat, {}).get(name) if self.nvme is None else state_value(self.nvme, key, name)
-        if isinstance(value, torch.Tensor) and value.shape == flat.shape:
+        if value is not None and self._per_element(name):
             return self._gather_full(param, value)
         # Per-tensor state (e.g. Adam's step) or absent; a copy, since the optimizer updates it in place.
         return value.clone() if isinstance(value, torch.Tensor) else value
+
+    def _per_element(self, name: str) -> bool:
+        """Whether state `name` is one value per element: the optimizer's declaration (ops/state_layout.py;
+        stages >= 1 refuse an optimizer without one), not its shape."""
+        return (declared_layout(self.optimizer) or {}).get(name) == ELEMENTWISE
 
     def local_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This rank's rows of `param`'s fp32 master (a copy, shaped as the rows; no collective)."""
@@ -437,7 +444,7 @@ class PartitionedZeroOptimizer:
         frag = self.partition.fragments[param]
         flat = self.partition.flat[frag.key]
         value = self.optimizer.state.get(flat, {}).get(name) if self.nvme is None else state_value(self.nvme, frag.key, name)
-        if isinstance(value, torch.Tensor) and value.shape == flat.shape:
+        if value is not None and self._per_element(name):
             return value.detach()[frag.offset:frag.offset + frag.numel].view(frag.shape).clone()
         return value.clone() if isinstance(value, torch.Tensor) else value
 

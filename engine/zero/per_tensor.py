@@ -45,7 +45,8 @@ def closure_problem(optimizer, from_config: bool) -> str | None:
     return None
 
 
-def _all_reduce_sum(comm):
+def all_reduce_sum(comm):
+    """vector -> its sum over ranks, reduced on the communicator's device and returned where it was."""
     def reduce(vector: torch.Tensor) -> torch.Tensor:
         staged = vector.to(comm.device)  # the collective runs on the communicator's device (comm.py)
         comm.all_reduce(staged)
@@ -64,7 +65,7 @@ def segmented_reduction(partition: PartitionedParams, comm) -> SegmentedReductio
             frag = partition.fragments[p]
             ids[frag.offset:frag.offset + frag.padded] = index[p]  # padding: zero, adds nothing
         segments[flat] = FlatSegments(ids, len(index))
-    return SegmentedReduction(segments, len(index), _all_reduce_sum(comm))
+    return SegmentedReduction(segments, len(index), all_reduce_sum(comm))
 
 
 def assign_owners(costs: list[int], world: int) -> list[int]:

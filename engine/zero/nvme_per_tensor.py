@@ -1,0 +1,164 @@
+"""Lamb and Muon with their state in swap files (`offload_optimizer.device: "nvme"`, nvme_tier.py).
+
+The swapped step sees one sub-group of `sub_group_size` elements at a time, and a sub-group holds
+pieces of many tensors; Lamb's trust ratio needs norms over whole tensors and Muon's Newton-Schulz
+whole matrices. Both are therefore stepped in two passes over the sub-groups (`SwappedPartition.sweep`),
+committed together, so a failed or skipped step leaves the files as the last step wrote them:
+
+- Lamb. Pass 1 reads master and moments, advances the moments (written back), forms the update u and
+  adds each element's x² and u² into one vector of per-parameter partial sums; that vector is summed
+  over ranks once per step (per_tensor.py's reduction, as without offload). Pass 2 reads the master
+  and the moments pass 1 wrote, recomputes u from them (the same elementwise arithmetic, so the same
+  bits: no u file, no extra disk), applies its tensor's clamped ratio and writes the master.
+- Muon. Matrices (`use_muon` groups): pass 1 reads the momentum, advances it (written back) and puts
+  the Nesterov update U of each sub-group into one transient host flat; the owner all-to-all
+  (per_tensor.OwnerOrthogonalizer) orthogonalises each matrix whole on its owner and brings the
+  slices back into that flat; pass 2 reads the master, applies them and writes it. The AdamW half is
+  elementwise: the ordinary swapped step with an AdamW-only copy of the optimizer (nvme_tier.py).
+
+[Note: memory] Lamb holds per sub-group its pool buffers and the sub-group's update, plus the 2·P
+partial-sum vector (P parameters); nothing partition-sized beyond what the CPU tier holds anyway
+(the host master and gradient flats). Muon's matrix flats need U whole for the all-to-all: one fp32
+flat of this rank's matrix partition during the step (and the orthogonaliser's send and receive
+buffers, as without offload) — the momentum itself stays in the files.
+[Note: bits] Both equal the in-memory step bit for bit: every operation is elementwise except the
+partial sums, and `index_add_` over the sub-groups in order adds each parameter's elements in the
+order one `index_add_` over the whole flat does. Sub-groups are whole SIMD lane groups (nvme_tier.py).
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+
+import torch
+
+import ops
+from offload.swapped_partition import MASTER
+from ops.lamb import (advance_moments, advance_step, apply_ratio, clipped_ratio, direction_from_moments)
+from ops.muon import apply_muon_update, nesterov_momentum
+
+from .per_tensor import all_reduce_sum
+
+CPU = torch.device("cpu")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class _FlatRuns:
+    """Which parameter each element of one flat belongs to, as sorted runs (offset, padded, index); a
+    sub-group's ids are made from them on demand instead of holding an int64 per flat element."""
+
+    def __init__(self, partition, key, index: dict):
+        frags = sorted((partition.fragments[p].offset, partition.fragments[p].padded, index[p])
+                       for p in partition.members[key])
+        self.runs, self.starts = frags, [f[0] for f in frags]
+
+    def ids(self, s: int, e: int) -> torch.Tensor:
+        # elements outside every fragment (none today) count for parameter 0, as segmented_reduction's zeros
+        ids = torch.zeros(e - s, dtype=torch.int64, device=CPU)
+        for offset, padded, i in self.runs[max(0, bisect_right(self.starts, s) - 1):]:
+            if offset >= e:
+                break
+            lo, hi = max(offset, s), min(offset + padded, e)
+            if lo < hi:
+                ids[lo - s:hi - s] = i
+        return ids
+
+
+class SwappedLamb:
+    """Lamb's two-pass swapped step (module docstring)."""
+
+    def __init__(self, tier, zopt):
+        self.tier, self.partition = tier, zopt.partition
+        index = {p: i for i, p in enumerate(self.partition.params())}
+        self.count, self.reduce = len(index), all_reduce_sum(zopt.comm)
+        self.runs = {key: _FlatRuns(self.partition, key, index) for key in tier.parts}
+
+    def step(self) -> None:
+        partial = torch.zeros(2 * self.count, dtype=torch.float32, device=CPU)
+        steps = {key: self._moments_pass(key, part, partial) for key, part in self.tier.parts.items()}
+        total = self.reduce(partial)
+        w_norm, u_norm = total[:self.count].sqrt(), total[self.count:].sqrt()
+        for key, part in self.tier.parts.items():
+            self._apply_pass(key, part, steps[key], w_norm, u_norm)
+
+    def _group(self, key) -> dict:
+        return self.tier.optimizer.param_groups[key[0]]
+
+    def _moments_pass(self, key, part, partial: torch.Tensor) -> list[dict]:
+        group, grad, runs = self._group(key), self.partition.flat_grad[key], self.runs[key]
+        scalars = [part.scalars(k) if part.has_state else {} for k in range(len(part.groups))]
+        read = dict.fromkeys([MASTER, *MOMENTS] if part.has_state else [MASTER], part.source_slot)
+
+        def visit(k: int, views: dict) -> None:
+            s, e = part.groups[k]
+            step = advance_step(scalars[k])
+            state = {m: views[m] for m in MOMENTS}
+            advance_moments(state, grad[s:e], group, views[MASTER])
+            update = direction_from_moments(views[MASTER], state, group, step)
+            ids = runs.ids(s, e)
+            partial[:self.count].index_add_(0, ids, views[MASTER].square())
+            partial[self.count:].index_add_(0, ids, update.square())
+        part.sweep(visit, read, write=MOMENTS)
+        return scalars
+
+    def _apply_pass(self, key, part, scalars: list[dict], w_norm, u_norm) -> None:
+        group, runs, flat = self._group(key), self.runs[key], self.partition.flat[key].detach()
+        ratio = clipped_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])
+        source, written = part.source_slot, 1 - part.source_slot  # the moments pass 1 wrote
+
+        def visit(k: int, views: dict) -> None:
+            s, e = part.groups[k]
+            master = views[MASTER]
+            update = direction_from_moments(master, views, group, int(scalars[k]["step"]))
+            apply_ratio(master, update, ratio[runs.ids(s, e)], group["lr"])
+            flat[s:e].copy_(master)  # the host flat the all-gather sends (nvme_tier.py's note)
+        part.sweep(visit, {MASTER: source, **dict.fromkeys(MOMENTS, written)}, write=[MASTER])
+        part.commit(scalars)
+
+
+class SwappedMuon:
+    """Muon's swapped step: two passes for the matrix flats, the elementwise step for AdamW's (module
+    docstring)."""
+
+    def __init__(self, tier, zopt):
+        self.tier, self.partition, self.optimizer = tier, zopt.partition, zopt.optimizer
+
+    def step(self) -> None:
+        groups = self.optimizer.param_groups
+        matrices = [key for key in self.tier.parts if groups[key[0]]["use_muon"]]
+        updates = [self._momentum_pass(key, self.tier.parts[key], groups[key[0]]) for key in matrices]
+        updates = self.optimizer.orthogonalize_flats([self.partition.flat[key] for key in matrices], updates)
+        for key, update in zip(matrices, updates):
+            self._apply_pass(key, self.tier.parts[key], groups[key[0]], update)
+        for key, part in self.tier.parts.items():
+            if key not in matrices:
+                self.tier.step_elementwise(key, part)
+
+    def _momentum_pass(self, key, part, group: dict) -> torch.Tensor:
+        grad = self.partition.flat_grad[key]
+        update = torch.empty(part.numel, dtype=torch.float32, device=CPU)  # memory note: U whole
+
+        def visit(k: int, views: dict) -> None:
+            s, e = part.groups[k]
+            update[s:e].copy_(nesterov_momentum(views["momentum_buffer"], grad[s:e], group["momentum"]))
+        read = {"momentum_buffer": part.source_slot} if part.has_state else {}
+        part.sweep(visit, read, write=["momentum_buffer"])
+        return update
+
+    def _apply_pass(self, key, part, group: dict, update: torch.Tensor) -> None:
+        flat = self.partition.flat[key].detach()
+
+        def visit(k: int, views: dict) -> None:
+            s, e = part.groups[k]
+            apply_muon_update(views[MASTER], update[s:e], group)
+            flat[s:e].copy_(views[MASTER])
+        part.sweep(visit, {MASTER: part.source_slot}, write=[MASTER])
+        part.commit([{} for _ in part.groups])
+
+
+def per_tensor_stepper(tier, zopt):
+    """The two-pass step for a per-tensor optimizer, or None for an elementwise one."""
+    if isinstance(zopt.optimizer, ops.Lamb):
+        return SwappedLamb(tier, zopt)
+    if isinstance(zopt.optimizer, ops.MuonWithAuxAdam):
+        return SwappedMuon(tier, zopt)
+    return None
