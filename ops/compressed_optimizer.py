@@ -24,6 +24,17 @@ from .moments import evaluate_closure
 from .onebit import CompressedAllReduce
 
 
+def host_copy(obj):
+    """`obj` with every tensor copied to host memory (nested dicts and lists kept)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
+
+
 class _LocalComm:
     """A world of one: the compressed average of one rank is its own value (no wire, no error)."""
 
@@ -97,16 +108,30 @@ class CompressedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def _compression_state(self) -> dict:
+        errors = self._compressor.state_dict() if self._compressor is not None else self._pending_errors
+        return {"errors": errors, "counters": {k: getattr(self, k) for k in self._counters}}
+
     def state_dict(self) -> dict:
         state = super().state_dict()
-        errors = self._compressor.state_dict() if self._compressor is not None else self._pending_errors
-        state["compression"] = {"errors": errors, "counters": {k: getattr(self, k) for k in self._counters}}
+        state["compression"] = self._compression_state()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
         saved = state_dict.pop("compression", None)
         super().load_state_dict(state_dict)
+        self._load_compression(saved)
+
+    def rank_state(self) -> dict:
+        """This rank's part of a file checkpoint (engine/checkpoint/rank_state.py): counters and errors,
+        copied to host memory (an async save writes them after the next step has changed the originals)."""
+        return {"compression": host_copy(self._compression_state())}
+
+    def load_rank_state(self, saved: dict, same_world: bool) -> None:
+        self._load_compression(saved["compression"])  # (errors of another world size: warned, zeroed)
+
+    def _load_compression(self, saved: dict | None) -> None:
         self._compressor = None
         self._pending_errors = None
         if saved is None:
@@ -118,6 +143,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
             world = self._communicator().world_size
             if errors["world_size"] != world:
                 warnings.warn(f"{type(self).__name__}: the checkpoint's compression errors were saved at world size "
-                              f"{errors['world_size']}, now {world}; they restart at zero", stacklevel=2)
+                              f"{errors['world_size']}, now {world}; they restart at zero", stacklevel=3)
             else:
                 self._pending_errors = errors  # restored when the compressor is built for the same layout

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .compressed_optimizer import CompressedOptimizer
+from .compressed_optimizer import CompressedOptimizer, host_copy
 from .moments import adam_denominator
 
 
@@ -156,3 +156,36 @@ class ZeroOneAdam(CompressedOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self._denominators = {}
         super().load_state_dict(state_dict)
+
+    # Once local steps have begun each rank's parameters, m and u are its own: between synchronisations
+    # they differ by the local steps, and after one by rounding (x + u − u is not x), so the row layout
+    # of a file checkpoint (one copy, cut over the ranks) would stitch ranks together. The rank file
+    # keeps this rank's own (engine/checkpoint/rank_state.py).
+    _LOCAL = ("exp_avg", "momentum_accumulator")
+
+    def _stepped(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if self.state.get(p)]
+
+    def rank_state(self) -> dict:
+        state = super().rank_state()
+        if self.step_count > self.var_freeze_step:
+            stepped = self._stepped()
+            state["local"] = host_copy({"params": [p.detach() for p in stepped],
+                                        **{k: [self.state[p][k] for p in stepped] for k in self._LOCAL}})
+        return state
+
+    def load_rank_state(self, saved: dict, same_world: bool) -> None:
+        super().load_rank_state(saved, same_world)
+        local = saved.get("local")
+        if local is None:
+            return
+        stepped = self._stepped()
+        if [tuple(p.shape) for p in stepped] != [tuple(t.shape) for t in local["params"]]:
+            raise ValueError(f"{type(self).__name__}: the checkpoint's local-step state has parameters of shapes "
+                             f"{[tuple(t.shape) for t in local['params']]}, this model "
+                             f"{[tuple(p.shape) for p in stepped]}; load it into the model it was saved from")
+        with torch.no_grad():
+            for i, p in enumerate(stepped):
+                p.copy_(local["params"][i])
+                for k in self._LOCAL:
+                    self.state[p][k].copy_(local[k][i])

@@ -172,32 +172,58 @@ def test_fp16_overflow_skips_and_bf16_with_accumulation():
         assert sum(res["losses"][-3:]) < sum(res["losses"][:3]), (kind, precision, res["losses"])
 
 
-def _resume(kind: str):
+def _continue(eng, steps: int, cut: int):
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for x, y in make_batches(steps, MICRO * world)[cut:]:
+        eng.backward(eng(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+        eng.step()
+    return [p.detach().clone() for p in eng.module.parameters()]
+
+
+def _fresh(kind: str):
+    torch.manual_seed(1)  # a different initial model: everything must come from the checkpoint
+    return engine.initialize(model=OddMLP(), config=_config(kind, ONEBIT[kind]))[0]
+
+
+def _resume(kind: str, root: str):
+    """The uninterrupted run against resumes from the in-memory state dict and from a file checkpoint
+    (whose rows hold one copy of each parameter: the counters, error buffers and 0/1 Adam's rank-local
+    parameters and moments come from each rank's own file, engine/checkpoint/rank_state.py)."""
     params, steps, cut = ONEBIT[kind], 11, 7
     eng, _ = _train(kind, params, steps)
     straight = [p.detach().clone() for p in eng.module.parameters()]
     eng, _ = _train(kind, params, cut)
     saved = copy.deepcopy(eng.training_state_dict())
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    torch.manual_seed(1)  # a different initial model: everything must come from the checkpoint
-    resumed, _, _, _ = engine.initialize(model=OddMLP(), config=_config(kind, params))
-    resumed.load_training_state_dict(saved)
-    for x, y in make_batches(steps, MICRO * world)[cut:]:
-        resumed.backward(resumed(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
-        resumed.step()
-    return straight, [p.detach().clone() for p in resumed.module.parameters()]
+    eng.save_checkpoint(root, tag=kind)
+    counters = {k: getattr(eng.zero_optimizer.optimizer, k) for k in type(eng.zero_optimizer.optimizer)._counters}
+    in_memory = _fresh(kind)
+    in_memory.load_training_state_dict(saved)
+    from_file = _fresh(kind)
+    from_file.load_checkpoint(root, tag=kind)
+    return straight, _continue(in_memory, steps, cut), _continue(from_file, steps, cut), counters
 
 
-def _resume_all():
-    return {kind: _resume(kind) for kind in ONEBIT}
+def _resume_all(root: str):
+    results = {kind: _resume(kind, root) for kind in ONEBIT}
+    from tests.worlds import new_world
+    new_world(None, 0, 1)  # the same checkpoints at world size 1: counters survive, errors restart
+    at_one = {}
+    for kind in ONEBIT:
+        eng = _fresh(kind)
+        with pytest.warns(UserWarning, match="saved at world size 2, now 1; they restart at zero"):
+            eng.load_checkpoint(root, tag=kind)
+        opt = eng.zero_optimizer.optimizer
+        at_one[kind] = {k: getattr(opt, k) for k in type(opt)._counters}
+    return results, at_one
 
 
-def test_checkpoint_restores_error_buffers_and_resumes_exactly():
-    results = run_distributed(_resume_all, 2, timeout=180)
-    for rank_result in results:
-        for kind, (straight, resumed) in rank_result.items():
-            for a, b in zip(straight, resumed):
-                torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m: f"{kind}: {m}")
+def test_checkpoint_restores_error_buffers_and_resumes_exactly(tmp_path):
+    for rank_result, at_one in run_distributed(_resume_all, 2, args=(str(tmp_path),), timeout=180):
+        for kind, (straight, in_memory, from_file, counters) in rank_result.items():
+            for a, b, c in zip(straight, in_memory, from_file):
+                torch.testing.assert_close(b, a, atol=0, rtol=0, msg=lambda m: f"{kind} in memory: {m}")
+                torch.testing.assert_close(c, a, atol=0, rtol=0, msg=lambda m: f"{kind} from file: {m}")
+            assert at_one[kind] == counters and counters["step_count"] == 7, (kind, at_one[kind], counters)
 
 
 def _error_without_engine() -> str:

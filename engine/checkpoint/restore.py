@@ -20,6 +20,7 @@ from . import tensor_shards
 from .placement import coordinates, global_rank_and_world, model_degree, stage_union
 from .reader import FragmentSource, load_torch, verify
 from .snapshot import module_entries
+from .rank_state import load_rank_state
 from .state import adapter_for, set_rng_state
 
 
@@ -158,6 +159,8 @@ def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states:
     state = load_torch(path / fmt.ENGINE_STATE, mmap=False)
     if not load_module_only:
         _load_engine_state(eng, state, load_state, load_lr_scheduler_states)
+        if load_state:
+            load_rank_state(eng, src, *global_rank_and_world())
         _restore_rng(src, comm)
     return state["client_state"]
 

@@ -29,6 +29,7 @@ from ..tensor_parallel.layers import is_partitioned
 from . import format as fmt
 from . import tensor_shards
 from .placement import coordinates, merge_tables, model_degree
+from .rank_state import save_rank_state
 from .state import FP32, MODULE, adapter_for, rng_state, row_kinds, rows_of
 from .writer import Snapshot, new_nonce
 
@@ -277,7 +278,8 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
     _validate_tags([g[0][0] for g in gathered], tag_validation)
     snap = Snapshot(Path(save_dir), tag, gathered[0][0][1], rank,
                     {"format": fmt.FORMAT_NAME, "rank": rank, "world_size": world, "tag": tag,
-                     "coord": table["coord"], "tensors": tensors, "rng": rng_state()},
+                     "coord": table["coord"], "tensors": tensors, "rng": rng_state(),
+                     "optimizer": save_rank_state(eng)},
                     save_latest=save_latest, keep_last=keep_last, ready=ready, streams=streams,
                     nbytes=sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)))
     if rank == 0:
