@@ -75,3 +75,37 @@ def test_powersgd_through_the_engine_on_two_ranks():
         torch.testing.assert_close(p, q, atol=0, rtol=0)
     assert sum(a["losses"][-5:]) < 0.8 * sum(a["losses"][:5]), a["losses"]
     assert a["saved"]
+
+
+def _powersgd_resume(root: str):
+    """Uninterrupted against saved at step 4 and resumed from the file (the reducer's errors, Q and step
+    count come from each rank's own file: engine/checkpoint/rank_state.py)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}},
+           "zero_optimization": {"stage": 0, "reduce_bucket_size": 600},
+           "gradient_compression": {"type": "powersgd", "rank": 1, "start_step": 2}}
+    batches = make_batches(7, 4 * world, seed=5)
+
+    def run(eng, todo):
+        for x, y in todo:
+            eng.backward(eng(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]))
+            eng.step()
+        return [p.detach().clone() for p in eng.module.parameters()]
+
+    torch.manual_seed(0)
+    straight = run(engine.initialize(model=OddMLP(), config=cfg)[0], batches)
+    torch.manual_seed(0)
+    eng = engine.initialize(model=OddMLP(), config=cfg)[0]
+    run(eng, batches[:4])
+    eng.save_checkpoint(root, tag="t")
+    torch.manual_seed(1)  # another initial model: everything must come from the checkpoint
+    resumed = engine.initialize(model=OddMLP(), config=cfg)[0]
+    resumed.load_checkpoint(root, tag="t")
+    return straight, run(resumed, batches[4:])
+
+
+def test_powersgd_resumes_from_a_file_checkpoint_exactly(tmp_path):
+    for straight, resumed in run_distributed(_powersgd_resume, 2, args=(str(tmp_path),), timeout=120):
+        for a, b in zip(straight, resumed):
+            torch.testing.assert_close(b, a, atol=0, rtol=0)
