@@ -54,7 +54,8 @@ def install_state_dict_hooks(tier) -> list:
             rows = {k: v.reshape(-1) for k, v in loaded.items() if torch.is_tensor(v) and v.numel() == flat.numel()
                     and v.dim() > 0}
             scalars = {k: v for k, v in loaded.items() if k not in rows}
-            tier.load_chunks(key, [{"start": 0, "end": flat.numel(), "master": flat.detach(), "state": rows,
+            master = tier.partition.store.read(key, 0, flat.numel())  # load_state_dict wrote it there
+            tier.load_chunks(key, [{"start": 0, "end": flat.numel(), "master": master, "state": rows,
                                     "scalars": scalars}])
 
     return [optimizer.register_state_dict_post_hook(with_swapped_state),

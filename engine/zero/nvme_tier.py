@@ -96,7 +96,7 @@ class NvmeOptimizerTier:
                                         self.pool, sub_group, pipeline_read=section.pipeline_read,
                                         pipeline_write=section.pipeline_write,
                                         name=f"rank{rank}-group{key[0]}-{str(key[1]).removeprefix('torch.')}")
-                part.initialize(lambda s, e, flat=flat: flat.detach()[s:e])
+                part.initialize(lambda s, e, key=key: partition.store.read(key, s, e))
                 self.parts[key] = part
             self._hooks = install_state_dict_hooks(self)  # state_dict() sees the swap files (nvme_state.py)
         except BaseException:
@@ -108,20 +108,20 @@ class NvmeOptimizerTier:
         updated master weights for the all-gather."""
         for key, part in self.parts.items():
             _copy_hyper(self.optimizer.param_groups[key[0]], part.param_groups[0])
-            flat, grad = self.partition.flat[key].detach(), self.partition.flat_grad[key]
+            grad, store = self.partition.flat_grad[key], self.partition.store
             part.step(lambda s, e, grad=grad: grad[s:e],
-                      lambda s, e, master, flat=flat: flat[s:e].copy_(master))
+                      lambda s, e, master, key=key: store.write(key, s, master))
 
     def state_chunks(self, key: tuple):
         return self.parts[key].state_chunks()
 
     def load_chunks(self, key: tuple, chunks) -> None:
-        """Load `key`'s partition from chunks and refresh its host flat from them."""
-        flat = self.partition.flat[key].detach()
+        """Load `key`'s partition from chunks and refresh its send image (the partition store) from them."""
+        store = self.partition.store
 
         def through(chunks):
             for chunk in chunks:
-                flat[chunk["start"]:chunk["end"]].copy_(chunk["master"])
+                store.write(key, chunk["start"], chunk["master"])
                 yield chunk
         self.parts[key].load_chunks(through(chunks))
 

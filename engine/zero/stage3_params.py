@@ -80,7 +80,8 @@ class Stage3Partition(PartitionedParams):
 class GatherGroup:
     """Partitioned parameters gathered and released together (the parameters a unit module owns).
 
-    `sources[i]` is parameter i's padded chunk on this rank (an fp32 master slot or a frozen chunk);
+    `sources` gives parameter i's padded chunk on this rank (an fp32 master slot read through the
+    partition store, or a frozen chunk: partition_store.GroupSources);
     `fulls[i]` its full-size tensor (see the module note). `gathered` says whether `p.data` is full.
     """
 
@@ -102,7 +103,10 @@ class GatherGroup:
     def send_buffer(self) -> torch.Tensor:
         """This rank's segment: every chunk (cast to the model dtype) and the tag."""
         send = torch.empty(self.layout.segment, dtype=self.dtype, device=self.placeholder.device)
-        copy_chunks(self.layout.segment_slots(send), self.sources + [self.tag])
+        try:
+            copy_chunks(self.layout.segment_slots(send), self.sources.open() + [self.tag])
+        finally:
+            self.sources.close()  # NVMe: the pool buffer goes back (copy_chunks is done with it)
         return send
 
     def output_buffer(self) -> torch.Tensor:
@@ -138,5 +142,5 @@ class GatherGroup:
     @torch.no_grad()
     def store(self, rank_full: list[torch.Tensor]) -> None:
         """Write this rank's chunks of the given full tensors back into the sources (modifier edits)."""
-        for src, p, full in zip(self.sources, self.params, rank_full):
-            src.copy_(padded_chunk(full, spec_of(full_shape(p), self.world), self.rank, src.dtype))
+        for i, (p, full) in enumerate(zip(self.params, rank_full)):
+            self.sources.write(i, padded_chunk(full, spec_of(full_shape(p), self.world), self.rank))
