@@ -27,7 +27,9 @@ import schemas
 
 from ..comm import Communicator
 from ..precision import model_dtype
-from .stage3_params import full_shape, gather_full, padded_chunk, spec_of
+from offload.param_swap import SwappedChunk
+from .param_nvme import init_chunk_file
+from .stage3_params import chunk_tensor, full_shape, gather_full, padded_chunk, spec_of
 
 
 def _subclasses(cls) -> list[type]:
@@ -62,7 +64,7 @@ class Init:
         # DeepSpeed's signature, so its callers run unchanged; what is not built is refused, not dropped.
         # mem_efficient_linear is met by construction (zero_optimization.memory_efficient_linear's note).
         _refuse_unbuilt_init_arguments({
-            "remote_device": (remote_device in (None, "none", "cpu"), "NVMe parameter offload"),
+            "remote_device": (remote_device in (None, "none", "cpu", "nvme"), "that remote device"),
             "mpu": (mpu is None, "Megatron-style model parallelism"),
             "zero_param_parallel_group": (zero_param_parallel_group is None, "ZeRO++ hpZ"),
             "zero_quantized_weights": (not zero_quantized_weights, "ZeRO++ qwZ"),
@@ -79,8 +81,10 @@ class Init:
         self.module = module
         # remote_device "cpu": chunks are kept in host memory from the start (pinned next to an
         # accelerator when asked), so the model is never whole on the device (tier.py's stage-3 note).
-        self.chunk_device = torch.device("cpu") if remote_device == "cpu" else self.comm.device
+        self.chunk_device = torch.device("cpu") if remote_device in ("cpu", "nvme") else self.comm.device
         self.pin = pin_memory and remote_device == "cpu" and self.comm.device.type != "cpu"
+        # remote_device "nvme": each chunk goes to a file as its module is built (param_nvme.py's note)
+        self.chunk_file = init_chunk_file(cfg, self.comm.rank) if remote_device == "nvme" and enabled else None
         self._patched: list[tuple[type, str, object]] = []
 
     def partition(self, module: nn.Module) -> None:
@@ -99,7 +103,7 @@ class Init:
                 chunk = padded_chunk(p.data, spec, self.comm.rank)
                 if chunk.device != self.chunk_device:
                     chunk = chunk.to(self.chunk_device).pin_memory() if self.pin else chunk.to(self.chunk_device)
-                p._z3_chunk = chunk
+                p._z3_chunk = self.chunk_file.put(chunk) if self.chunk_file is not None else chunk
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _wrap_init(self, cls: type) -> None:
@@ -189,8 +193,8 @@ class GatheredParameters(contextlib.ContextDecorator):
             if group is not None:
                 self._engine_groups += zopt.coordinator.gather_now([group])
             elif _is_partitioned(p) and hasattr(p, "_z3_chunk"):
-                p.data = gather_full(comm, spec_of(full_shape(p), comm.world_size), p._z3_chunk.to(comm.device),
-                                     full_shape(p))
+                p.data = gather_full(comm, spec_of(full_shape(p), comm.world_size),
+                                     chunk_tensor(p._z3_chunk).to(comm.device), full_shape(p))
                 self._init_params.append(p)
         return self
 
@@ -215,7 +219,11 @@ class GatheredParameters(contextlib.ContextDecorator):
         if zopt is not None:
             zopt.store_param(p)
         elif hasattr(p, "_z3_chunk"):
-            p._z3_chunk.copy_(padded_chunk(p.data, spec_of(full_shape(p), comm.world_size), comm.rank))
+            chunk = padded_chunk(p.data, spec_of(full_shape(p), comm.world_size), comm.rank)
+            if isinstance(p._z3_chunk, SwappedChunk):  # remote_device "nvme": back into its file
+                p._z3_chunk.store(chunk)
+            else:
+                p._z3_chunk.copy_(chunk)
 
 
 _EXTERNAL = "_dstrain_external_params"

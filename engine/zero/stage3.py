@@ -31,8 +31,8 @@ from .partition import REDUCE_DEPTH, InFlight, RankMajorLayout
 from .prefetch import ParamCoordinator
 from .stage0 import reduction_settings
 from .stage2 import ZeroStage2Optimizer
-from .stage3_params import (GatherGroup, Stage3Partition, full_shape, gather_full, local_chunk, padded_chunk,
-                            spec_of)
+from .stage3_params import (GatherGroup, Stage3Partition, chunk_tensor, full_shape, gather_full, local_chunk,
+                            padded_chunk, spec_of)
 from .stage3_units import discover_units, install_hooks, user_modules
 from .partition_store import GroupSources
 from .tier import copy_chunks
@@ -180,7 +180,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
     def _materialize(self, p: torch.nn.Parameter) -> None:
         """A persistent parameter that zero.Init partitioned: all-gather it once."""
         spec = spec_of(full_shape(p), self.comm.world_size)
-        p.data = gather_full(self.comm, spec, p._z3_chunk.to(device=self.comm.device, dtype=p.dtype), full_shape(p))
+        p.data = gather_full(self.comm, spec, chunk_tensor(p._z3_chunk).to(device=self.comm.device, dtype=p.dtype), full_shape(p))
 
     def _persistent_runs(self) -> list[tuple[list, RankMajorLayout]]:
         by_dtype: dict = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from offload.param_swap import SwappedChunk
 from .partition import ChunkSpec, Fragment, PartitionedParams, RankMajorLayout
 from .tier import copy_chunks
 
@@ -44,10 +45,15 @@ def padded_chunk(full: torch.Tensor, spec: ChunkSpec, rank: int, dtype: torch.dt
     return out
 
 
+def chunk_tensor(chunk) -> torch.Tensor:
+    """A `zero.Init` chunk as a tensor: read back from its file with remote_device "nvme"."""
+    return chunk.load() if isinstance(chunk, SwappedChunk) else chunk
+
+
 def local_chunk(p: torch.nn.Parameter, spec: ChunkSpec, rank: int) -> torch.Tensor:
     """The padded 1-D chunk of `p` this rank keeps: from `zero.Init` if it partitioned `p`, else cut."""
     chunk = getattr(p, "_z3_chunk", None)
-    return chunk if chunk is not None else padded_chunk(p.data, spec, rank)
+    return chunk_tensor(chunk) if chunk is not None else padded_chunk(p.data, spec, rank)
 
 
 def gather_full(comm, spec: ChunkSpec, chunk: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -64,6 +70,10 @@ class Stage3Partition(PartitionedParams):
     """`PartitionedParams` built from chunks instead of full tensors, so that parameters `zero.Init`
     already partitioned (placeholders with `_z3_chunk`) never exist in full."""
 
+    def __init__(self, *args, **kwargs):
+        self.swapped_init: dict[tuple, list] = {}  # key -> [(offset, chunk)] left in zero.Init's file
+        super().__init__(*args, **kwargs)
+
     def _build_flat(self, key) -> None:
         offset, chunks = 0, []
         for p in self.members[key]:
@@ -72,9 +82,17 @@ class Stage3Partition(PartitionedParams):
             start, stop = spec.row_range(self.rank)
             self.fragments[p] = Fragment(key, offset, spec.numel_of(self.rank), spec.padded,
                                          (stop - start,) + shape[1:], spec)
-            chunks.append(local_chunk(p, spec, self.rank))
+            chunk = getattr(p, "_z3_chunk", None)
+            chunks.append((offset, chunk if isinstance(chunk, SwappedChunk) else local_chunk(p, spec, self.rank)))
             offset += spec.padded
-        self._set_flat(key, torch.cat([c.float() for c in chunks]))  # a key exists only with a member
+        if any(isinstance(c, SwappedChunk) for _, c in chunks):
+            # zero.Init(remote_device="nvme"): the chunks stay in their file until the NVMe parameter store
+            # copies them into its own (param_nvme.py); the flat is allocated but never written here, so
+            # its pages are not touched: no rank holds its partition in host memory at any time.
+            self.swapped_init[key] = chunks
+            self._set_flat(key, torch.empty(offset, dtype=torch.float32, device=self.members[key][0].device))
+            return
+        self._set_flat(key, torch.cat([c.float() for _, c in chunks]))  # a key exists only with a member
 
 
 class GatherGroup:
