@@ -71,6 +71,7 @@ class NvmeParamStore:
         self._open: dict[tuple, torch.Tensor] = {}  # group -> the pool buffer its slots are in
         self._events: dict[int, object] = {}  # buffer ptr -> event of the device copy still reading it
         self.bytes_read = self.bytes_written = 0
+        self.reads_ahead = 0  # groups read ahead of their gather (the prefetcher's requests that found a buffer)
         self.peak_accounted = self.accounted_bytes()
         swapped_init = getattr(partition, "swapped_init", {})
         for key, flat in partition.flat.items():  # the files start as the partition built in memory
@@ -166,6 +167,7 @@ class NvmeParamStore:
         slots = self._layout(group)
         buf = self._acquire(slots)
         self._ahead[group] = (buf, self._start_reads(slots, buf))
+        self.reads_ahead += 1
         return True
 
     # -- accounting (module note) ------------------------------------------------------------------

@@ -176,6 +176,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
         out["param_store"] = {"accounted_peak": store.peak_accounted, "measured": param_bytes,
                               "bound": store.max_in_cpu * 4 + store.pool.nbytes, "pool": store.pool.nbytes,
                               "read": store.bytes_read, "written": store.bytes_written,
+                              "reads_ahead": store.reads_ahead,
                               "partition_bytes": zopt.model_state_bytes()["partition"],
                               "master_in_memory": store.master_in_memory, "dir": store.swap.path}
     swap_dir = zopt.nvme.swap.path if zopt.nvme is not None else None

@@ -21,7 +21,7 @@ import math
 
 import pytest
 
-from tests.offload_runs import (BOTH_NVME, INF_STEP, PARAM_NVME, PARAM_NVME_CASES, assert_same as _assert_same,
+from tests.offload_runs import (BOTH_NVME, INF_STEP, PARAM_NVME, PARAM_NVME_CASES, STEPS, assert_same as _assert_same,
                                 shared_runs)
 
 
@@ -60,6 +60,7 @@ def test_a_prefetched_multi_group_model_trains_equal_with_some_groups_read_from_
         # resident slots: some, but not all (the bound is max_in_cpu): later gathers read the files
         assert store["pool"] < max(store["measured"]) <= store["bound"], f"rank {rank}: {store}"
         assert store["read"] > 10 * 4 * 288, f"rank {rank}: too few bytes read for per-step reads: {store}"
+        assert store["reads_ahead"] >= STEPS, f"rank {rank}: the prefetcher read no group ahead: {store}"
         _assert_same(got, want, f"rank {rank} StackNet")
 
 
