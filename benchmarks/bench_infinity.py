@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -126,6 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--nvme-path", default=None, help="directory for the swap files (default: a temp dir)")
     args = p.parse_args(argv)
+    made = args.nvme_path is None
     nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="bench-infinity-")
     model_cfg = gpt_config(args.params, args.seq)
     cfg = ds_config(nvme_path, args.micro, _largest_group(model_cfg, args.world))
@@ -135,7 +137,11 @@ def main(argv=None) -> int:
                if r.stage == 3 and r.offload == "nvme params+optimizer")
     print(f"GPT {n / 1e6:.1f}M parameters ({model_cfg.n_layer} layers, d_model {model_cfg.d_model}), "
           f"{args.world} ranks, swap files under {nvme_path}; load average {os.getloadavg()[0]:.2f}", flush=True)
-    per_rank = run_distributed(_rank, args.world, args=(model_cfg, cfg, args.steps), timeout=6 * 3600)
+    try:
+        per_rank = run_distributed(_rank, args.world, args=(model_cfg, cfg, args.steps), timeout=6 * 3600)
+    finally:
+        if made:  # the swap directories inside are removed by the ranks themselves
+            shutil.rmtree(nvme_path, ignore_errors=True)
     mib = 2**20
     for r, out in enumerate(per_rank):
         print(f"rank {r}: build {out['build_s']:.1f} s; " + "; ".join(
@@ -147,7 +153,8 @@ def main(argv=None) -> int:
               f"NVMe {est.nvme_bytes / mib:.0f} MiB; disk read {out['disk_read'] / mib:.0f} MiB, written "
               f"{out['disk_written'] / mib:.0f} MiB (parameter store {out['store_read'] / mib:.0f} / "
               f"{out['store_written'] / mib:.0f} MiB); host flat {out['partition_host_bytes']} bytes")
-    print(f"full training state 16 B x {n / 1e6:.1f}M = {16 * n / 2**30:.2f} GiB; load average {os.getloadavg()[0]:.2f}")
+    print(f"full training state 16 B x {n / 1e6:.1f}M = {16 * n / 2**30:.2f} GiB; "
+          f"load average {os.getloadavg()[0]:.2f}")
     return 0
 
 

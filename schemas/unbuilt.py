@@ -68,7 +68,8 @@ UNBUILT: tuple[Unbuilt, ...] = (
               where=_NVME_WHERE) for key in (*(f"zero_optimization.offload_optimizer.{k}" for k in (
                   "nvme_path", "buffer_count", "pipeline_read", "pipeline_write")),
                   "zero_optimization.sub_group_size")),
-    Unbuilt("aio", "only NVMe offload reads it; remove it", when=lambda c: _not_nvme_optimizer(c) and _not_nvme_params(c),
+    Unbuilt("aio", "only NVMe offload reads it; remove it",
+            when=lambda c: _not_nvme_optimizer(c) and _not_nvme_params(c),
             where=f'{_NVME_WHERE} or offload_param.device "nvme" at stage 3'),
     Unbuilt("zero_optimization.offload_optimizer.ratio", "partial offload (Twin-Flow) is not built yet; remove it "
             "or use 1.0"),

@@ -5,9 +5,10 @@ land in host memory, clipping and the NaN/Inf check run over them there. What ch
 fp32 master weights and the optimizer state live in `SwappedPartition` swap files under a per-job
 `SwapDir` in `nvme_path`, one partition per flat (param group, model dtype), and each sub-group of
 `sub_group_size` elements is read, stepped by a copy of the configured optimizer and written back
-(offload/swapped_partition.py). The updated master slice is copied into the host flat the all-gather
-sends from (`PartitionedParams.flat`), so the gather path is the CPU tier's. That host flat is the
-send image, not the state: the configured optimizer never steps, and its state stays empty; the
+(offload/swapped_partition.py). The updated master slice is written through the partition store into
+what the all-gather sends from (the host flat `PartitionedParams.flat`; with `offload_param.device:
+"nvme"` the parameter swap files instead: param_nvme.py), so the gather path is the CPU tier's.
+That host flat is the send image, not the state: the configured optimizer never steps, and its state stays empty; the
 state's host memory is the swap pool. At stage 3 the host flat is also the chunk the prefetcher's
 all-gathers send from (tier.py's stage-3 note), so the same copy serves both. A skipped step never
 calls the stepper, so the files are left bit for bit as they were (two slots, the stepper's note).

@@ -180,7 +180,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
     def _materialize(self, p: torch.nn.Parameter) -> None:
         """A persistent parameter that zero.Init partitioned: all-gather it once."""
         spec = spec_of(full_shape(p), self.comm.world_size)
-        p.data = gather_full(self.comm, spec, chunk_tensor(p._z3_chunk).to(device=self.comm.device, dtype=p.dtype), full_shape(p))
+        chunk = chunk_tensor(p._z3_chunk).to(device=self.comm.device, dtype=p.dtype)
+        p.data = gather_full(self.comm, spec, chunk, full_shape(p))
 
     def _persistent_runs(self) -> list[tuple[list, RankMajorLayout]]:
         by_dtype: dict = {}
