@@ -50,7 +50,10 @@ def ds_config(nvme_path: str, micro: int, group: int) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
             "zero_optimization": {
-                "stage": 3, "sub_group_size": 10_000_000, "stage3_max_live_parameters": 100_000_000,
+                # gradient buckets bounded too (4 in flight, partitioned.py): the default 5e8 elements
+                # would hold a 2.5B model's gradients four times over at 2 GB per bucket
+                "stage": 3, "reduce_bucket_size": 20_000_000,
+                "sub_group_size": 10_000_000, "stage3_max_live_parameters": 100_000_000,
                 "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_reuse_distance": 100_000_000,
                 "offload_optimizer": {**nvme, "buffer_count": 9, "pipeline_read": True, "pipeline_write": True},
                 # a block's largest module is one gather group; max_in_cpu 0: every gather reads the files
@@ -65,7 +68,7 @@ def _io() -> dict:
 
 def settings(cfg: dict) -> EstimateSettings:
     zero = cfg["zero_optimization"]
-    return EstimateSettings(precision="fp32", reduce_bucket_size=500_000_000,
+    return EstimateSettings(precision="fp32", reduce_bucket_size=zero["reduce_bucket_size"],
                             max_live_parameters=zero["stage3_max_live_parameters"],
                             sub_group_size=zero["sub_group_size"],
                             optimizer_buffer_count=zero["offload_optimizer"]["buffer_count"],
