@@ -207,6 +207,8 @@ class Engine(torch.nn.Module):
                 zopt.release_gather_group()
             if getattr(zopt, "nvme", None) is not None:  # swap files and their directory
                 zopt.nvme.close()
+            if hasattr(zopt, "partition"):  # offload_param "nvme": its swap files (partition_store.py)
+                zopt.partition.store.close()
         if getattr(self, "_checkpoint_io", None) is not None:
             self._checkpoint_io.writer.close()
         gc.collect()  # the groups' last references: their worker threads are joined

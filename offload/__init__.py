@@ -25,10 +25,9 @@ The interface the engine calls (stable; later versions add, never change):
 
 Errors of the swap tier are `OffloadIOError`, one line naming the path and the key to change; state
 the optimizer's declared layout (ops/state_layout.py) does not describe is `StateLayoutError`.
-`pool.acquire()` / `pool.release(buf)` are there for other swappers (parameters at stage 3).
-
-Not built yet (rejected by the config in schemas/unbuilt.py until the engine uses this package):
-`offload_optimizer` / `offload_param` with a device other than "none", and a non-default `aio` section.
+`pool.acquire()` / `pool.release(buf)` are there for other swappers: `offload.param_swap.NvmeParamStore`
+(stage-3 parameters on NVMe, a partition store: engine/zero/partition_store.py's note) uses them, and
+its `ChunkFile` / `SwappedChunk` hold `zero.Init(remote_device="nvme")`'s chunks until it copies them.
 """
 from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, aligned_empty
 from offload.pool import SwapBufferPool

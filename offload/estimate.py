@@ -10,7 +10,8 @@ gradients too, stage 3 everything. fp32 (`precision="fp32"`) is dstrain's layout
 gradients, 8Ψ moments, and at stages 1-2 a separate fp32 master partition (4Ψ/N); at stage 3 the fp32
 partition is the parameter. Offload moves the optimizer's share (master, moments and the fp32
 partition gradient, 16Ψ/N) to host memory, or to NVMe where only the swap pool stays on the host;
-parameter offload (stage 3) moves the 16-bit (or fp32) parameter partition too. Added on top:
+at stage 3 either offload section also moves the fp32 parameter partition (dstrain keeps no 16-bit
+one) to the host, and parameter offload to NVMe moves it into swap files (`_stage3_partition`). Added on top:
 gradient buckets in flight (REDUCE_DEPTH x `reduce_bucket_size`, stages 0-2), the stage-3 gathered
 parameters (`max_live_parameters`, or the whole model when it fits), and the swap pools. Activations
 and the framework's own memory are not model state and are not counted.
@@ -20,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-OFFLOADS = ("none", "cpu optimizer", "nvme optimizer", "cpu params+optimizer", "nvme params+optimizer")
+OFFLOADS = ("none", "cpu optimizer", "nvme optimizer", "cpu params+optimizer", "nvme params+cpu optimizer",
+            "nvme params+optimizer")
 REDUCE_DEPTH = 4  # buckets in flight at stages 1-2 (engine/zero/partitioned.py)
 
 
@@ -44,6 +46,7 @@ class EstimateSettings:
     optimizer_buffer_count: int = 4
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
 
 
 def estimate_memory(params: int, nodes: int = 1, gpus_per_node: int = 1,
@@ -76,23 +79,38 @@ def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings) -
     buckets = _buckets(stage, psi, s, wbytes)
     optimizer_state = master + moments + partition_grad
     accel, host, nvme = weights + grads + buckets, 0, 0
-    if offload == "none":
+    opt_dev = {"none": "none", "nvme optimizer": "nvme", "nvme params+optimizer": "nvme"}.get(offload, "cpu")
+    if opt_dev == "none":
         accel += optimizer_state
-    elif offload in ("cpu optimizer", "cpu params+optimizer"):
+    elif opt_dev == "cpu":
         host += optimizer_state
-    else:
+    else:  # the stepper swaps its own fp32 master with the moments, in two slots (swapped_partition.py)
         host += partition_grad + _optimizer_pool(psi // n, s)
-        nvme += 2 * (master + moments)  # two slots (offload/swapped_partition.py's note)
-    if offload.endswith("params+optimizer"):
+        nvme += 2 * (4 * psi // shard + moments)
+    if stage == 3 and offload != "none":
         accel -= weights
-        if offload.startswith("cpu"):
-            host += weights
-        else:
-            host += s.param_buffer_count * s.param_buffer_size * wbytes
-            nvme += weights
+        host, nvme = _stage3_partition(offload, opt_dev, half, psi, n, s, host, nvme)
     if stage == 3:
         accel += wbytes * min(psi, s.max_live_parameters)  # gathered parameters while a unit runs
     return MemoryEstimate(stage, offload, accel, host, nvme)
+
+
+def _stage3_partition(offload: str, opt_dev: str, half: bool, psi: int, n: int, s: EstimateSettings,
+                      host: int, nvme: int) -> tuple[int, int]:
+    """[Note: stage-3 partition] dstrain keeps no 16-bit partition at stage 3: the fp32 partition is what
+    the all-gathers send, and with either offload section it lives on the host (engine/zero/tier.py's
+    stage-3 note), not on the accelerator. With the optimizer on the host in 16-bit training it *is* the
+    master, counted already; otherwise it is added here. With parameters on NVMe it is in swap files
+    (engine/zero/param_nvme.py): the host keeps the parameter pool and up to `max_in_cpu` resident
+    elements, and with the optimizer on NVMe too no host copy at all."""
+    flat = 4 * psi // n
+    in_host = not (offload == "nvme params+optimizer")
+    if in_host and not (opt_dev == "cpu" and half):
+        host += flat
+    if offload.startswith("nvme params"):
+        nvme += flat
+        host += 4 * s.param_buffer_count * min(s.param_buffer_size, psi // n) + 4 * min(s.max_in_cpu, psi // n)
+    return host, nvme
 
 
 def _buckets(stage: int, psi: int, s: EstimateSettings, wbytes: int) -> int:

@@ -41,6 +41,13 @@ def _not_nvme_optimizer(config: Any) -> bool:
     return not (section is not None and section.device == "nvme" and config.zero_optimization.stage in (1, 2, 3))
 
 
+def _not_nvme_params(config: Any) -> bool:
+    """Configs where NVMe parameter offload (engine/zero/param_nvme.py), the one reader of its keys, is off."""
+    section = config.zero_optimization.offload_param
+    return not (section is not None and section.device == "nvme" and config.zero_optimization.stage == 3)
+
+
+_PARAM_NVME_WHERE = 'without zero_optimization.offload_param.device "nvme" at zero_optimization.stage 3'
 _NVME_WHERE = 'without zero_optimization.offload_optimizer.device "nvme" at zero_optimization.stage 1, 2 or 3'
 
 
@@ -50,18 +57,20 @@ def _is(value: Any) -> Callable[[Any], bool]:
 
 _ZEROPP = "ZeRO++ is not built yet; remove it"
 UNBUILT: tuple[Unbuilt, ...] = (
-    # Offload (README, Offload): device "cpu" is built, NVMe for the optimizer; NVMe parameters are not.
-    Unbuilt("zero_optimization.offload_param.device", 'NVMe parameter offload is not built yet; use "cpu" or '
-            '"none" (offload_optimizer.device "nvme" is built)',
-            built=lambda v: v in ("none", "cpu")),
-    *(Unbuilt(f"zero_optimization.offload_param.{key}", "it applies to NVMe offload, which is not built yet; "
-              "remove it") for key in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
+    # Offload (README, Offload): "cpu" and "nvme" are built for both sections; the NVMe parameter keys are
+    # read only by engine/zero/param_nvme.py, at stage 3 with offload_param.device "nvme".
+    *(Unbuilt(f"zero_optimization.offload_param.{key}", "only NVMe parameter offload reads it; remove it",
+              when=_not_nvme_params, where=_PARAM_NVME_WHERE)
+      for key in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
     Unbuilt("zero_optimization.offload_optimizer.fast_init", "NVMe state is initialised by writing the master "
             "weights; remove it"),
     *(Unbuilt(key, "only that NVMe offload reads it; remove it", when=_not_nvme_optimizer,
               where=_NVME_WHERE) for key in (*(f"zero_optimization.offload_optimizer.{k}" for k in (
                   "nvme_path", "buffer_count", "pipeline_read", "pipeline_write")),
-                  "zero_optimization.sub_group_size", "aio")),
+                  "zero_optimization.sub_group_size")),
+    Unbuilt("aio", "only NVMe offload reads it; remove it",
+            when=lambda c: _not_nvme_optimizer(c) and _not_nvme_params(c),
+            where=f'{_NVME_WHERE} or offload_param.device "nvme" at stage 3'),
     Unbuilt("zero_optimization.offload_optimizer.ratio", "partial offload (Twin-Flow) is not built yet; remove it "
             "or use 1.0"),
     Unbuilt("zero_optimization.offload_optimizer.super_offload", "Superchip offload is not built yet; remove it"),

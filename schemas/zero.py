@@ -23,17 +23,23 @@ class OffloadParamConfig(StrictModel):
     """`zero_optimization.offload_param`: where ZeRO-3 keeps partitioned parameters (README, Offload)."""
 
     device: OffloadDevice = "none"
-    """Where the stage-3 parameter partitions live between uses: "none" (the accelerator) or "cpu" (host
-    memory; the prefetcher copies each chunk to the accelerator when it gathers). Stage 3 only; "nvme"
-    is not built yet."""
+    """Where the stage-3 parameter partitions live between uses: "none" (the accelerator), "cpu" (host
+    memory; the prefetcher copies each chunk to the accelerator when it gathers) or "nvme" (swap files
+    under `nvme_path`, read ahead of each gather through a buffer pool: engine/zero/param_nvme.py,
+    offload/param_swap.py). Stage 3 only."""
     nvme_path: Optional[str] = None
-    """Directory on the NVMe device for parameter swap files (device "nvme", not built yet)."""
+    """Directory on the NVMe device for parameter swap files (device "nvme"; a per-job directory is
+    made in it and removed at exit)."""
     buffer_count: int = Field(5, ge=0)
-    """Buffers in the pool used to swap parameters from NVMe (device "nvme", not built yet)."""
+    """Buffers in the pool parameter slots are read into ahead of their gathers (device "nvme"); the
+    prefetcher reads up to this many groups ahead."""
     buffer_size: Size = Field(100_000_000, ge=0)
-    """Elements per NVMe parameter swap buffer (device "nvme", not built yet)."""
+    """Elements per parameter swap buffer (device "nvme"): at least the elements of one module's gather
+    group on a rank (refused with the needed size when smaller); buffers are allocated only as large as
+    the largest group needs."""
     max_in_cpu: Size = Field(1_000_000_000, ge=0)
-    """Parameter elements kept in CPU memory when offloading to NVMe (device "nvme", not built yet)."""
+    """Parameter elements kept resident in host memory once read (device "nvme"): groups read while
+    the count fits stay in memory, the rest are read from the files at every gather."""
     pin_memory: bool = True
     """Page-locked host memory for offloaded parameters when an accelerator is present (faster, async
     copies; more locked RAM: set false where `ulimit -l` is tight). True by default as in DeepSpeed

@@ -115,3 +115,20 @@ def reference_accumulated(model: nn.Module, batches, world: int, gas: int, lr: f
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model, norms
+
+
+class StackNet(nn.Module):
+    """Three hidden layers in an `nn.ModuleList`: at ZeRO stage 3 each is its own gather group (a unit),
+    so a prefetcher has groups to fetch ahead of use. Takes ReuseNet's call signature."""
+
+    def __init__(self, d_in: int = 13, hidden: int = 24, d_out: int = 5, depth: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(d_in, hidden)
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(depth))
+        self.out = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, aux: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return nn.functional.mse_loss(self.out(h), y)

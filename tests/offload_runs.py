@@ -26,7 +26,7 @@ import engine
 import schemas
 from engine.utils import safe_get_full_fp32_param
 from tests.harness import run_distributed
-from tests.models import ReuseNet, make_batches, micro_batches
+from tests.models import ReuseNet, StackNet, make_batches, micro_batches
 
 STEPS, MICRO, GAS, INF_STEP, SUB_GROUP, RESUME_AT = 10, 2, 2, 4, 100, 5
 OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
@@ -35,7 +35,13 @@ OPT_CPU = {"offload_optimizer": {"device": "cpu"}}
 PARAM_CPU = {"offload_param": {"device": "cpu"}}
 BOTH_CPU = {**OPT_CPU, **PARAM_CPU}
 NVME = "nvme"  # offload_optimizer on NVMe under the run's nvme_path (`_nvme`)
-NVME_PARAM_CPU = "nvme+param_cpu"  # and offload_param on the host: sample_configs/zero3_nvme.json's tiers
+NVME_PARAM_CPU = "nvme+param_cpu"  # and offload_param on the host
+PARAM_NVME = "param_nvme"  # offload_param on NVMe, offload_optimizer on the host
+BOTH_NVME = "both_nvme"  # both on NVMe: sample_configs/zero3_nvme.json's tiers
+# Elements of parameter slots kept resident: StackNet keeps two of its layers' slots (288 each per rank),
+# reads the rest from the files on every gather; ReuseNet's one group (over 600) is read every time.
+MAX_IN_CPU = 600
+PARAM_NVME_BUFFERS = 3
 
 
 def _nvme(optimizer: str, nvme_path: str) -> dict:
@@ -43,6 +49,11 @@ def _nvme(optimizer: str, nvme_path: str) -> dict:
     return {"sub_group_size": SUB_GROUP,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 9 if pipelined else 4,
                                   "pipeline_read": pipelined, "pipeline_write": pipelined}}
+
+
+def _param_nvme(nvme_path: str) -> dict:
+    return {"offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": PARAM_NVME_BUFFERS,
+                              "buffer_size": 100_000, "max_in_cpu": MAX_IN_CPU}}
 
 
 def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_path: str | None = None) -> dict:
@@ -55,6 +66,10 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
     if offload in (NVME, NVME_PARAM_CPU):
         cfg["zero_optimization"].update(_nvme(optimizer, nvme_path), **(PARAM_CPU if offload == NVME_PARAM_CPU else {}))
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
+    elif offload in (PARAM_NVME, BOTH_NVME):
+        cfg["zero_optimization"].update(_nvme(optimizer, nvme_path) if offload == BOTH_NVME else OPT_CPU,
+                                        **_param_nvme(nvme_path))
+        cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
     else:
         cfg["zero_optimization"].update(offload)
     if precision == "fp16":
@@ -65,14 +80,16 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
 
 
 def _swap_hashes(zopt) -> dict:
-    return {path: hashlib.sha256(Path(path).read_bytes()).hexdigest()
-            for part in zopt.nvme.parts.values() for path in part._files.values()}
+    """SHA-256 of every swap file: the optimizer tier's and the parameter store's."""
+    paths = [path for part in zopt.nvme.parts.values() for path in part._files.values()] if zopt.nvme else []
+    paths += list(zopt.partition.store.files.values()) if zopt.partition.store.swapped else []
+    return {path: hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in paths}
 
 
 def _state_snapshot(zopt):
     """Every byte of this rank's offloaded state: the swap files' hashes with NVMe, else the master
     partitions and optimizer state tensors."""
-    if zopt.nvme is not None:
+    if zopt.nvme is not None or zopt.partition.store.swapped:
         return _swap_hashes(zopt)
     out = [f.detach().clone() for f in zopt.partition.flat.values()]
     for flat in zopt.partition.flat.values():
@@ -87,41 +104,53 @@ def _same_state(before, after) -> bool:
 
 
 def train(stage: int, optimizer: str, offload, precision: str = "fp32", inf: bool = False, zero_init: bool = False,
-          meta: bool = False, resume: str | None = None, nvme_path: str | None = None) -> dict:
+          meta: bool = False, resume: str | None = None, nvme_path: str | None = None, resume_into=None,
+          model: str = "reuse") -> dict:
     """`meta`: torch's default device is `meta` from the model's construction on, so any buffer the
     offload path makes without naming its device fails (as in test_device_discipline.py). `resume`: a
-    checkpoint directory; save there after RESUME_AT steps, rebuild the engine from other weights, load."""
+    checkpoint directory; save there after RESUME_AT steps, rebuild the engine from other weights (with
+    the offload `resume_into`, if given), load. `zero_init`: True builds under zero.Init with
+    remote_device "cpu", a string with that remote_device. `model`: "reuse" (ReuseNet) or "stack" (StackNet)."""
     try:
-        return _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, nvme_path)
+        return _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, nvme_path, resume_into,
+                      model)
     finally:
         torch.set_default_device("cpu")
 
 
-def _build(cfg: dict, zero_init: bool, meta: bool):
+INIT_CHUNKS: list = []
+MODELS = {"reuse": lambda: ReuseNet("reentrant"), "stack": StackNet}
+
+
+def _build(cfg: dict, zero_init, meta: bool, model: str = "reuse"):
     if zero_init:
-        with engine.zero.Init(config=cfg, remote_device="cpu"):
-            model = ReuseNet("reentrant")
+        with engine.zero.Init(config=cfg, remote_device="cpu" if zero_init is True else zero_init):
+            model = MODELS[model]()
+        # where each chunk is before initialize(): "SwappedChunk" when remote_device "nvme" wrote it to a file
+        INIT_CHUNKS[:] = sorted({type(p._z3_chunk).__name__ for p in model.parameters()})
     else:
-        model = ReuseNet("reentrant")
+        model = MODELS[model]()
     if meta:
         torch.set_default_device("meta")
     return engine.initialize(model=model, config=cfg)[0]
 
 
-def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, nvme_path) -> dict:
+def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, nvme_path, resume_into, model) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     cfg = config(stage, optimizer, offload, precision, nvme_path)
     batches = make_batches(STEPS, MICRO * GAS * world)
-    eng = _build(cfg, zero_init, meta)
+    eng = _build(cfg, zero_init, meta, model)
     dtype = next(eng.module.parameters()).dtype
-    norms, unchanged = [], None
+    norms, unchanged, param_bytes = [], None, []
     for step, (x, y) in enumerate(batches):
         if resume is not None and step == RESUME_AT:
             eng.save_checkpoint(resume)
             eng.destroy()
             torch.manual_seed(1)  # other initial weights: only the checkpoint can make the run equal
-            eng = _build(cfg, zero_init, meta)
+            if resume_into is not None:
+                cfg = config(stage, optimizer, resume_into, precision, nvme_path)
+            eng = _build(cfg, zero_init, meta, model)
             eng.load_checkpoint(resume)
         poison = inf and step == INF_STEP
         before = _state_snapshot(eng.zero_optimizer) if poison else None
@@ -131,14 +160,25 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
                 loss = loss * float("inf")
             eng.backward(loss)
             eng.step()
+            if eng.zero_optimizer.partition.store.swapped:  # what exists after each micro-step
+                param_bytes.append(eng.zero_optimizer.partition.store.measured_bytes())
         if poison:
             unchanged = _same_state(before, _state_snapshot(eng.zero_optimizer))
         norms.append(eng.get_global_grad_norm())
     zopt = eng.zero_optimizer
     out = {"params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()},
+           "init_chunks": list(INIT_CHUNKS) if zero_init else None,
            "norms": norms, "skipped": eng.skipped_steps, "unchanged": unchanged, "stage": zopt.stage,
            "home": str(zopt.tier.home), "staged": zopt.tier.staged,
            "flat_device": {str(f.device) for f in zopt.partition.flat.values()}}
+    store = zopt.partition.store
+    if store.swapped:
+        out["param_store"] = {"accounted_peak": store.peak_accounted, "measured": param_bytes,
+                              "bound": store.max_in_cpu * 4 + store.pool.nbytes, "pool": store.pool.nbytes,
+                              "read": store.bytes_read, "written": store.bytes_written,
+                              "reads_ahead": store.reads_ahead,
+                              "partition_bytes": zopt.model_state_bytes()["partition"],
+                              "master_in_memory": store.master_in_memory, "dir": store.swap.path}
     swap_dir = zopt.nvme.swap.path if zopt.nvme is not None else None
     if swap_dir is not None:
         out["sub_groups"] = [part.groups for part in zopt.nvme.parts.values()]
@@ -147,6 +187,8 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
     eng.destroy()  # every run: 45 engines' process groups and gloo threads would pile up in this process
     if swap_dir is not None:
         out["swap_dir_left"] = swap_dir.exists()
+    if store.swapped:
+        out["param_store"]["dir_left"] = store.swap.path.exists()
     return out
 
 
@@ -165,6 +207,9 @@ INF_CASES = {("inf", precision, stage, name): (stage, "adamw", offload, precisio
              for name, offload in (("none", {}), ("opt_cpu", OPT_CPU if stage < 3 else BOTH_CPU))}
 INF_CASES.update({("inf", "fp32", stage, NVME): (stage, "adamw", NVME, "fp32", True) for stage in (2, 3)})
 INF_CASES[("inf", "fp32", 2, "none")] = (2, "adamw", {}, "fp32", True)
+# offload_param "nvme" (tests/test_offload_param_nvme.py): the references are FP32_CASES' "none" runs.
+PARAM_NVME_CASES = {(3, opt, name): (3, opt, name) for opt in ("adamw", "sgd") for name in (PARAM_NVME, BOTH_NVME)}
+PARAM_NVME_CASES[("inf", "fp32", 3, BOTH_NVME)] = (3, "adamw", BOTH_NVME, "fp32", True)
 
 
 def _refusal(cfg: dict) -> list[str] | None:
@@ -182,6 +227,16 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "1"
     out = {key: train(*args, nvme_path=nvme_path) for key, args in {**FP32_CASES, **MIXED_CASES, **INF_CASES}.items()}
     out[("resume", 3, NVME)] = train(3, "adamw", NVME_PARAM_CPU, resume=checkpoint_dir, nvme_path=nvme_path)
+    out.update({key: train(*args, nvme_path=nvme_path) for key, args in PARAM_NVME_CASES.items()})
+    for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME), (PARAM_NVME, PARAM_NVME)):
+        name = f"{saved or 'none'}->{loaded or 'none'}"
+        out[("resume", 3, name)] = train(3, "adamw", saved, resume=os.path.join(checkpoint_dir, name),
+                                         nvme_path=nvme_path, resume_into=loaded)
+    for name in ("none", BOTH_NVME):
+        out[("stack", name)] = train(3, "sgd", name if name != "none" else {}, nvme_path=nvme_path, model="stack")
+    for name in (PARAM_NVME, BOTH_NVME):  # zero.Init(remote_device="nvme"): straight into swap files
+        out[("zero_init_nvme", name)] = train(3, "sgd", name, zero_init="nvme", nvme_path=nvme_path, model="stack")
+    out["zero_init_nvme_without_config"] = _init_refusal()
     out[("zero_init", "both_cpu")] = train(3, "sgd", BOTH_CPU, zero_init=True)
     out[("meta", 2)] = train(2, "sgd", OPT_CPU, meta=True)
     out[("meta", 3)] = train(3, "sgd", BOTH_CPU, meta=True)
@@ -191,6 +246,15 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     out[("unstaged", "opt_cpu")] = train(2, "sgd", OPT_CPU)
     out["hf_gpt2"] = _seed_config_example(os.path.join(checkpoint_dir, "hf_gpt2"))  # last: it imports transformers
     return out
+
+
+def _init_refusal() -> list[str] | None:
+    try:
+        with engine.zero.Init(remote_device="nvme"):
+            StackNet()
+        return None
+    except schemas.ConfigError as error:
+        return error.problems
 
 
 def _seed_config_example(out_dir: str) -> dict:

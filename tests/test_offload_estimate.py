@@ -1,7 +1,8 @@
 """`dstrain estimate` (offload/estimate.py) against measured peaks.
 
 The ZeRO formulas are checked as formulas (16Ψ at stage 0 in mixed precision, 16Ψ/N at stage 3, ...)
-and as memory: a real fp32 run of a 4.2M-parameter MLP on 2 gloo ranks at stages 0, 2 and 3, whose
+and as memory: a real fp32 run of a 4.2M-parameter MLP on 2 gloo ranks at stages 0, 2 and 3, and at
+stage 3 with the optimizer on the host and with parameters and optimizer on NVMe (`CASES`), whose
 peak RSS growth per rank (from before the model is built to after 2 steps: the second is the first
 with all state in place) must be within TOLERANCE of the estimate's accelerator + host bytes (one CPU
 holds both here). The NVMe row's pool term is checked against the swap stepper's measured peak in
@@ -35,10 +36,28 @@ def test_zero_formulas_mixed_precision():
     assert row(rows, 3).accelerator_bytes == 18 * psi // n + 4 * 2 + 2
     cpu = row(rows, 2, "cpu optimizer")
     assert (cpu.accelerator_bytes, cpu.host_bytes) == (2 * psi + 4 * 2, 16 * psi // n)
+    # stage 3 keeps no 16-bit partition: with offload its fp32 partition is on the host (the master, in
+    # 16-bit training with the optimizer there), in swap files with parameters on NVMe
+    z3cpu = row(rows, 3, "cpu optimizer")
+    assert (z3cpu.accelerator_bytes, z3cpu.host_bytes) == (2 * 4 + 2, 16 * psi // n)
     nvme = row(rows, 3, "nvme params+optimizer")
-    assert nvme.nvme_bytes == 2 * 12 * psi // n + 2 * psi // n and nvme.accelerator_bytes == 4 * 2 + 2
+    assert nvme.nvme_bytes == 2 * 12 * psi // n + 4 * psi // n and nvme.accelerator_bytes == 4 * 2 + 2
     assert {r.offload for r in rows if r.stage == 0} == {"none"}
-    assert sum(r.stage == 3 for r in rows) == 5 and sum(r.stage == 1 for r in rows) == 3
+    assert sum(r.stage == 3 for r in rows) == 6 and sum(r.stage == 1 for r in rows) == 3
+
+
+def test_stage3_offload_puts_the_fp32_partition_on_the_host_in_fp32():
+    psi, n = 1_000_000_000, 8
+    s = EstimateSettings(precision="fp32", reduce_bucket_size=1, max_live_parameters=1, param_buffer_count=2,
+                         param_buffer_size=1000, max_in_cpu=500)
+    rows = estimate_memory(psi, nodes=1, gpus_per_node=n, settings=s)
+    assert row(rows, 3).accelerator_bytes == 16 * psi // n + 4 * 4 + 4  # none: all on the accelerator
+    for offload in ("cpu optimizer", "cpu params+optimizer", "nvme optimizer", "nvme params+cpu optimizer",
+                    "nvme params+optimizer"):
+        assert row(rows, 3, offload).accelerator_bytes == 4 * 4 + 4, offload  # buckets and gathered only
+    assert row(rows, 3, "cpu optimizer").host_bytes == 16 * psi // n
+    assert row(rows, 3, "nvme params+cpu optimizer").host_bytes == 16 * psi // n + 4 * (2 * 1000 + 500)
+    assert row(rows, 3, "nvme params+cpu optimizer").nvme_bytes == 4 * psi // n
 
 
 def _peak_rss() -> int:
@@ -51,7 +70,24 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _train(stage: int, width: int, steps: int = 2, after_initialize=lambda: None) -> None:
+def _zero(offload: str, nvme_path: str) -> dict:
+    """`zero_optimization` offload keys of one estimate row (SETTINGS says the same to the estimate)."""
+    nvme = {"device": "nvme", "nvme_path": nvme_path}
+    return {"none": {}, "cpu optimizer": {"offload_optimizer": {"device": "cpu"}},
+            "nvme params+optimizer": {"sub_group_size": SUB_GROUP,
+                                      "offload_optimizer": {**nvme, "buffer_count": 4},
+                                      "offload_param": {**nvme, "buffer_count": 2, "buffer_size": GROUP,
+                                                        "max_in_cpu": 0}}}[offload]
+
+
+SUB_GROUP, GROUP = 1 << 20, WIDTH * WIDTH // 2  # a layer's weight is one gather group: half per rank
+SETTINGS = EstimateSettings(precision="fp32", reduce_bucket_size=BUCKET, sub_group_size=SUB_GROUP,
+                            optimizer_buffer_count=4, param_buffer_count=2, param_buffer_size=GROUP, max_in_cpu=0)
+CASES = ((0, "none"), (2, "none"), (3, "none"), (3, "cpu optimizer"), (3, "nvme params+optimizer"))
+
+
+def _train(stage: int, width: int, steps: int = 2, after_initialize=lambda: None, offload: str = "none",
+           nvme_path: str = "") -> None:
     import torch
 
     import engine
@@ -59,7 +95,8 @@ def _train(stage: int, width: int, steps: int = 2, after_initialize=lambda: None
     layers = [torch.nn.Linear(width, width, device="cpu") for _ in range(LAYERS)]
     model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.ReLU())])
     cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}}
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
+                                 **_zero(offload, nvme_path)}}
     eng, _, _, _ = engine.initialize(model=model, config=cfg)
     after_initialize()
     x = torch.randn(4, width, device="cpu")
@@ -77,33 +114,32 @@ def fixed_mmap_threshold() -> None:
     ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 256 * 1024)
 
 
-def _measured_peaks(stages) -> dict:
+def _measured_peaks(cases, nvme_path: str) -> dict:
     import gc
 
     import psutil
     fixed_mmap_threshold()
-    for stage in stages:
-        _train(stage, width=32, steps=1)  # lazy imports and first-call caches are not model state
+    for stage, offload in cases:  # lazy imports and first-call caches are not model state
+        _train(stage, width=32, steps=1, offload=offload, nvme_path=nvme_path)
     peaks = {}
-    for stage in stages:
+    for stage, offload in cases:
         gc.collect()
         base = psutil.Process().memory_info().rss
         # the peak of training, from a baseline without the model: initialize's own transients
         # (e.g. broadcasting rank 0's weights) are not model state and are left out
-        _train(stage, WIDTH, after_initialize=_reset_peak_rss)
-        peaks[stage] = _peak_rss() - base
+        _train(stage, WIDTH, after_initialize=_reset_peak_rss, offload=offload, nvme_path=nvme_path)
+        peaks[stage, offload] = _peak_rss() - base
     return peaks
 
 
-def test_estimate_matches_measured_peaks_on_two_ranks():
-    stages = (0, 2, 3)
-    per_rank = run_distributed(_measured_peaks, world_size=2, args=(stages,), timeout=240)
-    rows = estimate_memory(PSI, gpus_per_node=2, settings=EstimateSettings(precision="fp32", reduce_bucket_size=BUCKET))
-    seen = {s: ([round(p[s] / 2**20, 1) for p in per_rank], round(want_bytes(row(rows, s)) / 2**20, 1)) for s in stages}
-    for stage in stages:
-        want = want_bytes(row(rows, stage))
+def test_estimate_matches_measured_peaks_on_two_ranks(tmp_path):
+    per_rank = run_distributed(_measured_peaks, world_size=2, args=(CASES, str(tmp_path)), timeout=240)
+    rows = estimate_memory(PSI, gpus_per_node=2, settings=SETTINGS)
+    seen = {c: ([round(p[c] / 2**20, 1) for p in per_rank], round(want_bytes(row(rows, *c)) / 2**20, 1)) for c in CASES}
+    for case in CASES:
+        want = want_bytes(row(rows, *case))
         for peaks in per_rank:
-            assert abs(peaks[stage] - want) <= TOLERANCE * want + SLACK, seen  # MiB: measured per rank, estimate
+            assert abs(peaks[case] - want) <= TOLERANCE * want + SLACK, seen  # MiB: measured per rank, estimate
 
 
 def want_bytes(est) -> int:

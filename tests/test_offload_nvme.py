@@ -9,7 +9,7 @@ lanes note) divides no partition (asserted), so every step has a short last sub-
 pipelined reads and writes. fp16 (loss scale 2^8, unscaled on the host) and bf16 at stage 2 equal the
 run without offload in the same precision. An Inf on one rank's loss skips the step and leaves the
 swap files' SHA-256 unchanged (stages 2 and 3); a stage-3 checkpoint saved at step 5 with the optimizer
-on NVMe and the parameters on the host (sample_configs/zero3_nvme.json's tiers) loads into a fresh such
+on NVMe and the parameters on the host loads into a fresh such
 engine, which then trains on equal to the run without offload never stopped; `destroy()` removes the swap directory; a missing `nvme_path` is one
 ConfigError line naming the key. Copies are staged (DSTRAIN_OFFLOAD_STAGE_COPIES=1) as on an accelerator.
 The runs are tests/offload_runs.py's, one spawn shared with tests/test_offload_parity.py (the same

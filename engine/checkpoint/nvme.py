@@ -81,8 +81,7 @@ class NvmeAdapter(PartitionedAdapter):
 
     def read(self, p, kinds: set[str]) -> dict:
         frag = self.part.fragments[p]
-        flat = self.part.flat[frag.key]
-        tensors = {FP32: flat.detach()[frag.offset:frag.offset + frag.numel].view(frag.shape)}
+        tensors = {FP32: self.part.store.read(frag.key, frag.offset, frag.offset + frag.numel).view(frag.shape)}
         first = self._first_chunk(frag.key)
         for kind in first["kinds"]:
             stream = self._placeholder(frag.key, kind)
@@ -122,7 +121,7 @@ class NvmeAdapter(PartitionedAdapter):
 
     def _chunks(self, key):
         """`load_chunks` input for flat `key`, one target sub-group at a time (module note)."""
-        part, flat = self.nvme.parts[key], self.part.flat[key].detach()
+        part, store = self.nvme.parts[key], self.part.store
         kinds = sorted(self._loaded_kinds[key]) if self._load_state else []
         missing = sorted(set(part.state_keys) - set(kinds)) if kinds else []
         if missing:
@@ -131,7 +130,9 @@ class NvmeAdapter(PartitionedAdapter):
         pending = sorted(self._pending[key], key=lambda f: f.offset)
         first = 0  # fragments before it end before the current sub-group (both ascending)
         for s, e in part.groups:
-            master = flat[s:e]  # filled in place: the host flat is the send image (nvme_tier.py)
+            # The host store's read is a view, filled in place; the NVMe store's a copy, which
+            # load_chunks writes back through the store (nvme_tier.py).
+            master = store.read(key, s, e)
             state = {kind: torch.zeros(e - s, dtype=torch.float32, device="cpu") for kind in part.state_keys} \
                 if kinds else {}
             while first < len(pending) and pending[first].offset + pending[first].numel <= s:

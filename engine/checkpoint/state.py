@@ -132,7 +132,7 @@ class PartitionedAdapter(_WholeModule):
 
     def read(self, p, kinds: set[str]) -> dict:
         frag, flat = self.part.fragments[p], self._flat(p)
-        tensors = {FP32: flat.detach()[frag.offset:frag.offset + frag.numel].view(frag.shape)}
+        tensors = {FP32: self.part.store.read(frag.key, frag.offset, frag.offset + frag.numel).view(frag.shape)}
         state = self.zopt.optimizer.state.get(flat, {})
         tensors.update(_split_state(state, kinds, lambda t: t[frag.offset:frag.offset + frag.numel].view(frag.shape)))
         return tensors
@@ -153,7 +153,7 @@ class PartitionedAdapter(_WholeModule):
     @torch.no_grad()
     def write(self, p, tensors: dict, load_state: bool) -> None:
         frag, flat = self.part.fragments[p], self._flat(p)
-        flat.detach()[frag.offset:frag.offset + frag.numel].copy_(tensors[FP32].reshape(-1))
+        self.part.store.write(frag.key, frag.offset, tensors[FP32].reshape(-1))
         if not load_state:
             return
         state = self.zopt.optimizer.state.setdefault(flat, {})

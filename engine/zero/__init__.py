@@ -22,6 +22,7 @@ from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
 from .tier import PartitionTier
 from .nvme_tier import NvmeOptimizerTier, inner_factory, wants_nvme
+from .param_nvme import attach_param_nvme, finish_param_nvme, refuse_unconsumed_init_chunks, wants_param_nvme
 from .init import (GatheredParameters, Init, register_external_parameter,  # noqa: F401  (deepspeed.zero's names)
                    unregister_external_parameter)
 
@@ -88,8 +89,13 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
             raise schemas.ConfigError(problems)
         zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, tier=PartitionTier.for_zero(comm.device, zero),
                                    **common)
+        refuse_unconsumed_init_chunks(zopt, zero)
+        if wants_param_nvme(zero):  # the partition into swap files (param_nvme.py's note)
+            attach_param_nvme(zopt, zero, cfg.aio)
         if wants_nvme(zero):  # the fp32 partition is the master at stage 3 too: the same swapped step
             zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
+        if wants_param_nvme(zero):
+            finish_param_nvme(zopt)
         attach_per_tensor(zopt)
         tag_parameters(zopt, zopt.params)
         return zopt

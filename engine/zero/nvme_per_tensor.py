@@ -101,7 +101,7 @@ class SwappedLamb:
         return scalars
 
     def _apply_pass(self, key, part, scalars: list[dict], w_norm, u_norm) -> None:
-        group, runs, flat = self._group(key), self.runs[key], self.partition.flat[key].detach()
+        group, runs, store = self._group(key), self.runs[key], self.partition.store
         ratio = clipped_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])
         source, written = part.source_slot, 1 - part.source_slot  # the moments pass 1 wrote
 
@@ -110,7 +110,7 @@ class SwappedLamb:
             master = views[MASTER]
             update = direction_from_moments(master, views, group, int(scalars[k]["step"]))
             apply_ratio(master, update, ratio[runs.ids(s, e)], group["lr"])
-            flat[s:e].copy_(master)  # the host flat the all-gather sends (nvme_tier.py's note)
+            store.write(key, s, master)  # what the all-gather sends from (nvme_tier.py's note)
         part.sweep(visit, {MASTER: source, **dict.fromkeys(MOMENTS, written)}, write=[MASTER])
         part.commit(scalars)
 
@@ -145,12 +145,12 @@ class SwappedMuon:
         return update
 
     def _apply_pass(self, key, part, group: dict, update: torch.Tensor) -> None:
-        flat = self.partition.flat[key].detach()
+        store = self.partition.store
 
         def visit(k: int, views: dict) -> None:
             s, e = part.groups[k]
             apply_muon_update(views[MASTER], update[s:e], group)
-            flat[s:e].copy_(views[MASTER])
+            store.write(key, s, views[MASTER])
         part.sweep(visit, {MASTER: part.source_slot}, write=[MASTER])
         part.commit([{} for _ in part.groups])
 

@@ -54,7 +54,8 @@ def install_state_dict_hooks(tier) -> list:
             per_element = tier.parts[key].state_keys  # the declared layout's (ops/state_layout.py), not shapes
             rows = {k: v.reshape(-1) for k, v in loaded.items() if k in per_element}
             scalars = {k: v for k, v in loaded.items() if k not in rows}
-            tier.load_chunks(key, [{"start": 0, "end": flat.numel(), "master": flat.detach(), "state": rows,
+            master = tier.partition.store.read(key, 0, flat.numel())  # load_state_dict wrote it there
+            tier.load_chunks(key, [{"start": 0, "end": flat.numel(), "master": master, "state": rows,
                                     "scalars": scalars}])
 
     return [optimizer.register_state_dict_post_hook(with_swapped_state),

@@ -6,9 +6,10 @@ fp32 master weights and the optimizer state live in `SwappedPartition` swap file
 `SwapDir` in `nvme_path`, one partition per flat (param group, model dtype), and each sub-group of
 `sub_group_size` elements is read, stepped by a copy of the configured optimizer and written back
 (offload/swapped_partition.py); Lamb and Muon, which need whole tensors, take two passes over the
-sub-groups instead (nvme_per_tensor.py). The updated master slice is copied into the host flat the all-gather
-sends from (`PartitionedParams.flat`), so the gather path is the CPU tier's. That host flat is the
-send image, not the state: the configured optimizer never steps, and its state stays empty; the
+sub-groups instead (nvme_per_tensor.py). The updated master slice is written through the partition store
+into what the all-gather sends from (the host flat `PartitionedParams.flat`; with `offload_param.device:
+"nvme"` the parameter swap files instead: param_nvme.py), so the gather path is the CPU tier's.
+That host flat is the send image, not the state: the configured optimizer never steps, and its state stays empty; the
 state's host memory is the swap pool. At stage 3 the host flat is also the chunk the prefetcher's
 all-gathers send from (tier.py's stage-3 note), so the same copy serves both. A skipped step never
 calls the stepper, so the files are left bit for bit as they were (two slots, the stepper's note).
@@ -107,7 +108,7 @@ class NvmeOptimizerTier:
                                         self.pool, sub_group, pipeline_read=section.pipeline_read,
                                         pipeline_write=section.pipeline_write,
                                         name=f"rank{rank}-group{key[0]}-{str(key[1]).removeprefix('torch.')}")
-                part.initialize(lambda s, e, flat=flat: flat.detach()[s:e])
+                part.initialize(lambda s, e, key=key: partition.store.read(key, s, e))
                 self.parts[key] = part
             self.per_tensor = per_tensor_stepper(self, zopt)  # Lamb, Muon: two passes (nvme_per_tensor.py)
             self._hooks = install_state_dict_hooks(self)  # state_dict() sees the swap files (nvme_state.py)
@@ -128,21 +129,22 @@ class NvmeOptimizerTier:
             self.step_elementwise(key, part)
 
     def step_elementwise(self, key: tuple, part: SwappedPartition) -> None:
-        """Flat `key`'s step by the inner copy of the optimizer, sub-group by sub-group."""
+        """Flat `key`'s step by the inner copy of the optimizer, sub-group by sub-group; the updated
+        master goes through the partition store (the host flat, or the parameter swap files)."""
         _copy_hyper(self.optimizer.param_groups[key[0]], part.param_groups[0])
-        flat, grad = self.partition.flat[key].detach(), self.partition.flat_grad[key]
-        part.step(lambda s, e: grad[s:e], lambda s, e, master: flat[s:e].copy_(master))
+        grad, store = self.partition.flat_grad[key], self.partition.store
+        part.step(lambda s, e: grad[s:e], lambda s, e, master: store.write(key, s, master))
 
     def state_chunks(self, key: tuple):
         return self.parts[key].state_chunks()
 
     def load_chunks(self, key: tuple, chunks) -> None:
-        """Load `key`'s partition from chunks and refresh its host flat from them."""
-        flat = self.partition.flat[key].detach()
+        """Load `key`'s partition from chunks and refresh its send image (the partition store) from them."""
+        store = self.partition.store
 
         def through(chunks):
             for chunk in chunks:
-                flat[chunk["start"]:chunk["end"]].copy_(chunk["master"])
+                store.write(key, chunk["start"], chunk["master"])
                 yield chunk
         self.parts[key].load_chunks(through(chunks))
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .partition_store import HostPartitionStore
+
 
 @dataclass(frozen=True)
 class ChunkSpec:
@@ -156,6 +158,7 @@ class PartitionedParams:
         self.members: dict[tuple, list[torch.nn.Parameter]] = {}
         self.flat: dict[tuple, torch.nn.Parameter] = {}
         self.flat_grad: dict[tuple, torch.Tensor] = {}
+        self.store = HostPartitionStore(self)  # every reader of `flat` goes through it (partition_store.py)
         for gi, group in enumerate(optimizer.param_groups):
             keys = []
             for p in group["params"]:

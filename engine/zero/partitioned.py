@@ -349,7 +349,7 @@ class PartitionedZeroOptimizer:
         most GATHER_BUCKET_CAP elements (its note), two in flight."""
         gather = InFlight(depth=2)
         for key, start, stop, layout in self.gather_runs:
-            send = self.tier.to_device(self.partition.flat[key].detach()[start:stop], key[1])
+            send = self.tier.to_device(self.partition.store.read(key, start, stop), key[1])
             out = torch.empty(layout.numel, dtype=key[1], device=send.device)
             gather.push(self._gather_into(out, send),
                         lambda out=out, layout=layout: layout.unpack(out, [p.detach() for p in layout.params]))
@@ -384,15 +384,15 @@ class PartitionedZeroOptimizer:
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "guard": self.guard.state_dict(),
                 "world_size": self.comm.world_size,
-                "master": [f.detach().clone() for f in self.partition.flat.values()]}
+                "master": [self.partition.store.read(k, 0, f.numel()).clone() for k, f in self.partition.flat.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("world_size", self.comm.world_size) != self.comm.world_size:
             raise ValueError(f"this ZeRO-{self.stage} state was saved by {state['world_size']} ranks, this run has "
                              f"{self.comm.world_size}; resharding is done by checkpoint loading, not here")
         with torch.no_grad():  # before the optimizer's state: NVMe offload writes both to its swap files
-            for flat, saved in zip(self.partition.flat.values(), state["master"]):
-                flat.copy_(saved)
+            for key, saved in zip(self.partition.flat, state["master"]):
+                self.partition.store.write(key, 0, saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.guard.load_state_dict(state["guard"])
         self._gather_params()
@@ -401,8 +401,13 @@ class PartitionedZeroOptimizer:
     def _gather_full(self, param: torch.nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
         """Collective: the full fp32 tensor of `param` from every rank's slot in `flat`."""
         frag = self.partition.fragments[param]
+        return self._gather_slot(param, flat.detach()[frag.offset:frag.offset + frag.padded])
+
+    def _gather_slot(self, param: torch.nn.Parameter, slot: torch.Tensor) -> torch.Tensor:
+        """Collective: the full fp32 tensor of `param` from every rank's padded `slot` of it."""
+        frag = self.partition.fragments[param]
         layout = RankMajorLayout([param], [frag.spec], self.comm.world_size)
-        send = flat.detach()[frag.offset:frag.offset + frag.padded].float().contiguous().to(self.comm.device)
+        send = slot.float().contiguous().to(self.comm.device)
         out = torch.empty(layout.numel, dtype=torch.float32, device=send.device)
         self.comm.all_gather(out, send)
         full = torch.empty(param.shape, dtype=torch.float32, device=send.device)
@@ -413,7 +418,7 @@ class PartitionedZeroOptimizer:
         return param in self.partition.fragments
 
     def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
-        return self._gather_full(param, self.partition.flat[self.partition.fragments[param].key])
+        return self._gather_slot(param, self.partition.store.slot(param))
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The reduced, averaged, unscaled gradient (valid between backward at the boundary and step)."""
@@ -437,8 +442,7 @@ class PartitionedZeroOptimizer:
     def local_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This rank's rows of `param`'s fp32 master (a copy, shaped as the rows; no collective)."""
         frag = self.partition.fragments[param]
-        flat = self.partition.flat[frag.key].detach()
-        return flat[frag.offset:frag.offset + frag.numel].view(frag.shape).clone()
+        return self.partition.store.read(frag.key, frag.offset, frag.offset + frag.numel).view(frag.shape).clone()
 
     def local_optimizer_state(self, param: torch.nn.Parameter, name: str):
         frag = self.partition.fragments[param]

@@ -57,6 +57,7 @@ class ParamCoordinator:
         self.diverged = False
         self.gather_log: list[tuple[str, str]] = []  # (phase, group name) per all-gather, for tests
         self.checks: list[tuple[GatherGroup, torch.Tensor]] = []  # this pass's ids on the device (module note)
+        self.read_ahead_groups = 0  # NVMe parameters: plan groups whose slots are read ahead (param_nvme.py)
 
     # -- pass boundaries ---------------------------------------------------------------------------
     def _begin_pass(self) -> None:
@@ -211,6 +212,8 @@ class ParamCoordinator:
         out = g.output_buffer()
         work = self.comm.all_gather(out, g.send_buffer(), async_op=True)
         self.pending[g.gid] = (work, out)
+        for _, gid in self.plan[self.plan_ptr:self.plan_ptr + self.read_ahead_groups]:
+            self.groups[gid].sources.read_ahead()  # from swap files, while this gather runs
         self.gather_log.append((phase or ("B" if self.in_backward else "F"), g.name))
 
     def _finish(self, g: GatherGroup, unpack: bool = True) -> None:

@@ -31,9 +31,10 @@ from .partition import REDUCE_DEPTH, InFlight, RankMajorLayout
 from .prefetch import ParamCoordinator
 from .stage0 import reduction_settings
 from .stage2 import ZeroStage2Optimizer
-from .stage3_params import (GatherGroup, Stage3Partition, full_shape, gather_full, local_chunk, padded_chunk,
-                            spec_of)
+from .stage3_params import (GatherGroup, Stage3Partition, chunk_tensor, full_shape, gather_full, local_chunk,
+                            padded_chunk, spec_of)
 from .stage3_units import discover_units, install_hooks, user_modules
+from .partition_store import GroupSources
 from .tier import copy_chunks
 
 
@@ -147,10 +148,9 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
                     total += n
         return persistent
 
-    def _source(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """This rank's padded chunk of `p`: its fp32 master slot, or a frozen chunk in the model dtype."""
-        if p in self.partition.fragments:
-            return self.partition.slot(p, self.partition.flat)
+    def _frozen_chunk(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's padded chunk of frozen `p`, in the model dtype (trainable ones are master slots,
+        read through the partition store)."""
         if p not in self.frozen_chunks:
             spec = spec_of(full_shape(p), self.comm.world_size)
             self.frozen_chunks[p] = self.tier.place(local_chunk(p, spec, self.comm.rank).to(p.dtype))
@@ -169,7 +169,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, params in by_dtype.items():
                 name = u.name if len(by_dtype) == 1 else f"{u.name}[{dtype}]"
-                g = GatherGroup(len(groups), name, params, [self._source(p) for p in params], world, rank)
+                frozen = {p: self._frozen_chunk(p) for p in params if p not in self.partition.fragments}
+                g = GatherGroup(len(groups), name, params, GroupSources(self.partition, params, frozen), world, rank)
                 u.groups.append(g)
                 groups.append(g)
                 for p in params:
@@ -179,7 +180,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
     def _materialize(self, p: torch.nn.Parameter) -> None:
         """A persistent parameter that zero.Init partitioned: all-gather it once."""
         spec = spec_of(full_shape(p), self.comm.world_size)
-        p.data = gather_full(self.comm, spec, p._z3_chunk.to(device=self.comm.device, dtype=p.dtype), full_shape(p))
+        chunk = chunk_tensor(p._z3_chunk).to(device=self.comm.device, dtype=p.dtype)
+        p.data = gather_full(self.comm, spec, chunk, full_shape(p))
 
     def _persistent_runs(self) -> list[tuple[list, RankMajorLayout]]:
         by_dtype: dict = {}
@@ -201,9 +203,10 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
     def _gather_params(self) -> None:
         """After the step: gathered copies are stale (released); persistent parameters are refreshed."""
         self.coordinator.release_all()
+        self.partition.store.master_updated()  # a step or a load changed the in-memory master (NVMe: to its files)
         for params, layout in self._persistent_layouts:
             send = self.comm.empty(layout.segment, dtype=params[0].dtype)
-            copy_chunks(layout.segment_slots(send), [self.partition.slot(p, self.partition.flat) for p in params])
+            copy_chunks(layout.segment_slots(send), [self.partition.store.read(*self._slot_range(p)) for p in params])
             out = self.comm.empty(layout.numel, dtype=send.dtype)
             self.comm.all_gather(out, send)
             layout.unpack(out, [p.data for p in params])
@@ -226,15 +229,23 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         """GatheredParameters(modifier_rank=...): keep this rank's chunk of `p`'s new full value."""
         if p in self.persistent and p not in self.partition.fragments:
             return  # a frozen persistent parameter is its full value
-        src = self._source(p)
-        src.copy_(padded_chunk(p.data, spec_of(full_shape(p), self.comm.world_size), self.comm.rank, src.dtype))
+        chunk = padded_chunk(p.data, spec_of(full_shape(p), self.comm.world_size), self.comm.rank)
+        if p in self.partition.fragments:
+            key, start, _ = self._slot_range(p)
+            self.partition.store.write(key, start, chunk.to(torch.float32))
+        else:
+            self._frozen_chunk(p).copy_(chunk)
+
+    def _slot_range(self, p: torch.nn.Parameter) -> tuple:
+        """(flat key, start, stop) of `p`'s padded slot, for `partition.store`."""
+        frag = self.partition.fragments[p]
+        return frag.key, frag.offset, frag.offset + frag.padded
 
     # -- queries ------------------------------------------------------------------------------------
-    def _gather_full(self, param: torch.nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+    def _gather_slot(self, param: torch.nn.Parameter, slot: torch.Tensor) -> torch.Tensor:
         """Stage 1's query with the full shape (`param.shape` is the placeholder's between uses)."""
         frag = self.partition.fragments[param]
-        chunk = flat.detach()[frag.offset:frag.offset + frag.padded].float().to(self.comm.device)
-        return gather_full(self.comm, frag.spec, chunk, full_shape(param))
+        return gather_full(self.comm, frag.spec, slot.float().to(self.comm.device), full_shape(param))
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for model state, from the tensors themselves (tests, benchmarks)."""
@@ -242,7 +253,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in ts}.values())
         opt_state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         params = list(self.module.parameters())
-        return {"partition": nbytes(self.partition.flat.values()),
+        return {"partition": nbytes(self.partition.flat.values()),  # 0 bytes when the store swapped it out
                 "partition_grad": nbytes(self.partition.flat_grad.values()),
                 "optimizer_state": nbytes(opt_state), "frozen_chunks": nbytes(self.frozen_chunks.values()),
                 "module_params": nbytes([p.data for p in params]),

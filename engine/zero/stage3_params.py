@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from offload.param_swap import SwappedChunk
 from .partition import ChunkSpec, Fragment, PartitionedParams, RankMajorLayout
 from .tier import copy_chunks
 
@@ -44,10 +45,15 @@ def padded_chunk(full: torch.Tensor, spec: ChunkSpec, rank: int, dtype: torch.dt
     return out
 
 
+def chunk_tensor(chunk) -> torch.Tensor:
+    """A `zero.Init` chunk as a tensor: read back from its file with remote_device "nvme"."""
+    return chunk.load() if isinstance(chunk, SwappedChunk) else chunk
+
+
 def local_chunk(p: torch.nn.Parameter, spec: ChunkSpec, rank: int) -> torch.Tensor:
     """The padded 1-D chunk of `p` this rank keeps: from `zero.Init` if it partitioned `p`, else cut."""
     chunk = getattr(p, "_z3_chunk", None)
-    return chunk if chunk is not None else padded_chunk(p.data, spec, rank)
+    return chunk_tensor(chunk) if chunk is not None else padded_chunk(p.data, spec, rank)
 
 
 def gather_full(comm, spec: ChunkSpec, chunk: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -64,6 +70,10 @@ class Stage3Partition(PartitionedParams):
     """`PartitionedParams` built from chunks instead of full tensors, so that parameters `zero.Init`
     already partitioned (placeholders with `_z3_chunk`) never exist in full."""
 
+    def __init__(self, *args, **kwargs):
+        self.swapped_init: dict[tuple, list] = {}  # key -> [(offset, chunk)] left in zero.Init's file
+        super().__init__(*args, **kwargs)
+
     def _build_flat(self, key) -> None:
         offset, chunks = 0, []
         for p in self.members[key]:
@@ -72,15 +82,24 @@ class Stage3Partition(PartitionedParams):
             start, stop = spec.row_range(self.rank)
             self.fragments[p] = Fragment(key, offset, spec.numel_of(self.rank), spec.padded,
                                          (stop - start,) + shape[1:], spec)
-            chunks.append(local_chunk(p, spec, self.rank))
+            chunk = getattr(p, "_z3_chunk", None)
+            chunks.append((offset, chunk if isinstance(chunk, SwappedChunk) else local_chunk(p, spec, self.rank)))
             offset += spec.padded
-        self._set_flat(key, torch.cat([c.float() for c in chunks]))  # a key exists only with a member
+        if any(isinstance(c, SwappedChunk) for _, c in chunks):
+            # zero.Init(remote_device="nvme"): the chunks stay in their file until the NVMe parameter store
+            # copies them into its own (param_nvme.py); the flat is allocated but never written here, so
+            # its pages are not touched: no rank holds its partition in host memory at any time.
+            self.swapped_init[key] = chunks
+            self._set_flat(key, torch.empty(offset, dtype=torch.float32, device=self.members[key][0].device))
+            return
+        self._set_flat(key, torch.cat([c.float() for _, c in chunks]))  # a key exists only with a member
 
 
 class GatherGroup:
     """Partitioned parameters gathered and released together (the parameters a unit module owns).
 
-    `sources[i]` is parameter i's padded chunk on this rank (an fp32 master slot or a frozen chunk);
+    `sources` gives parameter i's padded chunk on this rank (an fp32 master slot read through the
+    partition store, or a frozen chunk: partition_store.GroupSources);
     `fulls[i]` its full-size tensor (see the module note). `gathered` says whether `p.data` is full.
     """
 
@@ -102,7 +121,10 @@ class GatherGroup:
     def send_buffer(self) -> torch.Tensor:
         """This rank's segment: every chunk (cast to the model dtype) and the tag."""
         send = torch.empty(self.layout.segment, dtype=self.dtype, device=self.placeholder.device)
-        copy_chunks(self.layout.segment_slots(send), self.sources + [self.tag])
+        try:
+            copy_chunks(self.layout.segment_slots(send), self.sources.open() + [self.tag])
+        finally:
+            self.sources.close()  # NVMe: the pool buffer goes back (copy_chunks is done with it)
         return send
 
     def output_buffer(self) -> torch.Tensor:
@@ -138,5 +160,5 @@ class GatherGroup:
     @torch.no_grad()
     def store(self, rank_full: list[torch.Tensor]) -> None:
         """Write this rank's chunks of the given full tensors back into the sources (modifier edits)."""
-        for src, p, full in zip(self.sources, self.params, rank_full):
-            src.copy_(padded_chunk(full, spec_of(full_shape(p), self.world), self.rank, src.dtype))
+        for i, (p, full) in enumerate(zip(self.params, rank_full)):
+            self.sources.write(i, padded_chunk(full, spec_of(full_shape(p), self.world), self.rank))

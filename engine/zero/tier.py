@@ -44,7 +44,8 @@ class PartitionTier:
         """The tier `zero_optimization` asks for: host memory when an offload section says "cpu"."""
         offload_optimizer, offload_param = zero.offload_optimizer, zero.offload_param  # the sections
         optimizer_off = offload_optimizer is not None and offload_optimizer.device in ("cpu", "nvme")  # nvme_tier.py
-        param_off = zero.stage == 3 and offload_param is not None and offload_param.device == "cpu"
+        # "nvme" (param_nvme.py): the partition is placed as for "cpu", and its store is swapped after
+        param_off = zero.stage == 3 and offload_param is not None and offload_param.device in ("cpu", "nvme")
         if not (optimizer_off or param_off):
             return cls.on_device(device)
         pin = device.type != "cpu" and ((optimizer_off and offload_optimizer.pin_memory)

@@ -1,0 +1,165 @@
+"""ZeRO-Infinity on this machine (issue 17, benchmark 4): a GPT of `--params` parameters built with
+`engine.zero.Init(remote_device="nvme")` and trained with ZeRO-3, parameters and optimizer on NVMe.
+
+    nice -n 19 python benchmarks/bench_infinity.py --params 50e6 --steps 3 [--nvme-path DIR] [--world 2]
+
+Each rank builds its chunks straight into swap files (the model never exists in host memory), trains
+`--steps` steps of AdamW (fp32, one fixed micro-batch of `--micro` x `--seq` random tokens, so the
+loss falls when the updates reach the weights) and reports per step
+its loss and time; then its peak RSS (ru_maxrss; also less the RSS at the rank's start, torch and the
+engine imported) next to `dstrain estimate`'s host + accelerator
+bytes for the "nvme params+optimizer" row (one CPU holds both here; the estimate counts model state,
+not activations or the framework), the bytes the process read from and wrote to storage
+(/proc/self/io: the block layer's count, O_DIRECT included) and the parameter store's own counts.
+Before a large run check `df` under `--nvme-path`: the swap files take about 4 (parameters) + 2 x 12
+(optimizer master and moments, two slots) bytes per parameter, plus the 4 bytes per parameter of
+zero.Init's file while initialize() copies it. Swap directories are removed at exit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
+from offload.estimate import EstimateSettings, estimate_memory  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
+
+VOCAB = 8192
+
+
+def gpt_config(params: float, seq: int) -> GPTConfig:
+    """A GPT of about `params` parameters: 12 L d^2 in the blocks plus the tied embedding."""
+    layers = 8 if params < 2e8 else 16 if params < 1e9 else 32
+    d = (params / (12 * layers)) ** 0.5
+    d = max(64, int(round(d / 64)) * 64)
+    return GPTConfig(vocab_size=VOCAB, seq_len=seq, n_layer=layers, n_head=max(1, d // 64), d_model=d)
+
+
+def ds_config(nvme_path: str, micro: int, group: int) -> dict:
+    nvme = {"device": "nvme", "nvme_path": nvme_path}
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+            "zero_optimization": {
+                # gradient buckets bounded too (4 in flight, partitioned.py): the default 5e8 elements
+                # would hold a 2.5B model's gradients four times over at 2 GB per bucket
+                "stage": 3, "reduce_bucket_size": 20_000_000,
+                "sub_group_size": 10_000_000, "stage3_max_live_parameters": 100_000_000,
+                "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_reuse_distance": 100_000_000,
+                "offload_optimizer": {**nvme, "buffer_count": 9, "pipeline_read": True, "pipeline_write": True},
+                # a block's largest module is one gather group; max_in_cpu 0: every gather reads the files
+                "offload_param": {**nvme, "buffer_count": 5, "buffer_size": group, "max_in_cpu": 0}},
+            "aio": {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 2}}
+
+
+def _io() -> dict:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def settings(cfg: dict) -> EstimateSettings:
+    zero = cfg["zero_optimization"]
+    return EstimateSettings(precision="fp32", reduce_bucket_size=zero["reduce_bucket_size"],
+                            max_live_parameters=zero["stage3_max_live_parameters"],
+                            sub_group_size=zero["sub_group_size"],
+                            optimizer_buffer_count=zero["offload_optimizer"]["buffer_count"],
+                            param_buffer_count=zero["offload_param"]["buffer_count"],
+                            param_buffer_size=zero["offload_param"]["buffer_size"],
+                            max_in_cpu=zero["offload_param"]["max_in_cpu"])
+
+
+def _rank(model_cfg: GPTConfig, cfg: dict, steps: int) -> dict:
+    import torch.distributed as dist
+
+    import engine
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    import psutil
+    rss_start = psutil.Process().memory_info().rss  # torch and the engine, imported: not model state
+    io0, t0 = _io(), time.perf_counter()
+    torch.manual_seed(0)
+    with engine.zero.Init(remote_device="nvme", config_dict_or_path=cfg):
+        model = GPT(model_cfg)
+    eng, _, _, _ = engine.initialize(model=model, config=cfg)
+    built_s, rss_built = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # one fixed batch per rank, every step: a loss that falls says the updates reach the weights
+    x, y = RandomTokens(cfg["train_micro_batch_size_per_gpu"], model_cfg.seq_len, model_cfg.vocab_size, seed=rank)[:]
+    losses, times = [], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+        times.append(time.perf_counter() - t)
+        losses.append(float(loss.detach()))
+    store = eng.zero_optimizer.partition.store
+    io1 = _io()
+    out = {"losses": losses, "step_s": times, "build_s": built_s, "peak_rss": resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_after_build": rss_built, "rss_start": rss_start,
+        "disk_read": io1["read_bytes"] - io0["read_bytes"], "disk_written": io1["write_bytes"] - io0["write_bytes"],
+        "store_read": store.bytes_read, "store_written": store.bytes_written,
+        "partition_host_bytes": eng.zero_optimizer.model_state_bytes()["partition"]}
+    eng.destroy()
+    return out
+
+
+def _largest_group(model_cfg: GPTConfig, world: int) -> int:
+    """Elements of this rank's share of the largest gather group (a block's fc or out weight, or the
+    root's tied embedding and positions), padded: the parameter pool's buffer size."""
+    d = model_cfg.d_model
+    block = 12 * d * d + 13 * d
+    root = (model_cfg.vocab_size + model_cfg.seq_len) * d
+    return -(-max(block, root) // world) + 4096
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", type=float, default=50e6)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--micro", type=int, default=1)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--nvme-path", default=None, help="directory for the swap files (default: a temp dir)")
+    args = p.parse_args(argv)
+    made = args.nvme_path is None
+    nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="bench-infinity-")
+    model_cfg = gpt_config(args.params, args.seq)
+    cfg = ds_config(nvme_path, args.micro, _largest_group(model_cfg, args.world))
+    with torch.device("meta"):
+        n = sum(t.numel() for t in GPT(model_cfg).parameters())
+    est = next(r for r in estimate_memory(n, gpus_per_node=args.world, settings=settings(cfg))
+               if r.stage == 3 and r.offload == "nvme params+optimizer")
+    print(f"GPT {n / 1e6:.1f}M parameters ({model_cfg.n_layer} layers, d_model {model_cfg.d_model}), "
+          f"{args.world} ranks, swap files under {nvme_path}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    try:
+        per_rank = run_distributed(_rank, args.world, args=(model_cfg, cfg, args.steps), timeout=6 * 3600)
+    finally:
+        if made:  # the swap directories inside are removed by the ranks themselves
+            shutil.rmtree(nvme_path, ignore_errors=True)
+    mib = 2**20
+    for r, out in enumerate(per_rank):
+        print(f"rank {r}: build {out['build_s']:.1f} s; " + "; ".join(
+            f"step {k}: loss {loss:.4f}, {t:.1f} s" for k, (loss, t) in enumerate(zip(out["losses"], out["step_s"]))))
+        print(f"rank {r}: peak RSS {out['peak_rss'] / mib:.0f} MiB, {(out['peak_rss'] - out['rss_start']) / mib:.0f} "
+              f"above the rank's start (after build {out['rss_after_build'] / mib:.0f}), "
+              f"estimate {(est.host_bytes + est.accelerator_bytes) / mib:.0f} MiB of model state "
+              f"(host {est.host_bytes / mib:.0f} + gathered/buckets {est.accelerator_bytes / mib:.0f}), "
+              f"NVMe {est.nvme_bytes / mib:.0f} MiB; disk read {out['disk_read'] / mib:.0f} MiB, written "
+              f"{out['disk_written'] / mib:.0f} MiB (parameter store {out['store_read'] / mib:.0f} / "
+              f"{out['store_written'] / mib:.0f} MiB); host flat {out['partition_host_bytes']} bytes")
+    print(f"full training state 16 B x {n / 1e6:.1f}M = {16 * n / 2**30:.2f} GiB; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""`offload_param.device: "nvme"` at ZeRO stage 3: the partition store swapped for swap files.
+
+[Note: param nvme] `attach_param_nvme` runs once the stage-3 optimizer is built (its partition in host
+memory, tier.py's stage-3 note) and before the NVMe optimizer tier, if any: it writes the partition
+into per-rank swap files under a per-job directory of `offload_param.nvme_path`
+(offload/param_swap.py), makes that the partition's store (partition_store.py's note: every reader
+goes through it) and tells the coordinator how many groups to read ahead of their gathers (the pool's
+buffers; each as large as the largest group's slots, at most `buffer_size`, which is refused when
+smaller than that). `finish_param_nvme` runs after the optimizer tier: with the optimizer on NVMe too, the master
+now lives in the optimizer's files and the flats' host bytes are dropped.
+"""
+from __future__ import annotations
+
+import schemas
+from offload import AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir
+from offload.param_swap import ChunkFile, NvmeParamStore
+
+PATH_KEY = "zero_optimization.offload_param.nvme_path"
+
+
+def wants_param_nvme(zero) -> bool:
+    section = zero.offload_param
+    return zero.stage == 3 and section is not None and section.device == "nvme"
+
+
+def _group_numels(zopt) -> list[tuple[str, int]]:
+    fragments = zopt.partition.fragments
+    return [(g.name, sum(fragments[p].padded for p in g.params if p in fragments)) for g in zopt.coordinator.groups]
+
+
+def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
+    section = zero.offload_param
+    largest = max(_group_numels(zopt), key=lambda t: t[1], default=("", 0))
+    if largest[1] > section.buffer_size:
+        raise schemas.ConfigError([f"zero_optimization.offload_param.buffer_size: {section.buffer_size} elements "
+                                   f"cannot hold module '{largest[0]}' ({largest[1]} elements of this rank's "
+                                   f"partition are gathered together); raise it to at least {largest[1]}"])
+    if section.buffer_count < 1:
+        raise schemas.ConfigError(["zero_optimization.offload_param.buffer_count: must be at least 1"])
+    try:
+        swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
+    except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
+        raise schemas.ConfigError([str(bad_path)]) from None
+    try:
+        io = AsyncFileIO(aio, path_key=PATH_KEY)
+        pool = SwapBufferPool(section.buffer_count, max(1, largest[1]), pin_memory=section.pin_memory,
+                              count_key="zero_optimization.offload_param.buffer_count")
+        store = NvmeParamStore(zopt.partition, swap, io, pool, int(section.max_in_cpu), name=f"rank{zopt.comm.rank}")
+    except BaseException:
+        swap.close()
+        raise
+    zopt.partition.store = store
+    zopt.coordinator.read_ahead_groups = section.buffer_count
+    return store
+
+
+def init_chunk_file(cfg, rank: int) -> ChunkFile:
+    """`zero.Init(remote_device="nvme")`'s file, in a per-job directory of the config's
+    `offload_param.nvme_path` (DeepSpeed's Init reads the same key)."""
+    if cfg is None or not wants_param_nvme(cfg.zero_optimization):
+        raise schemas.ConfigError(['engine.zero.Init(remote_device="nvme") needs config_dict_or_path (or config) '
+                                   'with zero_optimization.stage 3 and zero_optimization.offload_param.device '
+                                   '"nvme" with its nvme_path; pass that config, or use remote_device "cpu"'])
+    try:
+        swap = SwapDir.create(cfg.zero_optimization.offload_param.nvme_path, path_key=PATH_KEY)
+    except OffloadIOError as bad_path:
+        raise schemas.ConfigError([str(bad_path)]) from None
+    return ChunkFile(swap, AsyncFileIO(cfg.aio, path_key=PATH_KEY), name=f"rank{rank}")
+
+
+def refuse_unconsumed_init_chunks(zopt, zero) -> None:
+    """Chunks zero.Init put on NVMe need the NVMe parameter store to read them (stage3_params.py)."""
+    if zopt.partition.swapped_init and not wants_param_nvme(zero):
+        raise schemas.ConfigError(['the model was built with engine.zero.Init(remote_device="nvme"), but '
+                                   'zero_optimization.offload_param.device is not "nvme" in the config given to '
+                                   'initialize(); set it (with its nvme_path), or build with remote_device "cpu"'])
+
+
+def finish_param_nvme(zopt) -> None:
+    """After the optimizer tier is built: with NVMe optimizer offload the master is in its files; else
+    the optimizer steps the host flat, which must hold it (read back when zero.Init left it unwritten)."""
+    if zopt.nvme is not None:
+        zopt.partition.store.drop_host_master()
+    else:
+        zopt.partition.store.load_host_master()

@@ -1,0 +1,92 @@
+"""The one way to read and write a rank's fp32 master partition (the flat of `PartitionedParams`).
+
+[Note: partition store] At stage 3 the fp32 master partition is also what the parameter all-gathers
+send, so many places read it: the gather sources (`GroupSources`), the persistent-parameter refresh
+after a step, `safe_get_*` (engine/utils.py), the checkpoint adapters, the NVMe optimizer tier
+(initial master, updated master after each sub-group) and `state_dict`. They all go through
+`partition.store`, so where the partition lives is the store's business:
+- `HostPartitionStore` (this module): the flats in memory (device or host), every read a zero-copy
+  view, every write a copy into it. No offload, the CPU tier, and NVMe optimizer offload use it.
+- `NvmeParamStore` (offload/param_swap.py, `offload_param.device: "nvme"`): the partition in swap
+  files, read through a buffer pool ahead of the gathers.
+`read(key, start, stop)` returns elements [start, stop) of flat `key` (valid until the next write of
+that range; a view for the host store, a new tensor for the NVMe one); `write(key, start, values)`
+stores them; `master_updated()` tells the store the optimizer changed the in-memory master (a step, a
+load), which the NVMe store copies to its files. `open_slots` / `close_slots` / `read_ahead` serve the
+gathers: the slots of several parameters at once, through pool buffers for the NVMe store.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class HostPartitionStore:
+    """The partition's flats themselves (module note): reads are views, nothing is copied."""
+
+    swapped = False  # the master lives in memory: `partition.flat` holds it
+
+    def __init__(self, partition):
+        self.partition = partition
+
+    def read(self, key, start: int, stop: int) -> torch.Tensor:
+        return self.partition.flat[key].detach()[start:stop]
+
+    def write(self, key, start: int, values: torch.Tensor) -> None:
+        dst = self.read(key, start, start + values.numel())
+        if dst.data_ptr() != values.data_ptr():  # a reader that filled the view in place wrote it already
+            dst.copy_(values.reshape(-1))
+
+    def slot(self, param) -> torch.Tensor:
+        """`param`'s padded slot (`Fragment.padded` elements)."""
+        frag = self.partition.fragments[param]
+        return self.read(frag.key, frag.offset, frag.offset + frag.padded)
+
+    def open_slots(self, params: list) -> list[torch.Tensor]:
+        return [self.slot(p) for p in params]
+
+    def close_slots(self, params: list) -> None:
+        pass
+
+    def read_ahead(self, params: list) -> bool:
+        return False  # nothing to read: the slots are in memory
+
+    def master_updated(self) -> None:
+        pass
+
+    def resident_bytes(self) -> int:
+        return sum(f.untyped_storage().nbytes() for f in self.partition.flat.values())
+
+    def close(self) -> None:
+        pass
+
+
+class GroupSources:
+    """The padded chunks one gather group sends: trainable parameters' slots from the partition store
+    (looked up at each use, so the store can be swapped after the groups are built), frozen chunks
+    from `frozen` (model dtype, in memory)."""
+
+    def __init__(self, partition, params: list, frozen: dict):
+        self.partition, self.params = partition, params
+        self.trainable = [p for p in params if p in partition.fragments]
+        self.frozen = {p: frozen[p] for p in params if p not in partition.fragments}
+
+    def open(self) -> list[torch.Tensor]:
+        """Every parameter's chunk, in `params` order; `close()` when they are copied."""
+        slots = dict(zip(self.trainable, self.partition.store.open_slots(self.trainable)))
+        return [slots[p] if p in slots else self.frozen[p] for p in self.params]
+
+    def close(self) -> None:
+        self.partition.store.close_slots(self.trainable)
+
+    def read_ahead(self) -> bool:
+        return bool(self.trainable) and self.partition.store.read_ahead(self.trainable)
+
+    @torch.no_grad()
+    def write(self, i: int, chunk: torch.Tensor) -> None:
+        """Parameter i's new padded chunk (GatheredParameters with a modifier rank)."""
+        p = self.params[i]
+        if p in self.frozen:
+            self.frozen[p].copy_(chunk)
+            return
+        frag = self.partition.fragments[p]
+        self.partition.store.write(frag.key, frag.offset, chunk.to(torch.float32))

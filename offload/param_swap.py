@@ -1,0 +1,295 @@
+"""`NvmeParamStore`: a rank's stage-3 parameter partition in swap files (`offload_param.device: "nvme"`).
+
+It is a partition store (engine/zero/partition_store.py's note: `read`, `write`, `master_updated`,
+`open_slots` / `close_slots` / `read_ahead`), so every reader of the fp32 partition reaches the files
+through it. One swap file per flat (param group, model dtype) holds the fp32 values the all-gathers
+send, at the flat's element offsets.
+
+[Note: where the master lives] With `offload_optimizer.device: "cpu"` (or none) the optimizer steps
+the in-memory flat, which then *is* the fp32 master (as in DeepSpeed, whose fp32 master sits with the
+CPU optimizer while the 16-bit parameters go to NVMe): `master_in_memory`, reads come from it and
+`master_updated()` (after each applied step or load) writes it to the files. With
+`offload_optimizer.device: "nvme"` the master is in the optimizer's swap files and the flat's storage
+is dropped (`drop_host_master`): reads come from the files, and the optimizer tier writes each updated
+sub-group here. Either way the gathers read the files.
+[Note: bounded host memory] Gathers read a group's slots into one of `buffer_count` pool buffers of
+`buffer_size` elements, copy them into the all-gather's send buffer and give the buffer back; the
+coordinator asks for reads of the next groups of its plan ahead of their gathers (`read_ahead`, while
+more than one buffer is free, so an on-demand read always finds one). Up to `max_in_cpu` elements of
+slots read once stay resident (a copy kept per group, updated by every write: the files stay the
+truth), so a model that fits is read from disk once. Resident parameter bytes are therefore at most
+`max_in_cpu * 4` plus the pool; `accounted_bytes()` keeps the count, `measured_bytes()` sums the
+storages that exist. A skipped step writes nothing: the files stay bit for bit as they were.
+"""
+from __future__ import annotations
+
+import torch
+
+from offload.aio import AsyncFileIO
+from offload.pool import SwapBufferPool
+from offload.swap_dir import SwapDir
+
+FP32_BYTES = 4
+CPU = torch.device("cpu")
+
+
+class _Slots:
+    """Where a group's parameter slots are in the files: coalesced runs, and each slot's place in a buffer."""
+
+    def __init__(self, fragments: dict, params: list):
+        self.runs: list[list] = []  # [key, start, stop, buffer offset]
+        self.places: list[tuple[int, int]] = []  # (buffer offset, padded) per parameter
+        at = 0
+        for p in params:
+            frag = fragments[p]
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last[0] == frag.key and last[2] == frag.offset:
+                last[2] += frag.padded
+            else:
+                self.runs.append([frag.key, frag.offset, frag.offset + frag.padded, at])
+            self.places.append((at, frag.padded))
+            at += frag.padded
+        self.numel = at
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        return [buf[a:a + n] for a, n in self.places]
+
+
+class NvmeParamStore:
+    swapped = True
+
+    def __init__(self, partition, swap: SwapDir, io: AsyncFileIO, pool: SwapBufferPool, max_in_cpu: int,
+                 name: str):
+        self.partition, self.swap, self.io, self.pool = partition, swap, io, pool
+        self.max_in_cpu = int(max_in_cpu)
+        self.master_in_memory = True
+        self.files = {key: swap.file(f"{name}.{i}.param.swp") for i, key in enumerate(partition.flat)}
+        self._slots: dict[tuple, _Slots] = {}
+        self._cache: dict[tuple, torch.Tensor] = {}  # group -> its slots, resident (max_in_cpu)
+        self._cached = 0  # elements in _cache
+        self._ahead: dict[tuple, tuple] = {}  # group -> (buffer, handles) of a read issued ahead
+        self._open: dict[tuple, torch.Tensor] = {}  # group -> the pool buffer its slots are in
+        self._events: dict[int, object] = {}  # buffer ptr -> event of the device copy still reading it
+        self.bytes_read = self.bytes_written = 0
+        self.reads_ahead = 0  # groups read ahead of their gather (the prefetcher's requests that found a buffer)
+        self.peak_accounted = self.accounted_bytes()
+        swapped_init = getattr(partition, "swapped_init", {})
+        for key, flat in partition.flat.items():  # the files start as the partition built in memory
+            if key in swapped_init:
+                self._copy_chunks(key, swapped_init[key])
+            else:
+                self._write_staged(key, flat.detach())
+        if swapped_init:  # zero.Init(remote_device="nvme"): the flat was never written (stage3_params.py)
+            self.master_in_memory = False
+            for chunk_file in {id(c.file): c.file for cs in swapped_init.values() for _, c in cs
+                               if isinstance(c, SwappedChunk)}.values():
+                chunk_file.close()
+            swapped_init.clear()
+
+    # -- the partition-store interface (partition_store.py) ----------------------------------------
+    def read(self, key, start: int, stop: int) -> torch.Tensor:
+        if self.master_in_memory:
+            return self.partition.flat[key].detach()[start:stop]
+        out = torch.empty(stop - start, dtype=torch.float32, device=CPU)
+        self.bytes_read += self.io.read(self.files[key], out, start * FP32_BYTES).wait()
+        return out
+
+    def write(self, key, start: int, values: torch.Tensor) -> None:
+        values = values.detach().reshape(-1)
+        if self.master_in_memory:
+            dst = self.partition.flat[key].detach()[start:start + values.numel()]
+            if dst.data_ptr() != values.data_ptr():
+                dst.copy_(values)
+        self._write_file(key, start, values)
+
+    def slot(self, param) -> torch.Tensor:
+        frag = self.partition.fragments[param]
+        return self.read(frag.key, frag.offset, frag.offset + frag.padded)
+
+    def master_updated(self) -> None:
+        """The optimizer stepped (or a load wrote) the in-memory master: the files follow."""
+        if self.master_in_memory:
+            for key, flat in self.partition.flat.items():
+                self._write_staged(key, flat.detach())
+
+    def load_host_master(self) -> None:
+        """The optimizer steps in memory (offload_optimizer "cpu" or none) but the flat was never written
+        (zero.Init(remote_device="nvme")): read it from the files; it is the master from now on."""
+        if self.master_in_memory:
+            return
+        for key, flat in self.partition.flat.items():
+            self.bytes_read += self.io.read(self.files[key], flat.detach(), 0).wait()
+        self.master_in_memory = True
+
+    def drop_host_master(self) -> None:
+        """The master lives in the NVMe optimizer's files now: free the flats' bytes (module note)."""
+        self.master_in_memory = False
+        for flat in self.partition.flat.values():
+            flat.detach().untyped_storage().resize_(0)
+
+    # -- gathers -----------------------------------------------------------------------------------
+    def open_slots(self, params: list) -> list[torch.Tensor]:
+        group = tuple(params)
+        slots = self._layout(group)
+        if group in self._cache:
+            return slots.views(self._cache[group])
+        if group in self._ahead:
+            buf, handles = self._ahead.pop(group)
+            for h in handles:
+                self.bytes_read += h.wait()
+        else:
+            buf = self._acquire(slots)
+            for h in self._start_reads(slots, buf):
+                self.bytes_read += h.wait()
+        if self._cached + slots.numel <= self.max_in_cpu:  # keep it (module note: bounded host memory)
+            self._cache[group] = buf[:slots.numel].clone()
+            self._cached += slots.numel
+            self._release(buf)
+            self._note_peak()
+            return slots.views(self._cache[group])
+        self._open[group] = buf
+        return slots.views(buf)
+
+    def close_slots(self, params: list) -> None:
+        buf = self._open.pop(tuple(params), None)
+        if buf is None:
+            return
+        if buf.is_pinned() and torch.cuda.is_available():  # copy_chunks may still be reading it
+            event = torch.Event(device=torch.device("cuda", torch.cuda.current_device()))
+            event.record()
+            self._events[buf.data_ptr()] = event
+        self._release(buf)
+
+    def read_ahead(self, params: list) -> bool:
+        group = tuple(params)
+        if group in self._cache or group in self._ahead or group in self._open or self.pool.free_count() <= 1:
+            return False
+        slots = self._layout(group)
+        buf = self._acquire(slots)
+        self._ahead[group] = (buf, self._start_reads(slots, buf))
+        self.reads_ahead += 1
+        return True
+
+    # -- accounting (module note) ------------------------------------------------------------------
+    def accounted_bytes(self) -> int:
+        return self._cached * FP32_BYTES + self.pool.nbytes
+
+    def measured_bytes(self) -> int:
+        """Bytes of the parameter copies that exist: the resident slots, the pool, and the flats when the
+        master is not in memory (0 once dropped)."""
+        n = sum(t.untyped_storage().nbytes() for t in self._cache.values()) + self.pool.nbytes
+        if not self.master_in_memory:
+            n += sum(f.untyped_storage().nbytes() for f in self.partition.flat.values())
+        return n
+
+    def resident_bytes(self) -> int:
+        return self.measured_bytes()
+
+    def close(self) -> None:
+        try:
+            self._drain_ahead()
+            self._cache.clear()
+            self.io.close()
+        finally:
+            self.swap.close()
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _layout(self, group: tuple) -> _Slots:
+        if group not in self._slots:
+            self._slots[group] = _Slots(self.partition.fragments, list(group))
+        return self._slots[group]
+
+    def _acquire(self, slots: _Slots) -> torch.Tensor:
+        if slots.numel > self.pool.buffer_size:
+            raise ValueError(f"a gather group needs {slots.numel} elements, more than one swap buffer holds "
+                             f"({self.pool.buffer_size}); raise zero_optimization.offload_param.buffer_size")
+        buf = self.pool.acquire()
+        event = self._events.pop(buf.data_ptr(), None)
+        if event is not None:
+            event.synchronize()
+        return buf
+
+    def _release(self, buf: torch.Tensor) -> None:
+        self.pool.release(buf)
+
+    def _start_reads(self, slots: _Slots, buf: torch.Tensor) -> list:
+        return [self.io.read(self.files[key], buf[at:at + stop - start], start * FP32_BYTES)
+                for key, start, stop, at in slots.runs]
+
+    def _drain_ahead(self) -> None:
+        """Reads issued ahead would hand back values a write is about to replace: finish and drop them."""
+        for buf, handles in self._ahead.values():
+            for h in handles:
+                h.wait()
+            self._release(buf)
+        self._ahead.clear()
+
+    def _write_file(self, key, start: int, values: torch.Tensor) -> None:
+        self._drain_ahead()
+        if not values.is_contiguous() or values.device != CPU:
+            values = values.to(device=CPU).contiguous()
+        self.bytes_written += self.io.write(self.files[key], values, start * FP32_BYTES).wait()
+        stop = start + values.numel()
+        for group, resident in self._cache.items():  # keep resident copies equal to the files
+            for k, s, e, at in self._layout(group).runs:
+                a, b = max(s, start), min(e, stop)
+                if k == key and a < b:
+                    resident[at + a - s:at + b - s].copy_(values[a - start:b - start])
+
+    def _copy_chunks(self, key, chunks: list) -> None:
+        """zero.Init's chunks of flat `key` into its file, one parameter at a time."""
+        for offset, chunk in chunks:
+            values = chunk.load() if isinstance(chunk, SwappedChunk) else chunk
+            self._write_file(key, offset, values.to(torch.float32))
+
+    def _write_staged(self, key, flat: torch.Tensor) -> None:
+        """All of `flat` into its file through a pool buffer. Not from `flat` itself: the I/O engine's byte
+        view of a tensor makes its storage unresizable, and `drop_host_master` must free it."""
+        buf = self._acquire(_Slots({}, []))
+        try:
+            for s in range(0, flat.numel(), buf.numel()):
+                part = buf[:min(buf.numel(), flat.numel() - s)]
+                part.copy_(flat[s:s + part.numel()])
+                self._write_file(key, s, part)
+        finally:
+            self._release(buf)
+
+    def _note_peak(self) -> None:
+        self.peak_accounted = max(self.peak_accounted, self.accounted_bytes())
+
+
+class ChunkFile:
+    """`zero.Init(remote_device="nvme")`'s file: each parameter chunk is appended as its module is built
+    (so the model never exists in host memory), until `NvmeParamStore` copies them into its own layout."""
+
+    def __init__(self, swap: SwapDir, io: AsyncFileIO, name: str):
+        self.swap, self.io, self.path = swap, io, swap.file(f"{name}.init.swp")
+        self.end = 0  # bytes used; every chunk starts on an O_DIRECT boundary (aio.py's note)
+
+    def put(self, chunk: torch.Tensor) -> "SwappedChunk":
+        offset = self.end
+        self.io.write(self.path, chunk.detach().to(device=CPU).contiguous(), offset).wait()
+        self.end = -(-(offset + chunk.numel() * chunk.element_size()) // 4096) * 4096
+        return SwappedChunk(self, offset, chunk.numel(), chunk.dtype)
+
+    def close(self) -> None:
+        try:
+            self.io.close()
+        finally:
+            self.swap.close()
+
+
+class SwappedChunk:
+    """A padded parameter chunk in a `ChunkFile`: `load()` reads it, `store(t)` replaces it."""
+
+    def __init__(self, file: ChunkFile, offset: int, numel: int, dtype: torch.dtype):
+        self.file, self.offset, self.numel, self.dtype = file, offset, numel, dtype
+
+    def load(self) -> torch.Tensor:
+        out = torch.empty(self.numel, dtype=self.dtype, device=CPU)
+        self.file.io.read(self.file.path, out, self.offset).wait()
+        return out
+
+    def store(self, values: torch.Tensor) -> None:
+        self.file.io.write(self.file.path, values.detach().to(device=CPU, dtype=self.dtype).contiguous(),
+                           self.offset).wait()

@@ -1,0 +1,94 @@
+"""NVMe parameter offload at ZeRO stage 3 (`offload_param.device: "nvme"`, engine/zero/param_nvme.py,
+offload/param_swap.py) is a storage tier: every step equals stage 3 without offload bit for bit.
+
+Oracles: 10 steps on 2 ranks of tests.models.ReuseNet with gradient accumulation 2, AdamW with clipping
+that bites and SGD without clipping (linear in the gradient: a wrong gradient scale moves the weights),
+under a WarmupLR schedule, compared with torch.equal, gradient norms compared exactly; the optimizer
+on the host and on NVMe. The final weights come from `safe_get_full_fp32_param`, which reads the
+partition through the store (the swap files when the optimizer is on NVMe). `max_in_cpu` 600 keeps
+two of tests.models.StackNet's layers resident and reads the rest from the files on every gather (read
+ahead of use by the prefetcher); ReuseNet's one group is read from the files every time. An Inf on
+one rank skips the step with every swap file's SHA-256 unchanged. Resident parameter bytes stay
+within max_in_cpu * 4 + the pool, by the store's count and by the storages that exist after every
+micro-step, and with the optimizer on NVMe the host flat holds no bytes. Checkpoints: saved with
+parameters (and optimizer) on NVMe, loaded without offload, and the other way round, both runs
+continue equal to the run never stopped. The swap directories are gone after `destroy()`. The runs are
+tests/offload_runs.py's, in the one 2-rank spawn test_offload_parity.py and test_offload_nvme.py share.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.offload_runs import (BOTH_NVME, INF_STEP, PARAM_NVME, PARAM_NVME_CASES, STEPS, assert_same as _assert_same,
+                                shared_runs)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return shared_runs(tmp_path_factory)
+
+
+@pytest.mark.parametrize("key", [k for k in PARAM_NVME_CASES if k[0] == 3], ids=lambda k: "-".join(map(str, k)))
+def test_param_nvme_equals_stage3_without_offload_bit_for_bit(runs, key):
+    _, opt, name = key
+    for rank, result in enumerate(runs):
+        got = result[key]
+        store = got["param_store"]
+        assert got["skipped"] == 0 and store["read"] > 0 and store["written"] > 0, f"rank {rank}: {store}"
+        assert store["master_in_memory"] is (name == PARAM_NVME)
+        if name == BOTH_NVME:
+            assert store["partition_bytes"] == 0, f"rank {rank}: the host flat still holds bytes"
+        assert not store["dir_left"], f"rank {rank}: the parameter swap directory was left"
+        _assert_same(got, result[(3, opt, "none")], f"rank {rank} {key}")
+
+
+def test_resident_parameter_bytes_stay_within_max_in_cpu_and_the_pool(runs):
+    for rank, result in enumerate(runs):
+        for key in [k for k in PARAM_NVME_CASES if k[0] == 3] + [("stack", BOTH_NVME)]:
+            store = result[key]["param_store"]
+            assert store["measured"], key
+            assert store["accounted_peak"] <= store["bound"], f"rank {rank} {key}: {store}"
+            assert max(store["measured"]) <= store["bound"], f"rank {rank} {key}: {store}"
+
+
+def test_a_prefetched_multi_group_model_trains_equal_with_some_groups_read_from_disk(runs):
+    for rank, result in enumerate(runs):
+        got, want = result[("stack", BOTH_NVME)], result[("stack", "none")]
+        store = got["param_store"]
+        # resident slots: some, but not all (the bound is max_in_cpu): later gathers read the files
+        assert store["pool"] < max(store["measured"]) <= store["bound"], f"rank {rank}: {store}"
+        assert store["read"] > 10 * 4 * 288, f"rank {rank}: too few bytes read for per-step reads: {store}"
+        assert store["reads_ahead"] >= STEPS, f"rank {rank}: the prefetcher read no group ahead: {store}"
+        _assert_same(got, want, f"rank {rank} StackNet")
+
+
+def test_inf_on_one_rank_skips_and_leaves_every_swap_file_unchanged(runs):
+    for rank, result in enumerate(runs):
+        got, want = result[("inf", "fp32", 3, BOTH_NVME)], result[("inf", "fp32", 3, "none")]
+        assert got["skipped"] == want["skipped"] == 1
+        assert got["unchanged"] is True, f"rank {rank}: the skipped step changed a swap file"
+        assert not math.isfinite(got["norms"][INF_STEP])
+        finite = lambda r: {**r, "norms": r["norms"][:INF_STEP] + r["norms"][INF_STEP + 1:]}  # noqa: E731
+        _assert_same(finite(got), finite(want), f"rank {rank} after the skip")
+
+
+@pytest.mark.parametrize("name", [f"{BOTH_NVME}->none", f"none->{BOTH_NVME}", f"{PARAM_NVME}->{PARAM_NVME}"])
+def test_checkpoints_move_between_param_nvme_and_no_offload(runs, name):
+    for rank, result in enumerate(runs):
+        _assert_same(result[("resume", 3, name)], result[(3, "adamw", "none")], f"rank {rank} resumed {name}")
+
+
+@pytest.mark.parametrize("name", [PARAM_NVME, BOTH_NVME])
+def test_zero_init_on_nvme_writes_chunks_to_files_and_trains_equal_to_a_normal_build(runs, name):
+    for rank, result in enumerate(runs):
+        got = result[("zero_init_nvme", name)]
+        assert got["init_chunks"] == ["SwappedChunk"], f"rank {rank}: chunks in memory: {got['init_chunks']}"
+        _assert_same(got, result[("stack", "none")], f"rank {rank} zero.Init nvme {name}")
+
+
+def test_zero_init_on_nvme_without_a_config_is_one_error_naming_the_key(runs):
+    for rank, result in enumerate(runs):
+        problems = result["zero_init_nvme_without_config"]
+        assert problems is not None and len(problems) == 1 and "offload_param.device" in problems[0], problems
