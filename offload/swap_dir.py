@@ -95,7 +95,12 @@ class SwapDir:
                 raise OffloadIOError(f"{path}: cannot create swap directory: {os.strerror(err.errno)}; fix "
                                      f"{path_key}") from None
         try:
-            (path / OWNER_FILE).write_text(json.dumps(owner))
+            # Written aside and renamed: another rank of the job sweeping `nvme_path` at the same moment
+            # (remove_stale) must see no owner.json or a whole one, never an empty file being written
+            # (seen: "unreadable owner.json" warnings when two ranks started together).
+            partial = path / f".{OWNER_FILE}.partial"
+            partial.write_text(json.dumps(owner))
+            os.replace(partial, path / OWNER_FILE)
         except OSError as err:
             shutil.rmtree(path, ignore_errors=True)
             raise OffloadIOError(f"{path}: cannot write {OWNER_FILE}: {os.strerror(err.errno)}; free space "
