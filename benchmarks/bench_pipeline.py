@@ -1,13 +1,16 @@
 """Pipeline schedules side by side: dstrain's `train_batch` with every `pipeline.schedule`, torch's own
 PipelineStage + schedule on the same layers, and (with --deepspeed-venv) DeepSpeed's PipelineEngine.
 
-    python benchmarks/bench_pipeline.py --stages 2,4 --micro-batches 1,4,8 --steps 5
+    python benchmarks/bench_pipeline.py --stages 2,4 --micro-batches 1,4,8 --steps 20 --rounds 3
     python benchmarks/bench_pipeline.py --stages 2 --micro-batches 4 --deepspeed-venv /tmp/ds-venv
     python benchmarks/bench_pipeline.py --stages 2 --micro-batches 4 --tensor-parallel 2   # 3D rows
 
 Workload: benchmarks/pipe_workload.py (16 layers: 8 × Linear(512, 512) + GELU, micro-batch 16, MSE,
 SGD), one rank per stage, 1 thread each, gloo over loopback, fp32. Per row: the median train_batch
-time of steps 2..N (the first builds the stages), the bubble fraction from the executed actions
+time of the last min(15, N - 1) of N steps (the first builds the stages; the next warm up), the slowest
+rank's, over `--rounds` interleaved rounds (each round runs dstrain's schedules and torch's in one set of
+processes, then DeepSpeed's, for every m), with the ratio to DeepSpeed taken within each round and its
+median over rounds reported (a shared machine's load drifts between rounds), the bubble fraction from the executed actions
 (engine/pipe/schedule.py) next to its formula, and the peak bytes of activations autograd holds per
 stage (saved-tensor hooks). Interleaved and zero-bubble rows use 2 chunks per rank. These machines are
 shared and noisy: read ratios, and the load printed with them.
@@ -35,6 +38,11 @@ from tests.harness import run_distributed  # noqa: E402
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
 
 
+def measured(times: list[float]) -> float:
+    """The median of the last min(15, N - 1) step times (the first builds; the next ones warm up)."""
+    return statistics.median(times[-min(15, len(times) - 1):])
+
+
 def _dstrain(schedule: str, m: int, steps: int) -> dict:
     import torch.distributed as dist
     import engine
@@ -60,7 +68,8 @@ def _dstrain(schedule: str, m: int, steps: int) -> dict:
             eng.train_batch(batch)
         times.append((time.perf_counter() - t0) * 1e3)
     idle = idle_fractions(eng.schedule_actions(), stages * virtual)
-    return {"step_ms": statistics.median(times[1:]), "bubble": max(idle.values()), "act_bytes": probe.peak_bytes}
+    eng.destroy()
+    return {"step_ms": measured(times), "bubble": max(idle.values()), "act_bytes": probe.peak_bytes}
 
 
 def _torch_native(m: int, steps: int) -> dict:
@@ -90,7 +99,7 @@ def _torch_native(m: int, steps: int) -> dict:
         opt.step()
         opt.zero_grad()
         times.append((time.perf_counter() - t0) * 1e3)
-    return {"step_ms": statistics.median(times[1:])}
+    return {"step_ms": measured(times)}
 
 
 def _gpt_pipe(stages: int, degree: int, m: int, steps: int) -> dict:
@@ -156,15 +165,58 @@ def _deepspeed(venv: str, stages: int, m: int, steps: int) -> float | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])["step_ms"]
 
 
+def _round(stages: int, ms: list[int], steps: int, venv: str | None, deepspeed_first: bool) -> dict:
+    """One round on `stages` ranks: {(system, m): row}, each row the slowest rank's step time."""
+    def ours() -> dict:
+        ranks = run_distributed(_all, world_size=stages, args=(stages, ms, steps), timeout=1800)
+        return {key: {**ranks[0][key], "step_ms": max(r[key]["step_ms"] for r in ranks),
+                      "acts": "/".join(f"{r[key]['act_bytes'] / 1024:.0f}" for r in ranks) if key[0] != "torch" else ""}
+                for key in ranks[0]}
+
+    def theirs() -> dict:
+        out = {}
+        for m in ms:
+            ds = _deepspeed(venv, stages, m, steps) if venv else None
+            if ds is not None:
+                out[("deepspeed", m)] = {"step_ms": ds}
+        return out
+
+    if deepspeed_first:
+        first = theirs()
+        return {**first, **ours()}
+    first = ours()
+    return {**first, **theirs()}
+
+
+def _print_rows(stages: int, ms: list[int], rounds: list[dict]) -> None:
+    from engine.pipe.schedule import formula_bubble
+    for m in ms:
+        for system in ("deepspeed", *SCHEDULES, "torch"):
+            if (system, m) not in rounds[0]:
+                continue
+            steps = [r[(system, m)]["step_ms"] for r in rounds]
+            ratios = [r[(system, m)]["step_ms"] / r[("deepspeed", m)]["step_ms"] for r in rounds
+                      if ("deepspeed", m) in r]
+            ratio = f"{statistics.median(ratios):>6.2f}" if ratios else f"{'-':>6}"
+            each = ",".join(f"{x:.2f}" for x in ratios)
+            row = rounds[0][(system, m)]
+            name = {"deepspeed": "deepspeed-1f1b", "torch": "torch-native"}.get(system, "dstrain-" + system)
+            extra = ""
+            if "bubble" in row:
+                v = 2 if system in ("interleaved_1f1b", "zero_bubble") else 1
+                extra = f"{row['bubble']:>7.3f} {formula_bubble(system, stages, m, v):>7.3f} {row['acts']:>16}"
+            print(f"{stages:>2} {m:>2} {name:<24} {statistics.median(steps):>9.1f} {ratio} {each:<16} {extra}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="2,4")
     p.add_argument("--micro-batches", default="1,4,8")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (dstrain+torch, then DeepSpeed)")
     p.add_argument("--deepspeed-venv", default=None)
     p.add_argument("--tensor-parallel", type=int, default=1, help="T > 1: the pipeline x tensor-parallel rows")
     args = p.parse_args()
-    from engine.pipe.schedule import formula_bubble
     print(f"load before: {os.getloadavg()}")
     if args.tensor_parallel > 1:
         for stages in [int(s) for s in args.stages.split(",")]:
@@ -172,27 +224,15 @@ def main() -> int:
                                   args.steps)
         print(f"load after: {os.getloadavg()}")
         return 0
-    print(f"{'p':>2} {'m':>2} {'system':<18} {'step ms':>9} {'vs DS':>6} {'bubble':>7} {'formula':>7} {'act KB/stage':>12}")
+    ms = [int(m) for m in args.micro_batches.split(",")]
     for stages in [int(s) for s in args.stages.split(",")]:
-        ms = [int(m) for m in args.micro_batches.split(",")]
-        rows = run_distributed(_all, world_size=stages, args=(stages, ms, args.steps), timeout=1800)
-        for m in ms:
-            ds = _deepspeed(args.deepspeed_venv, stages, m, args.steps) if args.deepspeed_venv else None
-            if ds is not None:
-                print(f"{stages:>2} {m:>2} {'deepspeed-1f1b':<18} {ds:>9.1f} {1.0:>6.2f}")
-            for system in (*SCHEDULES, "torch"):
-                if (system, m) not in rows[0]:
-                    continue
-                step = max(r[(system, m)]["step_ms"] for r in rows)
-                ratio = f"{step / ds:>6.2f}" if ds else f"{'-':>6}"
-                if system == "torch":
-                    print(f"{stages:>2} {m:>2} {'torch-native':<18} {step:>9.1f} {ratio}")
-                    continue
-                bubble = rows[0][(system, m)]["bubble"]
-                v = 2 if system in ("interleaved_1f1b", "zero_bubble") else 1
-                acts = "/".join(f"{r[(system, m)]['act_bytes'] / 1024:.0f}" for r in rows)
-                print(f"{stages:>2} {m:>2} {'dstrain-' + system:<18} {step:>9.1f} {ratio} {bubble:>7.3f} "
-                      f"{formula_bubble(system, stages, m, v):>7.3f} {acts:>12}")
+        rounds = []
+        for k in range(args.rounds):
+            rounds.append(_round(stages, ms, args.steps, args.deepspeed_venv, deepspeed_first=k % 2 == 1))
+            print(f"# p={stages} round {k + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
+        print(f"{'p':>2} {'m':>2} {'system':<24} {'step ms':>9} {'vs DS':>6} {'per round':<16} {'bubble':>7} "
+              f"{'formula':>7} {'act KB/stage':>16}")
+        _print_rows(stages, ms, rounds)
     print(f"load after: {os.getloadavg()}")
     return 0
 

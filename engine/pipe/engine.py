@@ -27,7 +27,15 @@ from .probe import chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import LoggedStage, schedule_class
 
+_MIXED_BATCH = -1  # the batch key that says the first stage's micro-batches differ in nest or shape
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
+
+
+def _check_batch_key(value: int) -> None:
+    if value == _MIXED_BATCH:
+        raise ValueError("the micro-batches of one train_batch/eval_batch differ in nest or shape; a pipeline "
+                         "sizes its buffers per batch, so give one batch's micro-batches equal shapes "
+                         "(e.g. bucket sequences by length)")
 
 
 class _ChunkModule(torch.nn.Module):
@@ -161,16 +169,17 @@ class PipelineEngine(Engine):
         key = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.is_first_stage:
             signatures = {boundary.signature(*x) for x in inputs}
-            if len(signatures) > 1:
-                raise ValueError("the micro-batches of one train_batch/eval_batch differ in nest or shape; a "
-                                 "pipeline's buffers are sized per batch, so batch sequences of equal length together")
-            value = boundary.fingerprint(signatures.pop())
+            value = boundary.fingerprint(signatures.pop()) if len(signatures) == 1 else _MIXED_BATCH
             key.fill_(value)
-            if self.num_stages == 1:
-                return value, None
-            return value, self.pipe_comm.broadcast(key, src=0, async_op=True)
-        self.pipe_comm.broadcast(key, src=0)
-        return int(key.item()), None
+            if value != _MIXED_BATCH and self.num_stages > 1:
+                return value, self.pipe_comm.broadcast(key, src=0, async_op=True)
+            if self.num_stages > 1:
+                self.pipe_comm.broadcast(key, src=0)  # a mixed batch: every stage raises, none waits for data
+        else:
+            self.pipe_comm.broadcast(key, src=0)
+            value = int(key.item())
+        _check_batch_key(value)
+        return value, None
 
     def _run(self, data_iter, training: bool):
         m = self.config.gradient_accumulation_steps
