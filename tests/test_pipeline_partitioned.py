@@ -84,6 +84,16 @@ def test_pipe2_x_tp2_equals_the_dense_model_either_way(four_ranks, route, sliced
 
 
 @pytest.mark.parametrize("route", ROUTES)
+def test_slices_give_bit_for_bit_the_result_of_whole_tensors(four_ranks, route):
+    import torch
+    for r in four_ranks:
+        sliced, whole = r[(route, True)], r[(route, False)]
+        assert sliced["losses"] == whole["losses"] and sliced["norms"] == whole["norms"], r["coord"]
+        for name, (p, _, _) in sliced["params"].items():
+            assert torch.equal(p, whole["params"][name][0]), (r["coord"], name)
+
+
+@pytest.mark.parametrize("route", ROUTES)
 def test_partitioned_boundaries_send_a_tensor_parallel_share_of_the_bytes(four_ranks, route):
     for r in four_ranks:
         sliced, whole = r[(route, True)]["sent"], r[(route, False)]["sent"]

@@ -9,8 +9,11 @@ through torch's schedule named by `pipeline.schedule` (schedule.py), then, once 
 3. the gradient norm is agreed over the whole world (reduction.py's note): every stage clips with
    the same norm and skips the same steps;
 4. the step, LR schedule and counters, as `Engine.step` at a boundary.
-The loss returned — the mean over micro-batches and data-parallel ranks — is the same tensor on
-every stage. `forward`/`backward`/`step` are errors here: the schedule owns them.
+The loss returned — the mean over micro-batches and data-parallel ranks — is the same value on
+every stage; it reaches the other stages on the step's norm all-reduce (reduction.py's note), and the
+batch's input signature reaches them as one int64 (boundary.py's note): per step a pipeline adds two
+small collectives to the schedule's own sends. `forward`/`backward`/`step` are errors here: the
+schedule owns them.
 """
 from __future__ import annotations
 
