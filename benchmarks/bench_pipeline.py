@@ -8,20 +8,21 @@ PipelineStage + schedule on the same layers, and (with --deepspeed-venv) DeepSpe
 Workload: benchmarks/pipe_workload.py (16 layers: 8 × Linear(512, 512) + GELU, micro-batch 16, MSE,
 SGD), one rank per stage, 1 thread each, gloo over loopback, fp32. Per row: the median train_batch
 time of the last min(15, N - 1) of N steps (the first builds the stages; the next warm up), the slowest
-rank's, over `--rounds` interleaved rounds (in each, for every m, dstrain's schedules and torch's run in
-one set of processes and DeepSpeed's right after, or right before in every other round), with the ratio to DeepSpeed taken within each round and its
-median over rounds reported (a shared machine's load drifts between rounds), the bubble fraction from the executed actions
-(engine/pipe/schedule.py) next to its formula, and the peak bytes of activations autograd holds per
-stage (saved-tensor hooks). Interleaved and zero-bubble rows use 2 chunks per rank. These machines are
-shared and noisy: read ratios, and the load printed with them.
+rank's, over `--rounds` interleaved rounds (in each, for every m, dstrain's schedules and torch's run
+in one set of processes and DeepSpeed's right after, or right before in every other round), with the
+ratio to DeepSpeed taken within each round and its median over rounds reported (a shared machine's
+load drifts between rounds); the bubble fraction from the executed actions (engine/pipe/schedule.py)
+next to its formula, and the peak bytes of activations autograd holds per stage (saved-tensor hooks).
+Interleaved and zero-bubble rows use 2 chunks per rank. These machines are shared and noisy: read
+ratios, and the load printed with them.
+`--paired` steps dstrain's 1f1b and torch's bare schedule alternately in the same processes and
+reports the median ratio of the step pairs (the least load-sensitive figure this machine gives).
 `--tensor-parallel T` adds pipeline × tensor parallelism rows instead: examples/gpt_pipe.py's GPT
 (d_model 256, 4 blocks, seq 64) in 1F1B on `stages` × T ranks with AutoTP (`autotp_size: T`), with
 `pipeline.pipe_partitioned`/`grad_partitioned` true (the default: slices cross the boundary) and false
 (whole tensors), next to the same model on `stages` ranks without it; each row gives the bytes the
-busiest rank sent to its neighbour stages per step (counted on torch's send ops).
-`--paired` steps dstrain's 1f1b and torch's bare schedule alternately in the same processes and
-reports the median ratio of the step pairs (the least load-sensitive figure this machine gives). DeepSpeed has no peer row here: its PipelineEngine takes
-tensor parallelism only from a Megatron `mpu`, not from AutoTP.
+busiest rank sent to its neighbour stages per step (counted on torch's send ops). DeepSpeed has no
+peer row here: its PipelineEngine takes tensor parallelism only from a Megatron `mpu`, not from AutoTP.
 """
 from __future__ import annotations
 

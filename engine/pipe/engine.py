@@ -18,7 +18,6 @@ schedule owns them.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed import pipelining as tp
 from torch.utils import _pytree as pytree
 
