@@ -1,20 +1,28 @@
 """Pipeline schedules side by side: dstrain's `train_batch` with every `pipeline.schedule`, torch's own
 PipelineStage + schedule on the same layers, and (with --deepspeed-venv) DeepSpeed's PipelineEngine.
 
-    python benchmarks/bench_pipeline.py --stages 2,4 --micro-batches 1,4,8 --steps 5
+    python benchmarks/bench_pipeline.py --stages 2,4 --micro-batches 1,4,8 --steps 20 --rounds 3
     python benchmarks/bench_pipeline.py --stages 2 --micro-batches 4 --deepspeed-venv /tmp/ds-venv
     python benchmarks/bench_pipeline.py --stages 2 --micro-batches 4 --tensor-parallel 2   # 3D rows
 
 Workload: benchmarks/pipe_workload.py (16 layers: 8 × Linear(512, 512) + GELU, micro-batch 16, MSE,
 SGD), one rank per stage, 1 thread each, gloo over loopback, fp32. Per row: the median train_batch
-time of steps 2..N (the first builds the stages), the bubble fraction from the executed actions
-(engine/pipe/schedule.py) next to its formula, and the peak bytes of activations autograd holds per
-stage (saved-tensor hooks). Interleaved and zero-bubble rows use 2 chunks per rank. These machines are
-shared and noisy: read ratios, and the load printed with them.
+time of the last min(15, N - 1) of N steps (the first builds the stages; the next warm up), the slowest
+rank's, over `--rounds` interleaved rounds (in each, for every m, dstrain's schedules and torch's run
+in one set of processes and DeepSpeed's right after, or right before in every other round), with the
+ratio to DeepSpeed taken within each round and its median over rounds reported (a shared machine's
+load drifts between rounds); the bubble fraction from the executed actions (engine/pipe/schedule.py)
+next to its formula, and the peak bytes of activations autograd holds per stage (saved-tensor hooks).
+Interleaved and zero-bubble rows use 2 chunks per rank. These machines are shared and noisy: read
+ratios, and the load printed with them.
+`--paired` steps dstrain's 1f1b and torch's bare schedule alternately in the same processes and
+reports the median ratio of the step pairs (the least load-sensitive figure this machine gives).
 `--tensor-parallel T` adds pipeline × tensor parallelism rows instead: examples/gpt_pipe.py's GPT
-(d_model 256, 4 blocks, seq 64) in 1F1B on `stages` × T ranks with AutoTP (`autotp_size: T`), next to
-the same model on `stages` ranks without it. DeepSpeed has no peer row here: its PipelineEngine takes
-tensor parallelism only from a Megatron `mpu`, not from AutoTP.
+(d_model 256, 4 blocks, seq 64) in 1F1B on `stages` × T ranks with AutoTP (`autotp_size: T`), with
+`pipeline.pipe_partitioned`/`grad_partitioned` true (the default: slices cross the boundary) and false
+(whole tensors), next to the same model on `stages` ranks without it; each row gives the bytes the
+busiest rank sent to its neighbour stages per step (counted on torch's send ops). DeepSpeed has no
+peer row here: its PipelineEngine takes tensor parallelism only from a Megatron `mpu`, not from AutoTP.
 """
 from __future__ import annotations
 
@@ -35,12 +43,16 @@ from tests.harness import run_distributed  # noqa: E402
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
 
 
-def _dstrain(schedule: str, m: int, steps: int) -> dict:
+def measured(times: list[float]) -> float:
+    """The median of the last min(15, N - 1) step times (the first builds; the next ones warm up)."""
+    return statistics.median(times[-min(15, len(times) - 1):])
+
+
+def _dstrain_stepper(schedule: str, m: int, steps: int):
+    """(engine, module, step(i)) for dstrain's train_batch on the workload with `pipeline.schedule`."""
     import torch.distributed as dist
     import engine
-    from engine.checkpointing import SavedActivationProbe
     from engine.pipe import PipelineModule
-    from engine.pipe.schedule import idle_fractions
     stages, virtual = dist.get_world_size(), 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
     pm = PipelineModule(wl.layers(), num_stages=stages, loss_fn=wl.loss_fn, partition_method="uniform",
                         virtual_stages=virtual)
@@ -49,22 +61,11 @@ def _dstrain(schedule: str, m: int, steps: int) -> dict:
            "steps_per_print": 10**9}
     eng, *_ = engine.initialize(model=pm, config=cfg)
     data = wl.micro_batches(m * steps)
-    times = []
-    for i in range(steps):
-        batch = iter(data[i * m:(i + 1) * m])
-        t0 = time.perf_counter()
-        if i == steps - 1:
-            with SavedActivationProbe(pm.parameters()) as probe:
-                eng.train_batch(batch)
-        else:
-            eng.train_batch(batch)
-        times.append((time.perf_counter() - t0) * 1e3)
-    idle = idle_fractions(eng.schedule_actions(), stages * virtual)
-    return {"step_ms": statistics.median(times[1:]), "bubble": max(idle.values()), "act_bytes": probe.peak_bytes}
+    return eng, pm, lambda i: eng.train_batch(iter(data[i * m:(i + 1) * m]))
 
 
-def _torch_native(m: int, steps: int) -> dict:
-    """torch's own PipelineStage + Schedule1F1B (GPipe when m < stages) on the same layers."""
+def _torch_stepper(m: int, steps: int):
+    """step(i) for torch's own PipelineStage + Schedule1F1B (GPipe when m < stages) on the same layers."""
     import torch
     import torch.distributed as dist
     from torch.distributed import pipelining as tp
@@ -76,25 +77,65 @@ def _torch_native(m: int, steps: int) -> dict:
     sched = cls(stage, n_microbatches=m, loss_fn=wl.loss_fn)
     opt = torch.optim.SGD(mod.parameters(), lr=1e-3)
     data = wl.micro_batches(m * steps)
-    times = []
-    for i in range(steps):
-        xs = torch.cat([x for x, _ in data[i * m:(i + 1) * m]])
-        ys = torch.cat([y for _, y in data[i * m:(i + 1) * m]])
-        t0 = time.perf_counter()
+
+    def step(i: int) -> None:
         if rank == 0:
-            sched.step(xs)
+            sched.step(torch.cat([x for x, _ in data[i * m:(i + 1) * m]]))
         elif rank == world - 1:
-            sched.step(target=ys)
+            sched.step(target=torch.cat([y for _, y in data[i * m:(i + 1) * m]]))
         else:
             sched.step()
         opt.step()
         opt.zero_grad()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return {"step_ms": statistics.median(times[1:])}
+    return step
 
 
-def _gpt_pipe(stages: int, degree: int, m: int, steps: int) -> dict:
-    """1F1B on the GPT layer list, pipe `stages` × model `degree` (AutoTP), ZeRO-1, AdamW."""
+def _timed(step, i: int) -> float:
+    t0 = time.perf_counter()
+    step(i)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _dstrain(schedule: str, m: int, steps: int) -> dict:
+    from engine.checkpointing import SavedActivationProbe
+    from engine.pipe.schedule import idle_fractions
+    eng, pm, step = _dstrain_stepper(schedule, m, steps)
+    times = [_timed(step, i) for i in range(steps - 1)]
+    with SavedActivationProbe(pm.parameters()) as probe:
+        times.append(_timed(step, steps - 1))
+    idle = idle_fractions(eng.schedule_actions(), eng.num_stages * pm.virtual_stages)
+    eng.destroy()
+    return {"step_ms": measured(times), "bubble": max(idle.values()), "act_bytes": probe.peak_bytes}
+
+
+def _torch_native(m: int, steps: int) -> dict:
+    step = _torch_stepper(m, steps)
+    return {"step_ms": measured([_timed(step, i) for i in range(steps)])}
+
+
+def _paired(m: int, steps: int) -> dict:
+    """dstrain's 1f1b and torch's bare schedule stepped alternately in the same processes: each pair of
+    steps sees the same load, so their ratio is steadier than that of separate runs."""
+    eng, _, ours = _dstrain_stepper("1f1b", m, steps)
+    theirs = _torch_stepper(m, steps)
+    pairs = [(_timed(ours, i), _timed(theirs, i)) for i in range(steps)]
+    eng.destroy()
+    return {"dstrain": [a for a, _ in pairs], "torch": [b for _, b in pairs]}
+
+
+def _paired_rows(stages: int, ms: list[int], steps: int) -> None:
+    print(f"{'p':>2} {'m':>2} {'dstrain-1f1b ms':>15} {'torch ms':>9} {'median pair ratio':>17}")
+    for m in ms:
+        ranks = run_distributed(_paired, world_size=stages, args=(m, steps), timeout=1800)
+        slowest = {k: [max(r[k][i] for r in ranks) for i in range(steps)] for k in ("dstrain", "torch")}
+        ratios = [a / b for a, b in zip(slowest["dstrain"], slowest["torch"])]
+        print(f"{stages:>2} {m:>2} {measured(slowest['dstrain']):>15.1f} {measured(slowest['torch']):>9.1f} "
+              f"{measured(ratios):>17.2f}", flush=True)
+
+
+def _gpt_pipe(stages: int, degree: int, m: int, steps: int, sliced: bool = True) -> dict:
+    """1F1B on the GPT layer list, pipe `stages` × model `degree` (AutoTP), ZeRO-1, AdamW; `sliced`:
+    pipeline.pipe_partitioned and grad_partitioned (each tensor rank sends 1/degree of the boundary)."""
     import torch
     import torch.distributed as dist
     import engine
@@ -108,7 +149,8 @@ def _gpt_pipe(stages: int, degree: int, m: int, steps: int) -> dict:
                         partition_method="type:BlockLayer")
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": m, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
-              "tensor_parallel": {"autotp_size": degree}}
+              "tensor_parallel": {"autotp_size": degree},
+              "pipeline": {"pipe_partitioned": sliced, "grad_partitioned": sliced}}
     eng, *_ = engine.initialize(model=pm, config=config)
     data = RandomTokens(4 * m * steps, cfg.seq_len, cfg.vocab_size)
     times = []
@@ -118,20 +160,24 @@ def _gpt_pipe(stages: int, degree: int, m: int, steps: int) -> dict:
         t0 = time.perf_counter()
         eng.train_batch(batch)
         times.append((time.perf_counter() - t0) * 1e3)
+    sent = eng.boundary_bytes()
     eng.destroy()
-    return {"step_ms": statistics.median(times[1:])}
+    return {"step_ms": measured(times), "sent_per_step": (sent["forward"] + sent["backward"]) / steps}
 
 
 def _tensor_parallel_rows(stages: int, degree: int, ms: list[int], steps: int) -> None:
-    print(f"{'p':>2} {'m':>2} {'system':<26} {'ranks':>5} {'step ms':>9} {'vs tp1':>6}")
+    print(f"{'p':>2} {'m':>2} {'system':<34} {'ranks':>5} {'step ms':>9} {'vs tp1':>6} {'boundary KB/step/rank':>21}")
     for m in ms:
-        base = max(r["step_ms"] for r in run_distributed(_gpt_pipe, world_size=stages, args=(stages, 1, m, steps),
-                                                          timeout=1800))
-        tp = max(r["step_ms"] for r in run_distributed(_gpt_pipe, world_size=stages * degree,
-                                                        args=(stages, degree, m, steps), timeout=1800))
-        print(f"{stages:>2} {m:>2} {'dstrain-1f1b-gpt':<26} {stages:>5} {base:>9.1f} {1.0:>6.2f}")
-        print(f"{stages:>2} {m:>2} {f'dstrain-1f1b-gpt-autotp{degree}':<26} {stages * degree:>5} {tp:>9.1f} "
-              f"{tp / base:>6.2f}")
+        runs = {"": run_distributed(_gpt_pipe, world_size=stages, args=(stages, 1, m, steps), timeout=1800)}
+        for sliced in (True, False):
+            runs[f"-autotp{degree}" + ("" if sliced else "-whole")] = run_distributed(
+                _gpt_pipe, world_size=stages * degree, args=(stages, degree, m, steps, sliced), timeout=1800)
+        base = max(r["step_ms"] for r in runs[""])
+        for suffix, ranks in runs.items():
+            step = max(r["step_ms"] for r in ranks)
+            sent = max(r["sent_per_step"] for r in ranks) / 1024
+            print(f"{stages:>2} {m:>2} {'dstrain-1f1b-gpt' + suffix:<34} {len(ranks):>5} {step:>9.1f} "
+                  f"{step / base:>6.2f} {sent:>21.1f}")
 
 
 def _all(stages: int, ms: list[int], steps: int) -> dict:
@@ -156,43 +202,81 @@ def _deepspeed(venv: str, stages: int, m: int, steps: int) -> float | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])["step_ms"]
 
 
+def _round(stages: int, ms: list[int], steps: int, venv: str | None, deepspeed_first: bool) -> dict:
+    """One round on `stages` ranks: {(system, m): row}, each row the slowest rank's step time. For each m
+    dstrain's schedules and torch's run in one set of processes and DeepSpeed's right before or after
+    (alternating between rounds), so the ratios of a round compare runs seconds apart."""
+    out = {}
+    for m in ms:
+        order = (_deepspeed_rows, _our_rows) if deepspeed_first else (_our_rows, _deepspeed_rows)
+        for rows in order:
+            out.update(rows(stages, m, steps, venv))
+    return out
+
+
+def _our_rows(stages: int, m: int, steps: int, venv: str | None) -> dict:
+    ranks = run_distributed(_all, world_size=stages, args=(stages, [m], steps), timeout=1800)
+    return {key: {**ranks[0][key], "step_ms": max(r[key]["step_ms"] for r in ranks),
+                  "acts": "/".join(f"{r[key]['act_bytes'] / 1024:.0f}" for r in ranks) if key[0] != "torch" else ""}
+            for key in ranks[0]}
+
+
+def _deepspeed_rows(stages: int, m: int, steps: int, venv: str | None) -> dict:
+    ds = _deepspeed(venv, stages, m, steps) if venv else None
+    return {("deepspeed", m): {"step_ms": ds}} if ds is not None else {}
+
+
+def _print_rows(stages: int, ms: list[int], rounds: list[dict]) -> None:
+    from engine.pipe.schedule import formula_bubble
+    for m in ms:
+        for system in ("deepspeed", *SCHEDULES, "torch"):
+            if (system, m) not in rounds[0]:
+                continue
+            steps = [r[(system, m)]["step_ms"] for r in rounds]
+            ratios = [r[(system, m)]["step_ms"] / r[("deepspeed", m)]["step_ms"] for r in rounds
+                      if ("deepspeed", m) in r]
+            ratio = f"{statistics.median(ratios):>6.2f}" if ratios else f"{'-':>6}"
+            each = ",".join(f"{x:.2f}" for x in ratios)
+            row = rounds[0][(system, m)]
+            name = {"deepspeed": "deepspeed-1f1b", "torch": "torch-native"}.get(system, "dstrain-" + system)
+            extra = ""
+            if "bubble" in row:
+                v = 2 if system in ("interleaved_1f1b", "zero_bubble") else 1
+                extra = f"{row['bubble']:>7.3f} {formula_bubble(system, stages, m, v):>7.3f} {row['acts']:>16}"
+            print(f"{stages:>2} {m:>2} {name:<24} {statistics.median(steps):>9.1f} {ratio} {each:<16} {extra}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="2,4")
     p.add_argument("--micro-batches", default="1,4,8")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (per m: dstrain+torch, DeepSpeed)")
     p.add_argument("--deepspeed-venv", default=None)
     p.add_argument("--tensor-parallel", type=int, default=1, help="T > 1: the pipeline x tensor-parallel rows")
+    p.add_argument("--paired", action="store_true", help="only dstrain's 1f1b vs torch's, alternating steps")
     args = p.parse_args()
-    from engine.pipe.schedule import formula_bubble
     print(f"load before: {os.getloadavg()}")
+    if args.paired:
+        for stages in [int(s) for s in args.stages.split(",")]:
+            _paired_rows(stages, [int(m) for m in args.micro_batches.split(",")], args.steps)
+        print(f"load after: {os.getloadavg()}")
+        return 0
     if args.tensor_parallel > 1:
         for stages in [int(s) for s in args.stages.split(",")]:
             _tensor_parallel_rows(stages, args.tensor_parallel, [int(m) for m in args.micro_batches.split(",")],
                                   args.steps)
         print(f"load after: {os.getloadavg()}")
         return 0
-    print(f"{'p':>2} {'m':>2} {'system':<18} {'step ms':>9} {'vs DS':>6} {'bubble':>7} {'formula':>7} {'act KB/stage':>12}")
+    ms = [int(m) for m in args.micro_batches.split(",")]
     for stages in [int(s) for s in args.stages.split(",")]:
-        ms = [int(m) for m in args.micro_batches.split(",")]
-        rows = run_distributed(_all, world_size=stages, args=(stages, ms, args.steps), timeout=1800)
-        for m in ms:
-            ds = _deepspeed(args.deepspeed_venv, stages, m, args.steps) if args.deepspeed_venv else None
-            if ds is not None:
-                print(f"{stages:>2} {m:>2} {'deepspeed-1f1b':<18} {ds:>9.1f} {1.0:>6.2f}")
-            for system in (*SCHEDULES, "torch"):
-                if (system, m) not in rows[0]:
-                    continue
-                step = max(r[(system, m)]["step_ms"] for r in rows)
-                ratio = f"{step / ds:>6.2f}" if ds else f"{'-':>6}"
-                if system == "torch":
-                    print(f"{stages:>2} {m:>2} {'torch-native':<18} {step:>9.1f} {ratio}")
-                    continue
-                bubble = rows[0][(system, m)]["bubble"]
-                v = 2 if system in ("interleaved_1f1b", "zero_bubble") else 1
-                acts = "/".join(f"{r[(system, m)]['act_bytes'] / 1024:.0f}" for r in rows)
-                print(f"{stages:>2} {m:>2} {'dstrain-' + system:<18} {step:>9.1f} {ratio} {bubble:>7.3f} "
-                      f"{formula_bubble(system, stages, m, v):>7.3f} {acts:>12}")
+        rounds = []
+        for k in range(args.rounds):
+            rounds.append(_round(stages, ms, args.steps, args.deepspeed_venv, deepspeed_first=k % 2 == 1))
+            print(f"# p={stages} round {k + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
+        print(f"{'p':>2} {'m':>2} {'system':<24} {'step ms':>9} {'vs DS':>6} {'per round':<16} {'bubble':>7} "
+              f"{'formula':>7} {'act KB/stage':>16}")
+        _print_rows(stages, ms, rounds)
     print(f"load after: {os.getloadavg()}")
     return 0
 

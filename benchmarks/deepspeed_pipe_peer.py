@@ -3,7 +3,7 @@
     VENV/bin/python benchmarks/deepspeed_pipe_peer.py --stages 2 --micro-batches 4 --steps 5
 
 Imports only torch, deepspeed and benchmarks/pipe_workload.py. Prints one JSON line: the slowest
-rank's median train_batch time (ms).
+rank's median train_batch time (ms) over the last min(15, steps - 1) steps.
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def _rank(rank: int, world: int, port: int, m: int, steps: int, outdir: str) -> 
         t0 = time.perf_counter()
         eng.train_batch(it)
         times.append((time.perf_counter() - t0) * 1e3)
-    Path(outdir, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(times[1:])}))
+    measured = times[-min(15, len(times) - 1):]  # as bench_pipeline.measured: the last 15, warm-up left out
+    Path(outdir, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(measured)}))
     deepspeed.comm.destroy_process_group()
 
 

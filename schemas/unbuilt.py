@@ -117,10 +117,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt("pipeline.seed_layers", "pass seed_layers= to engine.pipe.PipelineModule; remove it"),
     Unbuilt("pipeline.activation_checkpoint_interval", "pass activation_checkpoint_interval= to "
             "engine.pipe.PipelineModule; remove it"),
-    Unbuilt("pipeline.pipe_partitioned", "it splits stage activations over tensor-parallel ranks, which is not "
-            "built yet; remove it"),
-    Unbuilt("pipeline.grad_partitioned", "it splits stage gradients over tensor-parallel ranks, which is not "
-            "built yet; remove it"),
     Unbuilt("tensor_parallel.dtype", "the model's precision comes from the fp16/bf16 sections; remove it"),
     Unbuilt("tensor_parallel.tp_overlap_comm", "remove it or use false"),
     Unbuilt("tensor_parallel.vocab_parallel_lm_head", "AutoTP keeps the LM head whole (a model can use "

@@ -154,6 +154,12 @@ def _dicts_and_lengths():
             call()
         except RuntimeError as err:
             errors.append(str(err))
+    (x5, y5), (x7, y7) = varying_length_batches(2, MICRO)  # one batch, micro-batches of lengths 5 and 7
+    try:  # refused on every stage (the first tells the others), before anything runs
+        eng.train_batch(iter([(x5, y5), (x7, y7)]))
+        errors.append("accepted")
+    except ValueError as err:
+        errors.append(str(err))
     return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, eval_loss, errors
 
 
@@ -169,4 +175,25 @@ def test_dicts_masks_and_changing_lengths_cross_stages(two_rank_results):
         assert eval_loss == pytest.approx(ref_eval, rel=1e-5)
         for name, p in params.items():
             torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=name)
-        assert len(errors) == 3 and all("train_batch" in e for e in errors)
+        assert len(errors) == 4 and all("train_batch" in e for e in errors[:3])
+        assert "micro-batches of one train_batch/eval_batch differ in nest or shape" in errors[3]
+
+
+def test_a_chunk_whose_output_nest_depends_on_values_is_an_error():
+    """What crosses a boundary is probed once per input signature (engine/pipe/boundary.py's note): a
+    stage whose output structure then changes with the values is told so, not misread."""
+    from engine.pipe import boundary
+    from engine.pipe.engine import _ChunkModule
+
+    class TwoChunks:
+        num_stages, virtual_stages, _forward_funcs = 2, 1, {0: []}
+
+        def run_chunk(self, chunk, x):
+            return {"h": x, "positive": bool(x.sum() > 0)}
+
+    chunk = _ChunkModule(TwoChunks(), 0, torch.device("cpu"))
+    chunk.in_structure = boundary.flatten(torch.zeros(2))[0]
+    assert chunk(torch.ones(2))[0].tolist() == [1.0, 1.0]  # the probe's run records the structure
+    chunk(2 * torch.ones(2))  # the same structure again
+    with pytest.raises(ValueError, match="different nest or constants"):
+        chunk(-torch.ones(2))

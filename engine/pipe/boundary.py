@@ -2,14 +2,21 @@
 integer masks, tensors without grad) plus plain constants (int, float, bool, str, None).
 
 torch's PipelineStage sends a flat tuple of tensors. So a stage's output is flattened with torch's
-pytree, and the structure travels with the data as the tuple's first element: a uint8 tensor
-holding the JSON of the tree spec and of the constant leaves. The receiving stage rebuilds the
-exact nest its layers expect. Shapes may change between batches (sequence lengths): the engine
-keys its stages by the input shapes (engine.py), so each shape gets buffers of its size.
+pytree into its tensor leaves and a `Structure` (the tree spec and the constant leaves), and the
+receiving stage rebuilds the exact nest its layers expect from the tensors and the structure.
+
+[Note: structure once per shape] The structure does not travel with every micro-batch (it did, as
+a JSON header tensor: one more send per micro-batch and a host read of it on the receiver, a
+device sync on an accelerator). It crosses the boundary once, when the engine probes a new input
+(probe.py), and each chunk keeps the structure it receives and the one it produces. The engine
+keys its built stages by the first stage's input structure and shapes (engine.py), so a batch with
+another structure or sequence length is probed anew; a chunk whose output structure then differs
+from its probe's (a constant leaf that depends on the data, say) is an error, not a misread.
 """
 from __future__ import annotations
 
-import json
+import hashlib
+from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
@@ -17,37 +24,48 @@ from torch.utils import _pytree as pytree
 _CONSTANTS = (int, float, bool, str, type(None))
 
 
-def flatten(obj, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(structure tensor, *tensor leaves) for `obj`."""
+@dataclass(frozen=True)
+class Structure:
+    """The nest around a flat tuple of tensors: torch's tree spec and the constant leaves by position."""
+    spec: pytree.TreeSpec
+    constants: tuple  # ((leaf index, value), ...)
+
+    def to_wire(self) -> tuple:
+        return pytree.treespec_dumps(self.spec), self.constants
+
+    @staticmethod
+    def from_wire(wire: tuple) -> "Structure":
+        return Structure(pytree.treespec_loads(wire[0]), tuple(tuple(c) for c in wire[1]))
+
+
+def flatten(obj) -> tuple[Structure, tuple[torch.Tensor, ...]]:
+    """(structure, tensor leaves) of `obj`."""
     leaves, spec = pytree.tree_flatten(obj)
     tensors, constants = [], []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf.contiguous())  # point-to-point sends take dense memory (an expand() is not)
         elif isinstance(leaf, _CONSTANTS):
-            constants.append([i, leaf])
+            constants.append((i, leaf))
         else:
             raise TypeError(f"a pipeline stage passed a {type(leaf).__name__} to the next stage; only tensors "
                             "and int/float/bool/str/None (in tuples, lists, dicts) can cross a stage boundary")
-    text = json.dumps({"spec": pytree.treespec_dumps(spec), "constants": constants, "n": len(leaves)})
-    header = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(device)
-    return (header, *tensors)
+    return Structure(spec, tuple(constants)), tuple(tensors)
 
 
-def unflatten(flat: tuple[torch.Tensor, ...]):
+def unflatten(structure: Structure, tensors: tuple[torch.Tensor, ...]):
     """The nest `flatten` was given."""
-    meta = json.loads(bytes(flat[0].cpu().tolist()).decode())
-    leaves: list = [None] * meta["n"]
-    for i, value in meta["constants"]:
-        leaves[i] = value
-    tensors = iter(flat[1:])
-    constant_slots = {i for i, _ in meta["constants"]}
-    for i in range(meta["n"]):
-        if i not in constant_slots:
-            leaves[i] = next(tensors)
-    return pytree.tree_unflatten(leaves, pytree.treespec_loads(meta["spec"]))
+    constants = dict(structure.constants)
+    it = iter(tensors)
+    leaves = [constants[i] if i in constants else next(it) for i in range(structure.spec.num_leaves)]
+    return pytree.tree_unflatten(leaves, structure.spec)
 
 
-def signature(flat: tuple[torch.Tensor, ...]) -> tuple:
-    """Shapes and dtypes of a flattened micro-batch: the key under which stage buffers are kept."""
-    return tuple((tuple(t.shape), str(t.dtype)) for t in flat)
+def signature(structure: Structure, tensors: tuple[torch.Tensor, ...]) -> tuple:
+    """Structure, shapes and dtypes of a flattened micro-batch: what its stage buffers depend on."""
+    return structure.to_wire(), tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
+
+
+def fingerprint(key) -> int:
+    """A 63-bit digest of a batch's signatures, small enough to broadcast as one int64 (engine.py)."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 1

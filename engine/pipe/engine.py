@@ -9,37 +9,67 @@ through torch's schedule named by `pipeline.schedule` (schedule.py), then, once 
 3. the gradient norm is agreed over the whole world (reduction.py's note): every stage clips with
    the same norm and skips the same steps;
 4. the step, LR schedule and counters, as `Engine.step` at a boundary.
-The loss returned — the mean over micro-batches and data-parallel ranks — is the same tensor on
-every stage. `forward`/`backward`/`step` are errors here: the schedule owns them.
+The loss returned — the mean over micro-batches and data-parallel ranks — is the same value on
+every stage; it reaches the other stages on the step's norm all-reduce (reduction.py's note), and the
+batch's input signature reaches them as one int64 (boundary.py's note): per step a pipeline adds two
+small collectives to the schedule's own sends. `forward`/`backward`/`step` are errors here: the
+schedule owns them.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed import pipelining as tp
 from torch.utils import _pytree as pytree
 
 from ..comm import Communicator
 from ..engine import Engine
 from . import boundary
+from .partitioned_wire import PartitionedWire, partitioned, wire_shapes
 from .probe import chunk_examples
-from .reduction import TiedGradients, agree_norm_over_world, reduce_accumulated
+from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import LoggedStage, schedule_class
 
+_MIXED_BATCH = -1  # the batch key that says the first stage's micro-batches differ in nest or shape
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
 
 
-class _ChunkModule(torch.nn.Module):
-    """One chunk of the PipelineModule as torch's stage sees it: flat tensors in, flat tensors out."""
+def _check_batch_key(value: int) -> None:
+    if value == _MIXED_BATCH:
+        raise ValueError("the micro-batches of one train_batch/eval_batch differ in nest or shape; a pipeline "
+                         "sizes its buffers per batch, so give one batch's micro-batches equal shapes "
+                         "(e.g. bucket sequences by length)")
 
-    def __init__(self, pipe_module, chunk: int, device: torch.device):
+
+class _ChunkModule(torch.nn.Module):
+    """One chunk of the PipelineModule as torch's stage sees it: flat tensors in, flat tensors out; the
+    nest around them is the structure the probe saw (boundary.py's note). With `wire`, what it receives
+    and sends is this tensor rank's slice (partitioned_wire.py)."""
+
+    def __init__(self, pipe_module, chunk: int, device: torch.device, wire: PartitionedWire | None = None):
         super().__init__()
         self.layers = torch.nn.ModuleList(f for f in pipe_module._forward_funcs[chunk] if isinstance(f, torch.nn.Module))
         self.tied = torch.nn.ModuleList(f.module for f in pipe_module._forward_funcs[chunk] if hasattr(f, "forward_fn"))
         self.pipe_module, self.chunk, self.device = pipe_module, chunk, device
+        last = pipe_module.num_stages * pipe_module.virtual_stages - 1
+        self.wire = wire
+        self.receives_slices = wire is not None and chunk > 0
+        self.sends_slices = wire is not None and chunk < last
+        self.in_structure: boundary.Structure | None = None
+        self.out_structure: boundary.Structure | None = None
+        self.out_wire_shapes: tuple | None = None  # whole shapes behind the slices it sends (for the receiver)
 
-    def forward(self, *flat):
-        return boundary.flatten(self.pipe_module.run_chunk(self.chunk, boundary.unflatten(flat)), self.device)
+    def forward(self, *tensors):
+        if self.receives_slices:
+            tensors = self.wire.receive(tensors)
+        out = self.pipe_module.run_chunk(self.chunk, boundary.unflatten(self.in_structure, tensors))
+        structure, flat = boundary.flatten(out)
+        if self.out_structure is None:  # the probe's run (probe.py)
+            self.out_structure, self.out_wire_shapes = structure, wire_shapes(flat)
+        elif structure != self.out_structure:
+            raise ValueError(f"pipeline chunk {self.chunk} returned a different nest or constants than it did for "
+                             f"the same input shapes ({structure.to_wire()} vs {self.out_structure.to_wire()}); "
+                             "what a stage passes on may depend on the input's shapes, not on its values")
+        return self.wire.send(flat) if self.sends_slices else flat
 
 
 class PipelineEngine(Engine):
@@ -55,26 +85,38 @@ class PipelineEngine(Engine):
         self.schedule_name = config.pipeline.schedule
         self._schedule_cls, self._multi = schedule_class(self.schedule_name, module.virtual_stages)
         self.tied = TiedGradients(module, groups, comm)
+        self.loss_rider = LossRider()
+        # pipeline.pipe_partitioned / grad_partitioned: slices over the model axis (partitioned_wire.py)
+        self._model_comm = (Communicator(groups.model_group) if partitioned(config.pipeline, groups.topology.model)
+                            else None)
         if zero_optimizer is not None:
-            zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group), self.tied)
+            zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group), self.tied,
+                                                               self.loss_rider)
         self._built: dict[tuple, tuple] = {}
         self._data_iterator = None
+        self._sent_bytes = {"forward": 0, "backward": 0}  # what the stages sent (boundary_bytes)
         self._actions: list[tuple] = []  # what this rank's stages ran in the last batch (schedule.py)
+        self._last_chunk = None  # the last chunk's module on the last stage (its out_structure feeds the loss)
         self._loss_factor = 1.0  # set per batch: the fp16 loss scale / micro-batches (see _loss)
 
     # -- the schedule ---------------------------------------------------------------------------
-    def _schedule_for(self, key: tuple, training: bool, m: int, first_input):
+    def _schedule_for(self, key: int, training: bool, m: int, first_input):
+        """(stages, schedule, chunk modules) built for batches of signature `key`; built (and probed,
+        probe.py) the first time `key` is seen. `first_input`: (structure, tensors) on the first stage."""
         entry = self._built.get((key, training, m))
         if entry is None:
             if len(self._built) >= _CACHE_LIMIT:
                 self._built.pop(next(iter(self._built)))
             pm = self.module
             chunks = pm.num_stages * pm.virtual_stages
-            mods = {c: _ChunkModule(pm, c, self.device) for c in pm.chunk_ids}
-            examples = chunk_examples(mods, first_input, pm.num_stages, chunks, self.groups.pipe_group,
-                                      self.stage_id, self.device, training)
+            mods = {c: _ChunkModule(pm, c, self.device, self._wire()) for c in pm.chunk_ids}
+            if first_input is not None:
+                mods[0].in_structure = first_input[0]
+            examples = chunk_examples(mods, first_input[1] if first_input else None, pm.num_stages, chunks,
+                                      self.groups.pipe_group, self.stage_id, self.device, training)
             stages = [LoggedStage(mods[c], c, chunks, self.device, input_args=examples[c][0],
-                                  output_args=examples[c][1], group=self.groups.pipe_group, action_log=self._actions)
+                                  output_args=examples[c][1], group=self.groups.pipe_group, action_log=self._actions,
+                                  sent_bytes=self._sent_bytes)
                       for c in pm.chunk_ids]
             cls = self._schedule_cls
             if cls is tp.Schedule1F1B and m < pm.num_stages:
@@ -86,18 +128,22 @@ class PipelineEngine(Engine):
                 raise ValueError(f"pipeline.schedule: {self.schedule_name!r} with gradient_accumulation_steps={m} "
                                  f"on {pm.num_stages} stages: {err}") from None
             sched._has_backward = training  # eval: the same schedule, forward actions only
-            entry = (stages, sched)
+            entry = (stages, sched, mods)
             self._built[(key, training, m)] = entry
         return entry
+
+    def _wire(self) -> PartitionedWire | None:
+        return PartitionedWire(self._model_comm) if self._model_comm is not None else None
 
     def _loss(self, flat_output, labels):
         """torch's loss hook on the last stage: the user's loss of the rebuilt output, divided by the
         micro-batch count (the mean over micro-batches) and times the fp16 loss scale when training."""
-        loss = self.module.loss_fn(boundary.unflatten(tuple(flat_output)), labels)
+        loss = self.module.loss_fn(boundary.unflatten(self._last_chunk.out_structure, tuple(flat_output)), labels)
         return loss * self._loss_factor if self._loss_factor != 1.0 else loss
 
     def _pull(self, data_iter, m: int):
-        """m micro-batches of (inputs, labels) on the first and last stage; nothing elsewhere."""
+        """m micro-batches on the first and last stage: ((structure, tensors) of each input on the first
+        stage, else None; labels on the last, else None)."""
         if not (self.is_first_stage or self.is_last_stage):
             return None, None
         if data_iter is None:
@@ -113,37 +159,65 @@ class PipelineEngine(Engine):
                 raise TypeError("a pipeline's data iterator yields (inputs, labels) pairs, as DeepSpeed's does; "
                                 f"got {type(batch).__name__}")
             x, y = pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, tuple(batch))
-            inputs.append(boundary.flatten(x, self.device))
+            if self.is_first_stage:
+                inputs.append(boundary.flatten(x))
             labels.append(y)
-        return inputs, labels
+        return (inputs if self.is_first_stage else None), labels
+
+    def _batch_key(self, inputs) -> tuple[int, object]:
+        """The first stage's input signature, as one int64 broadcast over the pipe group (boundary.py's
+        note): the key of the stages built for it, the same on every stage. The first stage does not
+        wait for the others to receive it (it returns the broadcast's work to wait on after the batch)."""
+        key = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.is_first_stage:
+            signatures = {boundary.signature(*x) for x in inputs}
+            value = boundary.fingerprint(signatures.pop()) if len(signatures) == 1 else _MIXED_BATCH
+            key.fill_(value)
+            if value != _MIXED_BATCH and self.num_stages > 1:
+                return value, self.pipe_comm.broadcast(key, src=0, async_op=True)
+            if self.num_stages > 1:
+                self.pipe_comm.broadcast(key, src=0)  # a mixed batch: every stage raises, none waits for data
+        else:
+            self.pipe_comm.broadcast(key, src=0)
+            value = int(key.item())
+        _check_batch_key(value)
+        return value, None
 
     def _run(self, data_iter, training: bool):
         m = self.config.gradient_accumulation_steps
         inputs, labels = self._pull(data_iter, m)
-        # The first stage's input shapes pick the built stages on every stage (boundary.py's note).
-        key = [tuple(boundary.signature(x) for x in inputs) if self.is_first_stage else None]
-        if self.num_stages > 1:
-            src = dist.get_global_rank(self.groups.pipe_group, 0) if self.groups.pipe_group is not None else 0
-            dist.broadcast_object_list(key, src=src, group=self.groups.pipe_group, device=self.device)
-        stages, sched = self._schedule_for(key[0], training, m, inputs[0] if self.is_first_stage else None)
+        key, sending = self._batch_key(inputs)
+        stages, sched, mods = self._schedule_for(key, training, m, inputs[0] if self.is_first_stage else None)
+        self._last_chunk = mods.get(self.module.num_stages * self.module.virtual_stages - 1)
         self._actions.clear()
         for st in stages:
             st.has_backward = training
             st.clear_runtime_states()
         losses: list = []
-        sched._step_microbatches(inputs if self.is_first_stage else None, None,
+        sched._step_microbatches([x for _, x in inputs] if self.is_first_stage else None, None,
                                  labels if self.is_last_stage else None, losses if self.is_last_stage else None)
+        if sending is not None:
+            sending.wait()
         return stages, losses
 
-    def _agreed_loss(self, losses: list) -> torch.Tensor:
-        """Mean over micro-batches and data-parallel ranks, sent from the last stage to every stage."""
+    def _stage_loss(self, losses: list) -> torch.Tensor:
+        """The mean over micro-batches and data-parallel ranks on the last stage; zeros elsewhere."""
         loss = self.comm.zeros()
         if self.is_last_stage:
             loss += torch.stack([l.detach().float() for l in losses]).sum() / self._loss_factor / len(losses)
             self.comm.all_reduce(loss)
             loss /= self.comm.world_size
-        self.pipe_comm.broadcast(loss, src=self.num_stages - 1)
         return loss
+
+    def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.num_stages > 1:
+            self.pipe_comm.broadcast(loss, src=self.num_stages - 1)
+        return loss
+
+    def boundary_bytes(self) -> dict[str, int]:
+        """Bytes this rank's stages sent to neighbouring stages so far: activations "forward", gradients
+        "backward" (the probe's one-off objects not counted)."""
+        return dict(self._sent_bytes)
 
     def schedule_actions(self) -> dict[int, list[tuple]]:
         """Every stage's executed actions of the last batch, {pipe rank: [(kind, stage, mb), ...]}
@@ -165,10 +239,15 @@ class PipelineEngine(Engine):
         self.tied.measure_duplicates(self.zero_optimizer.guard.scaler.loss_scale)
         reduce_accumulated(self.zero_optimizer)
         self.timers.stop("allreduce")
-        self._last_loss = self._agreed_loss(losses)
+        # the loss reaches every stage on the step's norm all-reduce (reduction.py's note)
+        self._last_loss = self._stage_loss(losses)
+        self.loss_rider.load(self._last_loss, contributes=self.is_last_stage and self.groups.coord.model == 0)
         self.micro_steps += m - 1
         self._boundary_step()
         self.micro_steps += 1
+        if self.loss_rider.loss is not None:  # the optimizer reduced no norm: send the loss on its own
+            self.loss_rider.loss = None
+            self._broadcast_loss(self._last_loss)
         return self._last_loss
 
     @torch.no_grad()
@@ -179,12 +258,13 @@ class PipelineEngine(Engine):
         self.module.eval()
         self._loss_factor = 1.0 / self.config.gradient_accumulation_steps
         stages, losses = self._run(data_iter, training=False)
-        loss = self._agreed_loss(losses) if compute_loss else None
+        loss = self._broadcast_loss(self._stage_loss(losses)) if compute_loss else None
         if reduce_output is None and compute_loss and self.is_last_stage:
             loss = [l.detach() / self._loss_factor for l in losses]
         if not return_logits:
             return loss
-        outputs = [boundary.unflatten(tuple(o)) for o in stages[-1].output_chunks] if self.is_last_stage else None
+        outputs = ([boundary.unflatten(self._last_chunk.out_structure, tuple(o)) for o in stages[-1].output_chunks]
+                   if self.is_last_stage else None)
         return loss, outputs
 
     def forward(self, *args, **kwargs):
@@ -199,3 +279,4 @@ class PipelineEngine(Engine):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return True  # a train_batch is always a whole accumulation window
+

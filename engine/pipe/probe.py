@@ -1,24 +1,33 @@
-"""Example inputs and outputs of every chunk, for torch's stages in static mode.
+"""Example inputs and outputs of every chunk, for torch's stages in static mode, and the structure
+(boundary.py) of what each chunk receives and produces.
 
 torch's PipelineStage can infer what a stage receives by running it on placeholder tensors; ours
-cannot be run on placeholders, because the first tensor of every boundary is the structure header
-(boundary.py), whose bytes must be real. So, for each new input shape, one micro-batch is run once
-through the chunks in order (chunk c hands its real output to chunk c+1, on whatever rank holds
-it), under a forked RNG so dropout streams are untouched, and every stage is built with those
-examples (`input_args`/`output_args`). The cost is one extra forward per distinct input shape.
+cannot be, because rebuilding the nest a chunk's layers expect needs the structure the previous
+chunk produced, which only a real run tells. So, for each new input signature, one micro-batch is
+run once through the chunks in order (chunk c hands its real output and its structure to chunk c+1,
+on whatever rank holds it), under a forked RNG so dropout streams are untouched; every chunk keeps
+the structures it saw (`in_structure`, `out_structure`; with `pipeline.pipe_partitioned` also the
+whole shapes behind the slices, partitioned_wire.py) and every stage is built with the examples
+(`input_args`/`output_args`). The cost is one extra forward per distinct input signature.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from .boundary import Structure
+
 
 def _peer(group, stage: int) -> int:
     return dist.get_global_rank(group, stage) if group is not None else stage
 
 
-def _to_wire(flat: tuple) -> list:
+def _tensors_to_wire(flat: tuple) -> list:
     return [(t.detach().cpu(), t.requires_grad) for t in flat]
+
+
+def _to_wire(mod, flat: tuple) -> tuple:
+    return mod.out_structure.to_wire(), mod.out_wire_shapes, _tensors_to_wire(flat)
 
 
 def _from_wire(items: list, device: torch.device, training: bool) -> tuple:
@@ -31,10 +40,14 @@ def _from_wire(items: list, device: torch.device, training: bool) -> tuple:
     return tuple(out)
 
 
+def _copy(flat: tuple, device: torch.device, training: bool) -> tuple:
+    return _from_wire(_tensors_to_wire(flat), device, training)
+
+
 def chunk_examples(chunk_modules: dict, first_input: tuple | None, num_stages: int, num_chunks: int,
                    group, my_stage: int, device: torch.device, training: bool) -> dict[int, tuple]:
-    """{chunk: (example input, example output)} for this rank's chunks (module docstring). Collective
-    over the pipe group."""
+    """{chunk: (example input, example output)} for this rank's chunks (module docstring); chunk 0's
+    `in_structure` must be set by the caller. Collective over the pipe group."""
     examples: dict[int, tuple] = {}
     carried = None
     devices = [device] if device.type == "cuda" else []
@@ -43,21 +56,25 @@ def chunk_examples(chunk_modules: dict, first_input: tuple | None, num_stages: i
             owner = c % num_stages
             if owner != my_stage:
                 continue
+            mod = chunk_modules[c]
             if c == 0:
                 x = first_input
             elif (c - 1) % num_stages == my_stage:
-                x = carried
+                mod.in_structure, shapes, x = carried
             else:
                 received = [None]
                 dist.recv_object_list(received, src=_peer(group, (c - 1) % num_stages), group=group, device=device)
-                x = _from_wire(received[0], device, training)
-            y = chunk_modules[c](*x)
+                wire, shapes, items = received[0]
+                mod.in_structure, x = Structure.from_wire(wire), _from_wire(items, device, training)
+            if c > 0 and mod.wire is not None:
+                mod.wire.shapes = shapes
+            mod.out_structure = None  # the probe's run sets it (engine.py's _ChunkModule)
+            y = mod(*x)
             examples[c] = (tuple(x), tuple(y))
             if c + 1 < num_chunks:
                 if (c + 1) % num_stages == my_stage:
-                    carried = _from_wire(_to_wire(y), device, training)
+                    carried = (mod.out_structure, mod.out_wire_shapes, _copy(y, device, training))
                 else:
-                    dist.send_object_list([_to_wire(y)], dst=_peer(group, (c + 1) % num_stages), group=group,
-                                          device=device)
-    return {c: (_from_wire(_to_wire(x), device, training), _from_wire(_to_wire(y), device, training))
-            for c, (x, y) in examples.items()}
+                    dist.send_object_list([_to_wire(mod, y)], dst=_peer(group, (c + 1) % num_stages),
+                                          group=group, device=device)
+    return {c: (_copy(x, device, training), _copy(y, device, training)) for c, (x, y) in examples.items()}

@@ -12,6 +12,14 @@ non-finite gradient is non-finite, and stays so through the sum (Inf − Inf is 
 skips the same step without a separate flag. With tensor parallelism a replicated tied weight is
 left out on tensor ranks r > 0 already (tensor_parallel/norm.py), so only tensor rank 0 subtracts
 it; a vocabulary-split tied weight is subtracted on every tensor rank (each holds its own slice).
+
+[Note: the loss rides on the norm] DeepSpeed's train_batch returns the loss on every stage, which the
+last stage has to send to the others. That was a broadcast of its own after every step: one more
+point where every stage waits for the slowest (on a busy host each such wait costs a wake-up). The
+world's norm² is already one all-reduce over pipe × model at every step, so the loss travels as its
+second element: the last stage's tensor rank 0 adds the loss, every other rank adds 0, and the sum is
+the loss everywhere. When the optimizer reduces no norm (`LossRider.loss` still set after the step),
+the engine broadcasts it as before.
 """
 from __future__ import annotations
 
@@ -55,15 +63,36 @@ class TiedGradients:
         self.duplicate_square = sq
 
 
-def agree_norm_over_world(mp_comm: Communicator, tied: TiedGradients | None = None):
+class LossRider:
+    """The step's loss, waiting to ride on the norm's all-reduce (module note)."""
+
+    def __init__(self):
+        self.loss: torch.Tensor | None = None  # one element; the agreed loss is written into it
+        self.contributes = False
+
+    def load(self, loss: torch.Tensor, contributes: bool) -> None:
+        self.loss, self.contributes = loss, contributes
+
+
+def agree_norm_over_world(mp_comm: Communicator, tied: TiedGradients | None = None, rider: LossRider | None = None):
     """The ZeRO optimizers' `norm_reduce`: data-agreed norm² of this stage → the world's norm² (`tied`:
-    a pipeline's tied weights; tensor parallelism leaves its duplicates out before, tensor_parallel/norm.py)."""
+    a pipeline's tied weights; tensor parallelism leaves its duplicates out before, tensor_parallel/norm.py;
+    `rider`: a pipeline's loss, summed in the same all-reduce, module note)."""
     def reduce(square: torch.Tensor) -> torch.Tensor:
         square = square.reshape(1).float()
         if tied is not None and tied.duplicate_square is not None:
             square = square - tied.duplicate_square
-        mp_comm.all_reduce(square)
-        return square
+        if rider is None:
+            mp_comm.all_reduce(square)
+            return square
+        both = torch.cat([square, torch.zeros(1, dtype=square.dtype, device=square.device)])
+        if rider.loss is not None and rider.contributes:
+            both[1:] = rider.loss.reshape(1)
+        mp_comm.all_reduce(both)
+        if rider.loss is not None:
+            rider.loss.copy_(both[1:].reshape(rider.loss.shape))
+            rider.loss = None
+        return both[:1]
     return reduce
 
 

@@ -52,12 +52,28 @@ def formula_bubble(name: str, p: int, m: int, v: int = 1) -> float:
 _COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-class LoggedStage(tp.PipelineStage):
-    """torch's PipelineStage, recording each computation it runs as (kind, stage, micro-batch)."""
+def _p2p_bytes(ops) -> int:
+    return sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
 
-    def __init__(self, *args, action_log: list, **kwargs):
+
+class LoggedStage(tp.PipelineStage):
+    """torch's PipelineStage, recording each computation it runs as (kind, stage, micro-batch) and the
+    bytes it sends to the neighbouring stages (into `sent_bytes`: activations "forward", gradients "backward")."""
+
+    def __init__(self, *args, action_log: list, sent_bytes: dict, **kwargs):
         super().__init__(*args, **kwargs)
         self.action_log = action_log
+        self.sent_bytes = sent_bytes
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        self.sent_bytes["forward"] += _p2p_bytes(ops)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        self.sent_bytes["backward"] += _p2p_bytes(ops)
+        return ops
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self.action_log.append(("F", self.stage_index, fwd_chunk_id))

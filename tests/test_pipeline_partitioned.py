@@ -1,0 +1,116 @@
+"""`pipeline.pipe_partitioned` / `pipeline.grad_partitioned` (engine/pipe/partitioned_wire.py): on 2 pipe ×
+2 model ranks, examples/gpt_pipe.py's GPT trained with both keys true (each tensor rank sends its half of
+every activation and gradient crossing the stage boundary) and with both false (whole tensors) equals
+the dense model trained in one process (SGD unclipped, the reference and checks of
+tests/test_pipeline_tensor_parallel.py: parameters, the loss on every rank and the reported norm), and the
+bytes each rank's stage sends across the boundary, counted on torch's send ops, halve in each direction.
+Both routes to the model axis: Megatron layers and AutoTP. Without a model axis (2 pipe × 2 data) the keys
+change nothing on the wire. A mixed pair is refused with a message naming both keys. One spawn of 4."""
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import run_distributed
+from tests.models import micro_batches
+from tests.test_pipeline_tensor_parallel import GAS, LR, MICRO, _batches, _cfg, _check, _dense_name
+
+STEPS = 3
+ROUTES = ("layers", "autotp")
+
+
+def _train(route: str, sliced: bool, steps: int) -> dict:
+    import torch.distributed as dist
+
+    import engine
+    from engine.pipe import PipelineModule
+    from engine.topology import Topology
+    from examples.gpt_pipe import gpt_layers, gpt_loss
+    topo = Topology.for_world(dist.get_world_size(), pipe=2, model=1 if route == "dense" else 2)
+    pm = PipelineModule(gpt_layers(_cfg(), tensor_parallel=route == "layers"), topology=topo, loss_fn=gpt_loss,
+                        seed_layers=True, partition_method="type:BlockLayer")
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0,
+              "pipeline": {"pipe_partitioned": sliced, "grad_partitioned": sliced}}
+    if route == "autotp":
+        config["tensor_parallel"] = {"autotp_size": 2}
+    eng, *_ = engine.initialize(model=pm, config=config)
+    dp, dp_rank = eng.comm.world_size, eng.comm.rank
+    losses, norms = [], []
+    for x, y in _batches(steps, dp):
+        losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))))
+        norms.append(eng.get_global_grad_norm())
+    params = {_dense_name(n): (p.detach().clone(), getattr(p, "tensor_parallel_dim", None),
+                               getattr(p, "tensor_parallel_parts", 1)) for n, p in pm.named_parameters()}
+    result = {"coord": tuple(pm.process_groups.coord), "params": params, "losses": losses, "norms": norms,
+              "skipped": eng.skipped_steps, "sharded": sum(d is not None for _, d, _ in params.values()),
+              "sent": eng.boundary_bytes()}
+    eng.destroy()
+    return result
+
+
+def _mixed_pair_error() -> str:
+    import engine
+    import schemas
+    from engine.pipe import PipelineModule
+    from engine.topology import Topology
+    from examples.gpt_pipe import gpt_layers, gpt_loss
+    pm = PipelineModule(gpt_layers(_cfg(), tensor_parallel=True), topology=Topology.for_world(4, pipe=2, model=2),
+                        loss_fn=gpt_loss, partition_method="type:BlockLayer")
+    try:
+        engine.initialize(model=pm, config={"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD",
+                          "params": {"lr": LR}}, "pipeline": {"pipe_partitioned": True, "grad_partitioned": False}})
+    except schemas.ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def _four_ranks():
+    out = {(route, sliced): _train(route, sliced, STEPS) for route in ROUTES for sliced in (True, False)}
+    out.update({("dense", sliced): _train("dense", sliced, 1) for sliced in (True, False)})
+    out["mixed"] = _mixed_pair_error()
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(_four_ranks, world_size=4, timeout=300)
+
+
+@pytest.mark.parametrize("sliced", [True, False], ids=["partitioned", "whole"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_pipe2_x_tp2_equals_the_dense_model_either_way(four_ranks, route, sliced):
+    _check([r[(route, sliced)] for r in four_ranks], STEPS, dp=1)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_slices_give_bit_for_bit_the_result_of_whole_tensors(four_ranks, route):
+    import torch
+    for r in four_ranks:
+        sliced, whole = r[(route, True)], r[(route, False)]
+        assert sliced["losses"] == whole["losses"] and sliced["norms"] == whole["norms"], r["coord"]
+        for name, (p, _, _) in sliced["params"].items():
+            assert torch.equal(p, whole["params"][name][0]), (r["coord"], name)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_partitioned_boundaries_send_a_tensor_parallel_share_of_the_bytes(four_ranks, route):
+    for r in four_ranks:
+        sliced, whole = r[(route, True)]["sent"], r[(route, False)]["sent"]
+        pipe = r[(route, True)]["coord"][0]
+        sends = "forward" if pipe == 0 else "backward"  # stage 0 sends activations, stage 1 gradients
+        assert whole[sends] > 0, r["coord"]
+        assert sliced[sends] * 2 == whole[sends], (r["coord"], sliced, whole)
+        assert sliced == {**whole, sends: whole[sends] // 2}  # nothing else crossed
+
+
+def test_without_a_model_axis_the_keys_change_nothing(four_ranks):
+    for r in four_ranks:
+        assert r[("dense", True)]["sent"] == r[("dense", False)]["sent"]
+        assert r[("dense", True)]["losses"] == r[("dense", False)]["losses"]
+
+
+def test_a_mixed_pair_is_refused_naming_both_keys(four_ranks):
+    message = four_ranks[0]["mixed"]
+    assert "pipeline.pipe_partitioned: true" in message and "pipeline.grad_partitioned: false" in message
+    assert "set both" in message
