@@ -45,15 +45,15 @@ def gpt_config(params: float, seq: int) -> GPTConfig:
     return GPTConfig(vocab_size=VOCAB, seq_len=seq, n_layer=layers, n_head=max(1, d // 64), d_model=d)
 
 
-def ds_config(nvme_path: str, micro: int, group: int) -> dict:
+def ds_config(nvme_path: str, micro: int, group: int, sub_group: int = 10_000_000, bucket: int = 20_000_000) -> dict:
     nvme = {"device": "nvme", "nvme_path": nvme_path}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
             "zero_optimization": {
                 # gradient buckets bounded too (4 in flight, partitioned.py): the default 5e8 elements
                 # would hold a 2.5B model's gradients four times over at 2 GB per bucket
-                "stage": 3, "reduce_bucket_size": 20_000_000,
-                "sub_group_size": 10_000_000, "stage3_max_live_parameters": 100_000_000,
+                "stage": 3, "reduce_bucket_size": bucket,
+                "sub_group_size": sub_group, "stage3_max_live_parameters": 100_000_000,
                 "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_reuse_distance": 100_000_000,
                 "offload_optimizer": {**nvme, "buffer_count": 9, "pipeline_read": True, "pipeline_write": True},
                 # a block's largest module is one gather group; max_in_cpu 0: every gather reads the files
@@ -121,6 +121,25 @@ def _largest_group(model_cfg: GPTConfig, world: int) -> int:
     return -(-max(block, root) // world) + 4096
 
 
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def limit_memory(gib: float) -> Path:
+    """Move this process (and so the ranks it starts) into a new cgroup-v1 memory group of `gib` GiB,
+    page cache included, with swap off for it: the job then runs in less memory than the machine has,
+    and a job that needs more is killed by the kernel instead of slowing down. Root only."""
+    if not CGROUP_V1.is_dir() or not os.access(CGROUP_V1, os.W_OK):
+        raise SystemExit(f"--memory-limit-gib needs a writable cgroup-v1 memory hierarchy at {CGROUP_V1} (root)")
+    group = CGROUP_V1 / f"bench-infinity-{os.getpid()}"
+    group.mkdir()
+    (group / "memory.limit_in_bytes").write_text(str(int(gib * 2**30)))
+    swappiness = group / "memory.swappiness"
+    if swappiness.exists():
+        swappiness.write_text("0")
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    return group
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=float, default=50e6)
@@ -129,11 +148,18 @@ def main(argv=None) -> int:
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--nvme-path", default=None, help="directory for the swap files (default: a temp dir)")
+    p.add_argument("--sub-group-size", type=float, default=10e6, help="zero_optimization.sub_group_size")
+    p.add_argument("--reduce-bucket-size", type=float, default=20e6, help="zero_optimization.reduce_bucket_size")
+    p.add_argument("--memory-limit-gib", type=float, default=None,
+                   help="run the job in a cgroup memory group of this size (root; the ZeRO-Infinity claim at a "
+                        "scale the disk allows: full training state > the memory the job may use)")
     args = p.parse_args(argv)
+    group = limit_memory(args.memory_limit_gib) if args.memory_limit_gib else None
     made = args.nvme_path is None
     nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="bench-infinity-")
     model_cfg = gpt_config(args.params, args.seq)
-    cfg = ds_config(nvme_path, args.micro, _largest_group(model_cfg, args.world))
+    cfg = ds_config(nvme_path, args.micro, _largest_group(model_cfg, args.world), int(args.sub_group_size),
+                    int(args.reduce_bucket_size))
     with torch.device("meta"):
         n = sum(t.numel() for t in GPT(model_cfg).parameters())
     est = next(r for r in estimate_memory(n, gpus_per_node=args.world, settings=settings(cfg))
@@ -158,6 +184,12 @@ def main(argv=None) -> int:
               f"{out['store_written'] / mib:.0f} MiB); host flat {out['partition_host_bytes']} bytes")
     print(f"full training state 16 B x {n / 1e6:.1f}M = {16 * n / 2**30:.2f} GiB; "
           f"load average {os.getloadavg()[0]:.2f}")
+    if group is not None:
+        peak = int((group / "memory.max_usage_in_bytes").read_text())
+        limit = int((group / "memory.limit_in_bytes").read_text())
+        print(f"memory group: limit {limit / 2**30:.2f} GiB, peak use {peak / 2**30:.2f} GiB (every process of the "
+              f"job, page cache included; failcnt {(group / 'memory.failcnt').read_text().strip()}); full training "
+              f"state / limit = {16 * n / limit:.2f}")
     return 0
 
 
