@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up
+from offload.file_snapshot import FrozenState, snapshot_files, write_file
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
 
@@ -245,6 +246,15 @@ class SwappedPartition:
         param.grad = None
         param.data = torch.zeros(0, dtype=torch.float32, device="cpu")
         return kept
+
+    def frozen(self, path_for: Callable[[str], str], path_key: str) -> FrozenState:
+        """The current state as copies of its swap files (`path_for(kind)` names each copy), which the
+        next steps do not touch: an async checkpoint's snapshot without the state in memory
+        (offload/file_snapshot.py)."""
+        self._finish_writes()
+        files = {key: self._files[key, self._slot] for key in self._keys(self._has_state)}
+        scalars = {key: _copy(v) for key, v in self._scalars[0].items()} if self.groups else {}
+        return FrozenState(snapshot_files(files, path_for, path_key), self.groups, self.stride_bytes, scalars)
 
     def state_chunks(self) -> Iterator[dict]:
         """The state, one sub-group at a time: {"start", "end", "master", "state": {key: tensor},

@@ -53,6 +53,7 @@ class Snapshot:
     nbytes: int = field(default=0)
     ready: object = None  # a CUDA event the arena copies finish at (snapshot.py's note: accelerators)
     streams: list = field(default_factory=list)  # placeholders written from swap files (streamed.py)
+    release: object = None  # called once the files are written or failed: removes snapshot copies (nvme.py)
 
 
 def new_nonce() -> str:
@@ -84,8 +85,12 @@ def write_and_commit(snap: Snapshot, comm: Communicator) -> None:
         snap.ready.synchronize()
     tmp = fmt.tmp_dir(snap.save_dir, snap.tag, snap.nonce)
     tmp.mkdir(parents=True, exist_ok=True)
-    entries = {fmt.rank_file(snap.rank): _save_file(tmp / fmt.rank_file(snap.rank), snap.rank_content,
-                                                    _kill_after(snap), snap.streams)}
+    try:
+        entries = {fmt.rank_file(snap.rank): _save_file(tmp / fmt.rank_file(snap.rank), snap.rank_content,
+                                                        _kill_after(snap), snap.streams)}
+    finally:
+        if snap.release is not None:  # the rank file is the snapshot copies' only reader
+            snap.release()
     if snap.rank == 0:
         entries[fmt.ENGINE_STATE] = _save_file(tmp / fmt.ENGINE_STATE, snap.engine_state)
     gathered = comm.all_gather_object(entries)
