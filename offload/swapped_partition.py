@@ -18,6 +18,12 @@ optimizer create its state as it always does; from then on the state comes from 
 when every sub-group's write has finished. A step that fails halfway (disk full, a bad gradient slice)
 leaves slot s, the state the previous step produced, bit for bit as it was; a skipped step (overflow)
 is simply not taken. Disk use is twice the state, I/O per step is the same as one slot.
+
+[Note: deferred initialisation] `initialize(..., deferred=True)` (`offload_optimizer.fast_init`) writes
+nothing: until the first step (or a load) the master is read from `read_master_slice` (the caller's
+host copy, which must not change before then except through `on_updated`) wherever it would be read
+from the file. The first step then writes the master for the first time, with its update; the files
+hold the same bytes as with an initial write, one full write of the master sooner.
 """
 from __future__ import annotations
 
@@ -87,6 +93,7 @@ class SwappedPartition:
                        for key in [MASTER, *self.state_keys] for slot in (0, 1)}
         self._slot = 0
         self._has_state = False  # false until the first step (or a load) wrote optimizer state
+        self._initial: Optional[Callable[[int, int], torch.Tensor]] = None  # deferred master (module note)
         self._scalars: list[dict] = [{} for _ in self.groups]
         self._writes: deque[tuple[list[IOHandle], list[torch.Tensor]]] = deque()
 
@@ -140,6 +147,10 @@ class SwappedPartition:
     def _start_read(self, k: int, slot: int, with_state: bool):
         buffers = self._acquire()
         try:
+            if self._initial is not None:  # never written yet (module note: deferred initialisation)
+                s, e = self.groups[k]
+                buffers[0][:e - s].copy_(self._initial(s, e))
+                return buffers, []
             return buffers, self._transfer(k, buffers, slot, write=False, with_state=with_state)
         except BaseException:
             self._release(buffers)
@@ -171,9 +182,13 @@ class SwappedPartition:
                 pass
 
     # -- the interface -------------------------------------------------------------------------
-    def initialize(self, read_master_slice: Callable[[int, int], torch.Tensor]) -> None:
-        """Write the initial fp32 master weights, sub-group by sub-group; the optimizer state starts
-        empty (the first step creates it, as the optimizer would in memory)."""
+    def initialize(self, read_master_slice: Callable[[int, int], torch.Tensor], deferred: bool = False) -> None:
+        """Write the initial fp32 master weights, sub-group by sub-group (with `deferred`, not yet:
+        module note); the optimizer state starts empty (the first step creates it, as the optimizer
+        would in memory)."""
+        if deferred:
+            self._initial, self._has_state, self._scalars = read_master_slice, False, [{} for _ in self.groups]
+            return
         target = 1 - self._slot
         try:
             for k, (s, e) in enumerate(self.groups):
@@ -220,7 +235,7 @@ class SwappedPartition:
         except BaseException:
             self._abandon(reads)
             raise
-        self._slot, self._has_state, self._scalars = target, True, scalars
+        self._slot, self._has_state, self._scalars, self._initial = target, True, scalars, None
 
     def _step_sub_group(self, k: int, buffers, grad: torch.Tensor, had_state: bool) -> dict:
         s, e = self.groups[k]
@@ -252,8 +267,12 @@ class SwappedPartition:
         next steps do not touch: an async checkpoint's snapshot without the state in memory
         (offload/file_snapshot.py)."""
         self._finish_writes()
-        files = {key: self._files[key, self._slot] for key in self._keys(self._has_state)}
         scalars = {key: _copy(v) for key, v in self._scalars[0].items()} if self.groups else {}
+        if self._initial is not None:  # no file yet (deferred initialisation): the master from memory
+            write_file(path_for(MASTER), ((k * self.stride_bytes, self._initial(s, e))
+                                          for k, (s, e) in enumerate(self.groups)), path_key)
+            return FrozenState({MASTER: path_for(MASTER)}, self.groups, self.stride_bytes, scalars)
+        files = {key: self._files[key, self._slot] for key in self._keys(self._has_state)}
         return FrozenState(snapshot_files(files, path_for, path_key), self.groups, self.stride_bytes, scalars)
 
     def state_chunks(self) -> Iterator[dict]:
@@ -314,7 +333,7 @@ class SwappedPartition:
                 self._release(buffers)
             self._abandon({})
             raise
-        self._slot, self._has_state, self._scalars = target, bool(with_state), scalars
+        self._slot, self._has_state, self._scalars, self._initial = target, bool(with_state), scalars, None
 
     def close(self) -> None:
         """Finish outstanding writes and delete this partition's swap files."""

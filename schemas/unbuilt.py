@@ -56,11 +56,9 @@ UNBUILT: tuple[Unbuilt, ...] = (
             built=lambda v: v in ("none", "cpu")),
     *(Unbuilt(f"zero_optimization.offload_param.{key}", "it applies to NVMe offload, which is not built yet; "
               "remove it") for key in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
-    Unbuilt("zero_optimization.offload_optimizer.fast_init", "NVMe state is initialised by writing the master "
-            "weights; remove it"),
     *(Unbuilt(key, "only that NVMe offload reads it; remove it", when=_not_nvme_optimizer,
               where=_NVME_WHERE) for key in (*(f"zero_optimization.offload_optimizer.{k}" for k in (
-                  "nvme_path", "buffer_count", "pipeline_read", "pipeline_write")),
+                  "nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")),
                   "zero_optimization.sub_group_size", "aio")),
     Unbuilt("zero_optimization.offload_optimizer.ratio", "partial offload (Twin-Flow) is not built yet; remove it "
             "or use 1.0"),

@@ -36,6 +36,7 @@ PARAM_CPU = {"offload_param": {"device": "cpu"}}
 BOTH_CPU = {**OPT_CPU, **PARAM_CPU}
 NVME = "nvme"  # offload_optimizer on NVMe under the run's nvme_path (`_nvme`)
 NVME_PARAM_CPU = "nvme+param_cpu"  # and offload_param on the host: sample_configs/zero3_nvme.json's tiers
+NVME_FAST = "nvme+fast_init"  # NVME with offload_optimizer.fast_init: no swap file written at initialisation
 
 
 def _nvme(optimizer: str, nvme_path: str) -> dict:
@@ -52,8 +53,9 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 6}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "allgather_bucket_size": 900,
                                  "overlap_comm": True, "stage3_param_persistence_threshold": 30}}
-    if offload in (NVME, NVME_PARAM_CPU):
+    if offload in (NVME, NVME_PARAM_CPU, NVME_FAST):
         cfg["zero_optimization"].update(_nvme(optimizer, nvme_path), **(PARAM_CPU if offload == NVME_PARAM_CPU else {}))
+        cfg["zero_optimization"]["offload_optimizer"]["fast_init"] = offload == NVME_FAST
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
     else:
         cfg["zero_optimization"].update(offload)
@@ -114,6 +116,8 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
     cfg = config(stage, optimizer, offload, precision, nvme_path)
     batches = make_batches(STEPS, MICRO * GAS * world)
     eng = _build(cfg, zero_init, meta)
+    nvme = eng.zero_optimizer.nvme
+    at_init = len(list(nvme.swap.path.glob("*.swp"))) if nvme is not None else None  # fast_init writes none
     dtype = next(eng.module.parameters()).dtype
     norms, unchanged = [], None
     for step, (x, y) in enumerate(batches):
@@ -144,6 +148,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
         out["sub_groups"] = [part.groups for part in zopt.nvme.parts.values()]
         out["state_in_memory"] = sum(len(s) for s in zopt.optimizer.state.values())
         out["swap_files"] = len(list(swap_dir.glob("*.swp")))
+        out["swap_files_at_init"] = at_init
     eng.destroy()  # every run: 45 engines' process groups and gloo threads would pile up in this process
     if swap_dir is not None:
         out["swap_dir_left"] = swap_dir.exists()
@@ -165,6 +170,7 @@ INF_CASES = {("inf", precision, stage, name): (stage, "adamw", offload, precisio
              for name, offload in (("none", {}), ("opt_cpu", OPT_CPU if stage < 3 else BOTH_CPU))}
 INF_CASES.update({("inf", "fp32", stage, NVME): (stage, "adamw", NVME, "fp32", True) for stage in (2, 3)})
 INF_CASES[("inf", "fp32", 2, "none")] = (2, "adamw", {}, "fp32", True)
+FAST_INIT_CASES = {(stage, opt, NVME_FAST): (stage, opt, NVME_FAST) for stage, opt in ((2, "sgd"), (3, "adamw"))}
 
 
 def _refusal(cfg: dict) -> list[str] | None:
@@ -180,7 +186,8 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     # the gc.collect() of each destroy() walks only the objects of one run (1.3 s -> ms under load).
     gc.freeze()
     os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "1"
-    out = {key: train(*args, nvme_path=nvme_path) for key, args in {**FP32_CASES, **MIXED_CASES, **INF_CASES}.items()}
+    out = {key: train(*args, nvme_path=nvme_path) for key, args in {**FP32_CASES, **MIXED_CASES, **INF_CASES,
+                                                                     **FAST_INIT_CASES}.items()}
     out[("resume", 3, NVME)] = train(3, "adamw", NVME_PARAM_CPU, resume=checkpoint_dir, nvme_path=nvme_path)
     out[("zero_init", "both_cpu")] = train(3, "sgd", BOTH_CPU, zero_init=True)
     out[("meta", 2)] = train(2, "sgd", OPT_CPU, meta=True)
