@@ -8,8 +8,8 @@ manifest.json, renames the temp directory to `<dir>/<tag>` and only then replace
 rename leaves a hidden temp directory that no reader looks at; a crash after it leaves a complete tag
 (and `latest` still naming the previous one until it is replaced). The next save removes stale temp
 directories.
-[Note: async] With `checkpoint.async_save` the snapshot (a CPU copy of this rank's fragments) is
-taken on the training thread and everything else runs in one background thread, with its collectives
+[Note: async] With `checkpoint.async_save` the snapshot (a CPU copy of this rank's fragments; with
+NVMe offload a copy of the swap files on disk instead, nvme.py's note) is taken on the training thread and everything else runs in one background thread, with its collectives
 on a separate gloo process group, so they never interleave with training's collectives. At most one
 save is in flight: the next save (and `wait()`) waits for it and re-raises its error. The background
 thread and the write/hash threads it starts run at idle CPU priority (SCHED_IDLE): they use the CPU
