@@ -252,7 +252,6 @@ MEASURE = textwrap.dedent("""
     import psutil, torch
     torch.set_num_threads(1)
     from offload import AsyncFileIO, SwapBufferPool, SwapDir, SwappedPartition, sub_group_buffer_elements
-from offload.swapped_partition import MASTER
     from schemas.features import AioConfig
     sub_group = {sub_group}
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)
