@@ -6,6 +6,9 @@
   over a `--mb` file (what a single submitter gets from the device, no page cache);
 - engine: `offload.AsyncFileIO` writing and reading one `--mb` tensor (an aligned pool-like buffer)
   with DeepSpeed's default `aio` section and `intra_op_parallelism` from `--threads`.
+- init: `offload_optimizer.fast_init` off and on, a `SwappedPartition` of `--mb` of fp32 master
+  (fused AdamW, sub-groups of 16Mi elements, 12 buffers, pipelined reads and writes): `initialize()` (off: the
+  master written to the swap file; on: nothing) and the first `step()` after it, swap files fsynced.
 Each figure is the best of `--repeats` (other load only ever adds time); each write ends with
 fdatasync, each read starts after posix_fadvise(DONTNEED). Goal (issue 17): engine >= 70% of disk
 both ways. Prints one JSON object; record `uptime` before and after (the machine may be shared).
@@ -24,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from offload import AsyncFileIO, aligned_empty  # noqa: E402
+from offload import (AsyncFileIO, SwapBufferPool, SwapDir, SwappedPartition, aligned_empty,  # noqa: E402
+                     sub_group_buffer_elements)
 from schemas.features import AioConfig  # noqa: E402
 
 
@@ -59,6 +63,36 @@ def engine_io(io: AsyncFileIO, path: str, buf: torch.Tensor, write: bool) -> flo
     if write:
         os.fdatasync(io._files[path].fd_buffered)
     return time.perf_counter() - start
+
+
+def _fsync_dir(swap: SwapDir) -> None:
+    for f in swap.path.glob("*.swp"):
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def initialisation(d: str, nbytes: int, deferred: bool) -> dict:
+    """Seconds of initialize() and of the first step, fast_init off or on (module note: init)."""
+    numel, sub_group = nbytes // 4, 1 << 24  # sub-groups of 64 MiB: the 12 pool buffers are 768 MiB at most
+    master = torch.randn(numel, device="cpu")
+    grad = torch.randn(numel, device="cpu")
+    with SwapDir.create(d, path_key="--dir") as swap:
+        io = AsyncFileIO(AioConfig(intra_op_parallelism=2), path_key="--dir")
+        pool = SwapBufferPool(12, sub_group_buffer_elements(numel, sub_group), pin_memory=False)
+        part = SwappedPartition(numel, lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), swap, io, pool,
+                                sub_group, pipeline_read=True, pipeline_write=True)
+        start = time.perf_counter()
+        part.initialize(lambda s, e: master[s:e], deferred=deferred)
+        _fsync_dir(swap)
+        init_s = time.perf_counter() - start
+        start = time.perf_counter()
+        part.step(lambda s, e: grad[s:e], lambda s, e, m: master[s:e].copy_(m))
+        _fsync_dir(swap)
+        step_s = time.perf_counter() - start
+        part.close()
+        io.close()
+    return {"init_s": init_s, "first_step_s": step_s}
 
 
 def main() -> None:
@@ -97,6 +131,9 @@ def main() -> None:
             result[f"engine_t{threads}"] = {"write_GBps": w, "read_GBps": r,
                                             "write_vs_disk": w / result["disk_write_GBps"],
                                             "read_vs_disk": r / result["disk_read_GBps"]}
+        for name, deferred in (("fast_init_off", False), ("fast_init_on", True)):
+            runs = [initialisation(d, nbytes, deferred) for _ in range(args.repeats)]
+            result[name] = {k: min(r[k] for r in runs) for k in ("init_s", "first_step_s")}
     result["load_after"] = os.getloadavg()
     print(json.dumps(result, indent=1))
 

@@ -31,6 +31,8 @@ earlier systems left on the heap. `--quick` is one round of a 0.02M GPT: it chec
 
 A peer or strategy that cannot run is reported "not run: why" (the error's last line), never faked.
 A strategy is one row of STRATEGIES: a name and the config it runs; DeepSpeed gets the same config.
+A strategy that needs another world size (pipe 2 x tensor 2: 4 ranks, STRATEGY_WORLD) runs in that
+world's spawn, with the same 16 sequences per step, and its label says how many ranks it ran on.
 """
 from __future__ import annotations
 
@@ -78,15 +80,28 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
                        "gradient_accumulation_steps": 4}, 0),
     "dstrain-tp2": ({"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1, **_ZERO},
                      "gradient_accumulation_steps": 2}, 1),
+    # sample_configs/zero3_nvme.json's tiers: the optimizer on NVMe, the parameters in host memory
+    "dstrain-z3-offload-nvme": ({"zero_optimization": {"stage": 3, **_ZERO, "sub_group_size": 1e6, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "NVME_DIR", "buffer_count": 9, "pipeline_read": True, "pipeline_write": True},
+        "offload_param": {"device": "cpu"}},
+        "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 2}}, 3),
+    "dstrain-pipe2-tp2": ({"pipeline": {"stages": 2, "schedule": "1f1b"}, "tensor_parallel": {"autotp_size": 2},
+                           "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}, 0),
 }
+# Strategies on another world size than --world (the label says so): pipe 2 x model 2 needs 4 ranks.
+STRATEGY_WORLD = {"dstrain-pipe2-tp2": 4}
 # Strategies DeepSpeed has no counterpart for (it ignores unknown top-level keys: it would run plain Adam).
-NO_DEEPSPEED = {"dstrain-powersgd": "DeepSpeed has no PowerSGD"}
+NO_DEEPSPEED = {"dstrain-powersgd": "DeepSpeed has no PowerSGD",
+                "dstrain-pipe2-tp2": "no same-model peer: DeepSpeed's PipelineEngine takes tensor parallelism from "
+                                     "a Megatron-style mpu (layers written tensor-parallel); PipelineModule with "
+                                     "AutoTP (tensor_parallel.autotp_size) is not a documented DeepSpeed path"}
 # Strategies DeepSpeed runs, but not as the same thing: said next to the table.
 DEEPSPEED_CAVEATS = {"dstrain-z2-offload-nvme": "DeepSpeed 0.19.8's ZeRO-2 takes offload_optimizer.device \"nvme\" "
                      "as CPU offload (stage_1_and_2.py: any device but none sets cpu_offload; only ZeRO-3 swaps to "
                      "NVMe), so its row is CPU offload"}
 # Peers without the strategy's kind of parallelism: their ratio column says so instead of a figure.
-NO_TORCH_EQUIVALENT = {"dstrain-pipe2": "pipeline stages", "dstrain-tp2": "tensor parallelism"}
+NO_TORCH_EQUIVALENT = {"dstrain-pipe2": "pipeline stages", "dstrain-tp2": "tensor parallelism",
+                       "dstrain-pipe2-tp2": "pipeline stages x tensor parallelism"}
 TORCH_PEERS = {"ddp": 0, "fsdp2": 3}  # name -> the stage whose memory formula it follows
 QUICK_MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model=32)
 # The default round: ~30 measurements, each in fresh processes whose start-up (torch, gloo, and DeepSpeed's
@@ -94,6 +109,7 @@ QUICK_MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model
 # shared 2-core machine; `--model bench` runs the 25M benchmark GPT of the earlier measurements.
 SUITE_MODEL = GPTConfig(vocab_size=2048, seq_len=64, n_layer=2, n_head=4, d_model=128)
 MODELS = {"suite": SUITE_MODEL, "bench": BENCH_CONFIG}
+DEEPSPEED_TIMEOUT_S = 1800  # one round's DeepSpeed peer call, every row of it
 
 
 @dataclass
@@ -119,6 +135,11 @@ class Result:
     def step_ms(self) -> float | None:
         ok = self.ok()
         return statistics.median(r.step_ms for r in ok) if ok else None
+
+
+def world_of(system: str, world: int) -> int:
+    """The ranks `system` runs on: 1 for the bound, STRATEGY_WORLD's for a strategy listed there."""
+    return 1 if system == "bound" else STRATEGY_WORLD.get(system, world)
 
 
 def strategy_config(name: str, micro: int) -> dict:
@@ -199,10 +220,20 @@ def measure_deepspeed(systems: list[str], results: dict, world: int, steps: int,
             out[system] = Round(load_before=load, error=ds_missing)
         else:
             items.append((system, {"model": asdict(model), "config": deepspeed_config(strategy_config(base, micro))}))
+    # Pipeline rows last: a DeepSpeed PipelineModule leaves its model-parallel groups in deepspeed.utils.groups,
+    # and a later engine of the same process then fails (seen: ZeRO-3 + NVMe after the pipe2 row raised
+    # "'NoneType' object has no attribute 'get_model_parallel_rank'").
+    items.sort(key=lambda item: "pipeline" in item[1]["config"])
     if items:
         cmd = [str(ds_python), str(bt.PEER), "--stage", "0", "--steps", str(steps), "--world", str(world),
                "--batch-json", json.dumps([item for _, item in items])]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=DEEPSPEED_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            why = (f"DeepSpeed peer did not finish in {DEEPSPEED_TIMEOUT_S} s (a JIT op build waiting on a "
+                   "stale lock in its torch_extensions cache hangs this way)")
+            out.update({system: Round(load_before=load, error=why) for system, _ in items})
+            return out
         if done.returncode:
             why = _last_line(f"DeepSpeed peer failed (exit {done.returncode}): {done.stderr[-2000:]}")
             out.update({system: Round(load_before=load, error=why) for system, _ in items})
@@ -248,6 +279,8 @@ def main_table(results: dict[str, Result], n_params: int, world: int, threshold:
         formula = zero_formula_mb(n_params, stage, world)
         formula = f"{formula:.0f}" if formula >= 10 else f"{formula:.2f}"
         label = f"deepspeed ({base}'s config)" if name.startswith("deepspeed:") else name
+        if world_of(base, world) != world:
+            label += f" ({world_of(base, world)} ranks)"
         torch_cells = [_ratio(result, results.get(p), p) for p in ("ddp", "fsdp2")]
         if base in NO_TORCH_EQUIVALENT:
             torch_cells = [f"n/a: {p} has no {NO_TORCH_EQUIVALENT[base]}" for p in ("DDP", "FSDP2")]
@@ -357,14 +390,14 @@ def main(argv=None) -> int:
     for rnd in range(args.rounds):
         # What could not run in round 1 (a config not built yet) will not run later either.
         todo = [s for s in systems if not (results[s].rounds and results[s].error)]
-        points = [(s, 1 if s == "bound" else args.world, model) for s in todo if ":" not in s]
+        points = [(s, world_of(s, args.world), model) for s in todo if ":" not in s]
         if rnd == 0:
             points += [(args.scaling_system, w, m) for m, w in _scaling_points(args, model)
                        if (args.scaling_system, w, m) not in points]
         measured = measure_batch(points, args.steps, micro, args.warmup)
         first_round = first_round or measured
         for system, world, m in points:
-            if system in results and m == model and world == (1 if system == "bound" else args.world):
+            if system in results and m == model and world == world_of(system, args.world):
                 results[system].rounds.append(measured[(system, world, m)])
         deepspeed = measure_deepspeed([s for s in todo if ":" in s], results, args.world, args.steps, model, micro,
                                       ds_python, ds_missing)

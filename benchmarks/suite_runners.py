@@ -21,7 +21,7 @@ from examples.gpt import GPT, GPTConfig
 # How each system's bytes/step/rank is counted (the report prints this next to the table).
 COUNTED_BY = {
     "dstrain": "dstrain's communicator counter (engine/comm.py, every data-parallel collective's payload)",
-    "dstrain-pipe2 and dstrain-tp2": "a dispatch mode over every torch.distributed op called from Python "
+    "dstrain-pipe2, dstrain-tp2 and dstrain-pipe2-tp2": "a dispatch mode over every torch.distributed op called from Python "
                         "(benchmarks/comm_bytes.py): pipeline sends and tensor-parallel layers have communicators "
                         "of their own",
     "ddp": "a comm hook around torch's default all-reduce hook (each gradient bucket's bytes)",
@@ -75,7 +75,10 @@ def _dstrain(steps: int, cfg: GPTConfig, config: dict) -> tuple[list[float], int
     if pipe:
         from engine.pipe import PipelineModule
         from examples.gpt_pipe import gpt_layers, gpt_loss
-        model = PipelineModule(gpt_layers(cfg), num_stages=config["pipeline"]["stages"], loss_fn=gpt_loss)
+        from engine.topology import Topology
+        degree = config.get("tensor_parallel", {}).get("autotp_size", 1)  # AutoTP shards the stages' blocks
+        topology = Topology.for_world(dist.get_world_size(), pipe=config["pipeline"]["stages"], model=degree)
+        model = PipelineModule(gpt_layers(cfg), topology=topology, loss_fn=gpt_loss)
     else:
         model = GPT(cfg)
     one_copy = pipe or "tensor_parallel" in config

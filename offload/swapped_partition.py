@@ -19,6 +19,12 @@ optimizer create its state as it always does; from then on the state comes from 
 when every sub-group's write has finished. A step that fails halfway (disk full, a bad gradient slice)
 leaves slot s, the state the previous step produced, bit for bit as it was; a skipped step (overflow)
 is simply not taken. Disk use is twice the state, I/O per step is the same as one slot.
+
+[Note: deferred initialisation] `initialize(..., deferred=True)` (`offload_optimizer.fast_init`) writes
+nothing: until the first step (or a load) the master is read from `read_master_slice` (the caller's
+host copy, which must not change before then except through `on_updated`) wherever it would be read
+from the file. The first step then writes the master for the first time, with its update; the files
+hold the same bytes as with an initial write, one full write of the master sooner.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up
+from offload.file_snapshot import FrozenState, snapshot_files, write_file
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
 from ops.state_layout import ELEMENTWISE, PER_TENSOR, SCALAR, StateLayoutError, probe_state
@@ -87,6 +94,7 @@ class SwappedPartition:
                        for key in [MASTER, *self.state_keys] for slot in (0, 1)}
         self._slot = 0
         self._has_state = False  # false until the first step (or a load) wrote optimizer state
+        self._initial: Optional[Callable[[int, int], torch.Tensor]] = None  # deferred master (module note)
         self._scalars: list[dict] = [{} for _ in self.groups]
         self._writes: deque[tuple[list[IOHandle], list[torch.Tensor]]] = deque()
 
@@ -141,6 +149,12 @@ class SwappedPartition:
         buffers = self._acquire(len(keys))
         try:
             pairs = [((key, read[key]), buf) for key, buf in zip(keys, buffers) if key in read]
+            if self._initial is not None:  # the current master was never written (module note: deferred)
+                s, e = self.groups[k]
+                for (key, slot), buf in pairs:
+                    if key == MASTER and slot == self._slot:
+                        buf[:e - s].copy_(self._initial(s, e))
+                pairs = [((key, slot), buf) for (key, slot), buf in pairs if not (key == MASTER and slot == self._slot)]
             return buffers, self._transfer(k, [f for f, _ in pairs], [b for _, b in pairs], write=False)
         except BaseException:
             self._release(buffers)
@@ -175,9 +189,13 @@ class SwappedPartition:
                 pass
 
     # -- the interface -------------------------------------------------------------------------
-    def initialize(self, read_master_slice: Callable[[int, int], torch.Tensor]) -> None:
-        """Write the initial fp32 master weights, sub-group by sub-group; the optimizer state starts
-        empty (the first step creates it, as the optimizer would in memory)."""
+    def initialize(self, read_master_slice: Callable[[int, int], torch.Tensor], deferred: bool = False) -> None:
+        """Write the initial fp32 master weights, sub-group by sub-group (with `deferred`, not yet:
+        module note); the optimizer state starts empty (the first step creates it, as the optimizer
+        would in memory)."""
+        if deferred:
+            self._initial, self._has_state, self._scalars = read_master_slice, False, [{} for _ in self.groups]
+            return
         try:
             for k, (s, e) in enumerate(self.groups):
                 buffers = self._acquire(1)
@@ -241,7 +259,7 @@ class SwappedPartition:
 
     def commit(self, scalars: list[dict], has_state: bool = True) -> None:
         """Make the slot the last sweeps wrote current, with these per-sub-group scalars."""
-        self._slot, self._has_state, self._scalars = 1 - self._slot, has_state, scalars
+        self._slot, self._has_state, self._scalars, self._initial = 1 - self._slot, has_state, scalars, None
 
     def step(self, grad_slice: Callable[[int, int], torch.Tensor],
              on_updated: Optional[Callable[[int, int, torch.Tensor], None]] = None) -> None:
@@ -287,6 +305,19 @@ class SwappedPartition:
         param.grad = None
         param.data = torch.zeros(0, dtype=torch.float32, device="cpu")
         return kept
+
+    def frozen(self, path_for: Callable[[str], str], path_key: str) -> FrozenState:
+        """The current state as copies of its swap files (`path_for(kind)` names each copy), which the
+        next steps do not touch: an async checkpoint's snapshot without the state in memory
+        (offload/file_snapshot.py)."""
+        self._finish_writes()
+        scalars = {key: _copy(v) for key, v in self._scalars[0].items()} if self.groups else {}
+        if self._initial is not None:  # no file yet (deferred initialisation): the master from memory
+            write_file(path_for(MASTER), ((k * self.stride_bytes, self._initial(s, e))
+                                          for k, (s, e) in enumerate(self.groups)), path_key)
+            return FrozenState({MASTER: path_for(MASTER)}, self.groups, self.stride_bytes, scalars)
+        files = {key: self._files[key, self._slot] for key in self._keys(self._has_state)}
+        return FrozenState(snapshot_files(files, path_for, path_key), self.groups, self.stride_bytes, scalars)
 
     def state_chunks(self) -> Iterator[dict]:
         """The state, one sub-group at a time: {"start", "end", "master", "state": {key: tensor},

@@ -62,11 +62,9 @@ UNBUILT: tuple[Unbuilt, ...] = (
     *(Unbuilt(f"zero_optimization.offload_param.{key}", "only NVMe parameter offload reads it; remove it",
               when=_not_nvme_params, where=_PARAM_NVME_WHERE)
       for key in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
-    Unbuilt("zero_optimization.offload_optimizer.fast_init", "NVMe state is initialised by writing the master "
-            "weights; remove it"),
     *(Unbuilt(key, "only that NVMe offload reads it; remove it", when=_not_nvme_optimizer,
               where=_NVME_WHERE) for key in (*(f"zero_optimization.offload_optimizer.{k}" for k in (
-                  "nvme_path", "buffer_count", "pipeline_read", "pipeline_write")),
+                  "nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")),
                   "zero_optimization.sub_group_size")),
     Unbuilt("aio", "only NVMe offload reads it; remove it",
             when=lambda c: _not_nvme_optimizer(c) and _not_nvme_params(c),

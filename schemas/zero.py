@@ -68,7 +68,9 @@ class OffloadOptimizerConfig(StrictModel):
     pipeline_write: bool = False
     """Overlap writing the previous sub-group to NVMe with the current sub-group's step (device "nvme")."""
     fast_init: bool = False
-    """Initialise NVMe-offloaded optimizer state quickly (not built yet)."""
+    """Device "nvme": write no swap file at initialisation; the first step reads the initial master
+    weights from host memory and writes master and state for the first time (DeepSpeed's fast_init
+    batches that initial write; here it is skipped). Same training, bit for bit."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of optimizer state offloaded; below 1 only with ZeRO stage 3 (not built yet: only 1)."""
     super_offload: bool = False

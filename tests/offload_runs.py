@@ -42,6 +42,7 @@ BOTH_NVME = "both_nvme"  # both on NVMe: sample_configs/zero3_nvme.json's tiers
 # reads the rest from the files on every gather; ReuseNet's one group (over 600) is read every time.
 MAX_IN_CPU = 600
 PARAM_NVME_BUFFERS = 3
+NVME_FAST = "nvme+fast_init"  # NVME with offload_optimizer.fast_init: no swap file written at initialisation
 
 
 def _nvme(optimizer: str, nvme_path: str) -> dict:
@@ -63,8 +64,9 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 6}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "allgather_bucket_size": 900,
                                  "overlap_comm": True, "stage3_param_persistence_threshold": 30}}
-    if offload in (NVME, NVME_PARAM_CPU):
+    if offload in (NVME, NVME_PARAM_CPU, NVME_FAST):
         cfg["zero_optimization"].update(_nvme(optimizer, nvme_path), **(PARAM_CPU if offload == NVME_PARAM_CPU else {}))
+        cfg["zero_optimization"]["offload_optimizer"]["fast_init"] = offload == NVME_FAST
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
     elif offload in (PARAM_NVME, BOTH_NVME):
         cfg["zero_optimization"].update(_nvme(optimizer, nvme_path) if offload == BOTH_NVME else OPT_CPU,
@@ -141,6 +143,8 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
     cfg = config(stage, optimizer, offload, precision, nvme_path)
     batches = make_batches(STEPS, MICRO * GAS * world)
     eng = _build(cfg, zero_init, meta, model)
+    nvme = eng.zero_optimizer.nvme
+    at_init = len(list(nvme.swap.path.glob("*.swp"))) if nvme is not None else None  # fast_init writes none
     dtype = next(eng.module.parameters()).dtype
     norms, unchanged, param_bytes = [], None, []
     for step, (x, y) in enumerate(batches):
@@ -184,6 +188,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
         out["sub_groups"] = [part.groups for part in zopt.nvme.parts.values()]
         out["state_in_memory"] = sum(len(s) for s in zopt.optimizer.state.values())
         out["swap_files"] = len(list(swap_dir.glob("*.swp")))
+        out["swap_files_at_init"] = at_init
     eng.destroy()  # every run: 45 engines' process groups and gloo threads would pile up in this process
     if swap_dir is not None:
         out["swap_dir_left"] = swap_dir.exists()
@@ -210,6 +215,7 @@ INF_CASES[("inf", "fp32", 2, "none")] = (2, "adamw", {}, "fp32", True)
 # offload_param "nvme" (tests/test_offload_param_nvme.py): the references are FP32_CASES' "none" runs.
 PARAM_NVME_CASES = {(3, opt, name): (3, opt, name) for opt in ("adamw", "sgd") for name in (PARAM_NVME, BOTH_NVME)}
 PARAM_NVME_CASES[("inf", "fp32", 3, BOTH_NVME)] = (3, "adamw", BOTH_NVME, "fp32", True)
+FAST_INIT_CASES = {(stage, opt, NVME_FAST): (stage, opt, NVME_FAST) for stage, opt in ((2, "sgd"), (3, "adamw"))}
 
 
 def _refusal(cfg: dict) -> list[str] | None:
@@ -225,7 +231,8 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     # the gc.collect() of each destroy() walks only the objects of one run (1.3 s -> ms under load).
     gc.freeze()
     os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "1"
-    out = {key: train(*args, nvme_path=nvme_path) for key, args in {**FP32_CASES, **MIXED_CASES, **INF_CASES}.items()}
+    out = {key: train(*args, nvme_path=nvme_path) for key, args in {**FP32_CASES, **MIXED_CASES, **INF_CASES,
+                                                                     **FAST_INIT_CASES}.items()}
     out[("resume", 3, NVME)] = train(3, "adamw", NVME_PARAM_CPU, resume=checkpoint_dir, nvme_path=nvme_path)
     out.update({key: train(*args, nvme_path=nvme_path) for key, args in PARAM_NVME_CASES.items()})
     for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME), (PARAM_NVME, PARAM_NVME)):

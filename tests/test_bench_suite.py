@@ -52,7 +52,7 @@ def test_header_says_command_versions_machine_load_and_how_bytes_are_counted(rep
     assert missing_header_lines(text) == []
     assert "- command: `python -m benchmarks.suite --quick --systems ddp,dstrain-z1" in text
     assert re.search(r"- versions: .*, deepspeed not installed", text)
-    for who in ("dstrain", "dstrain-pipe2 and dstrain-tp2", "ddp", "fsdp2", "deepspeed"):
+    for who in ("dstrain", "dstrain-pipe2, dstrain-tp2 and dstrain-pipe2-tp2", "ddp", "fsdp2", "deepspeed"):
         assert f"- bytes/step/rank of {who}: " in text
 
 

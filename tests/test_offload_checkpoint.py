@@ -11,12 +11,19 @@ the reduction order differs). AdamW's moments make a lost or misplaced optimizer
 The same with NVMe optimizer offload (the swapped state streamed by engine/checkpoint/nvme.py), and under
 NVMe the state APIs (safe_get_full_* / safe_get_local_*, `eng.optimizer.state_dict()` and
 `load_state_dict()`) return the swapped state: equal to the same run without offload.
+An async save under NVMe (`checkpoint.async_save`: file-level snapshot, engine/checkpoint/nvme.py's
+note) writes the bytes of the synchronous save of the same state, although its writer is held back
+until two more steps have rewritten both swap slots and the host flat; its snapshot copies are gone
+once it is committed.
 [Note: two spawns] Every 2-rank scenario runs in one spawned job and every 1-rank one in another
 (module-scoped fixtures); the tests assert on their results. The uninterrupted run is shared.
 """
 from __future__ import annotations
 
+import json
 import os
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,15 +40,15 @@ BOTH_CPU = {**OPT_CPU, "offload_param": {"device": "cpu"}}
 STAGED = {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}
 
 
-def _config(stage: int, offload: dict) -> dict:
-    return {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+def _config(stage: int, offload: dict, extra: dict | None = None) -> dict:
+    return {**(extra or {}), "train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 600, "allgather_bucket_size": 900,
                                   "stage3_param_persistence_threshold": 5, **offload}}
 
 
-def _engine(stage: int, offload: dict, seed: int = 0):
+def _engine(stage: int, offload: dict, seed: int = 0, extra: dict | None = None):
     torch.manual_seed(seed)  # another seed at load: everything must come from the checkpoint
-    eng, _, _, _ = engine.initialize(model=OddMLP(), config=_config(stage, offload))
+    eng, _, _, _ = engine.initialize(model=OddMLP(), config=_config(stage, offload, extra))
     return eng
 
 
@@ -157,6 +164,41 @@ def _nvme_save_and_load(ckpt: str, nvme_path: str, uninterrupted: dict) -> dict:
     return out
 
 
+def _files_of(tag_dir: Path) -> dict:
+    """A committed tag's files as bytes; metadata.json without its config (async_save differs there)."""
+    out = {f.name: f.read_bytes() for f in sorted(tag_dir.iterdir()) if f.name not in ("metadata.json", "manifest.json")}
+    meta = json.loads((tag_dir / "metadata.json").read_text())
+    meta.pop("config")
+    out["metadata.json"] = meta
+    return out
+
+
+def _nvme_async_save(ckpt: str, nvme_path: str) -> dict:
+    """A synchronous and an async NVMe save of the same state (4 steps); the async one's writer is
+    held until 2 more steps ran (module note), which rewrite both swap slots and the host flat."""
+    import engine.checkpoint.writer as writer
+    out = {}
+    for mode in ("sync", "async"):
+        eng = _engine(2, _nvme(nvme_path), extra={"checkpoint": {"async_save": mode == "async"}})
+        _train(eng, BATCHES[:SAVE_AT])
+        gate, real = threading.Event(), writer.write_and_commit
+        if mode == "async":  # the background thread calls it through the module (held until gate.set())
+            writer.write_and_commit = lambda snap, comm: (gate.wait(60), real(snap, comm))
+        try:
+            eng.save_checkpoint(os.path.join(ckpt, mode), tag="t")
+            if mode == "async":
+                _train(eng, BATCHES[SAVE_AT:SAVE_AT + 2])
+                out["copies_while_held"] = sorted(p.name for p in eng.zero_optimizer.nvme.swap.path.glob("ckpt*"))
+        finally:
+            gate.set()
+            eng.wait_for_checkpoint()
+            writer.write_and_commit = real
+        out[mode] = _files_of(Path(ckpt, mode, "t"))
+        out[mode + "_copies_after"] = sorted(p.name for p in eng.zero_optimizer.nvme.swap.path.glob("ckpt*"))
+        eng.destroy()
+    return out
+
+
 def _nvme_load_at_one_rank(ckpt: str, nvme_path: str) -> dict:
     """The 2-rank NVMe checkpoint, and the 2-rank one without offload, each into 1 rank with and without NVMe."""
     out = {}
@@ -174,7 +216,8 @@ def _two_rank_job(ckpt: str, nvme_ckpt: str, nvme_path: str) -> dict:
     uninterrupted = _engine(2, {})
     _train(uninterrupted, BATCHES)
     params = _params(uninterrupted)
-    return {"cpu": _save_and_load_at_two_ranks(ckpt, params), "nvme": _nvme_save_and_load(nvme_ckpt, nvme_path, params)}
+    return {"cpu": _save_and_load_at_two_ranks(ckpt, params), "nvme": _nvme_save_and_load(nvme_ckpt, nvme_path, params),
+            "nvme_async": _nvme_async_save(nvme_ckpt + "-async", nvme_path)}
 
 
 def _one_rank_job(ckpt: str, nvme_ckpt: str, nvme_path: str) -> dict:
@@ -231,3 +274,16 @@ def test_nvme_state_is_what_the_state_apis_return(two_ranks):
         trip = result["nvme"]["round_trip"]
         assert trip["in_memory"] == 0, f"rank {rank}: load_state_dict left state in memory under NVMe"
         _equal_states(trip["read_back"], apis["none"]["state_dict"], f"rank {rank} load_state_dict -> state_dict")
+
+
+def test_nvme_async_save_writes_the_sync_save_while_training_goes_on(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        result = result["nvme_async"]
+        sync, held = result["sync"], result["async"]
+        assert set(held) == set(sync) and f"rank_{rank:05d}.pt" in sync, f"rank {rank}: files {sorted(held)}"
+        for name, want in sync.items():
+            assert held[name] == want, f"rank {rank}: the async save's {name} differs from the sync save's"
+        # the snapshot copies existed while the writer was held (2 kinds of AdamW state + the master, per
+        # partition), and are gone after the commit, as after the sync save (which makes none)
+        assert len(result["copies_while_held"]) >= 3, result["copies_while_held"]
+        assert result["async_copies_after"] == result["sync_copies_after"] == []

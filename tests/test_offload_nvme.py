@@ -11,7 +11,8 @@ run without offload in the same precision. An Inf on one rank's loss skips the s
 swap files' SHA-256 unchanged (stages 2 and 3); a stage-3 checkpoint saved at step 5 with the optimizer
 on NVMe and the parameters on the host loads into a fresh such
 engine, which then trains on equal to the run without offload never stopped; `destroy()` removes the swap directory; a missing `nvme_path` is one
-ConfigError line naming the key. Copies are staged (DSTRAIN_OFFLOAD_STAGE_COPIES=1) as on an accelerator.
+ConfigError line naming the key. `offload_optimizer.fast_init` (no swap file written at initialisation)
+trains bit for bit as without it (stage 2 SGD, stage 3 AdamW). Copies are staged (DSTRAIN_OFFLOAD_STAGE_COPIES=1) as on an accelerator.
 The runs are tests/offload_runs.py's, one spawn shared with tests/test_offload_parity.py (the same
 references without offload).
 """
@@ -21,7 +22,8 @@ import math
 
 import pytest
 
-from tests.offload_runs import INF_STEP, NVME, RESUME_AT, assert_same as _assert_same, shared_runs
+from tests.offload_runs import (FAST_INIT_CASES, INF_STEP, NVME, RESUME_AT, assert_same as _assert_same,
+                                shared_runs)
 
 CASES = [(stage, opt) for stage in (1, 2, 3) for opt in ("sgd", "adamw")]
 INF_STAGES = (2, 3)
@@ -80,3 +82,15 @@ def test_destroy_removes_the_swap_directory(runs):
             if isinstance(key, tuple) and key[-1] == NVME:
                 assert got["swap_dir_left"] is False, f"rank {rank} {key}: swap directory left after destroy()"
         assert result["left_in_nvme_path"] == [], f"rank {rank}: {result['left_in_nvme_path']} left in nvme_path"
+
+
+@pytest.mark.parametrize("key", list(FAST_INIT_CASES), ids=lambda k: f"stage{k[0]}-{k[1]}")
+def test_fast_init_writes_nothing_at_initialisation_and_trains_the_same(runs, key):
+    stage, opt, _ = key
+    for rank, result in enumerate(runs):
+        fast, written = result[key], result[(stage, opt, NVME)]
+        assert fast["swap_files_at_init"] == 0 < written["swap_files_at_init"], \
+            f"rank {rank}: swap files at initialisation {fast['swap_files_at_init']} / {written['swap_files_at_init']}"
+        assert fast["swap_files"] == written["swap_files"] > 0 and fast["state_in_memory"] == 0
+        _assert_same(fast, written, f"rank {rank} stage {stage} {opt} fast_init vs not")
+        _assert_same(fast, result[(stage, opt, "none")], f"rank {rank} stage {stage} {opt} fast_init vs no offload")

@@ -7,6 +7,8 @@ with momentum (whose update is linear in the gradient, so a wrong slice or offse
 sub_group_size smaller than, equal to, larger than and not dividing the partition, with and without
 pipelined reads and writes. A step that fails halfway leaves the files bit for bit unchanged; state
 streamed out by `state_chunks` loads at other boundaries; the RSS bound is measured in a subprocess.
+Deferred initialisation (`fast_init`) writes no file and steps as the written one does; a file-level
+snapshot (`frozen`, async checkpoints) reads back the state it was taken at, after more steps.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from offload import AsyncFileIO, SwapBufferPool, SwapDir, SwappedPartition, sub_group_buffer_elements
+from offload.swapped_partition import MASTER
 from offload.estimate import EstimateSettings, estimate_memory
 from schemas.features import AioConfig
 
@@ -160,6 +163,48 @@ def test_state_streams_out_and_loads_at_other_boundaries(tmp_path):
     finally:
         first.close()
         second.close()
+
+
+def _frozen_rows(frozen, kind: str, numel: int) -> torch.Tensor:
+    return torch.cat(list(frozen.rows(kind, 0, numel)))
+
+
+def test_deferred_initialisation_and_frozen_snapshots(tmp_path):
+    master, grads = data(steps=4)
+    make = OPTIMIZERS["sgd-momentum"]  # linear in the gradient: a wrong master or momentum moves the weights
+    written, deferred = (Swapped(tmp_path, make, NUMEL, 1024, (True, True)) for _ in range(2))
+    try:
+        written.part.initialize(lambda s, e: master[s:e])
+        source = master.clone()  # the engine's host flat: written to only by on_updated
+        deferred.part.initialize(lambda s, e: source[s:e], deferred=True)
+        assert written.files_digest() and not deferred.files_digest(), "fast_init wrote swap files at initialisation"
+        before = deferred.part.frozen(lambda kind: str(tmp_path / f"before.{kind}"), KEY)  # no file yet: from memory
+        assert before.kinds == [MASTER] and torch.equal(_frozen_rows(before, MASTER, NUMEL), master)
+        deferred.model = source  # on_updated writes into the source, as the tier's host flat
+        for grad in grads[:2]:
+            written.step(grad)
+            deferred.step(grad)
+        frozen = written.part.frozen(lambda kind: str(tmp_path / f"at2.{kind}"), KEY)
+        want = {chunk["start"]: chunk for chunk in written.part.state_chunks()}
+        for grad in grads[2:]:  # both slots rewritten: the copies must not see it
+            written.step(grad)
+            deferred.step(grad)
+        assert frozen.kinds == [MASTER, "momentum_buffer"]
+        assert torch.equal(_frozen_rows(frozen, MASTER, NUMEL), torch.cat([c["master"] for c in want.values()]))
+        assert torch.equal(_frozen_rows(frozen, "momentum_buffer", NUMEL),
+                           torch.cat([c["state"]["momentum_buffer"] for c in want.values()]))
+        assert torch.equal(torch.cat(list(frozen.rows(MASTER, 1000, 3000))),  # a range across sub-groups
+                           torch.cat([c["master"] for c in want.values()])[1000:3000])
+        frozen.close()
+        before.close()
+        assert not list(tmp_path.glob("at2.*")) and not list(tmp_path.glob("before.*"))
+        assert torch.equal(deferred.model, written.model)
+        for a, b in zip(written.part.state_chunks(), deferred.part.state_chunks()):
+            assert torch.equal(a["master"], b["master"]) and torch.equal(a["state"]["momentum_buffer"],
+                                                                         b["state"]["momentum_buffer"])
+    finally:
+        written.close()
+        deferred.close()
 
 
 def test_lr_set_through_param_groups_is_the_one_used(tmp_path):

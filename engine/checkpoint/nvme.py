@@ -8,22 +8,35 @@ world size, and the other way round.
 Save: each state kind's fragments are views of a `StreamedRows` placeholder (streamed.py), whose bytes
 the writer reads from `state_chunks()` one sub-group at a time while it writes the rank file; the fp32
 rows are the host flat the all-gather sends from (resident anyway, and equal to the swapped master bit
-for bit: the tier copies every updated master slice into it). An async save (`checkpoint.async_save`)
-snapshots into memory by definition, so there the placeholders are filled first (the whole state once,
-as before this was streamed). Load: `write` only records where each fragment's rows are (restore.py
+for bit: the tier copies every updated master slice into it).
+[Note: async save] With `checkpoint.async_save` the state must be fixed before the save returns (the
+step after next overwrites the slot the save would read), but not in memory: `freeze()` copies each
+partition's current swap files, master included, into the job's swap directory (a reflink or an
+in-kernel copy: offload/file_snapshot.py) on the training thread, and every placeholder, the fp32 rows'
+too (the host flat changes with the next step), streams from those copies in the background writer,
+sub-group by sub-group as the synchronous save does. The file's bytes are the synchronous save's; the
+copies are deleted when the save is committed or fails (`release`), and by the swap directory's sweep
+after a crash. Host memory: one sub-group per storage being written, whatever the model size.
+Load: `write` only records where each fragment's rows are (restore.py
 passes row readers, `streams_rows`); `finish_load` then feeds `load_chunks()` one sub-group at a time,
 each cut from the checkpoint's memory-mapped fragments. Measured in tests/test_offload_checkpoint.py.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from offload.swapped_partition import MASTER
+
 from .format import FP32
 from .state import PartitionedAdapter
 from .streamed import StreamedRows
+
+
+_copies = itertools.count()  # names of snapshot copies, unique within the job's swap directory
 
 
 @dataclass
@@ -45,6 +58,7 @@ class NvmeAdapter(PartitionedAdapter):
         self._scalars: dict[tuple, dict] = {}
         self._pending: dict[tuple, list[_Pending]] = {}
         self._loaded_kinds: dict[tuple, set] = {}
+        self._frozen: dict[tuple, object] = {}  # flat key -> FrozenState, this async save (module note)
 
     def row_kinds(self) -> set[str]:
         """The per-element state kinds: the configured optimizer holds no state, so its layout names
@@ -52,15 +66,43 @@ class NvmeAdapter(PartitionedAdapter):
         return {k for part in self.nvme.parts.values() for k in part.state_keys}
 
     # -- save --------------------------------------------------------------------------------------
+    def freeze(self) -> None:
+        """This save reads copies of the swap files taken now, not the live files (module note: async)."""
+        swap = self.nvme.swap
+        try:
+            for key, part in self.nvme.parts.items():
+                n = next(_copies)
+                self._frozen[key] = part.frozen(lambda kind, n=n, name=part.name: swap.file(f"ckpt{n}.{name}.{kind}.swp"),
+                                                path_key="zero_optimization.offload_optimizer.nvme_path")
+        except BaseException:
+            self.release()()
+            raise
+
+    def release(self) -> Callable[[], None]:
+        """Deletes this save's copies when called (after the commit, by the writer)."""
+        frozen = list(self._frozen.values())
+
+        def remove_copies() -> None:
+            for state in frozen:
+                state.close()
+        return remove_copies
+
     def _first_chunk(self, key) -> dict:
         """Sub-group 0's chunk: which state kinds exist yet, and the per-step scalars (equal in every
         sub-group: Adam's step)."""
+        if key in self._frozen:
+            frozen = self._frozen[key]
+            return {"kinds": [k for k in frozen.kinds if k != MASTER], "scalars": frozen.scalars}
         if key not in self._scalars:
             chunk = next(iter(self.nvme.state_chunks(key)))
             self._scalars[key] = {"kinds": sorted(chunk["state"]), "scalars": chunk["scalars"]}
         return self._scalars[key]
 
     def _produce(self, key, kind: str):
+        if key in self._frozen:
+            frozen = self._frozen[key]
+            return lambda a, b: frozen.rows(MASTER if kind == FP32 else kind, a, b)
+
         def produce(a: int, b: int):
             for chunk in self.nvme.state_chunks(key):
                 s, e = chunk["start"], chunk["end"]
@@ -83,7 +125,7 @@ class NvmeAdapter(PartitionedAdapter):
         frag = self.part.fragments[p]
         tensors = {FP32: self.part.store.read(frag.key, frag.offset, frag.offset + frag.numel).view(frag.shape)}
         first = self._first_chunk(frag.key)
-        for kind in first["kinds"]:
+        for kind in ([FP32] if frag.key in self._frozen else []) + first["kinds"]:
             stream = self._placeholder(frag.key, kind)
             lo = frag.offset - stream.start
             tensors[kind] = stream.placeholder[lo:lo + frag.numel].view(frag.shape)
@@ -94,7 +136,7 @@ class NvmeAdapter(PartitionedAdapter):
     def streams(self) -> list[StreamedRows]:
         """This save's placeholders (snapshot.py hands them to the writer); the next save starts afresh."""
         out = list(self._streams.values())
-        self._streams, self._scalars = {}, {}
+        self._streams, self._scalars, self._frozen = {}, {}, {}
         return out
 
     # -- load --------------------------------------------------------------------------------------

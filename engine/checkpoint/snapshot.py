@@ -250,25 +250,36 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
     """This rank's share of a save; with `arena` (async) its tensors are copies in the arena, else
     views of the live state (module note: packing). `world_comm` spans every process (the writer's
     group; placement.py's note): files are named by global rank; rows are cut by data-parallel rank."""
+    world_comm = world_comm if world_comm is not None else eng.comm
+    adapter = adapter_for(eng.zero_optimizer, eng.comm.rank, eng.comm.world_size)
+    release = None
+    if arena is not None and hasattr(adapter, "freeze"):  # NVMe state: file copies, not memory (nvme.py)
+        adapter.freeze()
+        release = adapter.release()
+    try:
+        return _snapshot(eng, adapter, save_dir, tag, client_state, save_latest, keep_last, arena,
+                         tag_validation, world_comm, release)
+    except BaseException:
+        if release is not None:
+            release()
+        raise
+
+
+def _snapshot(eng, adapter, save_dir, tag, client_state, save_latest, keep_last, arena, tag_validation,
+              world_comm, release) -> Snapshot:
     comm = eng.comm
-    world_comm = world_comm if world_comm is not None else comm
     rank, world = world_comm.rank, world_comm.world_size
-    adapter = adapter_for(eng.zero_optimizer, comm.rank, comm.world_size)
     names = {id(p): n for n, p in eng.module.named_parameters()}
     trainable = {id(p): names[id(p)] for p in adapter.params()} if adapter else {}
     coord, degree = coordinates(eng), model_degree(eng)
     tensors, index = _fragments(eng, adapter, names, coord.model)
     streams = adapter.streams() if hasattr(adapter, "streams") else []  # NVMe state: streamed.py's note
-    if arena is not None:  # an async save snapshots into memory: the state is read in now
-        for stream in streams:
-            stream.fill()
-        streams = []
     entries, aliases = module_entries(eng.module, trainable)
     # buffers and frozen tensors are replicated over the model axis, written by model coordinate 0, but
     # each model coordinate writes its own frozen tensor-parallel shards (tensor_shards.py's note)
     written = entries if coord.model == 0 else {k: t for k, t in entries.items() if is_partitioned(t)}
     _entry_fragments(adapter, written, comm.rank, tensors, index)  # data rank 0 of each stage
-    tensors = pack(tensors, arena)
+    tensors = _pack_around(tensors, streams, arena)
     ready = _copies_enqueued(tensors) if arena is not None else None
     nonce = new_nonce() if rank == 0 else None
     table = {"coord": list(coord), "index": index,
@@ -281,12 +292,36 @@ def take_snapshot(eng, save_dir: Path, tag: str, client_state, save_latest: bool
                      "coord": table["coord"], "tensors": tensors, "rng": rng_state(),
                      "optimizer": save_rank_state(eng)},
                     save_latest=save_latest, keep_last=keep_last, ready=ready, streams=streams,
+                    release=release,
                     nbytes=sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)))
     if rank == 0:
         snap.engine_state = _engine_state(eng, client_state)
         check_loadable(snap.engine_state["client_state"], "client_state")
         snap.metadata = _metadata(eng, tag, [g[1] for g in gathered], world)
     return snap
+
+
+def _pack_around(tensors: dict, streams: list, arena: Arena | None) -> dict:
+    """`pack`; for an async save with streamed state (NVMe, nvme.py's note: async save) its
+    placeholders stay zero-copy views, their bytes read by the writer from the snapshot copies, and
+    the rest (per-step scalars, buffers: small) is copied storage by storage rather than into the
+    arena, so the file is byte for byte the synchronous save's (same storages, same order)."""
+    streamed = {k for k, t in tensors.items()
+                if isinstance(t, torch.Tensor) and any(s.contains(t.untyped_storage()) for s in streams)}
+    if arena is None or not streamed:
+        return pack(tensors, arena)
+    out, copies = pack(tensors), {}
+    for k, t in out.items():
+        if k in streamed or not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in copies:
+            copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu")
+            copy.untyped_storage().copy_(storage)  # from an accelerator too: a blocking copy, small
+            copies[storage.data_ptr()] = copy.untyped_storage()
+        out[k] = torch.empty(0, dtype=t.dtype, device="cpu").set_(copies[storage.data_ptr()], t.storage_offset(),
+                                                                  t.shape, t.stride())
+    return out
 
 
 def _copies_enqueued(tensors: dict):

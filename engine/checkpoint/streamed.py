@@ -54,13 +54,6 @@ class StreamedRows:
         a = self.start + offset // 4
         return self.produce(a, a + storage.nbytes() // 4)
 
-    def fill(self) -> None:
-        """Make the placeholder hold the real values (an async save's in-memory snapshot)."""
-        pos = 0
-        for piece in self.produce(self.start, self.stop):
-            self.placeholder[pos:pos + piece.numel()].copy_(piece)
-            pos += piece.numel()
-
 
 class _Skeleton:
     """A write-only, seek-forward file that records what torch.save writes: bytes, and holes where it

@@ -8,8 +8,8 @@ manifest.json, renames the temp directory to `<dir>/<tag>` and only then replace
 rename leaves a hidden temp directory that no reader looks at; a crash after it leaves a complete tag
 (and `latest` still naming the previous one until it is replaced). The next save removes stale temp
 directories.
-[Note: async] With `checkpoint.async_save` the snapshot (a CPU copy of this rank's fragments) is
-taken on the training thread and everything else runs in one background thread, with its collectives
+[Note: async] With `checkpoint.async_save` the snapshot (a CPU copy of this rank's fragments; with
+NVMe offload a copy of the swap files on disk instead, nvme.py's note) is taken on the training thread and everything else runs in one background thread, with its collectives
 on a separate gloo process group, so they never interleave with training's collectives. At most one
 save is in flight: the next save (and `wait()`) waits for it and re-raises its error. The background
 thread and the write/hash threads it starts run at idle CPU priority (SCHED_IDLE): they use the CPU
@@ -53,6 +53,7 @@ class Snapshot:
     nbytes: int = field(default=0)
     ready: object = None  # a CUDA event the arena copies finish at (snapshot.py's note: accelerators)
     streams: list = field(default_factory=list)  # placeholders written from swap files (streamed.py)
+    release: object = None  # called once the files are written or failed: removes snapshot copies (nvme.py)
 
 
 def new_nonce() -> str:
@@ -84,8 +85,12 @@ def write_and_commit(snap: Snapshot, comm: Communicator) -> None:
         snap.ready.synchronize()
     tmp = fmt.tmp_dir(snap.save_dir, snap.tag, snap.nonce)
     tmp.mkdir(parents=True, exist_ok=True)
-    entries = {fmt.rank_file(snap.rank): _save_file(tmp / fmt.rank_file(snap.rank), snap.rank_content,
-                                                    _kill_after(snap), snap.streams)}
+    try:
+        entries = {fmt.rank_file(snap.rank): _save_file(tmp / fmt.rank_file(snap.rank), snap.rank_content,
+                                                        _kill_after(snap), snap.streams)}
+    finally:
+        if snap.release is not None:  # the rank file is the snapshot copies' only reader
+            snap.release()
     if snap.rank == 0:
         entries[fmt.ENGINE_STATE] = _save_file(tmp / fmt.ENGINE_STATE, snap.engine_state)
     gathered = comm.all_gather_object(entries)

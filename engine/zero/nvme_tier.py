@@ -108,7 +108,8 @@ class NvmeOptimizerTier:
                                         self.pool, sub_group, pipeline_read=section.pipeline_read,
                                         pipeline_write=section.pipeline_write,
                                         name=f"rank{rank}-group{key[0]}-{str(key[1]).removeprefix('torch.')}")
-                part.initialize(lambda s, e, key=key: partition.store.read(key, s, e))
+                # fast_init: nothing written before the first step (the stepper's deferred-initialisation note)
+                part.initialize(lambda s, e, key=key: partition.store.read(key, s, e), deferred=section.fast_init)
                 self.parts[key] = part
             self.per_tensor = per_tensor_stepper(self, zopt)  # Lamb, Muon: two passes (nvme_per_tensor.py)
             self._hooks = install_state_dict_hooks(self)  # state_dict() sees the swap files (nvme_state.py)
