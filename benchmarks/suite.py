@@ -80,10 +80,11 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
                        "gradient_accumulation_steps": 4}, 0),
     "dstrain-tp2": ({"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1, **_ZERO},
                      "gradient_accumulation_steps": 2}, 1),
-    # sample_configs/zero3_nvme.json's tiers: the optimizer on NVMe, the parameters in host memory
+    # sample_configs/zero3_nvme.json's tiers: the optimizer and the parameters on NVMe (ZeRO-Infinity)
     "dstrain-z3-offload-nvme": ({"zero_optimization": {"stage": 3, **_ZERO, "sub_group_size": 1e6, "offload_optimizer": {
         "device": "nvme", "nvme_path": "NVME_DIR", "buffer_count": 9, "pipeline_read": True, "pipeline_write": True},
-        "offload_param": {"device": "cpu"}},
+        "offload_param": {"device": "nvme", "nvme_path": "NVME_DIR", "buffer_count": 5, "buffer_size": 1e7,
+                          "max_in_cpu": 1e7}},
         "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 2}}, 3),
     "dstrain-pipe2-tp2": ({"pipeline": {"stages": 2, "schedule": "1f1b"}, "tensor_parallel": {"autotp_size": 2},
                            "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}, 0),
