@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import engine
+import schemas
 from tests.harness import free_port, run_distributed
 from tests.models import OddMLP
 
@@ -94,8 +95,14 @@ def test_dump_state_prints_the_resolved_config_and_overrides_fill_auto(capfd):
 
 def _zero_init_arguments():
     refused = []
-    # remote_device="cpu" and pin_memory are built (parameter offload, tests/test_offload_parity.py); NVMe is not.
-    for kwargs in ({"remote_device": "nvme"}, {"mpu": object()},
+    # remote_device "cpu" and "nvme" and pin_memory are built (tests/test_offload_parity.py,
+    # tests/test_offload_param_nvme.py); "nvme" with a config that keeps parameters off NVMe is a config
+    # error naming the key, an unknown device is refused by name.
+    try:
+        engine.zero.Init(config=CFG, remote_device="nvme")
+    except schemas.ConfigError as err:
+        refused.append(str(err))
+    for kwargs in ({"remote_device": "tape"}, {"mpu": object()},
                    {"zero_param_parallel_group": object()}, {"zero_quantized_weights": True},
                    {"zero_quantized_nontrainable_weights": True}, {"sequence_data_parallel_group": object()},
                    {"param_swapper": object()}):
@@ -114,8 +121,9 @@ def _zero_init_arguments():
 
 def test_zero_init_refuses_what_is_not_built_and_unknown_keywords():
     refused, shape = run_distributed(_zero_init_arguments, 1)[0]
-    assert len(refused) == 8 and shape == (4, 4)
-    assert refused[0].startswith("engine.zero.Init: remote_device='nvme'"), refused[0]
+    assert len(refused) == 9 and shape == (4, 4)
+    assert "zero_optimization.offload_param.device" in refused[0], refused[0]
+    assert refused[1].startswith("engine.zero.Init: remote_device='tape'"), refused[1]
     assert "unexpected keyword argument 'remote_devise'" in refused[-1]
 
 
