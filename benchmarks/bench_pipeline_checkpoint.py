@@ -124,6 +124,16 @@ def _tp_case(width: int, layers: int, base: str, repeats: int) -> dict:
             f"load_model2_ckpt_at_model{world}_s": round(reshard, 4)}
 
 
+def _sgd_config(tp_degree: int) -> dict:
+    """ZeRO-1 SGD with momentum (state to save), AutoTP at `tp_degree` when it is above 1."""
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
+              "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1}}
+    if tp_degree > 1:
+        config["tensor_parallel"] = {"autotp_size": tp_degree}
+    return config
+
+
 def _pipe_tp_engine(d_model: int, pipe: int, model: int):
     import torch.distributed as dist
 
@@ -135,12 +145,7 @@ def _pipe_tp_engine(d_model: int, pipe: int, model: int):
     cfg = GPTConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=8, d_model=d_model)
     pm = PipelineModule(gpt_layers(cfg), topology=Topology.for_world(dist.get_world_size(), pipe=pipe, model=model),
                         loss_fn=gpt_loss, partition_method="type:BlockLayer")
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
-              "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1}}
-    if model > 1:
-        config["tensor_parallel"] = {"autotp_size": model}
-    eng, *_ = engine.initialize(model=pm, config=config)
+    eng, *_ = engine.initialize(model=pm, config=_sgd_config(model))
     return eng
 
 
@@ -170,12 +175,7 @@ def _hf_engine(n_embd: int, degree: int):
     import engine
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=16, n_embd=n_embd, n_layer=2, n_head=8))
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
-              "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1}}
-    if degree > 1:
-        config["tensor_parallel"] = {"autotp_size": degree}
-    eng, *_ = engine.initialize(model=model, config=config)
+    eng, *_ = engine.initialize(model=model, config=_sgd_config(degree))
     return eng
 
 
