@@ -106,16 +106,22 @@ def _tp_engine(width: int, layers: int, degree: int):
     return eng
 
 
+def _save_load_times(eng, base: str, repeats: int) -> tuple[float, float]:
+    """Seconds to save and to load tag "t" under `base` (after an untimed first save), then destroy."""
+    eng.save_checkpoint(base, tag="first")
+    save = _timed(lambda: eng.save_checkpoint(base, tag="t"), repeats)
+    load = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
+    eng.destroy()
+    return save, load
+
+
 def _tp_case(width: int, layers: int, base: str, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
     eng = _tp_engine(width, layers, 2)
     eng.backward(eng(torch.randn(1, width, device="cpu")))
     eng.step()  # momentum exists
-    eng.save_checkpoint(base, tag="first")
-    save = _timed(lambda: eng.save_checkpoint(base, tag="t"), repeats)
-    load = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
-    eng.destroy()
+    save, load = _save_load_times(eng, base, repeats)
     world = dist.get_world_size()
     eng = _tp_engine(width, layers, world)
     reshard = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
@@ -156,10 +162,7 @@ def _pipe_tp_case(mb: float, base: str, repeats: int) -> dict:
     eng = _pipe_tp_engine(d_model, 2, 2)
     x = torch.randint(0, 256, (1, 16), device="cpu")
     eng.train_batch(iter([(x, x)]))  # momentum exists
-    eng.save_checkpoint(base, tag="first")
-    save = _timed(lambda: eng.save_checkpoint(base, tag="t"), repeats)
-    load = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
-    eng.destroy()
+    save, load = _save_load_times(eng, base, repeats)
     eng = _pipe_tp_engine(d_model, 1, 1)
     reshard = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
     eng.destroy()
@@ -187,10 +190,7 @@ def _hf_case(mb: float, base: str, repeats: int) -> dict:
     x = torch.randint(0, 1024, (1, 16), device="cpu")
     eng.backward(eng(input_ids=x, labels=x).loss)
     eng.step()  # momentum exists
-    eng.save_checkpoint(base, tag="first")
-    save = _timed(lambda: eng.save_checkpoint(base, tag="t"), repeats)
-    load = _timed(lambda: eng.load_checkpoint(base, tag="t"), repeats)
-    eng.destroy()
+    save, load = _save_load_times(eng, base, repeats)
     world = dist.get_world_size()
     out = {"n_embd": n_embd, f"model2_x_data{world // 2}": {"save_s": round(save, 4), "load_s": round(load, 4)}}
     for degree, key in ((world, f"load_at_model{world}_s"), (1, f"load_into_dense_conv1d_x_data{world}_s")):
