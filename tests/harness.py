@@ -61,7 +61,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_PRELOAD = ["torch", "torch.distributed", "engine", "engine.dist"]
+# What (almost) every rank imports, so that it is imported once per test session, not once per rank:
+# torch.optim's first Optimizer() imports torch._dynamo (and with it sympy), about 1.5 s of CPU per rank
+# on an idle machine and 4-14 s on a loaded one; engine.build pulls in ZeRO, checkpoints and monitors;
+# unpickling a test's function imports its module and so pytest. None of these imports starts a thread
+# or runs a torch op (checked: the forkserver keeps its thread count).
+_PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.profiler", "engine", "engine.dist",
+            "engine.build", "engine.pipe", "engine.checkpointing", "engine.monitors", "engine.teardown", "pytest"]
 
 
 def _context():
