@@ -28,6 +28,7 @@ from .partitioned_wire import PartitionedWire, partitioned, wire_shapes
 from .probe import chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import LoggedStage, schedule_class
+from .stage_clock import StageClock
 
 _MIXED_BATCH = -1  # the batch key that says the first stage's micro-batches differ in nest or shape
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
@@ -96,6 +97,7 @@ class PipelineEngine(Engine):
         self._data_iterator = None
         self._sent_bytes = {"forward": 0, "backward": 0}  # what the stages sent (boundary_bytes)
         self._actions: list[tuple] = []  # what this rank's stages ran in the last batch (schedule.py)
+        self._clock = StageClock(self.device)  # the last batch's span and computations (stage_clock.py)
         self._last_chunk = None  # the last chunk's module on the last stage (its out_structure feeds the loss)
         self._loss_factor = 1.0  # set per batch: the fp16 loss scale / micro-batches (see _loss)
 
@@ -116,7 +118,7 @@ class PipelineEngine(Engine):
                                       self.groups.pipe_group, self.stage_id, self.device, training)
             stages = [LoggedStage(mods[c], c, chunks, self.device, input_args=examples[c][0],
                                   output_args=examples[c][1], group=self.groups.pipe_group, action_log=self._actions,
-                                  sent_bytes=self._sent_bytes)
+                                  sent_bytes=self._sent_bytes, clock=self._clock)
                       for c in pm.chunk_ids]
             cls = self._schedule_cls
             if cls is tp.Schedule1F1B and m < pm.num_stages:
@@ -138,7 +140,9 @@ class PipelineEngine(Engine):
     def _loss(self, flat_output, labels):
         """torch's loss hook on the last stage: the user's loss of the rebuilt output, divided by the
         micro-batch count (the mean over micro-batches) and times the fp16 loss scale when training."""
-        loss = self.module.loss_fn(boundary.unflatten(self._last_chunk.out_structure, tuple(flat_output)), labels)
+        with self._clock.busy():
+            loss = self.module.loss_fn(boundary.unflatten(self._last_chunk.out_structure, tuple(flat_output)),
+                                       labels)
         return loss * self._loss_factor if self._loss_factor != 1.0 else loss
 
     def _pull(self, data_iter, m: int):
@@ -194,8 +198,10 @@ class PipelineEngine(Engine):
             st.has_backward = training
             st.clear_runtime_states()
         losses: list = []
+        self._clock.start_step()
         sched._step_microbatches([x for _, x in inputs] if self.is_first_stage else None, None,
                                  labels if self.is_last_stage else None, losses if self.is_last_stage else None)
+        self._clock.stop_step()
         if sending is not None:
             sending.wait()
         return stages, losses
@@ -223,6 +229,15 @@ class PipelineEngine(Engine):
         """Every stage's executed actions of the last batch, {pipe rank: [(kind, stage, mb), ...]}
         (collective over the pipe group; for `schedule.idle_fractions`)."""
         return dict(enumerate(self.pipe_comm.all_gather_object(list(self._actions))))
+
+    def stage_idle_fraction(self) -> float:
+        """This rank's measured idle fraction of the last batch: the wall-clock share of its schedule run
+        spent outside computations (stage_clock.py)."""
+        return self._clock.idle_fraction()
+
+    def measured_idle(self) -> dict[int, float]:
+        """`stage_idle_fraction` of every stage, {pipe rank: fraction} (collective over the pipe group)."""
+        return dict(enumerate(self.pipe_comm.all_gather_object(self.stage_idle_fraction())))
 
     # -- the public API -------------------------------------------------------------------------
     def train_batch(self, data_iter=None) -> torch.Tensor:

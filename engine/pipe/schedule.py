@@ -14,7 +14,7 @@ forward 1, full backward 2, input-gradient and weight-gradient halves 1 each, al
 chunks per rank — where an action starts once its rank is free and its data has arrived (the previous
 stage's forward, the next stage's input gradient). The idle fraction of a rank is its idle time over
 the makespan. Counting slots, not wall time, makes the number a property of the schedule, which is
-what the formula describes.
+what the formula describes. The same fraction measured in wall-clock time is stage_clock.py's.
 """
 from __future__ import annotations
 
@@ -57,13 +57,15 @@ def _p2p_bytes(ops) -> int:
 
 
 class LoggedStage(tp.PipelineStage):
-    """torch's PipelineStage, recording each computation it runs as (kind, stage, micro-batch) and the
-    bytes it sends to the neighbouring stages (into `sent_bytes`: activations "forward", gradients "backward")."""
+    """torch's PipelineStage, recording each computation it runs as (kind, stage, micro-batch), timing it
+    on the rank's `clock` (stage_clock.py: the measured bubble), and counting the bytes it sends to the
+    neighbouring stages (into `sent_bytes`: activations "forward", gradients "backward")."""
 
-    def __init__(self, *args, action_log: list, sent_bytes: dict, **kwargs):
+    def __init__(self, *args, action_log: list, sent_bytes: dict, clock, **kwargs):
         super().__init__(*args, **kwargs)
         self.action_log = action_log
         self.sent_bytes = sent_bytes
+        self.clock = clock
 
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
@@ -77,18 +79,21 @@ class LoggedStage(tp.PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self.action_log.append(("F", self.stage_index, fwd_chunk_id))
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with self.clock.busy():
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         if self.has_backward:
             self.action_log.append(("B" if full_backward else "I", self.stage_index, bwd_chunk_id))
-        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                          last_backward=last_backward)
+        with self.clock.busy():
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                              last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         if self.has_backward:
             self.action_log.append(("W", self.stage_index, bwd_chunk_id))
-        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        with self.clock.busy():
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
 
 def idle_fractions(actions: dict[int, list[tuple]], num_chunks: int) -> dict[int, float]:
