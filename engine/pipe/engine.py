@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from ..comm import Communicator
 from ..engine import Engine
 from . import boundary
-from .partitioned_wire import PartitionedWire, partitioned, wire_shapes
+from .partitioned_wire import PartitionedWire, partitioned
 from .probe import chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import LoggedStage, schedule_class
@@ -43,34 +43,26 @@ def _check_batch_key(value: int) -> None:
 
 class _ChunkModule(torch.nn.Module):
     """One chunk of the PipelineModule as torch's stage sees it: flat tensors in, flat tensors out; the
-    nest around them is the structure the probe saw (boundary.py's note). With `wire`, what it receives
-    and sends is this tensor rank's slice (partitioned_wire.py)."""
+    nest around them is the structure the probe saw (boundary.py's note)."""
 
-    def __init__(self, pipe_module, chunk: int, device: torch.device, wire: PartitionedWire | None = None):
+    def __init__(self, pipe_module, chunk: int, device: torch.device):
         super().__init__()
         self.layers = torch.nn.ModuleList(f for f in pipe_module._forward_funcs[chunk] if isinstance(f, torch.nn.Module))
         self.tied = torch.nn.ModuleList(f.module for f in pipe_module._forward_funcs[chunk] if hasattr(f, "forward_fn"))
         self.pipe_module, self.chunk, self.device = pipe_module, chunk, device
-        last = pipe_module.num_stages * pipe_module.virtual_stages - 1
-        self.wire = wire
-        self.receives_slices = wire is not None and chunk > 0
-        self.sends_slices = wire is not None and chunk < last
         self.in_structure: boundary.Structure | None = None
         self.out_structure: boundary.Structure | None = None
-        self.out_wire_shapes: tuple | None = None  # whole shapes behind the slices it sends (for the receiver)
 
     def forward(self, *tensors):
-        if self.receives_slices:
-            tensors = self.wire.receive(tensors)
         out = self.pipe_module.run_chunk(self.chunk, boundary.unflatten(self.in_structure, tensors))
         structure, flat = boundary.flatten(out)
         if self.out_structure is None:  # the probe's run (probe.py)
-            self.out_structure, self.out_wire_shapes = structure, wire_shapes(flat)
+            self.out_structure = structure
         elif structure != self.out_structure:
             raise ValueError(f"pipeline chunk {self.chunk} returned a different nest or constants than it did for "
                              f"the same input shapes ({structure.to_wire()} vs {self.out_structure.to_wire()}); "
                              "what a stage passes on may depend on the input's shapes, not on its values")
-        return self.wire.send(flat) if self.sends_slices else flat
+        return flat
 
 
 class PipelineEngine(Engine):
@@ -111,15 +103,12 @@ class PipelineEngine(Engine):
                 self._built.pop(next(iter(self._built)))
             pm = self.module
             chunks = pm.num_stages * pm.virtual_stages
-            mods = {c: _ChunkModule(pm, c, self.device, self._wire()) for c in pm.chunk_ids}
+            mods = {c: _ChunkModule(pm, c, self.device) for c in pm.chunk_ids}
             if first_input is not None:
                 mods[0].in_structure = first_input[0]
             examples = chunk_examples(mods, first_input[1] if first_input else None, pm.num_stages, chunks,
                                       self.groups.pipe_group, self.stage_id, self.device, training)
-            stages = [LoggedStage(mods[c], c, chunks, self.device, input_args=examples[c][0],
-                                  output_args=examples[c][1], group=self.groups.pipe_group, action_log=self._actions,
-                                  sent_bytes=self._sent_bytes, clock=self._clock)
-                      for c in pm.chunk_ids]
+            stages = [self._stage(mods[c], c, chunks, *examples[c]) for c in pm.chunk_ids]
             cls = self._schedule_cls
             if cls is tp.Schedule1F1B and m < pm.num_stages:
                 cls = tp.ScheduleGPipe  # with fewer micro-batches than stages 1F1B's order is GPipe's
@@ -134,8 +123,16 @@ class PipelineEngine(Engine):
             self._built[(key, training, m)] = entry
         return entry
 
-    def _wire(self) -> PartitionedWire | None:
-        return PartitionedWire(self._model_comm) if self._model_comm is not None else None
+    def _stage(self, mod, chunk: int, chunks: int, inputs: tuple, outputs: tuple) -> LoggedStage:
+        """torch's stage of one chunk, built from the probe's examples; with partitioned boundaries its
+        receive buffers are slices (partitioned_wire.py)."""
+        wire, examples = None, {"input_args": inputs, "output_args": outputs}
+        if self._model_comm is not None:
+            pipe = self.config.pipeline
+            wire = PartitionedWire(self._model_comm, pipe.pipe_partitioned, pipe.grad_partitioned)
+            examples = wire.buffer_examples(inputs, outputs, receives=chunk > 0, sends=chunk < chunks - 1)
+        return LoggedStage(mod, chunk, chunks, self.device, **examples, group=self.groups.pipe_group,
+                           action_log=self._actions, sent_bytes=self._sent_bytes, clock=self._clock, wire=wire)
 
     def _loss(self, flat_output, labels):
         """torch's loss hook on the last stage: the user's loss of the rebuilt output, divided by the

@@ -59,23 +59,37 @@ def _p2p_bytes(ops) -> int:
 class LoggedStage(tp.PipelineStage):
     """torch's PipelineStage, recording each computation it runs as (kind, stage, micro-batch), timing it
     on the rank's `clock` (stage_clock.py: the measured bubble), and counting the bytes it sends to the
-    neighbouring stages (into `sent_bytes`: activations "forward", gradients "backward")."""
+    neighbouring stages (into `sent_bytes`: activations "forward", gradients "backward"). With a `wire`
+    (partitioned_wire.py) what it sends and receives in each direction is this tensor rank's slice."""
 
-    def __init__(self, *args, action_log: list, sent_bytes: dict, clock, **kwargs):
+    def __init__(self, *args, action_log: list, sent_bytes: dict, clock, wire=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.action_log = action_log
         self.sent_bytes = sent_bytes
         self.clock = clock
+        self.wire = wire
 
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if self.wire is not None:
+            ops = self.wire.outgoing(ops, self.wire.activations)
         self.sent_bytes["forward"] += _p2p_bytes(ops)
         return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
+        if self.wire is not None:
+            ops = self.wire.outgoing(ops, self.wire.gradients)
         self.sent_bytes["backward"] += _p2p_bytes(ops)
         return ops
+
+    def _retrieve_recv_activations(self, fwd_chunk_id):
+        received = super()._retrieve_recv_activations(fwd_chunk_id)
+        return received if self.wire is None else self.wire.activations_in(received)
+
+    def _retrieve_recv_grads(self, bwd_chunk_id):
+        received = super()._retrieve_recv_grads(bwd_chunk_id)
+        return received if self.wire is None else self.wire.gradients_in(received)
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self.action_log.append(("F", self.stage_index, fwd_chunk_id))
