@@ -86,6 +86,7 @@ class PipelineEngine(Engine):
             zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group), self.tied,
                                                                self.loss_rider)
         self._built: dict[tuple, tuple] = {}
+        self._fingerprints: dict[tuple, int] = {}  # input signature -> its broadcast key (first stage)
         self._data_iterator = None
         self._sent_bytes = {"forward": 0, "backward": 0}  # what the stages sent (boundary_bytes)
         self._actions: list[tuple] = []  # what this rank's stages ran in the last batch (schedule.py)
@@ -165,6 +166,15 @@ class PipelineEngine(Engine):
             labels.append(y)
         return (inputs if self.is_first_stage else None), labels
 
+    def _fingerprint(self, signature) -> int:
+        """boundary.fingerprint, once per distinct signature (it serialises the structure)."""
+        value = self._fingerprints.get(signature)
+        if value is None:
+            if len(self._fingerprints) >= _CACHE_LIMIT:
+                self._fingerprints.pop(next(iter(self._fingerprints)))
+            value = self._fingerprints[signature] = boundary.fingerprint(signature)
+        return value
+
     def _batch_key(self, inputs) -> tuple[int, object]:
         """The first stage's input signature, as one int64 broadcast over the pipe group (boundary.py's
         note): the key of the stages built for it, the same on every stage. The first stage does not
@@ -172,7 +182,7 @@ class PipelineEngine(Engine):
         key = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.is_first_stage:
             signatures = {boundary.signature(*x) for x in inputs}
-            value = boundary.fingerprint(signatures.pop()) if len(signatures) == 1 else _MIXED_BATCH
+            value = self._fingerprint(signatures.pop()) if len(signatures) == 1 else _MIXED_BATCH
             key.fill_(value)
             if value != _MIXED_BATCH and self.num_stages > 1:
                 return value, self.pipe_comm.broadcast(key, src=0, async_op=True)

@@ -17,7 +17,6 @@ never on the step's path.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 import torch
 
@@ -63,6 +62,7 @@ class StageClock:
         self._step: list = []
         self._busy: list[tuple] = []
         self._depth = 0
+        self._start = None
 
     def start_step(self) -> None:
         self._busy.clear()
@@ -71,16 +71,22 @@ class StageClock:
     def stop_step(self) -> None:
         self._step.append(self.marks.mark())
 
-    @contextmanager
-    def busy(self):
+    def busy(self) -> "StageClock":
+        """`with clock.busy():` around a computation (a plain __enter__/__exit__: it runs several times
+        per micro-batch, where a generator-based context manager costs more than the timestamps)."""
+        return self
+
+    def __enter__(self):
         self._depth += 1
-        start = self.marks.mark() if self._depth == 1 else None
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if start is not None:
-                self._busy.append((start, self.marks.mark()))
+        if self._depth == 1:
+            self._start = self.marks.mark()
+        return self
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            self._busy.append((self._start, self.marks.mark()))
+        return False
 
     def intervals(self) -> int:
         """How many computations the last step timed."""
