@@ -82,7 +82,21 @@ CASES = {
 
 def _two_rank_checks():
     """Every 2-rank check of this file in one spawn (each spawn costs a torch import and rendezvous per rank)."""
-    return {"schedules": _train_each(2, CASES[2]), "peaks": _activation_peaks(), "dicts": _dicts_and_lengths()}
+    return {"schedules": _train_each(2, CASES[2]), "peaks": _activation_peaks(), "dicts": _dicts_and_lengths(),
+            "demo": _pipeline_demo()}
+
+
+def _pipeline_demo() -> int:
+    """examples/train_gpt_pipe.py's main() from sample_configs/pipe2.json, in this spawn (a launch of
+    its own costs two more torch imports), on a small GPT; it raises SystemExit if the loss does not fall."""
+    from examples import train_gpt_pipe
+    config = str(train_gpt_pipe.DEFAULT_CONFIG)  # sample_configs/pipe2.json
+    return train_gpt_pipe.main(["--deepspeed_config", config, "--steps", "10", "--layers", "2",
+                                "--d-model", "64", "--seq-len", "32", "--threads", "1"])
+
+
+def test_the_pipeline_demo_trains_from_its_sample_config(two_rank_results):
+    assert [r["demo"] for r in two_rank_results] == [0, 0]
 
 
 @pytest.fixture(scope="module")
