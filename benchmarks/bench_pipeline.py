@@ -11,8 +11,12 @@ time of the last min(15, N - 1) of N steps (the first builds the stages; the nex
 rank's, over `--rounds` interleaved rounds (in each, for every m, dstrain's schedules and torch's run
 in one set of processes and DeepSpeed's right after, or right before in every other round), with the
 ratio to DeepSpeed taken within each round and its median over rounds reported (a shared machine's
-load drifts between rounds); the bubble fraction from the executed actions (engine/pipe/schedule.py)
-next to its formula, and the peak bytes of activations autograd holds per stage (saved-tensor hooks).
+load drifts between rounds); the bubble fraction replayed from the executed actions
+(engine/pipe/schedule.py, "replay") next to its formula and to the idle fraction each stage measured in
+wall-clock time (engine/pipe/stage_clock.py: the share of its schedule run spent outside forward,
+backward and loss; per stage, the median over the measured steps, then over rounds), and the peak
+bytes of activations autograd holds per stage (saved-tensor hooks). With more ranks than free cores
+a stage also waits for a core, and that wait counts as idle: read 4-stage rows on 2 cores as a bound.
 Interleaved and zero-bubble rows use 2 chunks per rank. These machines are shared and noisy: read
 ratios, and the load printed with them.
 `--paired` steps dstrain's 1f1b and torch's bare schedule alternately in the same processes and
@@ -100,12 +104,17 @@ def _dstrain(schedule: str, m: int, steps: int) -> dict:
     from engine.checkpointing import SavedActivationProbe
     from engine.pipe.schedule import idle_fractions
     eng, pm, step = _dstrain_stepper(schedule, m, steps)
-    times = [_timed(step, i) for i in range(steps - 1)]
+    times, idle_each = [], []  # the step times and this stage's measured idle fraction of each step
+    for i in range(steps - 1):
+        times.append(_timed(step, i))
+        idle_each.append(eng.stage_idle_fraction())
     with SavedActivationProbe(pm.parameters()) as probe:
         times.append(_timed(step, steps - 1))
+    idle_each.append(eng.stage_idle_fraction())
     idle = idle_fractions(eng.schedule_actions(), eng.num_stages * pm.virtual_stages)
     eng.destroy()
-    return {"step_ms": measured(times), "bubble": max(idle.values()), "act_bytes": probe.peak_bytes}
+    return {"step_ms": measured(times), "bubble": max(idle.values()), "act_bytes": probe.peak_bytes,
+            "measured_idle": measured(idle_each)}
 
 
 def _torch_native(m: int, steps: int) -> dict:
@@ -217,7 +226,8 @@ def _round(stages: int, ms: list[int], steps: int, venv: str | None, deepspeed_f
 def _our_rows(stages: int, m: int, steps: int, venv: str | None) -> dict:
     ranks = run_distributed(_all, world_size=stages, args=(stages, [m], steps), timeout=1800)
     return {key: {**ranks[0][key], "step_ms": max(r[key]["step_ms"] for r in ranks),
-                  "acts": "/".join(f"{r[key]['act_bytes'] / 1024:.0f}" for r in ranks) if key[0] != "torch" else ""}
+                  "acts": "/".join(f"{r[key]['act_bytes'] / 1024:.0f}" for r in ranks) if key[0] != "torch" else "",
+                  "measured": [r[key]["measured_idle"] for r in ranks] if key[0] != "torch" else None}
             for key in ranks[0]}
 
 
@@ -242,7 +252,11 @@ def _print_rows(stages: int, ms: list[int], rounds: list[dict]) -> None:
             extra = ""
             if "bubble" in row:
                 v = 2 if system in ("interleaved_1f1b", "zero_bubble") else 1
-                extra = f"{row['bubble']:>7.3f} {formula_bubble(system, stages, m, v):>7.3f} {row['acts']:>16}"
+                # per stage, the median over rounds of each round's median measured idle fraction
+                idle = "/".join(f"{statistics.median(r[(system, m)]['measured'][s] for r in rounds):.2f}"
+                                for s in range(stages))
+                extra = (f"{row['bubble']:>7.3f} {formula_bubble(system, stages, m, v):>7.3f} {idle:>19} "
+                         f"{row['acts']:>16}")
             print(f"{stages:>2} {m:>2} {name:<24} {statistics.median(steps):>9.1f} {ratio} {each:<16} {extra}")
 
 
@@ -274,8 +288,8 @@ def main() -> int:
         for k in range(args.rounds):
             rounds.append(_round(stages, ms, args.steps, args.deepspeed_venv, deepspeed_first=k % 2 == 1))
             print(f"# p={stages} round {k + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
-        print(f"{'p':>2} {'m':>2} {'system':<24} {'step ms':>9} {'vs DS':>6} {'per round':<16} {'bubble':>7} "
-              f"{'formula':>7} {'act KB/stage':>16}")
+        print(f"{'p':>2} {'m':>2} {'system':<24} {'step ms':>9} {'vs DS':>6} {'per round':<16} {'replay':>7} "
+              f"{'formula':>7} {'measured idle/stage':>19} {'act KB/stage':>16}")
         _print_rows(stages, ms, rounds)
     print(f"load after: {os.getloadavg()}")
     return 0

@@ -40,8 +40,13 @@ def _train(schedule: str, stages: int, virtual: int, gas: int, tied: bool, zero:
     losses = []
     for x, y in global_batches(steps, MICRO * gas * dp, tied):
         losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, gas))))))
-    idle = idle_fractions(eng.schedule_actions(), stages * virtual)[eng.stage_id]
-    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, idle
+    actions = eng.schedule_actions()
+    idle = idle_fractions(actions, stages * virtual)[eng.stage_id]
+    # the measured bubble of the last batch (stage_clock.py) and what its clock timed: every action, and
+    # on the last stage every micro-batch's loss
+    expected = len(actions[eng.stage_id]) + (gas if eng.is_last_stage else 0)
+    measured = (eng.measured_idle()[eng.stage_id], eng._clock.intervals(), expected)
+    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, idle, measured
 
 
 def _check_against_reference(results, tied: bool, gas: int, dp: int, n_layers: int = 8):
@@ -50,7 +55,7 @@ def _check_against_reference(results, tied: bool, gas: int, dp: int, n_layers: i
                                     LR, STEPS)
     want = reference_params(ref)
     seen = set()
-    for params, losses, _ in results:
+    for params, losses, *_ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)  # every stage returns the loss
         for name, p in params.items():
             torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=f"parameter {name}")
@@ -77,7 +82,21 @@ CASES = {
 
 def _two_rank_checks():
     """Every 2-rank check of this file in one spawn (each spawn costs a torch import and rendezvous per rank)."""
-    return {"schedules": _train_each(2, CASES[2]), "peaks": _activation_peaks(), "dicts": _dicts_and_lengths()}
+    return {"schedules": _train_each(2, CASES[2]), "peaks": _activation_peaks(), "dicts": _dicts_and_lengths(),
+            "demo": _pipeline_demo()}
+
+
+def _pipeline_demo() -> int:
+    """examples/train_gpt_pipe.py's main() from sample_configs/pipe2.json, in this spawn (a launch of
+    its own costs two more torch imports), on a small GPT; it raises SystemExit if the loss does not fall."""
+    from examples import train_gpt_pipe
+    config = str(train_gpt_pipe.DEFAULT_CONFIG)  # sample_configs/pipe2.json
+    return train_gpt_pipe.main(["--deepspeed_config", config, "--steps", "10", "--layers", "2",
+                                "--d-model", "64", "--seq-len", "32", "--threads", "1"])
+
+
+def test_the_pipeline_demo_trains_from_its_sample_config(two_rank_results):
+    assert [r["demo"] for r in two_rank_results] == [0, 0]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +114,9 @@ def test_every_schedule_matches_single_process(stages, request):
     for k, (schedule, _, gas, tied, n_layers) in enumerate(CASES[stages]):
         _check_against_reference([r[k] for r in per_rank], tied, gas, dp=1, n_layers=n_layers)
         idle[schedule] = [r[k][2] for r in per_rank]
+    for r in per_rank:  # the wall-clock bubble is the benchmark's (no timing assertions): here its bookkeeping
+        for fraction, timed, expected in (case[3] for case in r):
+            assert 0.0 <= fraction <= 1.0 and timed == expected
     # Schedule accounting: the idle slots of the executed action lists, per stage, vs the formula.
     for schedule in ("1f1b", "gpipe"):
         m = next(c[2] for c in CASES[stages] if c[0] == schedule)
@@ -177,6 +199,24 @@ def test_dicts_masks_and_changing_lengths_cross_stages(two_rank_results):
             torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=name)
         assert len(errors) == 4 and all("train_batch" in e for e in errors[:3])
         assert "micro-batches of one train_batch/eval_batch differ in nest or shape" in errors[3]
+
+
+def test_the_measured_bubble_is_the_span_outside_computations():
+    """engine/pipe/stage_clock.py's arithmetic on a scripted clock: a step of 10 s with computations of 2 s
+    and 1 s (a loss nested in the second counted once) is idle 1 - 3/10."""
+    from engine.pipe.stage_clock import StageClock
+    ticks = iter([0.0, 1.0, 3.0, 4.0, 5.0, 10.0])
+    clock = StageClock(torch.device("cpu"), timer=lambda: next(ticks))
+    clock.start_step()  # 0
+    with clock.busy():  # 1 .. 3
+        pass
+    with clock.busy():  # 4 .. 5; the nested block reads no clock
+        with clock.busy():
+            pass
+    clock.stop_step()  # 10
+    assert clock.intervals() == 2 and clock.idle_fraction() == pytest.approx(0.7)
+    with pytest.raises(RuntimeError, match="before a whole step"):
+        StageClock(torch.device("cpu")).idle_fraction()
 
 
 def test_a_chunk_whose_output_nest_depends_on_values_is_an_error():

@@ -18,7 +18,8 @@ STEPS = 3
 ROUTES = ("layers", "autotp")
 
 
-def _train(route: str, sliced: bool, steps: int) -> dict:
+def _train(route: str, sliced: bool, steps: int, grads_sliced: bool | None = None) -> dict:
+    """`sliced`: pipeline.pipe_partitioned, and grad_partitioned unless `grads_sliced` says otherwise."""
     import torch.distributed as dist
 
     import engine
@@ -31,7 +32,8 @@ def _train(route: str, sliced: bool, steps: int) -> dict:
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0,
-              "pipeline": {"pipe_partitioned": sliced, "grad_partitioned": sliced}}
+              "pipeline": {"pipe_partitioned": sliced,
+                           "grad_partitioned": sliced if grads_sliced is None else grads_sliced}}
     if route == "autotp":
         config["tensor_parallel"] = {"autotp_size": 2}
     eng, *_ = engine.initialize(model=pm, config=config)
@@ -49,26 +51,10 @@ def _train(route: str, sliced: bool, steps: int) -> dict:
     return result
 
 
-def _mixed_pair_error() -> str:
-    import engine
-    import schemas
-    from engine.pipe import PipelineModule
-    from engine.topology import Topology
-    from examples.gpt_pipe import gpt_layers, gpt_loss
-    pm = PipelineModule(gpt_layers(_cfg(), tensor_parallel=True), topology=Topology.for_world(4, pipe=2, model=2),
-                        loss_fn=gpt_loss, partition_method="type:BlockLayer")
-    try:
-        engine.initialize(model=pm, config={"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD",
-                          "params": {"lr": LR}}, "pipeline": {"pipe_partitioned": True, "grad_partitioned": False}})
-    except schemas.ConfigError as err:
-        return str(err)
-    return "accepted"
-
-
 def _four_ranks():
     out = {(route, sliced): _train(route, sliced, STEPS) for route in ROUTES for sliced in (True, False)}
     out.update({("dense", sliced): _train("dense", sliced, 1) for sliced in (True, False)})
-    out["mixed"] = _mixed_pair_error()
+    out.update({("mixed", acts): _train("layers", acts, STEPS, grads_sliced=not acts) for acts in (True, False)})
     return out
 
 
@@ -88,9 +74,9 @@ def test_slices_give_bit_for_bit_the_result_of_whole_tensors(four_ranks, route):
     import torch
     for r in four_ranks:
         sliced, whole = r[(route, True)], r[(route, False)]
-        assert sliced["losses"] == whole["losses"] and sliced["norms"] == whole["norms"], r["coord"]
+        assert sliced["losses"] == whole["losses"] and sliced["norms"] == whole["norms"], sliced["coord"]
         for name, (p, _, _) in sliced["params"].items():
-            assert torch.equal(p, whole["params"][name][0]), (r["coord"], name)
+            assert torch.equal(p, whole["params"][name][0]), (sliced["coord"], name)
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -99,8 +85,8 @@ def test_partitioned_boundaries_send_a_tensor_parallel_share_of_the_bytes(four_r
         sliced, whole = r[(route, True)]["sent"], r[(route, False)]["sent"]
         pipe = r[(route, True)]["coord"][0]
         sends = "forward" if pipe == 0 else "backward"  # stage 0 sends activations, stage 1 gradients
-        assert whole[sends] > 0, r["coord"]
-        assert sliced[sends] * 2 == whole[sends], (r["coord"], sliced, whole)
+        assert whole[sends] > 0, r[(route, True)]["coord"]
+        assert sliced[sends] * 2 == whole[sends], (r[(route, True)]["coord"], sliced, whole)
         assert sliced == {**whole, sends: whole[sends] // 2}  # nothing else crossed
 
 
@@ -110,7 +96,14 @@ def test_without_a_model_axis_the_keys_change_nothing(four_ranks):
         assert r[("dense", True)]["losses"] == r[("dense", False)]["losses"]
 
 
-def test_a_mixed_pair_is_refused_naming_both_keys(four_ranks):
-    message = four_ranks[0]["mixed"]
-    assert "pipeline.pipe_partitioned: true" in message and "pipeline.grad_partitioned: false" in message
-    assert "set both" in message
+@pytest.mark.parametrize("acts", [True, False], ids=["activations-sliced", "gradients-sliced"])
+def test_a_mixed_pair_is_bit_for_bit_both_false_and_halves_its_own_direction(four_ranks, acts):
+    import torch
+    for r in four_ranks:
+        mixed, whole = r[("mixed", acts)], r[("layers", False)]
+        assert mixed["losses"] == whole["losses"] and mixed["norms"] == whole["norms"], mixed["coord"]
+        for name, (p, _, _) in mixed["params"].items():
+            assert torch.equal(p, whole["params"][name][0]), (mixed["coord"], name)
+        sliced = "forward" if acts else "backward"  # stage 0 sends activations, stage 1 gradients
+        assert sum(whole["sent"].values()) > 0, mixed["coord"]
+        assert mixed["sent"] == {d: n // 2 if d == sliced else n for d, n in whole["sent"].items()}, mixed["coord"]

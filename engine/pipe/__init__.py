@@ -4,7 +4,9 @@ into stages, run by one of torch's schedules (`torch.distributed.pipelining`).
 - `PipelineModule`, `LayerSpec`, `TiedLayerSpec` (module.py); partitioning (partition.py);
 - `PipelineEngine.train_batch` / `eval_batch` (engine.py), what crosses a stage (boundary.py), the
   once-per-step reduction and the world-wide gradient norm (reduction.py);
-- `pipeline.schedule` and bubble accounting (schedule.py). See docs/parallelism.md.
+- `pipeline.schedule` and bubble accounting (schedule.py), the bubble measured in wall-clock time
+  (stage_clock.py); `pipeline.pipe_partitioned` / `grad_partitioned` (partitioned_wire.py). See
+  docs/parallelism.md.
 """
 from .module import LayerSpec, PipelineModule, TiedLayerSpec
 

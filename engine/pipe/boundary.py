@@ -62,10 +62,13 @@ def unflatten(structure: Structure, tensors: tuple[torch.Tensor, ...]):
 
 
 def signature(structure: Structure, tensors: tuple[torch.Tensor, ...]) -> tuple:
-    """Structure, shapes and dtypes of a flattened micro-batch: what its stage buffers depend on."""
-    return structure.to_wire(), tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
+    """Structure, shapes and dtypes of a flattened micro-batch: what its stage buffers depend on. Hashable
+    and cheap (no serialisation: it is taken of every micro-batch); `fingerprint` digests it once."""
+    return structure, tuple((t.shape, t.dtype) for t in tensors)
 
 
 def fingerprint(key) -> int:
-    """A 63-bit digest of a batch's signatures, small enough to broadcast as one int64 (engine.py)."""
-    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 1
+    """A 63-bit digest of a batch's signature, small enough to broadcast as one int64 (engine.py)."""
+    structure, shapes = key
+    text = repr((structure.to_wire(), tuple((tuple(shape), str(dtype)) for shape, dtype in shapes)))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1

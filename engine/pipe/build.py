@@ -49,12 +49,6 @@ def check_pipeline_config(cfg, model) -> None:
             problems.append("zero_optimization.stage: 3 with a PipelineModule is not supported: stage 3 gathers "
                             "each layer's parameters around every forward and backward, which a pipeline runs "
                             "once per micro-batch; use stage 1 or 2 (partitioned over the data axis)")
-        pipe = cfg.pipeline
-        if model.topology.model > 1 and pipe.pipe_partitioned != pipe.grad_partitioned:
-            problems.append(f"pipeline.pipe_partitioned: {str(pipe.pipe_partitioned).lower()} with "
-                            f"pipeline.grad_partitioned: {str(pipe.grad_partitioned).lower()} is not built: a stage "
-                            "sends back a gradient of the shape it received (engine/pipe/partitioned_wire.py); "
-                            "set both to true (slices, the default) or both to false (whole tensors)")
         if model.loss_fn is None:
             problems.append("PipelineModule(loss_fn=...) is needed to train: the last stage computes the loss")
     if problems:

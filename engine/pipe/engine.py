@@ -24,10 +24,11 @@ from torch.utils import _pytree as pytree
 from ..comm import Communicator
 from ..engine import Engine
 from . import boundary
-from .partitioned_wire import PartitionedWire, partitioned, wire_shapes
+from .partitioned_wire import PartitionedWire, partitioned
 from .probe import chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import LoggedStage, schedule_class
+from .stage_clock import StageClock
 
 _MIXED_BATCH = -1  # the batch key that says the first stage's micro-batches differ in nest or shape
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
@@ -42,34 +43,26 @@ def _check_batch_key(value: int) -> None:
 
 class _ChunkModule(torch.nn.Module):
     """One chunk of the PipelineModule as torch's stage sees it: flat tensors in, flat tensors out; the
-    nest around them is the structure the probe saw (boundary.py's note). With `wire`, what it receives
-    and sends is this tensor rank's slice (partitioned_wire.py)."""
+    nest around them is the structure the probe saw (boundary.py's note)."""
 
-    def __init__(self, pipe_module, chunk: int, device: torch.device, wire: PartitionedWire | None = None):
+    def __init__(self, pipe_module, chunk: int, device: torch.device):
         super().__init__()
         self.layers = torch.nn.ModuleList(f for f in pipe_module._forward_funcs[chunk] if isinstance(f, torch.nn.Module))
         self.tied = torch.nn.ModuleList(f.module for f in pipe_module._forward_funcs[chunk] if hasattr(f, "forward_fn"))
         self.pipe_module, self.chunk, self.device = pipe_module, chunk, device
-        last = pipe_module.num_stages * pipe_module.virtual_stages - 1
-        self.wire = wire
-        self.receives_slices = wire is not None and chunk > 0
-        self.sends_slices = wire is not None and chunk < last
         self.in_structure: boundary.Structure | None = None
         self.out_structure: boundary.Structure | None = None
-        self.out_wire_shapes: tuple | None = None  # whole shapes behind the slices it sends (for the receiver)
 
     def forward(self, *tensors):
-        if self.receives_slices:
-            tensors = self.wire.receive(tensors)
         out = self.pipe_module.run_chunk(self.chunk, boundary.unflatten(self.in_structure, tensors))
         structure, flat = boundary.flatten(out)
         if self.out_structure is None:  # the probe's run (probe.py)
-            self.out_structure, self.out_wire_shapes = structure, wire_shapes(flat)
+            self.out_structure = structure
         elif structure != self.out_structure:
             raise ValueError(f"pipeline chunk {self.chunk} returned a different nest or constants than it did for "
                              f"the same input shapes ({structure.to_wire()} vs {self.out_structure.to_wire()}); "
                              "what a stage passes on may depend on the input's shapes, not on its values")
-        return self.wire.send(flat) if self.sends_slices else flat
+        return flat
 
 
 class PipelineEngine(Engine):
@@ -93,9 +86,11 @@ class PipelineEngine(Engine):
             zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group), self.tied,
                                                                self.loss_rider)
         self._built: dict[tuple, tuple] = {}
+        self._fingerprints: dict[tuple, int] = {}  # input signature -> its broadcast key (first stage)
         self._data_iterator = None
         self._sent_bytes = {"forward": 0, "backward": 0}  # what the stages sent (boundary_bytes)
         self._actions: list[tuple] = []  # what this rank's stages ran in the last batch (schedule.py)
+        self._clock = StageClock(self.device)  # the last batch's span and computations (stage_clock.py)
         self._last_chunk = None  # the last chunk's module on the last stage (its out_structure feeds the loss)
         self._loss_factor = 1.0  # set per batch: the fp16 loss scale / micro-batches (see _loss)
 
@@ -109,15 +104,12 @@ class PipelineEngine(Engine):
                 self._built.pop(next(iter(self._built)))
             pm = self.module
             chunks = pm.num_stages * pm.virtual_stages
-            mods = {c: _ChunkModule(pm, c, self.device, self._wire()) for c in pm.chunk_ids}
+            mods = {c: _ChunkModule(pm, c, self.device) for c in pm.chunk_ids}
             if first_input is not None:
                 mods[0].in_structure = first_input[0]
             examples = chunk_examples(mods, first_input[1] if first_input else None, pm.num_stages, chunks,
                                       self.groups.pipe_group, self.stage_id, self.device, training)
-            stages = [LoggedStage(mods[c], c, chunks, self.device, input_args=examples[c][0],
-                                  output_args=examples[c][1], group=self.groups.pipe_group, action_log=self._actions,
-                                  sent_bytes=self._sent_bytes)
-                      for c in pm.chunk_ids]
+            stages = [self._stage(mods[c], c, chunks, *examples[c]) for c in pm.chunk_ids]
             cls = self._schedule_cls
             if cls is tp.Schedule1F1B and m < pm.num_stages:
                 cls = tp.ScheduleGPipe  # with fewer micro-batches than stages 1F1B's order is GPipe's
@@ -132,13 +124,23 @@ class PipelineEngine(Engine):
             self._built[(key, training, m)] = entry
         return entry
 
-    def _wire(self) -> PartitionedWire | None:
-        return PartitionedWire(self._model_comm) if self._model_comm is not None else None
+    def _stage(self, mod, chunk: int, chunks: int, inputs: tuple, outputs: tuple) -> LoggedStage:
+        """torch's stage of one chunk, built from the probe's examples; with partitioned boundaries its
+        receive buffers are slices (partitioned_wire.py)."""
+        wire, examples = None, {"input_args": inputs, "output_args": outputs}
+        if self._model_comm is not None:
+            pipe = self.config.pipeline
+            wire = PartitionedWire(self._model_comm, pipe.pipe_partitioned, pipe.grad_partitioned)
+            examples = wire.buffer_examples(inputs, outputs, receives=chunk > 0, sends=chunk < chunks - 1)
+        return LoggedStage(mod, chunk, chunks, self.device, **examples, group=self.groups.pipe_group,
+                           action_log=self._actions, sent_bytes=self._sent_bytes, clock=self._clock, wire=wire)
 
     def _loss(self, flat_output, labels):
         """torch's loss hook on the last stage: the user's loss of the rebuilt output, divided by the
         micro-batch count (the mean over micro-batches) and times the fp16 loss scale when training."""
-        loss = self.module.loss_fn(boundary.unflatten(self._last_chunk.out_structure, tuple(flat_output)), labels)
+        with self._clock.busy():
+            loss = self.module.loss_fn(boundary.unflatten(self._last_chunk.out_structure, tuple(flat_output)),
+                                       labels)
         return loss * self._loss_factor if self._loss_factor != 1.0 else loss
 
     def _pull(self, data_iter, m: int):
@@ -164,6 +166,15 @@ class PipelineEngine(Engine):
             labels.append(y)
         return (inputs if self.is_first_stage else None), labels
 
+    def _fingerprint(self, signature) -> int:
+        """boundary.fingerprint, once per distinct signature (it serialises the structure)."""
+        value = self._fingerprints.get(signature)
+        if value is None:
+            if len(self._fingerprints) >= _CACHE_LIMIT:
+                self._fingerprints.pop(next(iter(self._fingerprints)))
+            value = self._fingerprints[signature] = boundary.fingerprint(signature)
+        return value
+
     def _batch_key(self, inputs) -> tuple[int, object]:
         """The first stage's input signature, as one int64 broadcast over the pipe group (boundary.py's
         note): the key of the stages built for it, the same on every stage. The first stage does not
@@ -171,7 +182,7 @@ class PipelineEngine(Engine):
         key = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.is_first_stage:
             signatures = {boundary.signature(*x) for x in inputs}
-            value = boundary.fingerprint(signatures.pop()) if len(signatures) == 1 else _MIXED_BATCH
+            value = self._fingerprint(signatures.pop()) if len(signatures) == 1 else _MIXED_BATCH
             key.fill_(value)
             if value != _MIXED_BATCH and self.num_stages > 1:
                 return value, self.pipe_comm.broadcast(key, src=0, async_op=True)
@@ -194,8 +205,10 @@ class PipelineEngine(Engine):
             st.has_backward = training
             st.clear_runtime_states()
         losses: list = []
+        self._clock.start_step()
         sched._step_microbatches([x for _, x in inputs] if self.is_first_stage else None, None,
                                  labels if self.is_last_stage else None, losses if self.is_last_stage else None)
+        self._clock.stop_step()
         if sending is not None:
             sending.wait()
         return stages, losses
@@ -223,6 +236,15 @@ class PipelineEngine(Engine):
         """Every stage's executed actions of the last batch, {pipe rank: [(kind, stage, mb), ...]}
         (collective over the pipe group; for `schedule.idle_fractions`)."""
         return dict(enumerate(self.pipe_comm.all_gather_object(list(self._actions))))
+
+    def stage_idle_fraction(self) -> float:
+        """This rank's measured idle fraction of the last batch: the wall-clock share of its schedule run
+        spent outside computations (stage_clock.py)."""
+        return self._clock.idle_fraction()
+
+    def measured_idle(self) -> dict[int, float]:
+        """`stage_idle_fraction` of every stage, {pipe rank: fraction} (collective over the pipe group)."""
+        return dict(enumerate(self.pipe_comm.all_gather_object(self.stage_idle_fraction())))
 
     # -- the public API -------------------------------------------------------------------------
     def train_batch(self, data_iter=None) -> torch.Tensor:

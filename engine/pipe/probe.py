@@ -6,9 +6,9 @@ cannot be, because rebuilding the nest a chunk's layers expect needs the structu
 chunk produced, which only a real run tells. So, for each new input signature, one micro-batch is
 run once through the chunks in order (chunk c hands its real output and its structure to chunk c+1,
 on whatever rank holds it), under a forked RNG so dropout streams are untouched; every chunk keeps
-the structures it saw (`in_structure`, `out_structure`; with `pipeline.pipe_partitioned` also the
-whole shapes behind the slices, partitioned_wire.py) and every stage is built with the examples
-(`input_args`/`output_args`). The cost is one extra forward per distinct input signature.
+the structures it saw (`in_structure`, `out_structure`) and every stage is built with the examples
+(`input_args`/`output_args`: whole tensors; partitioned_wire.py slices them for the receive buffers).
+The cost is one extra forward per distinct input signature.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _tensors_to_wire(flat: tuple) -> list:
 
 
 def _to_wire(mod, flat: tuple) -> tuple:
-    return mod.out_structure.to_wire(), mod.out_wire_shapes, _tensors_to_wire(flat)
+    return mod.out_structure.to_wire(), _tensors_to_wire(flat)
 
 
 def _from_wire(items: list, device: torch.device, training: bool) -> tuple:
@@ -60,20 +60,18 @@ def chunk_examples(chunk_modules: dict, first_input: tuple | None, num_stages: i
             if c == 0:
                 x = first_input
             elif (c - 1) % num_stages == my_stage:
-                mod.in_structure, shapes, x = carried
+                mod.in_structure, x = carried
             else:
                 received = [None]
                 dist.recv_object_list(received, src=_peer(group, (c - 1) % num_stages), group=group, device=device)
-                wire, shapes, items = received[0]
+                wire, items = received[0]
                 mod.in_structure, x = Structure.from_wire(wire), _from_wire(items, device, training)
-            if c > 0 and mod.wire is not None:
-                mod.wire.shapes = shapes
             mod.out_structure = None  # the probe's run sets it (engine.py's _ChunkModule)
             y = mod(*x)
             examples[c] = (tuple(x), tuple(y))
             if c + 1 < num_chunks:
                 if (c + 1) % num_stages == my_stage:
-                    carried = (mod.out_structure, mod.out_wire_shapes, _copy(y, device, training))
+                    carried = (mod.out_structure, _copy(y, device, training))
                 else:
                     dist.send_object_list([_to_wire(mod, y)], dst=_peer(group, (c + 1) % num_stages),
                                           group=group, device=device)

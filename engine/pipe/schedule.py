@@ -14,7 +14,7 @@ forward 1, full backward 2, input-gradient and weight-gradient halves 1 each, al
 chunks per rank — where an action starts once its rank is free and its data has arrived (the previous
 stage's forward, the next stage's input gradient). The idle fraction of a rank is its idle time over
 the makespan. Counting slots, not wall time, makes the number a property of the schedule, which is
-what the formula describes.
+what the formula describes. The same fraction measured in wall-clock time is stage_clock.py's.
 """
 from __future__ import annotations
 
@@ -57,38 +57,57 @@ def _p2p_bytes(ops) -> int:
 
 
 class LoggedStage(tp.PipelineStage):
-    """torch's PipelineStage, recording each computation it runs as (kind, stage, micro-batch) and the
-    bytes it sends to the neighbouring stages (into `sent_bytes`: activations "forward", gradients "backward")."""
+    """torch's PipelineStage, recording each computation it runs as (kind, stage, micro-batch), timing it
+    on the rank's `clock` (stage_clock.py: the measured bubble), and counting the bytes it sends to the
+    neighbouring stages (into `sent_bytes`: activations "forward", gradients "backward"). With a `wire`
+    (partitioned_wire.py) what it sends and receives in each direction is this tensor rank's slice."""
 
-    def __init__(self, *args, action_log: list, sent_bytes: dict, **kwargs):
+    def __init__(self, *args, action_log: list, sent_bytes: dict, clock, wire=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.action_log = action_log
         self.sent_bytes = sent_bytes
+        self.clock = clock
+        self.wire = wire
 
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if self.wire is not None:
+            ops = self.wire.outgoing(ops, self.wire.activations)
         self.sent_bytes["forward"] += _p2p_bytes(ops)
         return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
+        if self.wire is not None:
+            ops = self.wire.outgoing(ops, self.wire.gradients)
         self.sent_bytes["backward"] += _p2p_bytes(ops)
         return ops
 
+    def _retrieve_recv_activations(self, fwd_chunk_id):
+        received = super()._retrieve_recv_activations(fwd_chunk_id)
+        return received if self.wire is None else self.wire.activations_in(received)
+
+    def _retrieve_recv_grads(self, bwd_chunk_id):
+        received = super()._retrieve_recv_grads(bwd_chunk_id)
+        return received if self.wire is None else self.wire.gradients_in(received)
+
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self.action_log.append(("F", self.stage_index, fwd_chunk_id))
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with self.clock.busy():
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         if self.has_backward:
             self.action_log.append(("B" if full_backward else "I", self.stage_index, bwd_chunk_id))
-        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                          last_backward=last_backward)
+        with self.clock.busy():
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                              last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         if self.has_backward:
             self.action_log.append(("W", self.stage_index, bwd_chunk_id))
-        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        with self.clock.busy():
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
 
 def idle_fractions(actions: dict[int, list[tuple]], num_chunks: int) -> dict[int, float]:
