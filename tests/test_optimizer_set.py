@@ -30,6 +30,7 @@ import schemas
 from engine.utils import safe_get_full_fp32_param
 from engine.zero.per_tensor import assign_owners
 from tests import optimizer_runs
+from tests.optimizer_runs import record
 from tests.offload_runs import _swap_hashes
 from tests.models import make_batches, micro_batches
 
@@ -130,8 +131,84 @@ def _refused(nvme_path: str) -> list[str] | None:
     return None
 
 
+class Matrices(nn.Module):
+    """20 Muon matrices against a 3072-element swap pool (3 buffers of 1024): each 64x64 matrix is a
+    round larger than the pool, alone; the 16x64 and 64x16 ones go three to a round; their halves (one
+    rank's fragments, 2048 and 512 elements) cross the 1024-element sub-groups."""
+
+    DIMS = [64] + [64, 16, 64, 16, 64] * 4
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(self.DIMS, self.DIMS[1:]))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return nn.functional.mse_loss(x, y)
+
+
+MUON_POOL = {"sub_group_size": 1024, "buffer_count": 3}
+
+
+def _peak_allocated(prof) -> int:
+    """The most bytes of CPU tensors this thread had alive at once inside the profiled region, beyond
+    those alive at its start: the running sum of its allocations and frees (the events' own
+    `total_allocated` is process-wide, other threads' allocations included)."""
+    from torch._C._profiler import _EventType
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+    events = sorted((n.start_time_ns, n.extra_fields.alloc_size) for n in
+                    walk(prof.profiler.kineto_results.experimental_event_tree()) if n.tag == _EventType.Allocation)
+    live = peak = 0
+    for _, size in events:
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def _muon_nvme_memory(nvme_path: str) -> dict:
+    """Matrices trained 3 steps with Muon at stage 2, in memory and on NVMe; on NVMe the peak of the
+    swapped step's own tensor allocations (torch's profiler) at the steps that read state."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for where in ("memory", "nvme"):
+        torch.manual_seed(0)
+        cfg = _config("Muon", 2, 1)
+        if where == "nvme":
+            cfg["zero_optimization"].update(sub_group_size=MUON_POOL["sub_group_size"], offload_optimizer={
+                "device": "nvme", "nvme_path": nvme_path, "buffer_count": MUON_POOL["buffer_count"]})
+        eng, _, _, _ = engine.initialize(model=Matrices(), config=cfg)
+        peaks = []
+        if where == "nvme":
+            stepper = eng.zero_optimizer.nvme.per_tensor
+            unmeasured = stepper.step
+
+            def measured():
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                    unmeasured()
+                peaks.append(_peak_allocated(prof))
+            stepper.step = measured
+            out["rounds"] = [len(r.orthogonalizer.matrices) for r in stepper.rounds]
+            out["pool_elements"] = eng.zero_optimizer.nvme.pool.buffer_count * eng.zero_optimizer.nvme.pool.buffer_size
+            out["matrix_partition"] = sum(stepper.tier.parts[k].numel for k in stepper.matrix_keys)
+        for x, y in make_batches(3, MICRO * world, d_in=64, d_out=64, seed=1):
+            eng.backward(eng(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+            eng.step()
+        out[where] = {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}
+        if where == "nvme":
+            out["peaks"] = peaks[1:]  # the first step makes the state: no momentum read
+            eng.destroy()
+    return out
+
+
 def _runs(cases, nvme_path: str | None = None) -> dict:
     out = {case: _train(*case, nvme_path=nvme_path) for case in cases}
+    if nvme_path is not None and torch.distributed.get_world_size() == 2:
+        record(out, "muon_nvme_memory", _muon_nvme_memory, nvme_path)
     if nvme_path is not None:
         for case in INF_CASES:
             out[("inf", *case)] = _train(*case, nvme_path=nvme_path, inf_step=INF_STEP)
@@ -332,6 +409,24 @@ def test_per_tensor_steps_communicate_once_per_step(two_ranks, stage):
         # with the state on NVMe too: the two passes share the one reduction / the two all-to-alls
         assert results[("Lamb", stage, 2, "nvme")]["step_calls"] == [{"all_reduce": 2, "all_to_all": 0}] * STEPS
         assert results[("Muon", stage, 2, "nvme")]["step_calls"] == [{"all_reduce": 1, "all_to_all": 2}] * STEPS
+
+
+def test_muon_nvme_host_memory_is_bounded_by_the_pool_and_the_largest_matrix(two_ranks):
+    """engine/zero/nvme_muon.py's memory note. A round of whole-matrix size W <= max(pool, largest matrix)
+    = 4096 elements here holds U, the all-to-all send and receive buffers, the owner's whole matrices and
+    results, and Newton-Schulz's temporaries of one matrix. The peak of the step's tensor allocations
+    is measured by torch's profiler: at most 16·W fp32 (254 kB) over 3 runs on both ranks; the step
+    that orthogonalises the rank's whole matrix partition (16384 elements) at once peaked at 426 kB and
+    557 kB. The bound asserted, 20·W fp32 (327 kB), holds the first and not the second; it does not
+    grow with the partition, the unbounded step does. The rounds change nothing: bit for bit the
+    in-memory run."""
+    for rank, results in enumerate(two_ranks):
+        got = results["muon_nvme_memory"]
+        assert got["rounds"] == [1, 3, 1] * 4, f"rank {rank}: matrices per round {got['rounds']}"
+        bound = 20 * 4 * max(got["pool_elements"], 64 * 64)
+        assert len(got["peaks"]) == 2 and max(got["peaks"]) <= bound, f"rank {rank}: peaks {got['peaks']} > {bound}"
+        for name, w in got["memory"].items():
+            assert torch.equal(got["nvme"][name], w), f"rank {rank} {name}: {(got['nvme'][name] - w).abs().max():.2e}"
 
 
 # -- Muon and Lamb on 4 ranks: a rank without rows of a matrix; owners spread ----------------------------
