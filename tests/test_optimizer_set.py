@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import engine
+import ops
 import schemas
 from engine.utils import safe_get_full_fp32_param
 from engine.zero.per_tensor import assign_owners
@@ -427,6 +428,49 @@ def test_muon_nvme_host_memory_is_bounded_by_the_pool_and_the_largest_matrix(two
         assert len(got["peaks"]) == 2 and max(got["peaks"]) <= bound, f"rank {rank}: peaks {got['peaks']} > {bound}"
         for name, w in got["memory"].items():
             assert torch.equal(got["nvme"][name], w), f"rank {rank} {name}: {(got['nvme'][name] - w).abs().max():.2e}"
+
+
+def test_lion_and_lamb_step_large_cpu_flats_in_blocks_as_the_references():
+    """ops/lion.py's and ops/lamb.py's blocks: tensors longer than a block (and a short one between) step
+    as the papers' equations per tensor; Lion's blocks equal its whole-tensor foreach step bit for bit."""
+    from ops.lamb import BLOCK
+    from ops.tensor_segments import FlatSegments, SegmentedReduction
+    sizes = [BLOCK + 100, 3000, 2 * BLOCK + 7]
+    torch.manual_seed(0)
+    start = [torch.randn(n, device="cpu") * 0.1 for n in sizes]
+    grads = [[torch.randn(n, device="cpu") * 0.01 for n in sizes] for _ in range(3)]
+    lion, lamb = OPTIMIZERS["Lion"], OPTIMIZERS["Lamb"]
+    blocked = [nn.Parameter(t.clone()) for t in start]
+    whole = [nn.Parameter(t.clone()) for t in start]
+    paper = [nn.Parameter(t.clone()) for t in start]
+    flat = nn.Parameter(torch.cat(start))
+    paper_lamb = [nn.Parameter(t.clone()) for t in start]
+    opt_blocked = ops.Lion(blocked, lr=lion["lr"], betas=lion["betas"], weight_decay=lion["weight_decay"])
+    opt_whole = ops.Lion(whole, lr=lion["lr"], betas=lion["betas"], weight_decay=lion["weight_decay"])
+    opt_paper = PaperLion(paper, lion["lr"], tuple(lion["betas"]), lion["weight_decay"])
+    opt_lamb = ops.Lamb([flat], lr=lamb["lr"], weight_decay=lamb["weight_decay"],
+                                      max_coeff=lamb["max_coeff"], min_coeff=lamb["min_coeff"])
+    ids = torch.repeat_interleave(torch.arange(3, device="cpu"), torch.tensor(sizes, device="cpu"))
+    opt_lamb.segmented = SegmentedReduction({flat: FlatSegments(ids, 3)}, 3, lambda v: v)
+    opt_paper_lamb = PaperLamb(paper_lamb, lamb["lr"], lamb["weight_decay"], lamb["max_coeff"], lamb["min_coeff"])
+    for step_grads in grads:
+        for params in (blocked, whole, paper, paper_lamb):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+        flat.grad = torch.cat(step_grads)
+        opt_blocked.step()
+        with torch.no_grad():
+            for p in whole:
+                opt_whole.state[p].setdefault("exp_avg", torch.zeros_like(p))
+            opt_whole._foreach_step(opt_whole.param_groups[0], whole)
+        opt_paper.step()
+        opt_lamb.step()
+        opt_paper_lamb.step()
+    for got, same, want, before in zip(blocked, whole, paper, start):
+        assert torch.equal(got, same)
+        assert (got - want).abs().max() < 1e-6 and (want - before).abs().max() > 1e-3
+    for got, want in zip(torch.split(flat.detach(), sizes), paper_lamb):
+        assert (got - want).abs().max() < 1e-6, (got - want).abs().max()
 
 
 # -- Muon and Lamb on 4 ranks: a rank without rows of a matrix; owners spread ----------------------------
