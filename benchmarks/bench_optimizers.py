@@ -51,7 +51,9 @@ BYTES_PER_PARAM = {
     "Adagrad": 4 * (3 + 2),     # read w, g, s; write w, s
     "Adagrad foreach": 4 * (3 + 2),
     "Lion": 4 * (3 + 2),        # read w, g, m; write w, m
-    "Lamb": 4 * (4 + 3 + 4),    # Adam's, plus the update written and read back, and w, u read for the norms
+    # ZeRO's flat (ops/lamb.py blocks): pass 1 reads w, g, m, v and writes m, v; pass 2 reads w, m, v and
+    # writes w; both read the int64 parameter id of every element (8 bytes each)
+    "Lamb": 4 * (4 + 2) + 4 * (3 + 1) + 2 * 8,
 }
 CONFIGS = {  # the config's optimizer sections benchmarked on the GPT
     "AdamW": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -88,7 +90,17 @@ def _make(name: str, p: torch.Tensor) -> torch.optim.Optimizer:
             "Adagrad": lambda: ops.Adagrad([p], lr=1e-2, fused=True),
             "Adagrad foreach": lambda: ops.Adagrad([p], lr=1e-2, foreach=True),
             "Lion": lambda: ops.Lion([p], lr=1e-5),
-            "Lamb": lambda: ops.Lamb([p], lr=1e-3)}[name]()
+            "Lamb": lambda: _flat_lamb(p)}[name]()
+
+
+def _flat_lamb(p: torch.Tensor) -> torch.optim.Optimizer:
+    """ops.Lamb over `p` as ZeRO hands it a partition: one flat, its elements' parameter ids (one
+    parameter here), the per-parameter norms' reduction (one rank: the identity)."""
+    from ops.tensor_segments import FlatSegments, SegmentedReduction
+    opt = ops.Lamb([p], lr=1e-3)
+    ids = torch.zeros(p.numel(), dtype=torch.int64, device=p.device)
+    opt.segmented = SegmentedReduction({p: FlatSegments(ids, 1)}, 1, lambda v: v)
+    return opt
 
 
 def kernels(numel: int, repeats: int) -> list[dict]:
