@@ -8,9 +8,9 @@ fan-out ratio (SGD), with the weight decay scaled the other way. ZeRO keeps one 
 (engine/zero/partition.py), so every flat holds parameters of one scaling and its fragments step with
 their own parameter's lr at every stage and tier.
 
-[Note: LR schedules] The scaling lives in the groups' `lr`. A schedule that sets one absolute lr on
-every group (DeepSpeed's WarmupLR and friends, here as there) overwrites it; use one that scales each
-group's own lr (torch's LambdaLR through `initialize(lr_scheduler=...)`).
+[Note: LR schedules] The scaling lives in the groups' `lr`. A schedule given one absolute lr for every
+group (a scalar `warmup_max_lr`, here as in DeepSpeed) overwrites it; one that scales each group's own
+lr keeps it (WarmupLR without `warmup_max_lr`, torch's LambdaLR).
 """
 from __future__ import annotations
 

@@ -172,8 +172,14 @@ def _peak_allocated(prof) -> int:
 
 
 def _muon_nvme_memory(nvme_path: str) -> dict:
-    """Matrices trained 3 steps with Muon at stage 2, in memory and on NVMe; on NVMe the peak of the
-    swapped step's own tensor allocations (torch's profiler) at the steps that read state."""
+    """Matrices trained 3 steps with Muon at stage 2, in memory and on NVMe, with a param group per
+    parameter (initialize's default: rounds span flats) and with one group (rounds within one flat);
+    on NVMe the peak of the swapped step's own tensor allocations (torch's profiler) at the steps that
+    read state."""
+    return {grouping: _muon_nvme_memory_run(nvme_path, grouping) for grouping in ("per parameter", "one group")}
+
+
+def _muon_nvme_memory_run(nvme_path: str, grouping: str) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     out = {}
     for where in ("memory", "nvme"):
@@ -182,7 +188,9 @@ def _muon_nvme_memory(nvme_path: str) -> dict:
         if where == "nvme":
             cfg["zero_optimization"].update(sub_group_size=MUON_POOL["sub_group_size"], offload_optimizer={
                 "device": "nvme", "nvme_path": nvme_path, "buffer_count": MUON_POOL["buffer_count"]})
-        eng, _, _, _ = engine.initialize(model=Matrices(), config=cfg)
+        model = Matrices()
+        params = model.parameters() if grouping == "per parameter" else [{"params": list(model.parameters())}]
+        eng, _, _, _ = engine.initialize(model=model, model_parameters=params, config=cfg)
         peaks = []
         if where == "nvme":
             stepper = eng.zero_optimizer.nvme.per_tensor
@@ -194,8 +202,8 @@ def _muon_nvme_memory(nvme_path: str) -> dict:
                 peaks.append(_peak_allocated(prof))
             stepper.step = measured
             out["rounds"] = [len(r.orthogonalizer.matrices) for r in stepper.rounds]
+            out["flats"] = len(stepper.matrix_keys)
             out["pool_elements"] = eng.zero_optimizer.nvme.pool.buffer_count * eng.zero_optimizer.nvme.pool.buffer_size
-            out["matrix_partition"] = sum(stepper.tier.parts[k].numel for k in stepper.matrix_keys)
         for x, y in make_batches(3, MICRO * world, d_in=64, d_out=64, seed=1):
             eng.backward(eng(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
             eng.step()
@@ -422,12 +430,14 @@ def test_muon_nvme_host_memory_is_bounded_by_the_pool_and_the_largest_matrix(two
     grow with the partition, the unbounded step does. The rounds change nothing: bit for bit the
     in-memory run."""
     for rank, results in enumerate(two_ranks):
-        got = results["muon_nvme_memory"]
-        assert got["rounds"] == [1, 3, 1] * 4, f"rank {rank}: matrices per round {got['rounds']}"
-        bound = 20 * 4 * max(got["pool_elements"], 64 * 64)
-        assert len(got["peaks"]) == 2 and max(got["peaks"]) <= bound, f"rank {rank}: peaks {got['peaks']} > {bound}"
-        for name, w in got["memory"].items():
-            assert torch.equal(got["nvme"][name], w), f"rank {rank} {name}: {(got['nvme'][name] - w).abs().max():.2e}"
+        for grouping, got in results["muon_nvme_memory"].items():
+            where = f"rank {rank}, {grouping}"
+            assert got["flats"] == (20 if grouping == "per parameter" else 1), f"{where}: {got['flats']} flats"
+            assert got["rounds"] == [1, 3, 1] * 4, f"{where}: matrices per round {got['rounds']}"
+            bound = 20 * 4 * max(got["pool_elements"], 64 * 64)
+            assert len(got["peaks"]) == 2 and max(got["peaks"]) <= bound, f"{where}: peaks {got['peaks']} > {bound}"
+            for name, w in got["memory"].items():
+                assert torch.equal(got["nvme"][name], w), f"{where} {name}: {(got['nvme'][name] - w).abs().max():.2e}"
 
 
 def test_lion_and_lamb_step_large_cpu_flats_in_blocks_as_the_references():

@@ -89,7 +89,7 @@ class SwappedMuon:
             for p in run:
                 frag = fragments[p]
                 end = self.tier.parts[frag.key].numel if last_of[frag.key] is p else frag.offset + frag.padded
-                ranges[frag.key] = (covered[frag.key], end)
+                ranges[frag.key] = (ranges[frag.key][0] if frag.key in ranges else covered[frag.key], end)
                 covered[frag.key] = end
             muon_groups = {key[0] for key in ranges}
             rounds.append(_Round(ranges, OwnerOrthogonalizer(self.partition, comm, muon_groups,
