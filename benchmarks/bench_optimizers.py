@@ -73,6 +73,9 @@ DEEPSPEED_OFFLOADED = {"AdamW": {"type": "AdamW", "params": {"lr": 1e-4}}}
 # its AdamW half); its Lamb is FusedLamb, a CUDA op.
 DEEPSPEED_NVME = {**DEEPSPEED_OFFLOADED, "Muon": CONFIGS["Muon"]}
 DEEPSPEED_NOT_ON_CPU = {"Lamb": "not run: DeepSpeed 0.19.8's Lamb is FusedLamb, a CUDA op (no CPU build)"}
+# DeepSpeed 0.19.8 refuses Muon with reduce_scatter (its default): "Muon and reduce scatter cannot be
+# used together". Off for its Muon run only; it changes how gradients are reduced, not the update.
+DEEPSPEED_NVME_ZERO = {"Muon": {"reduce_scatter": False}}
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -211,7 +214,8 @@ def nvme_gpt(steps: int, venv: Path, names: list[str], nvme_path: str, sub_group
             rows[name]["dstrain_ms"].append(max(run_distributed(_gpt_rank, 2, args=(CONFIGS[name], steps, section, 3),
                                                                 timeout=1800)))
             if name in DEEPSPEED_NVME:
-                rows[name]["deepspeed_ms"].append(_deepspeed_step_ms(venv, DEEPSPEED_NVME[name], steps, section, 3))
+                peer_section = {**section, **DEEPSPEED_NVME_ZERO.get(name, {})}
+                rows[name]["deepspeed_ms"].append(_deepspeed_step_ms(venv, DEEPSPEED_NVME[name], steps, peer_section, 3))
             else:
                 rows[name]["deepspeed_ms"] = DEEPSPEED_NOT_ON_CPU.get(name, "not run: no CPU build in DeepSpeed")
     for row in rows.values():
