@@ -172,10 +172,10 @@ def _peak_allocated(prof) -> int:
 
 
 def _muon_nvme_memory(nvme_path: str) -> dict:
-    """Matrices trained 3 steps with Muon at stage 2, in memory and on NVMe, with a param group per
+    """Matrices trained 2 steps with Muon at stage 2, in memory and on NVMe, with a param group per
     parameter (initialize's default: rounds span flats) and with one group (rounds within one flat);
-    on NVMe the peak of the swapped step's own tensor allocations (torch's profiler) at the steps that
-    read state."""
+    on NVMe the peak of the swapped step's own tensor allocations (torch's profiler) at the second
+    step, the first that reads state (the first makes it)."""
     return {grouping: _muon_nvme_memory_run(nvme_path, grouping) for grouping in ("per parameter", "one group")}
 
 
@@ -191,12 +191,15 @@ def _muon_nvme_memory_run(nvme_path: str, grouping: str) -> dict:
         model = Matrices()
         params = model.parameters() if grouping == "per parameter" else [{"params": list(model.parameters())}]
         eng, _, _, _ = engine.initialize(model=model, model_parameters=params, config=cfg)
-        peaks = []
+        peaks, calls = [], []
         if where == "nvme":
             stepper = eng.zero_optimizer.nvme.per_tensor
             unmeasured = stepper.step
 
             def measured():
+                calls.append(1)
+                if len(calls) == 1:
+                    return unmeasured()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
                     unmeasured()
                 peaks.append(_peak_allocated(prof))
@@ -204,12 +207,12 @@ def _muon_nvme_memory_run(nvme_path: str, grouping: str) -> dict:
             out["rounds"] = [len(r.orthogonalizer.matrices) for r in stepper.rounds]
             out["flats"] = len(stepper.matrix_keys)
             out["pool_elements"] = eng.zero_optimizer.nvme.pool.buffer_count * eng.zero_optimizer.nvme.pool.buffer_size
-        for x, y in make_batches(3, MICRO * world, d_in=64, d_out=64, seed=1):
+        for x, y in make_batches(2, MICRO * world, d_in=64, d_out=64, seed=1):
             eng.backward(eng(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
             eng.step()
         out[where] = {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}
         if where == "nvme":
-            out["peaks"] = peaks[1:]  # the first step makes the state: no momentum read
+            out["peaks"] = peaks
             eng.destroy()
     return out
 
@@ -424,18 +427,18 @@ def test_muon_nvme_host_memory_is_bounded_by_the_pool_and_the_largest_matrix(two
     """engine/zero/nvme_muon.py's memory note. A round of whole-matrix size W <= max(pool, largest matrix)
     = 4096 elements here holds U, the all-to-all send and receive buffers, the owner's whole matrices and
     results, and Newton-Schulz's temporaries of one matrix. The peak of the step's tensor allocations
-    is measured by torch's profiler: at most 16·W fp32 (254 kB) over 3 runs on both ranks; the step
-    that orthogonalises the rank's whole matrix partition (16384 elements) at once peaked at 426 kB and
-    557 kB. The bound asserted, 20·W fp32 (327 kB), holds the first and not the second; it does not
+    is measured by torch's profiler: 172-238 kB (at most 14.5·W fp32) over 7 runs on both ranks; the
+    step that orthogonalises the rank's whole matrix partition (16384 elements) at once peaked at
+    426 kB. The bound asserted, 20·W fp32 (327 kB), holds the first and not the second; it does not
     grow with the partition, the unbounded step does. The rounds change nothing: bit for bit the
-    in-memory run."""
+    in-memory run, with a param group per parameter (rounds span flats) and with one group."""
     for rank, results in enumerate(two_ranks):
         for grouping, got in results["muon_nvme_memory"].items():
             where = f"rank {rank}, {grouping}"
             assert got["flats"] == (20 if grouping == "per parameter" else 1), f"{where}: {got['flats']} flats"
             assert got["rounds"] == [1, 3, 1] * 4, f"{where}: matrices per round {got['rounds']}"
             bound = 20 * 4 * max(got["pool_elements"], 64 * 64)
-            assert len(got["peaks"]) == 2 and max(got["peaks"]) <= bound, f"{where}: peaks {got['peaks']} > {bound}"
+            assert len(got["peaks"]) == 1 and max(got["peaks"]) <= bound, f"{where}: peaks {got['peaks']} > {bound}"
             for name, w in got["memory"].items():
                 assert torch.equal(got["nvme"][name], w), f"{where} {name}: {(got['nvme'][name] - w).abs().max():.2e}"
 
