@@ -4,7 +4,7 @@
     python benchmarks/bench_optimizers.py --part muon
     python benchmarks/bench_optimizers.py --part gpt --steps 8 --deepspeed-venv /tmp/ds-venv
     python benchmarks/bench_optimizers.py --part gpt --offload cpu --deepspeed-venv /tmp/ds-venv
-    python benchmarks/bench_optimizers.py --part nvme --nvme-path /local_nvme
+    python benchmarks/bench_optimizers.py --part nvme --nvme-path /local_nvme --deepspeed-venv /tmp/ds-venv
 
 - kernels: one optimizer step over `--numel` fp32 parameters (one flat tensor, as a ZeRO partition),
   each optimizer's median time against its memory-bandwidth bound: the bytes it must read and write
@@ -20,13 +20,16 @@
   on a small MLP (`--width`, 4 layers), 2 ranks, ZeRO-2, with the optimizer in memory and on NVMe at
   `--nvme-path` (`--sub-group` elements per swapped sub-group): what the swap files cost each, and
   what Lamb's and Muon's second pass over them (engine/zero/nvme_per_tensor.py) costs on top of the
-  one pass AdamW takes. No DeepSpeed peer: its Lamb is a CUDA op, and its NVMe path needs its
-  async_io op built.
+  one pass AdamW takes. With `--deepspeed-venv`, also the benchmark GPT's training step at ZeRO-3 with
+  the optimizer on NVMe (DeepSpeed 0.19.8 swaps optimizer state to NVMe only at stage 3) for dstrain
+  and DeepSpeed's same config, `--rounds` interleaved rounds (dstrain, DeepSpeed, dstrain, ...), the
+  load average before and after; "not run: why" where DeepSpeed cannot build the optimizer on CPU.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -48,7 +51,9 @@ BYTES_PER_PARAM = {
     "Adagrad": 4 * (3 + 2),     # read w, g, s; write w, s
     "Adagrad foreach": 4 * (3 + 2),
     "Lion": 4 * (3 + 2),        # read w, g, m; write w, m
-    "Lamb": 4 * (4 + 3 + 4),    # Adam's, plus the update written and read back, and w, u read for the norms
+    # ZeRO's flat (ops/lamb.py blocks): pass 1 reads w, g, m, v and writes m, v; pass 2 reads w, m, v and
+    # writes w; both read the int64 parameter id of every element (8 bytes each)
+    "Lamb": 4 * (4 + 2) + 4 * (3 + 1) + 2 * 8,
 }
 CONFIGS = {  # the config's optimizer sections benchmarked on the GPT
     "AdamW": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -64,6 +69,13 @@ DEEPSPEED_ON_CPU = {"AdamW": {"type": "AdamW", "params": {"lr": 1e-4, "torch_ada
 # With the optimizer offloaded DeepSpeed steps on the host with its C++ ops (DeepSpeedCPUAdam,
 # DeepSpeedCPUAdagrad, DeepSpeedCPULion), JIT-built on first use: only CPU Adam is built in the peer venv.
 DEEPSPEED_OFFLOADED = {"AdamW": {"type": "AdamW", "params": {"lr": 1e-4}}}
+# The nvme part's DeepSpeed column: its Muon goes through the same offload path (DeepSpeedCPUAdam for
+# its AdamW half); its Lamb is FusedLamb, a CUDA op.
+DEEPSPEED_NVME = {**DEEPSPEED_OFFLOADED, "Muon": CONFIGS["Muon"]}
+DEEPSPEED_NOT_ON_CPU = {"Lamb": "not run: DeepSpeed 0.19.8's Lamb is FusedLamb, a CUDA op (no CPU build)"}
+# DeepSpeed 0.19.8 refuses Muon with reduce_scatter (its default): "Muon and reduce scatter cannot be
+# used together". Off for its Muon run only; it changes how gradients are reduced, not the update.
+DEEPSPEED_NVME_ZERO = {"Muon": {"reduce_scatter": False}}
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -81,7 +93,17 @@ def _make(name: str, p: torch.Tensor) -> torch.optim.Optimizer:
             "Adagrad": lambda: ops.Adagrad([p], lr=1e-2, fused=True),
             "Adagrad foreach": lambda: ops.Adagrad([p], lr=1e-2, foreach=True),
             "Lion": lambda: ops.Lion([p], lr=1e-5),
-            "Lamb": lambda: ops.Lamb([p], lr=1e-3)}[name]()
+            "Lamb": lambda: _flat_lamb(p)}[name]()
+
+
+def _flat_lamb(p: torch.Tensor) -> torch.optim.Optimizer:
+    """ops.Lamb over `p` as ZeRO hands it a partition: one flat, its elements' parameter ids (one
+    parameter here), the per-parameter norms' reduction (one rank: the identity)."""
+    from ops.tensor_segments import FlatSegments, SegmentedReduction
+    opt = ops.Lamb([p], lr=1e-3)
+    ids = torch.zeros(p.numel(), dtype=torch.int64, device=p.device)
+    opt.segmented = SegmentedReduction({p: FlatSegments(ids, 1)}, 1, lambda v: v)
+    return opt
 
 
 def kernels(numel: int, repeats: int) -> list[dict]:
@@ -130,14 +152,15 @@ def _offload_section(offload: str, nvme_path: str | None) -> dict:
     return {"offload_optimizer": section}
 
 
-def _gpt_rank(cfg: dict, steps: int, offload: dict) -> float:
+def _gpt_rank(cfg: dict, steps: int, offload: dict, stage: int = 2) -> float:
     import torch.distributed as dist
 
     import engine
     from examples.gpt import RandomTokens
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-              "optimizer": cfg, "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6, **offload}}
+              "optimizer": cfg, "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 5e6,
+                                                      **offload}}
     eng, _, _, _ = engine.initialize(model=GPT(BENCH_CONFIG), config=config)
     data = RandomTokens(steps * 8, BENCH_CONFIG.seq_len, BENCH_CONFIG.vocab_size, seed=dist.get_rank())
     times = []
@@ -150,6 +173,17 @@ def _gpt_rank(cfg: dict, steps: int, offload: dict) -> float:
     return statistics.median(times[2:])
 
 
+def _deepspeed_step_ms(venv: Path, cfg: dict, steps: int, section: dict, stage: int) -> float | str:
+    """DeepSpeed's median step on the benchmark GPT (deepspeed_peer.py), or why it failed."""
+    out = subprocess.run([str(venv / "bin" / "python"), str(Path(__file__).parent / "deepspeed_peer.py"),
+                          "--stage", str(stage), "--steps", str(steps), "--world", "2", "--optimizer", json.dumps(cfg),
+                          "--extra", json.dumps({"zero_optimization": section})],
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode == 0:
+        return json.loads(out.stdout.strip().splitlines()[-1])["step_ms"]
+    return f"failed: {(out.stderr.strip().splitlines() or ['no output'])[-1][:200]}"
+
+
 def gpt(steps: int, venv: Path | None, names: list[str], offload: str = "none",
         nvme_path: str | None = None) -> list[dict]:
     from tests.harness import run_distributed
@@ -160,15 +194,37 @@ def gpt(steps: int, venv: Path | None, names: list[str], offload: str = "none",
                "dstrain_ms": max(run_distributed(_gpt_rank, 2, args=(cfg, steps, section), timeout=1800))}
         peer = DEEPSPEED_ON_CPU if offload == "none" else DEEPSPEED_OFFLOADED
         if venv is not None and name in peer:
-            out = subprocess.run([str(venv / "bin" / "python"), str(Path(__file__).parent / "deepspeed_peer.py"),
-                                  "--stage", "2", "--steps", str(steps), "--world", "2",
-                                  "--optimizer", json.dumps(peer[name]),
-                                  "--extra", json.dumps({"zero_optimization": section})],
-                                 capture_output=True, text=True, timeout=1800)
-            row["deepspeed_ms"] = (json.loads(out.stdout.strip().splitlines()[-1])["step_ms"] if out.returncode == 0
-                                   else f"failed: {out.stderr.strip().splitlines()[-1][:200]}")
+            row["deepspeed_ms"] = _deepspeed_step_ms(venv, peer[name], steps, section, 2)
         rows.append(row)
     return rows
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def nvme_gpt(steps: int, venv: Path, names: list[str], nvme_path: str, sub_group: int, rounds: int) -> dict:
+    """The GPT at ZeRO-3 with the optimizer on NVMe, dstrain and DeepSpeed in interleaved rounds."""
+    from tests.harness import run_distributed
+    section = {"sub_group_size": sub_group, **_offload_section("nvme", nvme_path)}
+    result = {"load_before": _load(), "rows": []}
+    rows = {name: {"optimizer": name, "stage": 3, "dstrain_ms": [], "deepspeed_ms": []} for name in names}
+    for _ in range(rounds):
+        for name in names:
+            rows[name]["dstrain_ms"].append(max(run_distributed(_gpt_rank, 2, args=(CONFIGS[name], steps, section, 3),
+                                                                timeout=1800)))
+            if name in DEEPSPEED_NVME:
+                peer_section = {**section, **DEEPSPEED_NVME_ZERO.get(name, {})}
+                rows[name]["deepspeed_ms"].append(_deepspeed_step_ms(venv, DEEPSPEED_NVME[name], steps, peer_section, 3))
+            else:
+                rows[name]["deepspeed_ms"] = DEEPSPEED_NOT_ON_CPU.get(name, "not run: no CPU build in DeepSpeed")
+    for row in rows.values():
+        times = row["deepspeed_ms"]
+        if isinstance(times, list) and all(isinstance(t, float) for t in times):
+            row["deepspeed_over_dstrain"] = statistics.median(times) / statistics.median(row["dstrain_ms"])
+        result["rows"].append(row)
+    result["load_after"] = _load()
+    return result
 
 
 class _MLP(torch.nn.Module):
@@ -224,6 +280,7 @@ def main(argv=None) -> int:
     p.add_argument("--nvme-path", default=None, help="gpt part with --offload nvme, nvme part: the swap directory")
     p.add_argument("--width", type=int, default=512, help="nvme part: the MLP's width")
     p.add_argument("--sub-group", type=int, default=65536, help="nvme part: zero_optimization.sub_group_size")
+    p.add_argument("--rounds", type=int, default=2, help="nvme part with --deepspeed-venv: interleaved rounds")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.part == "kernels":
@@ -234,7 +291,10 @@ def main(argv=None) -> int:
         if args.nvme_path is None:
             p.error("--part nvme needs --nvme-path (a directory for the swap files)")
         names = args.optimizers.split(",") if args.optimizers != ",".join(CONFIGS) else ["AdamW", "Lamb", "Muon"]
-        result = nvme_step(args.width, args.steps, args.sub_group, args.nvme_path, names)
+        result = {"mlp_zero2": nvme_step(args.width, args.steps, args.sub_group, args.nvme_path, names)}
+        if args.deepspeed_venv is not None:
+            result["gpt_zero3"] = nvme_gpt(args.steps, args.deepspeed_venv, names, args.nvme_path, args.sub_group,
+                                           args.rounds)
     else:
         result = gpt(args.steps, args.deepspeed_venv, args.optimizers.split(","), args.offload, args.nvme_path)
     print(json.dumps(result, indent=1))

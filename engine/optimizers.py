@@ -22,7 +22,9 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 import ops
 import schemas
 from schemas.optimizer import AdagradParams, AdamParams, MuonParams, OptimizerConfig, SGDParams
-from schemas.optimizer_torch import TORCH_NAMES, torch_kwargs
+from schemas.optimizer_torch import MUP_IMPLS, TORCH_NAMES, torch_kwargs
+
+from .mup_optimizers import build_mup
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +174,7 @@ _BUILDERS: dict[str, Callable[[list, Any], torch.optim.Optimizer]] = {
     "ZeroOneAdam": _build_from_ops(ops.ZeroOneAdam),
     "OneBitLamb": _build_from_ops(ops.OneBitLamb),
     **{name: _build_torch(name) for name in TORCH_NAMES},
+    **{name: build_mup(name) for name in MUP_IMPLS},
 }
 
 

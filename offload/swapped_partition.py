@@ -225,23 +225,26 @@ class SwappedPartition:
         """Sub-group k's per-step scalars (copies)."""
         return {key: _copy(value) for key, value in self._scalars[k].items()}
 
-    def sweep(self, visit: Callable[[int, dict], None], read: dict[str, int], write: Sequence[str]) -> None:
-        """One pass over every sub-group, in order, without committing (a step may take several passes:
-        engine/zero/nvme_per_tensor.py). For sub-group k, `visit(k, views)` gets {key: n-element view}
-        for every key in `read` (key -> slot to read it from) or `write`; a key only written starts as
-        zeros. The `write` keys then go to the slot `commit` makes current; until then the current
-        slot is as the last commit left it (the two-slots note)."""
+    def sweep(self, visit: Callable[[int, dict], None], read: dict[str, int], write: Sequence[str],
+              groups: Optional[range] = None) -> None:
+        """One pass over every sub-group (or those in `groups`), in order, without committing (a step may
+        take several passes: engine/zero/nvme_per_tensor.py). For sub-group k, `visit(k, views)` gets
+        {key: n-element view} for every key in `read` (key -> slot to read it from) or `write`; a key
+        only written starts as zeros. The `write` keys then go to the slot `commit` makes current; until
+        then the current slot is as the last commit left it (the two-slots note)."""
         keys = [key for key in [MASTER, *self.state_keys] if key in read or key in write]
+        order = range(len(self.groups)) if groups is None else groups
         reads: dict = {}
         try:
-            for k, (s, e) in enumerate(self.groups):
+            for k in order:
+                s, e = self.groups[k]
                 if k not in reads:
                     reads[k] = self._start_read(k, keys, read)
                 buffers, handles = reads.pop(k)
                 try:
                     for handle in handles:
                         handle.wait()
-                    if self.pipeline_read and k + 1 < len(self.groups):
+                    if self.pipeline_read and k + 1 in order:
                         reads[k + 1] = self._start_read(k + 1, keys, read)
                     views = {key: buf[:e - s] for key, buf in zip(keys, buffers)}
                     for key in keys:

@@ -4,6 +4,12 @@ update = m̂/(√v̂ + ε) + wd·x;  trust ratio r = ‖x‖/‖update‖ clippe
 (1 when either norm is 0);  x ← x − lr·r·update. Per parameter tensor. The trust ratio stays a
 tensor: no host sync per parameter.
 
+[Note: blocks] Under ZeRO a flat is stepped in two passes of `BLOCK`-element blocks (`_segmented_step`)
+rather than by whole-flat kernels: on CPU each block's moments, update and squares stay in cache, so a
+pass streams x, g, m, v once instead of once per kernel, and no partition-sized temporaries are made
+(their pages are faulted in anew every step). The NVMe step (engine/zero/nvme_per_tensor.py) runs the
+same two passes over its sub-groups. Stage 0 steps each tensor whole (`lamb_update`).
+
 [Note: per tensor under ZeRO] Under ZeRO stages 1-3 a group's "parameter" is a flat partition holding
 dim-0 chunks of many tensors. ZeRO sets `segmented` (ops.tensor_segments) and the ratio is taken per
 original tensor: the partial Σx² and Σu² of every fragment go into one vector that is summed over
@@ -16,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .moments import adam_denominator, evaluate_closure
-from .tensor_segments import SegmentedReduction, sums_of_squares
+from .tensor_segments import SegmentedReduction
 
 
 def clipped_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, max_coeff: float, min_coeff: float) -> torch.Tensor:
@@ -92,16 +98,46 @@ class Lamb(torch.optim.Optimizer):
         return loss
 
     def _segmented_step(self) -> None:
-        items = [(group, p, lamb_direction(p, p.grad, self.state[p], group, advance_step(self.state[p])))
-                 for group in self.param_groups for p in group["params"] if p.grad is not None]
+        """Two passes over each flat, block by block (module note: blocks): pass 1 advances the moments,
+        forms the update and adds its tensor's x² and u² into the partial sums; after the one reduction,
+        pass 2 forms the update again from the moments (the same arithmetic on the same values: the same
+        bits, no partition-sized update kept) and applies its tensor's ratio."""
+        items = [(group, p, advance_step(self.state[p])) for group in self.param_groups for p in group["params"]
+                 if p.grad is not None]
+        count = self.segmented.count
         device = self.segmented.segments[next(iter(self.segmented.segments))].ids.device
-        w_sq, u_sq = sums_of_squares([p for _, p, _ in items], [u for _, _, u in items], self.segmented, device)
-        w_norm, u_norm = w_sq.sqrt(), u_sq.sqrt()
-        for group, p, update in items:
-            ids = self.segmented.segments[p].ids
-            apply_ratio(p, update, clipped_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])[ids],
-                        group["lr"])
+        partial = torch.zeros(2 * count, dtype=torch.float32, device=device)
+        for group, p, step in items:
+            state, ids = self.state[p], self.segmented.segments[p].ids
+            if "exp_avg" not in state:
+                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+            for s, e in blocks(p):
+                moments = {k: state[k][s:e] for k in ("exp_avg", "exp_avg_sq")}
+                advance_moments(moments, p.grad[s:e], group, p[s:e])
+                update = direction_from_moments(p[s:e], moments, group, step)
+                partial[:count].index_add_(0, ids[s:e], p[s:e].detach().float().square().to(device))
+                partial[count:].index_add_(0, ids[s:e], update.float().square().to(device))
+        total = self.segmented.all_reduce_sum(partial)
+        w_norm, u_norm = total[:count].sqrt(), total[count:].sqrt()
+        for group, p, step in items:
+            state, ids = self.state[p], self.segmented.segments[p].ids
+            ratio = clipped_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])
+            for s, e in blocks(p):
+                moments = {k: state[k][s:e] for k in ("exp_avg", "exp_avg_sq")}
+                apply_ratio(p[s:e], direction_from_moments(p[s:e], moments, group, step), ratio[ids[s:e]], group["lr"])
 
+
+BLOCK = 1 << 16  # elements per block on CPU (module note)
+
+
+def blocks(flat: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) blocks of a 1-D flat: BLOCK elements on CPU (a multiple of 64, so every element meets
+    the SIMD lane it meets over the whole flat: the same bits), the whole flat on an accelerator, where
+    a launch per block costs more than the traffic saved."""
+    n = flat.numel()
+    if flat.device.type != "cpu":
+        return [(0, n)]
+    return [(s, min(s + BLOCK, n)) for s in range(0, n, BLOCK)]
 
 
 def advance_step(state: dict) -> int:

@@ -1,7 +1,7 @@
 """Per-tensor reductions over flat buffers that hold pieces of many tensors (ZeRO's partitions).
 
 A `FlatSegments` says, for every element of one flat buffer, which parameter tensor it belongs to (a
-global index shared by all ranks). Per-tensor sums of squares then take one `index_add_` per flat, and
+global index shared by all ranks). Per-tensor sums of squares then take `index_add_`s over each flat, and
 the partial sums of every flat of every rank are summed in one reduction of one vector, so a per-tensor
 rule (LAMB's trust ratio) sees exactly the norms of the whole tensors.
 """
@@ -27,16 +27,3 @@ class SegmentedReduction:
     count: int
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]  # sums a vector over ranks, returns the result
 
-
-def sums_of_squares(flats: list[torch.Tensor], others: list[torch.Tensor], reduction: SegmentedReduction,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor Σx² of `flats` and of `others` (same shapes), each a vector of `reduction.count`,
-    summed over ranks in one reduction."""
-    count = reduction.count
-    partial = torch.zeros(2 * count, dtype=torch.float32, device=device)
-    for flat, other in zip(flats, others):
-        seg = reduction.segments[flat]
-        partial[:count].index_add_(0, seg.ids, flat.detach().float().square().to(device))
-        partial[count:].index_add_(0, seg.ids, other.float().square().to(device))
-    total = reduction.all_reduce_sum(partial)
-    return total[:count], total[count:]

@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, Va
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from schemas.base import StrictModel
-from schemas.optimizer_torch import TORCH_NAMES, LazyParamsModels
+from schemas.optimizer_torch import MUP_IMPLS, TORCH_NAMES, LazyParamsModels
 
 # Hints for keys that other tools put in optimizer params but that live elsewhere in the config.
 _KEY_HINTS = {
@@ -383,18 +383,21 @@ OptimizerParams = Union[AdamParams, SGDParams, LambParams, OneBitAdamParams, Zer
 PARAMS_MODELS: dict[str, Optional[type[StrictModel]]] = LazyParamsModels(
     {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams, "Lamb": LambParams, "Lion": LionParams,
      "Adagrad": AdagradParams, "Muon": MuonParams, "OneBitAdam": OneBitAdamParams,
-     "ZeroOneAdam": ZeroOneAdamParams, "OneBitLamb": OneBitLambParams, **{name: None for name in TORCH_NAMES}})
+     "ZeroOneAdam": ZeroOneAdamParams, "OneBitLamb": OneBitLambParams, **{name: None for name in TORCH_NAMES},
+     **{name: None for name in MUP_IMPLS}})
 
 # The config types ZeRO stages 1-3 take without `zero_allow_untested_optimizer`: DeepSpeed's list
-# (Adam, AdamW, Adagrad, Lion, Muon) and Lamb, whose trust ratio dstrain computes per tensor under ZeRO.
-ZERO_TESTED_TYPES = ("Adam", "AdamW", "Adagrad", "Lion", "Lamb", "Muon")
+# (Adam, AdamW, Adagrad, Lion, Muon; MuAdam and MuAdamW, which are torch's Adam and AdamW classes there,
+# but not MuSGD, torch's SGD) and Lamb, whose trust ratio dstrain computes per tensor under ZeRO.
+ZERO_TESTED_TYPES = ("Adam", "AdamW", "Adagrad", "Lion", "Lamb", "Muon", "MuAdam", "MuAdamW")
 
 # The types that average their momentum themselves after warm-up (ZeRO stage 0 only).
 ONEBIT_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
-# DeepSpeed optimizer types that dstrain does not build: mup's MuAdam/MuAdamW/MuSGD need the `mup`
-# package, which dstrain does not depend on. Naming one is a clear "not built yet" error.
-NOT_BUILT_OPTIMIZERS = ["MuAdam", "MuAdamW", "MuSGD"]
+# DeepSpeed optimizer types that dstrain does not build (none today); naming one is a clear "not built
+# yet" error. mup's MuAdam/MuAdamW/MuSGD are built through the optional `mup` package
+# (engine/mup_optimizers.py).
+NOT_BUILT_OPTIMIZERS: list[str] = []
 
 
 class OptimizerConfig(TypedSection):
@@ -406,7 +409,8 @@ class OptimizerConfig(TypedSection):
     not_built: ClassVar[list[str]] = NOT_BUILT_OPTIMIZERS
 
     type: str
-    """Adam, AdamW, SGD, Lamb, Lion, Adagrad, Muon, OneBitAdam, ZeroOneAdam, OneBitLamb, or a torch.optim
+    """Adam, AdamW, SGD, Lamb, Lion, Adagrad, Muon, OneBitAdam, ZeroOneAdam, OneBitLamb, MuAdam, MuAdamW,
+    MuSGD (mup's, with the `mup` package installed: their params are torch's Adam, AdamW, SGD's), or a torch.optim
     class name (ASGD, Adadelta, Adamax, NAdam, RAdam, RMSprop, Rprop, Adafactor, SparseAdam, LBFGS);
     case-insensitive, stored canonically."""
     params: OptimizerParams = Field(default_factory=dict)

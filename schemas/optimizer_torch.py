@@ -38,10 +38,14 @@ TORCH_NEEDS_CLOSURE = {
 _SKIPPED_ARGS = ("self", "params")
 
 
+# mup's optimizers (engine/mup_optimizers.py) pass their params on to this torch class, as DeepSpeed does.
+MUP_IMPLS = {"MuAdam": "Adam", "MuAdamW": "AdamW", "MuSGD": "SGD"}
+
+
 def _params_model(name: str) -> type[StrictModel]:
     """A strict model whose fields are the constructor's keyword arguments, with torch's defaults."""
     import torch  # here, not at the top: schemas/ is imported by the launcher, which never needs torch
-    cls = getattr(torch.optim, name)
+    cls = getattr(torch.optim, MUP_IMPLS.get(name, name))
     fields: dict[str, Any] = {}
     for arg in inspect.signature(cls.__init__).parameters.values():
         if arg.name in _SKIPPED_ARGS or arg.kind in (arg.VAR_POSITIONAL, arg.VAR_KEYWORD):
@@ -49,7 +53,7 @@ def _params_model(name: str) -> type[StrictModel]:
         default = None if arg.default is inspect.Parameter.empty else arg.default
         fields[arg.name] = (Any, default)
     model = create_model(f"Torch{name}Params", __base__=StrictModel, **fields)
-    model.__doc__ = f"Params of `{name}`: the keyword arguments of torch.optim.{name} (its defaults)."
+    model.__doc__ = f"Params of `{name}`: the keyword arguments of torch.optim.{cls.__name__} (its defaults)."
     return model
 
 

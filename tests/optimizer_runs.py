@@ -1,5 +1,5 @@
 """The multi-process runs behind tests/test_optimizer_set.py, tests/test_optimizer_checkpoint.py, the
-ZeRO case of tests/test_optimizers.py and the engine case of tests/test_state_layout.py: one spawn per world size, made on first use and shared by
+ZeRO case of tests/test_optimizers.py, tests/test_mup_optimizers.py and the engine case of tests/test_state_layout.py: one spawn per world size, made on first use and shared by
 whichever of those files runs (spawning and importing on every rank, not training their tiny models,
 was most of their time: ~40 s per spawn on the shared 2-core machine against ~0.4 s per training).
 
@@ -49,7 +49,7 @@ class Results(dict):
 
 def _work(root: str) -> dict:
     from tests import test_optimizer_checkpoint as ckpt, test_optimizer_set as opt_set, test_optimizers as optimizers
-    from tests import test_state_layout as layout
+    from tests import test_mup_optimizers as mup_set, test_state_layout as layout
     world, out = torch.distributed.get_world_size(), {}
     nvme_path = os.path.join(root, "nvme")
     if world in opt_set.CASES:
@@ -57,6 +57,7 @@ def _work(root: str) -> dict:
     if world == 2:
         record(out, "uncorrected_zero2", optimizers._train_uncorrected_zero2)
         record(out, "layout_refusals", layout._refusals)
+        record(out, "mup", mup_set._runs, nvme_path)
         record(out, "saved", ckpt._save_all, root)
     record(out, "loaded", ckpt._load_all, root)
     return out

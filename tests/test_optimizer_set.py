@@ -26,10 +26,12 @@ import torch
 from torch import nn
 
 import engine
+import ops
 import schemas
 from engine.utils import safe_get_full_fp32_param
 from engine.zero.per_tensor import assign_owners
 from tests import optimizer_runs
+from tests.optimizer_runs import record
 from tests.offload_runs import _swap_hashes
 from tests.models import make_batches, micro_batches
 
@@ -130,8 +132,95 @@ def _refused(nvme_path: str) -> list[str] | None:
     return None
 
 
+class Matrices(nn.Module):
+    """20 Muon matrices against a 3072-element swap pool (3 buffers of 1024): each 64x64 matrix is a
+    round larger than the pool, alone; the 16x64 and 64x16 ones go three to a round; their halves (one
+    rank's fragments, 2048 and 512 elements) cross the 1024-element sub-groups."""
+
+    DIMS = [64] + [64, 16, 64, 16, 64] * 4
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(self.DIMS, self.DIMS[1:]))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return nn.functional.mse_loss(x, y)
+
+
+MUON_POOL = {"sub_group_size": 1024, "buffer_count": 3}
+
+
+def _peak_allocated(prof) -> int:
+    """The most bytes of CPU tensors this thread had alive at once inside the profiled region, beyond
+    those alive at its start: the running sum of its allocations and frees (the events' own
+    `total_allocated` is process-wide, other threads' allocations included)."""
+    from torch._C._profiler import _EventType
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+    events = sorted((n.start_time_ns, n.extra_fields.alloc_size) for n in
+                    walk(prof.profiler.kineto_results.experimental_event_tree()) if n.tag == _EventType.Allocation)
+    live = peak = 0
+    for _, size in events:
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def _muon_nvme_memory(nvme_path: str) -> dict:
+    """Matrices trained 2 steps with Muon at stage 2, in memory and on NVMe, with a param group per
+    parameter (initialize's default: rounds span flats) and with one group (rounds within one flat);
+    on NVMe the peak of the swapped step's own tensor allocations (torch's profiler) at the second
+    step, the first that reads state (the first makes it)."""
+    return {grouping: _muon_nvme_memory_run(nvme_path, grouping) for grouping in ("per parameter", "one group")}
+
+
+def _muon_nvme_memory_run(nvme_path: str, grouping: str) -> dict:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for where in ("memory", "nvme"):
+        torch.manual_seed(0)
+        cfg = _config("Muon", 2, 1)
+        if where == "nvme":
+            cfg["zero_optimization"].update(sub_group_size=MUON_POOL["sub_group_size"], offload_optimizer={
+                "device": "nvme", "nvme_path": nvme_path, "buffer_count": MUON_POOL["buffer_count"]})
+        model = Matrices()
+        params = model.parameters() if grouping == "per parameter" else [{"params": list(model.parameters())}]
+        eng, _, _, _ = engine.initialize(model=model, model_parameters=params, config=cfg)
+        peaks, calls = [], []
+        if where == "nvme":
+            stepper = eng.zero_optimizer.nvme.per_tensor
+            unmeasured = stepper.step
+
+            def measured():
+                calls.append(1)
+                if len(calls) == 1:
+                    return unmeasured()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                    unmeasured()
+                peaks.append(_peak_allocated(prof))
+            stepper.step = measured
+            out["rounds"] = [len(r.orthogonalizer.matrices) for r in stepper.rounds]
+            out["flats"] = len(stepper.matrix_keys)
+            out["pool_elements"] = eng.zero_optimizer.nvme.pool.buffer_count * eng.zero_optimizer.nvme.pool.buffer_size
+        for x, y in make_batches(2, MICRO * world, d_in=64, d_out=64, seed=1):
+            eng.backward(eng(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+            eng.step()
+        out[where] = {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}
+        if where == "nvme":
+            out["peaks"] = peaks
+            eng.destroy()
+    return out
+
+
 def _runs(cases, nvme_path: str | None = None) -> dict:
     out = {case: _train(*case, nvme_path=nvme_path) for case in cases}
+    if nvme_path is not None and torch.distributed.get_world_size() == 2:
+        record(out, "muon_nvme_memory", _muon_nvme_memory, nvme_path)
     if nvme_path is not None:
         for case in INF_CASES:
             out[("inf", *case)] = _train(*case, nvme_path=nvme_path, inf_step=INF_STEP)
@@ -332,6 +421,69 @@ def test_per_tensor_steps_communicate_once_per_step(two_ranks, stage):
         # with the state on NVMe too: the two passes share the one reduction / the two all-to-alls
         assert results[("Lamb", stage, 2, "nvme")]["step_calls"] == [{"all_reduce": 2, "all_to_all": 0}] * STEPS
         assert results[("Muon", stage, 2, "nvme")]["step_calls"] == [{"all_reduce": 1, "all_to_all": 2}] * STEPS
+
+
+def test_muon_nvme_host_memory_is_bounded_by_the_pool_and_the_largest_matrix(two_ranks):
+    """engine/zero/nvme_muon.py's memory note. A round of whole-matrix size W <= max(pool, largest matrix)
+    = 4096 elements here holds U, the all-to-all send and receive buffers, the owner's whole matrices and
+    results, and Newton-Schulz's temporaries of one matrix. The peak of the step's tensor allocations
+    is measured by torch's profiler: 172-238 kB (at most 14.5·W fp32) over 7 runs on both ranks; the
+    step that orthogonalises the rank's whole matrix partition (16384 elements) at once peaked at
+    426 kB. The bound asserted, 20·W fp32 (327 kB), holds the first and not the second; it does not
+    grow with the partition, the unbounded step does. The rounds change nothing: bit for bit the
+    in-memory run, with a param group per parameter (rounds span flats) and with one group."""
+    for rank, results in enumerate(two_ranks):
+        for grouping, got in results["muon_nvme_memory"].items():
+            where = f"rank {rank}, {grouping}"
+            assert got["flats"] == (20 if grouping == "per parameter" else 1), f"{where}: {got['flats']} flats"
+            assert got["rounds"] == [1, 3, 1] * 4, f"{where}: matrices per round {got['rounds']}"
+            bound = 20 * 4 * max(got["pool_elements"], 64 * 64)
+            assert len(got["peaks"]) == 1 and max(got["peaks"]) <= bound, f"{where}: peaks {got['peaks']} > {bound}"
+            for name, w in got["memory"].items():
+                assert torch.equal(got["nvme"][name], w), f"{where} {name}: {(got['nvme'][name] - w).abs().max():.2e}"
+
+
+def test_lion_and_lamb_step_large_cpu_flats_in_blocks_as_the_references():
+    """ops/lion.py's and ops/lamb.py's blocks: tensors longer than a block (and a short one between) step
+    as the papers' equations per tensor; Lion's blocks equal its whole-tensor foreach step bit for bit."""
+    from ops.lamb import BLOCK
+    from ops.tensor_segments import FlatSegments, SegmentedReduction
+    sizes = [BLOCK + 100, 300, BLOCK + 70]
+    torch.manual_seed(0)
+    start = [torch.randn(n, device="cpu") * 0.1 for n in sizes]
+    grads = [[torch.randn(n, device="cpu") * 0.01 for n in sizes] for _ in range(2)]
+    lion, lamb = OPTIMIZERS["Lion"], OPTIMIZERS["Lamb"]
+    blocked = [nn.Parameter(t.clone()) for t in start]
+    whole = [nn.Parameter(t.clone()) for t in start]
+    paper = [nn.Parameter(t.clone()) for t in start]
+    flat = nn.Parameter(torch.cat(start))
+    paper_lamb = [nn.Parameter(t.clone()) for t in start]
+    opt_blocked = ops.Lion(blocked, lr=lion["lr"], betas=lion["betas"], weight_decay=lion["weight_decay"])
+    opt_whole = ops.Lion(whole, lr=lion["lr"], betas=lion["betas"], weight_decay=lion["weight_decay"])
+    opt_paper = PaperLion(paper, lion["lr"], tuple(lion["betas"]), lion["weight_decay"])
+    opt_lamb = ops.Lamb([flat], lr=lamb["lr"], weight_decay=lamb["weight_decay"],
+                                      max_coeff=lamb["max_coeff"], min_coeff=lamb["min_coeff"])
+    ids = torch.repeat_interleave(torch.arange(3, device="cpu"), torch.tensor(sizes, device="cpu"))
+    opt_lamb.segmented = SegmentedReduction({flat: FlatSegments(ids, 3)}, 3, lambda v: v)
+    opt_paper_lamb = PaperLamb(paper_lamb, lamb["lr"], lamb["weight_decay"], lamb["max_coeff"], lamb["min_coeff"])
+    for step_grads in grads:
+        for params in (blocked, whole, paper, paper_lamb):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+        flat.grad = torch.cat(step_grads)
+        opt_blocked.step()
+        with torch.no_grad():
+            for p in whole:
+                opt_whole.state[p].setdefault("exp_avg", torch.zeros_like(p))
+            opt_whole._foreach_step(opt_whole.param_groups[0], whole)
+        opt_paper.step()
+        opt_lamb.step()
+        opt_paper_lamb.step()
+    for got, same, want, before in zip(blocked, whole, paper, start):
+        assert torch.equal(got, same)
+        assert (got - want).abs().max() < 1e-6 and (want - before).abs().max() > 1e-3
+    for got, want in zip(torch.split(flat.detach(), sizes), paper_lamb):
+        assert (got - want).abs().max() < 1e-6, (got - want).abs().max()
 
 
 # -- Muon and Lamb on 4 ranks: a rank without rows of a matrix; owners spread ----------------------------

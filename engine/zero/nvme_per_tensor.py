@@ -10,17 +10,13 @@ committed together, so a failed or skipped step leaves the files as the last ste
   over ranks once per step (per_tensor.py's reduction, as without offload). Pass 2 reads the master
   and the moments pass 1 wrote, recomputes u from them (the same elementwise arithmetic, so the same
   bits: no u file, no extra disk), applies its tensor's clamped ratio and writes the master.
-- Muon. Matrices (`use_muon` groups): pass 1 reads the momentum, advances it (written back) and puts
-  the Nesterov update U of each sub-group into one transient host flat; the owner all-to-all
-  (per_tensor.OwnerOrthogonalizer) orthogonalises each matrix whole on its owner and brings the
-  slices back into that flat; pass 2 reads the master, applies them and writes it. The AdamW half is
-  elementwise: the ordinary swapped step with an AdamW-only copy of the optimizer (nvme_tier.py).
+- Muon (nvme_muon.py): pass 1 advances the momentum; pass 2 applies each matrix's update, orthogonalised
+  whole on its owner in rounds of matrices that fit the swap pool. The AdamW half is elementwise: the
+  ordinary swapped step with an AdamW-only copy of the optimizer (nvme_tier.py).
 
 [Note: memory] Lamb holds per sub-group its pool buffers and the sub-group's update, plus the 2·P
 partial-sum vector (P parameters); nothing partition-sized beyond what the CPU tier holds anyway
-(the host master and gradient flats). Muon's matrix flats need U whole for the all-to-all: one fp32
-flat of this rank's matrix partition during the step (and the orthogonaliser's send and receive
-buffers, as without offload) — the momentum itself stays in the files.
+(the host master and gradient flats). Muon's bound is nvme_muon.py's memory note.
 [Note: bits] Both equal the in-memory step bit for bit: every operation is elementwise except the
 partial sums, and `index_add_` over the sub-groups in order adds each parameter's elements in the
 order one `index_add_` over the whole flat does. Sub-groups are whole SIMD lane groups (nvme_tier.py).
@@ -34,8 +30,8 @@ import torch
 import ops
 from offload.swapped_partition import MASTER
 from ops.lamb import (advance_moments, advance_step, apply_ratio, clipped_ratio, direction_from_moments)
-from ops.muon import apply_muon_update, nesterov_momentum
 
+from .nvme_muon import SwappedMuon
 from .per_tensor import all_reduce_sum
 
 CPU = torch.device("cpu")
@@ -113,46 +109,6 @@ class SwappedLamb:
             store.write(key, s, master)  # what the all-gather sends from (nvme_tier.py's note)
         part.sweep(visit, {MASTER: source, **dict.fromkeys(MOMENTS, written)}, write=[MASTER])
         part.commit(scalars)
-
-
-class SwappedMuon:
-    """Muon's swapped step: two passes for the matrix flats, the elementwise step for AdamW's (module
-    docstring)."""
-
-    def __init__(self, tier, zopt):
-        self.tier, self.partition, self.optimizer = tier, zopt.partition, zopt.optimizer
-
-    def step(self) -> None:
-        groups = self.optimizer.param_groups
-        matrices = [key for key in self.tier.parts if groups[key[0]]["use_muon"]]
-        updates = [self._momentum_pass(key, self.tier.parts[key], groups[key[0]]) for key in matrices]
-        updates = self.optimizer.orthogonalize_flats([self.partition.flat[key] for key in matrices], updates)
-        for key, update in zip(matrices, updates):
-            self._apply_pass(key, self.tier.parts[key], groups[key[0]], update)
-        for key, part in self.tier.parts.items():
-            if key not in matrices:
-                self.tier.step_elementwise(key, part)
-
-    def _momentum_pass(self, key, part, group: dict) -> torch.Tensor:
-        grad = self.partition.flat_grad[key]
-        update = torch.empty(part.numel, dtype=torch.float32, device=CPU)  # memory note: U whole
-
-        def visit(k: int, views: dict) -> None:
-            s, e = part.groups[k]
-            update[s:e].copy_(nesterov_momentum(views["momentum_buffer"], grad[s:e], group["momentum"]))
-        read = {"momentum_buffer": part.source_slot} if part.has_state else {}
-        part.sweep(visit, read, write=["momentum_buffer"])
-        return update
-
-    def _apply_pass(self, key, part, group: dict, update: torch.Tensor) -> None:
-        store = self.partition.store
-
-        def visit(k: int, views: dict) -> None:
-            s, e = part.groups[k]
-            apply_muon_update(views[MASTER], update[s:e], group)
-            store.write(key, s, views[MASTER])
-        part.sweep(visit, {MASTER: part.source_slot}, write=[MASTER])
-        part.commit([{} for _ in part.groups])
 
 
 def per_tensor_stepper(tier, zopt):

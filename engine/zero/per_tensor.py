@@ -81,12 +81,17 @@ def assign_owners(costs: list[int], world: int) -> list[int]:
 class OwnerOrthogonalizer:
     """`orthogonalize_flats` for ops.MuonWithAuxAdam over a ZeRO partition (module notes)."""
 
-    def __init__(self, partition: PartitionedParams, comm, muon_groups: set[int], ns_dtype: torch.dtype):
+    def __init__(self, partition: PartitionedParams, comm, muon_groups: set[int], ns_dtype: torch.dtype,
+                 matrices: list | None = None, owners: list[int] | None = None):
+        """`matrices`: only these, and `owners` theirs (the NVMe step's rounds, nvme_muon.py); default every
+        matrix of the groups, owners assigned here."""
         self.partition, self.comm, self.ns_dtype = partition, comm, ns_dtype
         world = comm.world_size
-        self.matrices = [p for key, members in partition.members.items() if key[0] in muon_groups for p in members]
+        self.matrices = matrices if matrices is not None else [
+            p for key, members in partition.members.items() if key[0] in muon_groups for p in members]
         specs = [partition.fragments[p].spec for p in self.matrices]
-        self.owners = assign_owners([muon_cost(s.rows, s.row_numel) for s in specs], world)
+        self.owners = owners if owners is not None else assign_owners([muon_cost(s.rows, s.row_numel) for s in specs],
+                                                                      world)
         owned = [[p for p, o in zip(self.matrices, self.owners) if o == r] for r in range(world)]
         self.layouts = [RankMajorLayout(ps, [partition.fragments[p].spec for p in ps], world) for ps in owned]
         self.block = max(layout.segment for layout in self.layouts)
@@ -99,8 +104,12 @@ class OwnerOrthogonalizer:
             cost[o] += muon_cost(spec.rows, spec.row_numel)
         return cost
 
-    def __call__(self, flats: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        update_of = {id(f): u for f, u in zip(flats, updates)}
+    def __call__(self, flats: list[torch.Tensor], updates: list[torch.Tensor],
+                 starts: list[int] | None = None) -> list[torch.Tensor]:
+        """updates[i] holds flats[i]'s elements from starts[i] (default 0) on; each matrix's slots are
+        replaced by its slices of the orthogonalised matrix, in place."""
+        starts = [0] * len(flats) if starts is None else starts
+        update_of = {id(f): (u, start) for f, u, start in zip(flats, updates, starts)}
         world, rank, device = self.comm.world_size, self.comm.rank, self.comm.device
         send = torch.zeros(world * self.block, dtype=torch.float32, device=device)
         for owner, layout in enumerate(self.layouts):
@@ -131,7 +140,8 @@ class OwnerOrthogonalizer:
 
     def _slot(self, p, update_of: dict) -> torch.Tensor:
         frag = self.partition.fragments[p]
-        return update_of[id(self.partition.flat[frag.key])][frag.offset:frag.offset + frag.padded]
+        update, start = update_of[id(self.partition.flat[frag.key])]
+        return update[frag.offset - start:frag.offset - start + frag.padded]
 
 
 def attach_per_tensor(zopt) -> None:
