@@ -70,8 +70,9 @@ class Stage3Partition(PartitionedParams):
     """`PartitionedParams` built from chunks instead of full tensors, so that parameters `zero.Init`
     already partitioned (placeholders with `_z3_chunk`) never exist in full."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, grads_swapped: bool = False, **kwargs):
         self.swapped_init: dict[tuple, list] = {}  # key -> [(offset, chunk)] left in zero.Init's file
+        self.grads_swapped = grads_swapped  # grad_swap.py: no host gradient partition
         super().__init__(*args, **kwargs)
 
     def _build_flat(self, key) -> None:
