@@ -19,6 +19,12 @@ Host memory for gradients is then the buckets in flight (REDUCE_DEPTH, partition
 staging copy per landing in flight (a bucket's segment) and one sub-group or NORM_CHUNK being read,
 whatever the model size. Lamb and Muon (nvme_per_tensor.py) read whole tensors of the gradient: with
 them the partition gradient stays in host memory.
+[Note: held gradients] The first reducing backward of a run holds every full gradient until backward
+ends (arrivals.py's note: it finds parameters whose gradient arrives in pieces), and a deferred
+bucket holds its parameters' gradients too: in memory that is the whole model's gradient, 4 bytes
+per parameter on every rank, for one backward. With the gradient swapped, `HeldGradients` keeps them
+in a file instead (one region per parameter; a second piece is read, added with the same `add_` and
+written back), so the first backward is bounded like the others.
 Writes go through a staging buffer placed at the file offset's phase of the O_DIRECT block, so the
 aligned middle of every transfer bypasses the page cache (offload/aio.py's note).
 """
@@ -35,7 +41,7 @@ from .stage0 import clip_coefficient
 from .swappable import _PER_TENSOR
 
 FP32 = 4
-NORM_CHUNK = 1 << 22  # elements per squared-norm term, in memory and from the files alike
+NORM_CHUNK = 1 << 20  # elements per squared-norm term, in memory and from the files alike (a 4 MiB read)
 DEPTH = 4  # landings whose writes may be in flight
 CPU = torch.device("cpu")
 
@@ -93,6 +99,7 @@ class GradientSwap:
         self.bytes_written = self.bytes_read = 0
         self.unscale, self.clip_coef = 1.0, None  # this step's factors, applied as ranges are read
         self._made = False  # the files are made at the first landing (fast_init writes no file at initialize)
+        self.held = None  # HeldGradients, set by attach_grad_swap
 
     def targets(self, fragments: list) -> SwappedTargets:
         return SwappedTargets(self, fragments)
@@ -164,12 +171,63 @@ class GradientSwap:
         try:
             self.flush()
         finally:
+            if self.held is not None:
+                self.held.close()
             for path in self.files.values():
                 self.io.forget(path)
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
+
+
+class HeldGradients:
+    """Full gradients held aside during a backward (module note: held gradients), in a swap file: the
+    mapping `PartitionedZeroOptimizer._accum` uses (`in`, `get`, `[]=`, `pop`, `values`, `clear`)."""
+
+    def __init__(self, params: list, swap_dir, io, name: str):
+        self.io, self.path = io, swap_dir.file(f"{name}.held.swp")
+        self.offsets, at = {}, 0
+        for p in params:  # a region per parameter (its full shape: stage 3's are placeholders), block-aligned
+            self.offsets[p] = at
+            numel = torch.Size(getattr(p, "ds_shape", p.shape)).numel()
+            at += -(-numel * max(4, p.element_size()) // ALIGNMENT) * ALIGNMENT
+        self._held: dict = {}  # param -> (dtype, shape) of what its region holds
+
+    def __contains__(self, param) -> bool:
+        return param in self._held
+
+    def __setitem__(self, param, grad: torch.Tensor) -> None:
+        staged = aligned_empty(grad.numel(), grad.dtype)
+        staged.copy_(grad.reshape(-1))
+        self.io.write(self.path, staged, self.offsets[param]).wait()
+        self._held[param] = (grad.dtype, grad.shape)
+
+    def get(self, param, default=None):
+        if param not in self._held:
+            return default
+        dtype, shape = self._held[param]
+        out = aligned_empty(shape.numel(), dtype)
+        self.io.read(self.path, out, self.offsets[param]).wait()
+        return out.view(shape)
+
+    def pop(self, param, default=None):
+        out = self.get(param, default)
+        self._held.pop(param, None)
+        return out
+
+    def values(self) -> list:
+        return []  # no host bytes held
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def close(self) -> None:
+        self.io.forget(self.path)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 def swaps_gradients(zero, optimizer) -> bool:
@@ -187,6 +245,7 @@ def attach_grad_swap(zopt) -> None:
         return
     swap = GradientSwap(zopt.partition, zopt.nvme.swap, zopt.nvme.io, name=f"rank{zopt.comm.rank}")
     zopt.grad_swap = zopt.nvme.grad_swap = swap
+    zopt._accum = swap.held = HeldGradients(zopt.params, zopt.nvme.swap, zopt.nvme.io, name=f"rank{zopt.comm.rank}")
     fragments = zopt.partition.fragments
     for bucket in zopt.buckets:
         bucket.targets = swap.targets([fragments[p] for p in bucket.layout.params])

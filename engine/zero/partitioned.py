@@ -204,6 +204,7 @@ class PartitionedZeroOptimizer:
             self._accum[param] = grad.to(self._accum_dtype) if wide else grad
         else:
             acc.add_(grad)
+            self._accum[param] = acc  # a swapped store (grad_swap.HeldGradients) writes it back
         param.grad = None
 
     def _take_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -305,7 +306,7 @@ class PartitionedZeroOptimizer:
         """Bytes of gradient this rank holds: full gradients still in `.grad` or side tensors, and the fp32
         partition."""
         held = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-        held += sum(t.numel() * t.element_size() for t in self._accum.values())
+        held += sum(t.numel() * t.element_size() for t in self._accum.values())  # swapped: none
         return held + self.partition.num_bytes()["master_grad"]
 
     # -- the boundary step ---------------------------------------------------------------------

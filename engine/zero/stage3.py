@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..comm import Communicator
 from .arrivals import ArrivalLog
 from .grad_swap import swaps_gradients
+from .param_nvme import wants_param_nvme
 from .partition import REDUCE_DEPTH, InFlight, RankMajorLayout
 from .prefetch import ParamCoordinator
 from .stage0 import reduction_settings
@@ -108,7 +109,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self.arrivals, self.ignore_unused = ArrivalLog(param_names), ignore_unused_parameters
         self._init_tier(tier)
         self.partition = Stage3Partition(optimizer, comm.world_size, comm.rank, self.tier,
-                                         grads_swapped=swaps_gradients(zero, optimizer))
+                                         grads_swapped=swaps_gradients(zero, optimizer),
+                                         params_swapped=wants_param_nvme(zero))
         units = discover_units(module)
         self.persistent = self._choose_persistent(units, zero)
         self.frozen_chunks: dict = {}
