@@ -1,7 +1,8 @@
 """ZeRO-Infinity's optimizer tier at stages 1, 2 and 3 (`offload_optimizer.device: "nvme"`).
 
 [Note: nvme tier] The partition is placed as for `device: "cpu"` (tier.py): reduced gradient segments
-land in host memory, clipping and the NaN/Inf check run over them there. What changes is the step: the
+land in host memory, clipping and the NaN/Inf check run over them there (at stage 3 with an
+elementwise optimizer they land in swap files instead and are read back here: grad_swap.py). What changes is the step: the
 fp32 master weights and the optimizer state live in `SwappedPartition` swap files under a per-job
 `SwapDir` in `nvme_path`, one partition per flat (param group, model dtype), and each sub-group of
 `sub_group_size` elements is read, stepped by a copy of the configured optimizer and written back
