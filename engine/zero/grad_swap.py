@@ -128,8 +128,12 @@ class GradientSwap:
         self._made = True
         for key, path in self.files.items():
             self.io.forget(path)
-            with open(path, "wb") as f:
-                f.truncate(self.numel[key] * FP32)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # private, as the I/O engine makes its files
+            try:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, self.numel[key] * FP32)
+            finally:
+                os.close(fd)
 
     def read(self, key, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of flat `key`'s gradient, in a new host tensor."""
