@@ -29,6 +29,7 @@ from .optimizers import resolve_optimizer, tag_muon_parameters
 from .pipe.build import check_model_axis, check_pipeline_config, pipeline_groups
 from .schedules import resolve_scheduler
 from .zero import build_zero_optimizer
+from .zero.partition import split_runs
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -99,6 +100,9 @@ def _param_groups(model: torch.nn.Module, model_parameters) -> list:
     return list(model_parameters)
 
 
+BROADCAST_NUMEL = 1 << 20  # elements per broadcast of the initial weights (_broadcast_model)
+
+
 def _broadcast_model(model: torch.nn.Module, comm: Communicator, skip=lambda t: False) -> None:
     """Make every rank start from rank 0's weights and buffers (but those `skip` names), one broadcast per dtype."""
     if comm.world_size == 1:
@@ -109,12 +113,15 @@ def _broadcast_model(model: torch.nn.Module, comm: Communicator, skip=lambda t: 
             by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
         for tensors in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            comm.broadcast(flat, src=0)
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            # in runs of at most BROADCAST_NUMEL elements: the staging copy is bounded, not the model's size
+            for run in split_runs(tensors, [t.numel() for t in tensors], BROADCAST_NUMEL):
+                part = [tensors[i] for i in run]
+                flat = torch.cat([t.reshape(-1) for t in part])
+                comm.broadcast(flat, src=0)
+                offset = 0
+                for t in part:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
 
 def _parallel_layout(model: torch.nn.Module, source, overrides) -> tuple[int, Any, int]:

@@ -79,7 +79,7 @@ class NvmeParamStore:
                 self._copy_chunks(key, swapped_init[key])
             else:
                 self._write_staged(key, flat.detach())
-        if swapped_init:  # zero.Init(remote_device="nvme"): the flat was never written (stage3_params.py)
+        if swapped_init:  # the flat was never written (stage3_params.py's Stage3Partition)
             self.master_in_memory = False
             for chunk_file in {id(c.file): c.file for cs in swapped_init.values() for _, c in cs
                                if isinstance(c, SwappedChunk)}.values():
@@ -237,9 +237,10 @@ class NvmeParamStore:
                     resident[at + a - s:at + b - s].copy_(values[a - start:b - start])
 
     def _copy_chunks(self, key, chunks: list) -> None:
-        """zero.Init's chunks of flat `key` into its file, one parameter at a time."""
+        """The partition's chunks of flat `key` into its file, one parameter at a time: zero.Init's
+        (`SwappedChunk`), or cut from parameters in memory as they are copied (`load()`)."""
         for offset, chunk in chunks:
-            values = chunk.load() if isinstance(chunk, SwappedChunk) else chunk
+            values = chunk.load() if hasattr(chunk, "load") else chunk
             self._write_file(key, offset, values.to(torch.float32))
 
     def _write_staged(self, key, flat: torch.Tensor) -> None:

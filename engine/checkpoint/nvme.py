@@ -110,7 +110,8 @@ class NvmeAdapter(PartitionedAdapter):
                     continue
                 if s >= b:
                     return
-                yield chunk["state"][kind][max(a, s) - s:min(b, e) - s]
+                rows = chunk["master"] if kind == FP32 else chunk["state"][kind]
+                yield rows[max(a, s) - s:min(b, e) - s]
         return produce
 
     def _placeholder(self, key, kind: str) -> StreamedRows:
@@ -123,9 +124,13 @@ class NvmeAdapter(PartitionedAdapter):
 
     def read(self, p, kinds: set[str]) -> dict:
         frag = self.part.fragments[p]
-        tensors = {FP32: self.part.store.read(frag.key, frag.offset, frag.offset + frag.numel).view(frag.shape)}
         first = self._first_chunk(frag.key)
-        for kind in ([FP32] if frag.key in self._frozen else []) + first["kinds"]:
+        # the fp32 rows stream too when they are not in memory: frozen copies (async), or the NVMe
+        # parameter store's files (each read would be a new tensor, all held until the write)
+        streamed = frag.key in self._frozen or not getattr(self.part.store, "master_in_memory", True)
+        tensors = {} if streamed else {
+            FP32: self.part.store.read(frag.key, frag.offset, frag.offset + frag.numel).view(frag.shape)}
+        for kind in ([FP32] if streamed else []) + first["kinds"]:
             stream = self._placeholder(frag.key, kind)
             lo = frag.offset - stream.start
             tensors[kind] = stream.placeholder[lo:lo + frag.numel].view(frag.shape)

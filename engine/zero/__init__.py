@@ -21,6 +21,7 @@ from .stage0 import DataParallelOptimizer
 from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
 from .tier import PartitionTier
+from .grad_swap import attach_grad_swap
 from .nvme_tier import NvmeOptimizerTier, inner_factory, wants_nvme
 from .param_nvme import attach_param_nvme, finish_param_nvme, refuse_unconsumed_init_chunks, wants_param_nvme
 from .init import (GatheredParameters, Init, register_external_parameter,  # noqa: F401  (deepspeed.zero's names)
@@ -94,6 +95,7 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
             attach_param_nvme(zopt, zero, cfg.aio)
         if wants_nvme(zero):  # the fp32 partition is the master at stage 3 too: the same swapped step
             zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
+            attach_grad_swap(zopt)  # and its gradient in swap files (grad_swap.py's note)
         if wants_param_nvme(zero):
             finish_param_nvme(zopt)
         attach_per_tensor(zopt)

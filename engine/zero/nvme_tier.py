@@ -1,7 +1,8 @@
 """ZeRO-Infinity's optimizer tier at stages 1, 2 and 3 (`offload_optimizer.device: "nvme"`).
 
 [Note: nvme tier] The partition is placed as for `device: "cpu"` (tier.py): reduced gradient segments
-land in host memory, clipping and the NaN/Inf check run over them there. What changes is the step: the
+land in host memory, clipping and the NaN/Inf check run over them there (at stage 3 with an
+elementwise optimizer they land in swap files instead and are read back here: grad_swap.py). What changes is the step: the
 fp32 master weights and the optimizer state live in `SwappedPartition` swap files under a per-job
 `SwapDir` in `nvme_path`, one partition per flat (param group, model dtype), and each sub-group of
 `sub_group_size` elements is read, stepped by a copy of the configured optimizer and written back
@@ -92,6 +93,7 @@ class NvmeOptimizerTier:
             raise schemas.ConfigError([problem])
         partition, rank = zopt.partition, zopt.comm.rank
         self.optimizer, self.partition = zopt.optimizer, partition
+        self.grad_swap = None  # set by grad_swap.attach_grad_swap at stage 3
         try:
             self.swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
         except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
@@ -134,7 +136,9 @@ class NvmeOptimizerTier:
         master goes through the partition store (the host flat, or the parameter swap files)."""
         _copy_hyper(self.optimizer.param_groups[key[0]], part.param_groups[0])
         grad, store = self.partition.flat_grad[key], self.partition.store
-        part.step(lambda s, e: grad[s:e], lambda s, e, master: store.write(key, s, master))
+        swapped = self.grad_swap  # stage 3: the gradient is read from its swap file with the state (grad_swap.py)
+        grad_slice = (lambda s, e: swapped.step_slice(key, s, e)) if swapped is not None else (lambda s, e: grad[s:e])
+        part.step(grad_slice, lambda s, e, master: store.write(key, s, master))
 
     def state_chunks(self, key: tuple):
         return self.parts[key].state_chunks()
@@ -157,6 +161,8 @@ class NvmeOptimizerTier:
             for part in self.parts.values():
                 part.close()
             self.parts.clear()
+            if self.grad_swap is not None:
+                self.grad_swap.close()
             self.io.close()
         finally:
             self.swap.close()

@@ -130,6 +130,17 @@ class RankMajorLayout:
         return [segment[off:off + s.padded] for off, s in zip(self.offsets, self.specs)]
 
 
+def land_slots(targets, slots: list[torch.Tensor], accumulate: bool) -> None:
+    """A reduced segment's slots into a bucket's partition-gradient targets: tensors (copied or added),
+    or the gradient swap file's (`grad_swap.SwappedTargets`)."""
+    if hasattr(targets, "land"):
+        targets.land(slots, accumulate)
+    elif accumulate:
+        torch._foreach_add_(targets, slots)
+    else:
+        torch._foreach_copy_(targets, slots)
+
+
 def split_runs(items: list, sizes: list[int], limit: int) -> list[list[int]]:
     """Consecutive index runs whose sizes sum to at most `limit` (a single larger item is its own run)."""
     runs, current, total = [], [], 0
@@ -147,6 +158,8 @@ def split_runs(items: list, sizes: list[int], limit: int) -> list[list[int]]:
 class PartitionedParams:
     """fp32 master partitions of an optimizer's trainable parameters on this rank, and the optimizer
     rewired to step them (one flat Parameter per param group and model dtype)."""
+
+    grads_swapped = False  # stage 3 + NVMe optimizer: the gradient partition is in swap files (grad_swap.py)
 
     def __init__(self, optimizer: torch.optim.Optimizer, world: int, rank: int, tier=None):
         self.tier = tier  # where the flats live (tier.py); None: on the parameters' device
@@ -193,6 +206,9 @@ class PartitionedParams:
         if self.tier is not None:
             flat = self.tier.place(flat)
         self.flat[key] = torch.nn.Parameter(flat)
+        if self.grads_swapped:  # shapes only: the values are in swap files (grad_swap.py's note)
+            self.flat_grad[key] = torch.empty(flat.shape, dtype=flat.dtype, device="meta")
+            return
         self.flat_grad[key] = torch.zeros(flat.shape, dtype=flat.dtype, device=flat.device,
                                           pin_memory=flat.is_pinned())
         self.flat[key].grad = self.flat_grad[key]
@@ -219,7 +235,8 @@ class PartitionedParams:
     def num_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for master weights and their gradients (padding included)."""
         n = sum(f.numel() * f.element_size() for f in self.flat.values())
-        return {"master": n, "master_grad": sum(g.numel() * g.element_size() for g in self.flat_grad.values())}
+        grads = [g for g in self.flat_grad.values() if not g.is_meta]  # swapped: no host bytes
+        return {"master": n, "master_grad": sum(g.numel() * g.element_size() for g in grads)}
 
 
 # [Note: reductions in flight] A gradient bucket's hook waits for the oldest reduction once more than

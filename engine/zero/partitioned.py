@@ -36,7 +36,8 @@ from ops.state_layout import ELEMENTWISE, declared_layout
 from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
 from .arrivals import ArrivalLog
-from .partition import REDUCE_DEPTH, InFlight, PartitionedParams, RankMajorLayout, split_runs
+from .grad_swap import SwappedTargets, norm_ranges
+from .partition import REDUCE_DEPTH, InFlight, PartitionedParams, RankMajorLayout, land_slots, split_runs
 from .nvme_state import state_value
 from .tier import HostGradients, PartitionTier
 from .stage0 import checked_step, reduction_settings
@@ -65,7 +66,7 @@ class _Bucket:
 
     @property
     def device(self) -> torch.device:
-        return self.targets[0].device
+        return self.targets.device if isinstance(self.targets, SwappedTargets) else self.targets[0].device
 
 
 class PartitionedZeroOptimizer:
@@ -105,6 +106,7 @@ class PartitionedZeroOptimizer:
         self.tier = tier if tier is not None else PartitionTier.on_device(self.comm.device)
         self.host_grads = HostGradients(self.tier) if self.tier.staged else None
         self.nvme = None  # offload_optimizer.device "nvme": set by build_zero_optimizer (nvme_tier.py)
+        self.grad_swap = None  # stage 3 with it: the gradient partition in swap files (grad_swap.py)
 
     # -- gradient buckets (module notes: bucket order, freeing) -----------------------------------
     def _init_gradients(self, bucket_numel: int, grad_accum_dtype: str | None) -> None:
@@ -151,7 +153,7 @@ class PartitionedZeroOptimizer:
 
     def _direct_slice(self, params: list[torch.nn.Parameter]) -> torch.Tensor | None:
         """The partition-gradient slice equal to this rank's segment of `params`, if they are neighbours."""
-        if self.tier.staged:  # the collective writes on the device, the partition is on the host
+        if self.tier.staged or self.partition.grads_swapped:  # on the host, or in swap files
             return None
         frags = [self.partition.fragments[p] for p in params]
         for a, b in zip(frags, frags[1:]):
@@ -202,6 +204,7 @@ class PartitionedZeroOptimizer:
             self._accum[param] = grad.to(self._accum_dtype) if wide else grad
         else:
             acc.add_(grad)
+            self._accum[param] = acc  # a swapped store (grad_swap.HeldGradients) writes it back
         param.grad = None
 
     def _take_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -259,11 +262,7 @@ class PartitionedZeroOptimizer:
                 seg.mul_(self.scaling.after)
             if seg is direct:
                 return
-            slots = layout.segment_slots(seg)
-            if accumulate:
-                torch._foreach_add_(bucket.targets, slots)
-            else:
-                torch._foreach_copy_(bucket.targets, slots)
+            land_slots(bucket.targets, layout.segment_slots(seg), accumulate)
         self.inflight.push(work, finish)
 
     # -- backward -----------------------------------------------------------------------------------
@@ -293,6 +292,8 @@ class PartitionedZeroOptimizer:
         self.inflight.drain()
         if self.host_grads is not None:
             self.host_grads.land()
+        if self.grad_swap is not None:
+            self.grad_swap.flush()
         self._reset_buckets()
         self._reduced_since_step = True
         self._armed = False
@@ -305,22 +306,27 @@ class PartitionedZeroOptimizer:
         """Bytes of gradient this rank holds: full gradients still in `.grad` or side tensors, and the fp32
         partition."""
         held = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-        held += sum(t.numel() * t.element_size() for t in self._accum.values())
+        held += sum(t.numel() * t.element_size() for t in self._accum.values())  # swapped: none
         return held + self.partition.num_bytes()["master_grad"]
 
     # -- the boundary step ---------------------------------------------------------------------
     def _grad_buffers(self) -> list[torch.Tensor]:
-        return list(self.partition.flat_grad.values())
+        """The in-memory partition gradients (none when they are swapped: grad_swap.py)."""
+        return [] if self.grad_swap is not None else list(self.partition.flat_grad.values())
 
     def _global_norm(self, buffers: list[torch.Tensor]) -> float:
         """One all-reduce of the local sum of squares: every rank gets the same norm, and a NaN/Inf on
         any rank makes it non-finite everywhere (precision.py's note)."""
         sq = self.comm.zeros()  # on the collective's device (comm.py's note), not torch's default
-        for b in buffers:
-            if b.numel():
-                sq += torch.linalg.vector_norm(b, dtype=torch.float32).square().to(sq.device)
+        for b in buffers:  # in NORM_CHUNK ranges, as the swapped gradient is read (grad_swap.py's note)
+            for s, e in norm_ranges(b.numel()) if b.numel() else ():
+                sq += torch.linalg.vector_norm(b[s:e], dtype=torch.float32).square().to(sq.device)
+        if self.grad_swap is not None:
+            self.grad_swap.add_squares(sq)
         for p in self.counted_elsewhere:  # this rank's fragment of it, left out before the data sum
-            sq -= self.partition.slot(p, self.partition.flat_grad).float().square().sum().to(sq.device)
+            slot = (self.grad_swap.slot(self.partition.fragments[p], unscaled=True) if self.grad_swap is not None
+                    else self.partition.slot(p, self.partition.flat_grad))
+            sq -= slot.float().square().sum().to(sq.device)
         self.comm.all_reduce(sq)
         if self.norm_reduce is not None:
             sq = self.norm_reduce(sq)
@@ -333,11 +339,18 @@ class PartitionedZeroOptimizer:
         if not self._reduced_since_step:  # a step without a reducing backward: no gradient
             for b in buffers:
                 b.zero_()
+            if self.grad_swap is not None:
+                self.grad_swap.zero()
         inv_scale = 1.0 / self.guard.scaler.loss_scale
         if inv_scale != 1.0:
             for b in buffers:
                 b.mul_(inv_scale)
-        applied = checked_step(self, buffers, self._global_norm(buffers), step_number)
+        if self.grad_swap is not None:  # applied as each range is read (grad_swap.py's note)
+            self.grad_swap.unscale = inv_scale
+        norm = self._global_norm(buffers)
+        if self.grad_swap is not None:
+            self.grad_swap.clip_to(norm, self.clip)
+        applied = checked_step(self, buffers, norm, step_number)
         if applied:
             self._gather_params()
         self.zero_grad()
@@ -368,8 +381,10 @@ class PartitionedZeroOptimizer:
 
     def zero_grad(self) -> None:
         if not self._buckets_cover_partition:  # else the first reduction overwrites every slot
-            for g in self.partition.flat_grad.values():
+            for g in self._grad_buffers():
                 g.zero_()
+            if self.grad_swap is not None:
+                self.grad_swap.zero()
         for p in self.params:
             p.grad = None
         self._accum.clear()
@@ -422,8 +437,14 @@ class PartitionedZeroOptimizer:
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The reduced, averaged, unscaled gradient (valid between backward at the boundary and step)."""
-        grad = self._gather_full(param, self.partition.flat_grad[self.partition.fragments[param].key])
+        grad = self._gather_slot(param, self._grad_slot(param))
         return grad / self.guard.scaler.loss_scale
+
+    def _grad_slot(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """`param`'s padded slot of the partition gradient: in memory, or read from its swap file."""
+        if self.grad_swap is not None:
+            return self.grad_swap.slot(self.partition.fragments[param])
+        return self.partition.slot(param, self.partition.flat_grad)
 
     def full_optimizer_state(self, param: torch.nn.Parameter, name: str):
         key = self.partition.fragments[param].key

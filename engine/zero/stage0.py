@@ -44,10 +44,16 @@ def global_norm(buffers: list[torch.Tensor], device: torch.device) -> torch.Tens
 
 def clip_(buffers: list[torch.Tensor], total_norm: float, max_norm: float) -> None:
     """torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm/(norm+1e-6) when that is below 1."""
-    coef = max_norm / (total_norm + 1e-6)
-    if coef < 1.0:
+    coef = clip_coefficient(total_norm, max_norm)
+    if coef is not None:
         for b in buffers:
             b.mul_(coef)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float | None:
+    """The factor clip_ scales by, or None when it leaves the gradients alone."""
+    coef = max_norm / (total_norm + 1e-6)
+    return coef if coef < 1.0 else None
 
 
 def checked_step(zopt, buffers: list[torch.Tensor], norm: float, step_number: int) -> bool:

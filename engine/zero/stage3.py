@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from ..comm import Communicator
 from .arrivals import ArrivalLog
+from .grad_swap import swaps_gradients
+from .param_nvme import wants_param_nvme
 from .partition import REDUCE_DEPTH, InFlight, RankMajorLayout
 from .prefetch import ParamCoordinator
 from .stage0 import reduction_settings
@@ -106,7 +108,9 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self.last_grad_norm: float | None = None
         self.arrivals, self.ignore_unused = ArrivalLog(param_names), ignore_unused_parameters
         self._init_tier(tier)
-        self.partition = Stage3Partition(optimizer, comm.world_size, comm.rank, self.tier)
+        self.partition = Stage3Partition(optimizer, comm.world_size, comm.rank, self.tier,
+                                         grads_swapped=swaps_gradients(zero, optimizer),
+                                         params_swapped=wants_param_nvme(zero))
         units = discover_units(module)
         self.persistent = self._choose_persistent(units, zero)
         self.frozen_chunks: dict = {}
@@ -254,7 +258,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         opt_state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         params = list(self.module.parameters())
         return {"partition": nbytes(self.partition.flat.values()),  # 0 bytes when the store swapped it out
-                "partition_grad": nbytes(self.partition.flat_grad.values()),
+                "partition_grad": nbytes(g for g in self.partition.flat_grad.values() if not g.is_meta),
                 "optimizer_state": nbytes(opt_state), "frozen_chunks": nbytes(self.frozen_chunks.values()),
                 "module_params": nbytes([p.data for p in params]),
                 "module_grads": nbytes([p.grad for p in params if p.grad is not None])}

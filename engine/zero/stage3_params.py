@@ -70,8 +70,10 @@ class Stage3Partition(PartitionedParams):
     """`PartitionedParams` built from chunks instead of full tensors, so that parameters `zero.Init`
     already partitioned (placeholders with `_z3_chunk`) never exist in full."""
 
-    def __init__(self, *args, **kwargs):
-        self.swapped_init: dict[tuple, list] = {}  # key -> [(offset, chunk)] left in zero.Init's file
+    def __init__(self, *args, grads_swapped: bool = False, params_swapped: bool = False, **kwargs):
+        self.swapped_init: dict[tuple, list] = {}  # key -> [(offset, chunk)] the NVMe store copies (below)
+        self.grads_swapped = grads_swapped  # grad_swap.py: no host gradient partition
+        self.params_swapped = params_swapped  # offload_param "nvme": the flat is never filled here
         super().__init__(*args, **kwargs)
 
     def _build_flat(self, key) -> None:
@@ -83,16 +85,32 @@ class Stage3Partition(PartitionedParams):
             self.fragments[p] = Fragment(key, offset, spec.numel_of(self.rank), spec.padded,
                                          (stop - start,) + shape[1:], spec)
             chunk = getattr(p, "_z3_chunk", None)
-            chunks.append((offset, chunk if isinstance(chunk, SwappedChunk) else local_chunk(p, spec, self.rank)))
+            if not isinstance(chunk, SwappedChunk):
+                chunk = CutChunk(p, spec, self.rank) if self.params_swapped else local_chunk(p, spec, self.rank)
+            chunks.append((offset, chunk))
             offset += spec.padded
-        if any(isinstance(c, SwappedChunk) for _, c in chunks):
-            # zero.Init(remote_device="nvme"): the chunks stay in their file until the NVMe parameter store
-            # copies them into its own (param_nvme.py); the flat is allocated but never written here, so
-            # its pages are not touched: no rank holds its partition in host memory at any time.
+        if self.params_swapped or any(isinstance(c, SwappedChunk) for _, c in chunks):
+            # zero.Init(remote_device="nvme")'s chunks stay in their file, a model built in memory stays
+            # there, until the NVMe parameter store copies them into its own files one parameter at a
+            # time (param_nvme.py); the flat is allocated but never written here, so its pages are not
+            # touched: no rank fills a partition-sized host buffer at any time.
             self.swapped_init[key] = chunks
             self._set_flat(key, torch.empty(offset, dtype=torch.float32, device=self.members[key][0].device))
             return
         self._set_flat(key, torch.cat([c.float() for _, c in chunks]))  # a key exists only with a member
+
+
+class CutChunk:
+    """This rank's padded chunk of a parameter held in memory (a full tensor, or zero.Init's in-memory
+    chunk), cut only when the NVMe parameter store copies it (`load()`, as `SwappedChunk.load`)."""
+
+    def __init__(self, p: torch.nn.Parameter, spec: ChunkSpec, rank: int):
+        self.chunk = getattr(p, "_z3_chunk", None)
+        self.full = p.data if self.chunk is None else None  # the tensor itself: release() repoints p.data
+        self.spec, self.rank = spec, rank
+
+    def load(self) -> torch.Tensor:
+        return chunk_tensor(self.chunk) if self.chunk is not None else padded_chunk(self.full, self.spec, self.rank)
 
 
 class GatherGroup:

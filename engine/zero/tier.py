@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .partition import land_slots
+
 CPU = torch.device("cpu")
 
 
@@ -120,9 +122,5 @@ class HostGradients:
             seg = host.float()
             if after != 1.0:
                 seg.mul_(after)
-            slots = layout.segment_slots(seg)
-            if accumulate:
-                torch._foreach_add_(targets, slots)
-            else:
-                torch._foreach_copy_(targets, slots)
+            land_slots(targets, layout.segment_slots(seg), accumulate)
         self.pending.clear()

@@ -1,0 +1,255 @@
+"""Stage 3's reduced gradient partition in swap files (`offload_optimizer.device: "nvme"`).
+
+[Note: gradient swap] DeepSpeed keeps each rank's fp32 gradient partition in host memory (4 bytes per
+partition element), which is what bounds ZeRO-Infinity by host memory once the optimizer state and
+the parameters are on NVMe. Here, at stage 3 with an elementwise optimizer on NVMe, the partition
+gradient has no host bytes at all (`PartitionedParams.flat_grad` holds meta tensors: shapes only):
+- each gradient bucket's reduced segment, as its reduce-scatter finishes, is written to one swap file
+  per flat (param group, model dtype) at the flat's element offsets: `SwappedTargets.land`. A later
+  micro-step of the same window reads that range back, adds its segment and writes it (read-add-write:
+  the same fp32 `a + b` as the in-memory accumulation, so the bytes are equal). At most `DEPTH` writes
+  are in flight; each reducing backward ends with every write finished (`flush`).
+- at the step, the global norm reads the files in NORM_CHUNK ranges (partitioned.py's `_global_norm`
+  takes its squares over the same ranges of the in-memory flat, so the norm is bit for bit the same),
+  and the NVMe stepper reads each sub-group's gradient with its state (nvme_tier.py), unscaled and
+  clipped on the way in the same order as the in-memory path (`mul_` by 1/loss scale, then by the
+  clip coefficient). A skipped step reads and writes nothing here, and the next window's first
+  landing overwrites every slot, as the first reduce-scatter overwrites the in-memory partition.
+Host memory for gradients is then the buckets in flight (REDUCE_DEPTH, partitioned.py) plus one
+staging copy per landing in flight (a bucket's segment) and one sub-group or NORM_CHUNK being read,
+whatever the model size. Lamb and Muon (nvme_per_tensor.py) read whole tensors of the gradient: with
+them the partition gradient stays in host memory.
+[Note: held gradients] The first reducing backward of a run holds every full gradient until backward
+ends (arrivals.py's note: it finds parameters whose gradient arrives in pieces), and a deferred
+bucket holds its parameters' gradients too: in memory that is the whole model's gradient, 4 bytes
+per parameter on every rank, for one backward. With the gradient swapped, `HeldGradients` keeps them
+in a file instead (one region per parameter; a second piece is read, added with the same `add_` and
+written back), so the first backward is bounded like the others.
+Writes go through a staging buffer placed at the file offset's phase of the O_DIRECT block, so the
+aligned middle of every transfer bypasses the page cache (offload/aio.py's note).
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import torch
+
+from offload.aio import ALIGNMENT, aligned_empty
+
+from .stage0 import clip_coefficient
+from .swappable import _PER_TENSOR
+
+FP32 = 4
+NORM_CHUNK = 1 << 20  # elements per squared-norm term, in memory and from the files alike (a 4 MiB read)
+DEPTH = 4  # landings whose writes may be in flight
+CPU = torch.device("cpu")
+
+
+def norm_ranges(numel: int):
+    """The [start, stop) ranges the global norm sums squares over (module note)."""
+    return [(s, min(s + NORM_CHUNK, numel)) for s in range(0, numel, NORM_CHUNK)] or [(0, 0)]
+
+
+def staged_empty(numel: int, offset_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, view): `view` has `numel` fp32 elements at an address congruent to the file offset of
+    `offset_elements` modulo the O_DIRECT block, so a transfer of it at that offset can go direct."""
+    phase = (offset_elements * FP32 % ALIGNMENT) // FP32
+    base = aligned_empty(phase + numel, torch.float32)
+    return base, base[phase:phase + numel]
+
+
+class SwappedTargets:
+    """A gradient bucket's partition-gradient slots, in the swap file: the runs of neighbouring slots
+    as (flat key, first element, [(element offset in the run, padded)] per parameter)."""
+
+    device = CPU  # where the reduced segments land before they are written (the host tier)
+
+    def __init__(self, swap: "GradientSwap", fragments: list):
+        self.swap = swap
+        self.runs: list[tuple] = []
+        for i, frag in enumerate(fragments):
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last[0] == frag.key and last[1] + last[2] == frag.offset:
+                last[2] += frag.padded
+                last[3].append((i, last[2] - frag.padded, frag.padded))
+            else:
+                self.runs.append([frag.key, frag.offset, frag.padded, [(i, 0, frag.padded)]])
+
+    def land(self, slots: list[torch.Tensor], accumulate: bool) -> None:
+        """Write (or add to) the slots: `slots[i]` is parameter i's reduced, scaled fp32 segment slot."""
+        for key, start, numel, members in self.runs:
+            base, buf = staged_empty(numel, start)
+            path = self.swap.file_of(key)
+            if accumulate:
+                self.swap.io.read(path, buf, start * FP32).wait()
+            for i, at, n in members:
+                (buf[at:at + n].add_ if accumulate else buf[at:at + n].copy_)(slots[i])
+            self.swap.push(self.swap.io.write(path, buf, start * FP32), base)
+
+
+class GradientSwap:
+    """One rank's partition gradient in swap files (module note)."""
+
+    def __init__(self, partition, swap_dir, io, name: str):
+        self.partition, self.io = partition, io
+        self.numel = {key: flat.numel() for key, flat in partition.flat.items()}
+        self.files = {key: swap_dir.file(f"{name}.{i}.grad.swp") for i, key in enumerate(partition.flat)}
+        self._pending: deque = deque()
+        self.bytes_written = self.bytes_read = 0
+        self.unscale, self.clip_coef = 1.0, None  # this step's factors, applied as ranges are read
+        self._made = False  # the files are made at the first landing (fast_init writes no file at initialize)
+        self.held = None  # HeldGradients, set by attach_grad_swap
+
+    def targets(self, fragments: list) -> SwappedTargets:
+        return SwappedTargets(self, fragments)
+
+    def file_of(self, key) -> str:
+        if not self._made:
+            self.zero()
+        return self.files[key]
+
+    def push(self, handle, buffer: torch.Tensor) -> None:
+        self._pending.append((handle, buffer))  # the buffer lives until its write finished
+        while len(self._pending) > DEPTH:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        handle, _ = self._pending.popleft()
+        self.bytes_written += handle.wait()
+
+    def flush(self) -> None:
+        while self._pending:
+            self._finish_oldest()
+
+    def zero(self) -> None:
+        """Every element 0 (a step with no reducing backward; the start): the files become holes."""
+        self.flush()
+        self._made = True
+        for key, path in self.files.items():
+            self.io.forget(path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # private, as the I/O engine makes its files
+            try:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, self.numel[key] * FP32)
+            finally:
+                os.close(fd)
+
+    def read(self, key, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of flat `key`'s gradient, in a new host tensor."""
+        self.flush()
+        _, out = staged_empty(stop - start, start)
+        self.bytes_read += self.io.read(self.file_of(key), out, start * FP32).wait()
+        return out
+
+    def slot(self, frag, unscaled: bool = False) -> torch.Tensor:
+        """`frag`'s padded slot as reduced (`unscaled`: divided by the loss scale, as the norm sees it)."""
+        out = self.read(frag.key, frag.offset, frag.offset + frag.padded)
+        return self._unscale(out) if unscaled else out
+
+    # -- the step (module note) -------------------------------------------------------------------
+    def _unscale(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.unscale != 1.0:  # the in-memory path's `b.mul_(inv_scale)` over the flat
+            grad.mul_(self.unscale)
+        return grad
+
+    def add_squares(self, sq: torch.Tensor) -> None:
+        """`sq += |range|^2` for every NORM_CHUNK range of every flat, in flat order (as _global_norm does
+        over the in-memory flats)."""
+        for key, numel in self.numel.items():
+            for s, e in norm_ranges(numel) if numel else ():
+                grad = self._unscale(self.read(key, s, e))
+                sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square().to(sq.device)
+
+    def clip_to(self, norm: float, max_norm: float) -> None:
+        self.clip_coef = clip_coefficient(norm, max_norm) if max_norm > 0 else None
+
+    def step_slice(self, key, start: int, stop: int) -> torch.Tensor:
+        """The gradient the stepper uses for [start, stop): unscaled, then clipped (stage0.clip_'s rule)."""
+        grad = self._unscale(self.read(key, start, stop))
+        if self.clip_coef is not None:
+            grad.mul_(self.clip_coef)
+        return grad
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            if self.held is not None:
+                self.held.close()
+            for path in self.files.values():
+                self.io.forget(path)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+
+class HeldGradients:
+    """Full gradients held aside during a backward (module note: held gradients), in a swap file: the
+    mapping `PartitionedZeroOptimizer._accum` uses (`in`, `get`, `[]=`, `pop`, `values`, `clear`)."""
+
+    def __init__(self, params: list, swap_dir, io, name: str):
+        self.io, self.path = io, swap_dir.file(f"{name}.held.swp")
+        self.offsets, at = {}, 0
+        for p in params:  # a region per parameter (its full shape: stage 3's are placeholders), block-aligned
+            self.offsets[p] = at
+            numel = torch.Size(getattr(p, "ds_shape", p.shape)).numel()
+            at += -(-numel * max(4, p.element_size()) // ALIGNMENT) * ALIGNMENT
+        self._held: dict = {}  # param -> (dtype, shape) of what its region holds
+
+    def __contains__(self, param) -> bool:
+        return param in self._held
+
+    def __setitem__(self, param, grad: torch.Tensor) -> None:
+        staged = aligned_empty(grad.numel(), grad.dtype)
+        staged.copy_(grad.reshape(-1))
+        self.io.write(self.path, staged, self.offsets[param]).wait()
+        self._held[param] = (grad.dtype, grad.shape)
+
+    def get(self, param, default=None):
+        if param not in self._held:
+            return default
+        dtype, shape = self._held[param]
+        out = aligned_empty(shape.numel(), dtype)
+        self.io.read(self.path, out, self.offsets[param]).wait()
+        return out.view(shape)
+
+    def pop(self, param, default=None):
+        out = self.get(param, default)
+        self._held.pop(param, None)
+        return out
+
+    def values(self) -> list:
+        return []  # no host bytes held
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def close(self) -> None:
+        self.io.forget(self.path)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def swaps_gradients(zero, optimizer) -> bool:
+    """Whether stage 3 keeps its gradient partition in swap files (module note): the optimizer on NVMe,
+    stepped elementwise (Lamb and Muon read whole tensors of the in-memory gradient)."""
+    section = zero.offload_optimizer
+    return (section is not None and section.device == "nvme"
+            and not isinstance(optimizer, _PER_TENSOR))
+
+
+def attach_grad_swap(zopt) -> None:
+    """After the NVMe optimizer tier is built: the gradient files beside its swap files, and every
+    gradient bucket's targets in them."""
+    if not zopt.partition.grads_swapped:
+        return
+    swap = GradientSwap(zopt.partition, zopt.nvme.swap, zopt.nvme.io, name=f"rank{zopt.comm.rank}")
+    zopt.grad_swap = zopt.nvme.grad_swap = swap
+    zopt._accum = swap.held = HeldGradients(zopt.params, zopt.nvme.swap, zopt.nvme.io, name=f"rank{zopt.comm.rank}")
+    fragments = zopt.partition.fragments
+    for bucket in zopt.buckets:
+        bucket.targets = swap.targets([fragments[p] for p in bucket.layout.params])
