@@ -128,10 +128,19 @@ def _largest_group(model_cfg: GPTConfig, world: int) -> int:
     return -(-max(block, root) // world) + 4096
 
 
-def deepspeed_rows(venv: str, model_cfg: GPTConfig, cfg: dict, steps: int, world: int) -> list[dict]:
+def deepspeed_rows(venv: str, model_cfg: GPTConfig, cfg: dict, steps: int, world: int,
+                   buffers: dict[str, int | None]) -> list[dict]:
     """The same GPT and config under DeepSpeed (benchmarks/deepspeed_infinity_peer.py in its venv): one
-    row per rank, or [{"error": ...}] when it did not run."""
+    row per rank, or [{"error": ...}] when it did not run. `buffers`: DeepSpeed's `buffer_count` for the
+    "offload_param" / "offload_optimizer" section instead of the config's, where not None: its parameter
+    swapper holds one parameter tensor per buffer for as long as it is gathered, and its pipelined
+    optimizer swapper takes 4 buffers (fp32 weights, two moments, gradient) per sub-group in flight."""
     peer = Path(__file__).resolve().parent / "deepspeed_infinity_peer.py"
+    zero = dict(cfg["zero_optimization"])
+    for section, count in buffers.items():
+        if count:
+            zero[section] = {**zero[section], "buffer_count": count}
+    cfg = {**cfg, "zero_optimization": zero}
     cmd = [str(Path(venv, "bin", "python")), str(peer), "--model-json", json.dumps(dataclasses.asdict(model_cfg)),
            "--config-json", json.dumps(cfg), "--steps", str(steps), "--world", str(world)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=6 * 3600)
@@ -188,6 +197,12 @@ def main(argv=None) -> int:
                         "scale the disk allows: full training state > the memory the job may use)")
     p.add_argument("--deepspeed-venv", default=None, help="then the same GPT and config under DeepSpeed in this venv "
                    "(benchmarks/deepspeed_infinity_peer.py)")
+    p.add_argument("--deepspeed-param-buffers", type=int, default=None,
+                   help="DeepSpeed's offload_param.buffer_count (default: the config's; DeepSpeed needs one buffer "
+                        "per gathered parameter tensor and refuses the config's with 'Not enough buffers')")
+    p.add_argument("--deepspeed-optimizer-buffers", type=int, default=None,
+                   help="DeepSpeed's offload_optimizer.buffer_count (default: the config's; its pipelined swapper "
+                        "needs 4 per sub-group in flight, 12 with pipeline_read and pipeline_write)")
     args = p.parse_args(argv)
     group = limit_memory(args.memory_limit_gib) if args.memory_limit_gib else None
     made = args.nvme_path is None
@@ -204,7 +219,9 @@ def main(argv=None) -> int:
     try:
         per_rank = run_distributed(_rank, args.world, args=(model_cfg, cfg, args.steps), timeout=6 * 3600)
         # after dstrain's ranks exited, in the same swap directory (DeepSpeed's swap files go under it)
-        peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world) if args.deepspeed_venv else None
+        buffers = {"offload_param": args.deepspeed_param_buffers, "offload_optimizer": args.deepspeed_optimizer_buffers}
+        peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world,
+                              buffers) if args.deepspeed_venv else None
     finally:
         if made:  # the swap directories inside are removed by the ranks themselves
             shutil.rmtree(nvme_path, ignore_errors=True)
