@@ -1,6 +1,7 @@
 """CPU Adam step on `--millions` fp32 parameters: the kernel dstrain uses against the alternatives.
 
-    python benchmarks/bench_cpu_adam.py [--millions 100] [--steps 3] [--rounds 2] [--deepspeed-venv /tmp/ds-venv]
+    python benchmarks/bench_cpu_adam.py [--millions 100] [--steps 3] [--rounds 2] [--threads 2,1]
+        [--deepspeed-venv /tmp/ds-venv]
 
 Side by side in one run, in `--rounds` interleaved rounds (fused, foreach, DeepSpeed, fused, ...) of
 `--steps` steps after one warm-up step each; each figure is the best step over all rounds (other load
@@ -11,7 +12,10 @@ on a shared machine only ever adds time; the median is reported too):
   JIT-builds with g++/ninja the first time), or "not run: why";
 - the memory-bandwidth bound: an Adam step reads param, grad, exp_avg, exp_avg_sq and writes three
   of them, 28 bytes per parameter, at the bandwidth of `a.add_(b)` (12 bytes per element) measured in
-  this run with the same threads.
+  this run with the same threads, the best of `--steps` calls in each round (load only slows it).
+Each of `--threads` (default: torch's count, then 1, the thread count of an offloading rank in the
+benchmarks and tests, 2 ranks on 2 cores) is its own set of rows; DeepSpeed's OpenMP kernel gets
+OMP_NUM_THREADS and torch.set_num_threads of the same count.
 Goal (issue 17): fused >= DeepSpeed's and >= 70% of the bound. One JSON object; the machine may be
 shared (load averages before and after are in it).
 """
@@ -29,7 +33,8 @@ import torch
 
 STEP_CODE = """
 import json, statistics, sys, time, torch
-n, steps, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+n, steps, kind, threads = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+torch.set_num_threads(threads)
 torch.manual_seed(0)
 p = torch.nn.Parameter(torch.randn(n, device="cpu")); p.grad = torch.randn(n, device="cpu")
 if kind == "deepspeed":
@@ -46,7 +51,8 @@ print(json.dumps({"best_s": min(times[1:]), "median_s": statistics.median(times[
 """
 
 
-def add_bandwidth(n: int, repeats: int) -> float:
+def add_bandwidth(n: int, repeats: int, threads: int) -> float:
+    torch.set_num_threads(threads)
     a, b = torch.randn(n, device="cpu"), torch.randn(n, device="cpu")
     times = []
     for _ in range(repeats + 1):
@@ -56,13 +62,23 @@ def add_bandwidth(n: int, repeats: int) -> float:
     return 12 * n / min(times[1:])  # read a, read b, write a: the best run is the least disturbed
 
 
-def run_step(python: str, n: int, steps: int, kind: str) -> dict:
-    result = subprocess.run([python, "-c", STEP_CODE, str(n), str(steps), kind], capture_output=True, text=True,
-                            timeout=1800)
+def run_step(python: str, n: int, steps: int, kind: str, threads: int) -> dict:
+    result = subprocess.run([python, "-c", STEP_CODE, str(n), str(steps), kind, str(threads)], capture_output=True,
+                            text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         return {"not_run": last[:300]}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def summary(results: list[dict], bound_s: float) -> dict:
+    ok = [r for r in results if "best_s" in r]
+    if not ok:
+        return results[-1]
+    out = {"step_s": min(r["best_s"] for r in ok), "median_s": statistics.median(r["median_s"] for r in ok),
+           "threads": ok[0]["threads"]}
+    out["vs_bound"] = bound_s / out["step_s"]
+    return out
 
 
 def main() -> None:
@@ -70,34 +86,34 @@ def main() -> None:
     p.add_argument("--millions", type=float, default=100)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", default=f"{torch.get_num_threads()},1", help="comma-separated thread counts")
     p.add_argument("--deepspeed-venv", default=None)
     args = p.parse_args()
     n = int(args.millions * 1e6)
-    out = {"params": n, "load_before": os.getloadavg(), "threads": torch.get_num_threads()}
-    bandwidth = add_bandwidth(n, args.steps)
-    out["add_bandwidth_GBps"] = bandwidth / 1e9
-    out["bound_step_s"] = 28 * n / bandwidth
+    threads = sorted({int(t) for t in args.threads.split(",")}, reverse=True)
+    out = {"params": n, "load_before": os.getloadavg()}
     ds_python = os.path.join(args.deepspeed_venv, "bin", "python") if args.deepspeed_venv else None
     pythons = {"fused": sys.executable, "foreach": sys.executable, "deepspeed": ds_python}
-    runs: dict[str, list] = {kind: [] for kind in pythons}
+    runs: dict[tuple, list] = {(kind, t): [] for t in threads for kind in pythons}
+    bandwidth = {t: 0.0 for t in threads}
     for _ in range(args.rounds):
-        for kind, python in pythons.items():
-            if python is None:
-                runs[kind].append({"not_run": "no --deepspeed-venv given"})
-            elif not os.path.exists(python):
-                runs[kind].append({"not_run": f"no python in {args.deepspeed_venv}"})
-            else:
-                runs[kind].append(run_step(python, n, args.steps, kind))
-    for kind, results in runs.items():
-        ok = [r for r in results if "best_s" in r]
-        if not ok:
-            out[kind] = results[-1]
-            continue
-        out[kind] = {"step_s": min(r["best_s"] for r in ok), "median_s": statistics.median(r["median_s"] for r in ok),
-                     "threads": ok[0]["threads"]}
-        out[kind]["vs_bound"] = out["bound_step_s"] / out[kind]["step_s"]
-    if "step_s" in out["deepspeed"]:
-        out["fused_speedup_vs_deepspeed"] = out["deepspeed"]["step_s"] / out["fused"]["step_s"]
+        for t in threads:
+            bandwidth[t] = max(bandwidth[t], add_bandwidth(n, args.steps, t))
+            for kind, python in pythons.items():
+                if python is None:
+                    runs[kind, t].append({"not_run": "no --deepspeed-venv given"})
+                elif not os.path.exists(python):
+                    runs[kind, t].append({"not_run": f"no python in {args.deepspeed_venv}"})
+                else:
+                    runs[kind, t].append(run_step(python, n, args.steps, kind, t))
+    for t in threads:
+        bound_s = 28 * n / bandwidth[t]
+        row = {"add_bandwidth_GBps": bandwidth[t] / 1e9, "bound_step_s": bound_s}
+        row.update({kind: summary(runs[kind, t], bound_s) for kind in pythons})
+        if "step_s" in row["deepspeed"]:
+            row["fused_speedup_vs_deepspeed"] = row["deepspeed"]["step_s"] / row["fused"]["step_s"]
+            row["fused_median_speedup_vs_deepspeed"] = row["deepspeed"]["median_s"] / row["fused"]["median_s"]
+        out[f"threads_{t}"] = row
     out["load_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
 

@@ -2,6 +2,7 @@
 `engine.zero.Init(remote_device="nvme")` and trained with ZeRO-3, parameters and optimizer on NVMe.
 
     nice -n 19 python benchmarks/bench_infinity.py --params 50e6 --steps 3 [--nvme-path DIR] [--world 2]
+        [--deepspeed-venv /tmp/ds-venv]
 
 Each rank builds its chunks straight into swap files (the model never exists in host memory), trains
 `--steps` steps of AdamW (fp32, one fixed micro-batch of `--micro` x `--seq` random tokens, so the
@@ -14,13 +15,19 @@ not activations or the framework), the bytes the process read from and wrote to 
 Before a large run check `df` under `--nvme-path`: the swap files take about 4 (parameters) + 2 x 12
 (optimizer master and moments, two slots) bytes per parameter, plus the 4 bytes per parameter of
 zero.Init's file while initialize() copies it. Swap directories are removed at exit.
+`--deepspeed-venv`: then the same GPT and config under DeepSpeed (deepspeed_infinity_peer.py, its
+zero.Init(remote_device="nvme"), CPU Adam and async_io op), after dstrain's ranks exited, swap files
+under the same directory; its rows are printed below dstrain's.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -121,6 +128,41 @@ def _largest_group(model_cfg: GPTConfig, world: int) -> int:
     return -(-max(block, root) // world) + 4096
 
 
+def deepspeed_rows(venv: str, model_cfg: GPTConfig, cfg: dict, steps: int, world: int,
+                   buffers: dict[str, int | None]) -> list[dict]:
+    """The same GPT and config under DeepSpeed (benchmarks/deepspeed_infinity_peer.py in its venv): one
+    row per rank, or [{"error": ...}] when it did not run. `buffers`: DeepSpeed's `buffer_count` for the
+    "offload_param" / "offload_optimizer" section instead of the config's, where not None: its parameter
+    swapper holds one parameter tensor per buffer for as long as it is gathered, and its pipelined
+    optimizer swapper takes 4 buffers (fp32 weights, two moments, gradient) per sub-group in flight."""
+    peer = Path(__file__).resolve().parent / "deepspeed_infinity_peer.py"
+    zero = dict(cfg["zero_optimization"])
+    for section, count in buffers.items():
+        if count:
+            zero[section] = {**zero[section], "buffer_count": count}
+    cfg = {**cfg, "zero_optimization": zero}
+    cmd = [str(Path(venv, "bin", "python")), str(peer), "--model-json", json.dumps(dataclasses.asdict(model_cfg)),
+           "--config-json", json.dumps(cfg), "--steps", str(steps), "--world", str(world)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=6 * 3600)
+    if result.returncode != 0:
+        return [{"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def print_deepspeed(rows: list[dict]) -> None:
+    mib = 2**20
+    for r, out in enumerate(rows):
+        if "error" in out:
+            print(f"deepspeed rank {r}: not run: {out['error']}")
+            continue
+        print(f"deepspeed rank {r}: build {out['build_s']:.1f} s; " + "; ".join(
+            f"step {k}: loss {loss:.4f}, {t:.1f} s" for k, (loss, t) in enumerate(zip(out["losses"], out["step_s"]))))
+        print(f"deepspeed rank {r}: peak RSS {out['peak_rss'] / mib:.0f} MiB, "
+              f"{(out['peak_rss'] - out['rss_start']) / mib:.0f} above the rank's start (after build "
+              f"{out['rss_after_build'] / mib:.0f}); disk read {out['disk_read'] / mib:.0f} MiB, written "
+              f"{out['disk_written'] / mib:.0f} MiB")
+
+
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
 
@@ -153,6 +195,14 @@ def main(argv=None) -> int:
     p.add_argument("--memory-limit-gib", type=float, default=None,
                    help="run the job in a cgroup memory group of this size (root; the ZeRO-Infinity claim at a "
                         "scale the disk allows: full training state > the memory the job may use)")
+    p.add_argument("--deepspeed-venv", default=None, help="then the same GPT and config under DeepSpeed in this venv "
+                   "(benchmarks/deepspeed_infinity_peer.py)")
+    p.add_argument("--deepspeed-param-buffers", type=int, default=None,
+                   help="DeepSpeed's offload_param.buffer_count (default: the config's; DeepSpeed needs one buffer "
+                        "per gathered parameter tensor and refuses the config's with 'Not enough buffers')")
+    p.add_argument("--deepspeed-optimizer-buffers", type=int, default=None,
+                   help="DeepSpeed's offload_optimizer.buffer_count (default: the config's; its pipelined swapper "
+                        "needs 4 per sub-group in flight, 12 with pipeline_read and pipeline_write)")
     args = p.parse_args(argv)
     group = limit_memory(args.memory_limit_gib) if args.memory_limit_gib else None
     made = args.nvme_path is None
@@ -168,6 +218,10 @@ def main(argv=None) -> int:
           f"{args.world} ranks, swap files under {nvme_path}; load average {os.getloadavg()[0]:.2f}", flush=True)
     try:
         per_rank = run_distributed(_rank, args.world, args=(model_cfg, cfg, args.steps), timeout=6 * 3600)
+        # after dstrain's ranks exited, in the same swap directory (DeepSpeed's swap files go under it)
+        buffers = {"offload_param": args.deepspeed_param_buffers, "offload_optimizer": args.deepspeed_optimizer_buffers}
+        peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world,
+                              buffers) if args.deepspeed_venv else None
     finally:
         if made:  # the swap directories inside are removed by the ranks themselves
             shutil.rmtree(nvme_path, ignore_errors=True)
@@ -182,6 +236,8 @@ def main(argv=None) -> int:
               f"NVMe {est.nvme_bytes / mib:.0f} MiB; disk read {out['disk_read'] / mib:.0f} MiB, written "
               f"{out['disk_written'] / mib:.0f} MiB (parameter store {out['store_read'] / mib:.0f} / "
               f"{out['store_written'] / mib:.0f} MiB); host flat {out['partition_host_bytes']} bytes")
+    if peer is not None:
+        print_deepspeed(peer)
     print(f"full training state 16 B x {n / 1e6:.1f}M = {16 * n / 2**30:.2f} GiB; "
           f"load average {os.getloadavg()[0]:.2f}")
     if group is not None:

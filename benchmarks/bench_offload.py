@@ -24,6 +24,9 @@ machine the offloaded partition already is where the step runs, so dstrain stage
 (engine/zero/tier.py) and the ratio measures that this costs nothing; `dstrain-z2-cpu-staged` runs the
 accelerator's copy path anyway (DSTRAIN_OFFLOAD_STAGE_COPIES=1) to show what those copies cost here.
 These machines are shared and noisy: read the ratios, and the load printed before and after.
+A second table splits rank 0's median step into forward, backward (with the reductions that overlap
+it) and step (norm, clipping, the optimizer, the all-gather), timed the same way in both systems
+(benchmarks/step_phases.py).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import os
 import statistics
 import tempfile
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_training as bt  # noqa: E402
+from step_phases import PHASES, StepPhases, kept  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
 ZERO2 = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}
@@ -70,10 +75,20 @@ def _nvme_offload(nvme_path: str, params: bool = False) -> dict:
 
 
 def _entry(offload: dict, steps: int, stage: int = 2):
+    import torch.distributed as dist
+
+    import engine
     torch.manual_seed(0)
     zero = {**ZERO2, "stage": stage, **offload}
-    times = bt._run_dstrain(steps, True, stage=stage, extra={"zero_optimization": zero})
-    return {"step_ms": statistics.median(times[2:-1] if len(times) > 4 else times), "rss_mb": bt._peak_rss_mb()}
+    eng, _, _, _ = engine.initialize(model=bt.GPT(bt.BENCH_CONFIG),
+                                     config=bt._dstrain_config(stage, True, {"zero_optimization": zero}))
+    phases, times = StepPhases(), []
+    for x, y in bt._batches(steps, dist.get_rank()):
+        t0 = time.perf_counter()
+        phases.train_step(eng, x, y)
+        times.append((time.perf_counter() - t0) * 1e3)
+    eng.destroy()
+    return {"step_ms": statistics.median(kept(times)), "rss_mb": bt._peak_rss_mb(), "phases_ms": phases.medians()}
 
 
 def _load() -> str:
@@ -93,7 +108,7 @@ def main(argv=None) -> int:
     def nvme_dir() -> str:
         return args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-")
     print(f"before: {_load()}", flush=True)
-    rows = []
+    rows, phases = [], {}  # phases: rank 0's median forward / backward / step ms (step_phases.py)
     for name in systems:
         if name in DEEPSPEED:
             if args.deepspeed_venv is None:
@@ -103,9 +118,10 @@ def main(argv=None) -> int:
             if nvme:
                 extra = {**extra, "zero_optimization": _nvme_offload(nvme_dir(), params=nvme == NVME_BOTH)}
             try:
-                step, rss = bt._run_deepspeed(bt._deepspeed_python(args.deepspeed_venv), stage, args.steps,
-                                              args.world, extra)
-                rows.append((name, step, rss, ""))
+                row = bt._run_deepspeed(bt._deepspeed_python(args.deepspeed_venv), stage, args.steps,
+                                        args.world, extra, full=True)
+                rows.append((name, row["step_ms"], row["rss_mb"], ""))
+                phases[name] = row["phases_ms"]
             except SystemExit as failed:  # the peer's own error, shortened to its last line
                 rows.append((name, None, None, f"not run: {str(failed).strip().splitlines()[-1][:200]}"))
         else:
@@ -114,6 +130,7 @@ def main(argv=None) -> int:
                 offload = _nvme_offload(nvme_dir(), params=offload == NVME_BOTH)
             per_rank = run_distributed(_entry, args.world, args=(offload, args.steps, stage), timeout=1800, env=env)
             rows.append((name, max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank), ""))
+            phases[name] = per_rank[0]["phases_ms"]
         print(f"{name:>22}: {rows[-1][1] or 0:8.1f} ms/step  {rows[-1][3]}", flush=True)
     print(f"after: {_load()}")
     base = next((step for name, step, _, _ in rows if name == "dstrain-z2" and step), None)
@@ -122,6 +139,10 @@ def main(argv=None) -> int:
     for name, step, rss, note in rows:
         ratio = f"{step / base:.3f}" if step and base else "-"
         print(f"| {name} | {step:.0f} | {ratio} | {rss:.0f} | {note} |" if step else f"| {name} | - | - | - | {note} |")
+    print("\n| system (rank 0, median ms) | " + " | ".join(PHASES) + " |")
+    print("|---|" + "---|" * len(PHASES))
+    for name, parts in phases.items():  # a system run twice shows its last round
+        print(f"| {name} | " + " | ".join(f"{parts[k]:.0f}" for k in PHASES) + " |")
     return 0
 
 

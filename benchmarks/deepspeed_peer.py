@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.peak_rss import peak_mb, restart_peak  # noqa: E402
+from benchmarks.step_phases import StepPhases, kept  # noqa: E402
 from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, RandomTokens  # noqa: E402
 
 MICRO, LR = 8, 1e-4
@@ -83,7 +84,7 @@ def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) ->
     one_copy = stages > 1 or cfg.get("tensor_parallel", {}).get("autotp_size", 1) > 1
     data = RandomTokens(steps * gas * micro, model_cfg.seq_len, model_cfg.vocab_size, seed=0 if one_copy else rank)
     batches = [data[i * micro:(i + 1) * micro] for i in range(steps * gas)]
-    times = []
+    times, phases = [], StepPhases()
     for i in range(steps):
         group = batches[i * gas:(i + 1) * gas]
         t0 = time.perf_counter()
@@ -91,12 +92,11 @@ def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) ->
             eng.train_batch(iter(group))
         else:
             for x, y in group:
-                eng.backward(eng(x, y))
-                eng.step()
+                phases.train_step(eng, x, y)
         times.append((time.perf_counter() - t0) * 1e3)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    kept = times[2:-1] if len(times) > 4 else times[1:]
-    return {"step_ms": statistics.median(kept), "rss_mb": rss, "times_ms": times, "bytes": _logged_bytes(steps)}
+    return {"step_ms": statistics.median(kept(times)), "rss_mb": rss, "times_ms": times, "bytes": _logged_bytes(steps),
+            "phases_ms": phases.medians()}
 
 
 def _pipeline_gpt(cfg: GPTConfig, stages: int):
@@ -143,7 +143,7 @@ def main() -> int:
                               args.extra), nprocs=args.world)
         rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
     print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows),
-                      "rss_per_rank_mb": [r["rss_mb"] for r in rows],
+                      "rss_per_rank_mb": [r["rss_mb"] for r in rows], "phases_ms": rows[0]["phases_ms"],
                       "bytes": max((r["bytes"] for r in rows if r["bytes"] is not None), default=None)}))
     return 0
 
