@@ -62,6 +62,15 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def _trimmed_rss() -> int:
+    """RSS of what is live: after a garbage collection and after glibc has returned the free memory of
+    every arena (malloc_trim), not what cyclic garbage or the allocator happens to hold."""
+    import ctypes
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    return _rss()
+
+
 def _peak_growth(fn) -> tuple[int, object]:
     """(peak RSS during fn() minus RSS before it, fn's result)."""
     base = _rss()
@@ -166,10 +175,10 @@ def _held_by_stepping(nvme_path: str) -> dict:
             x = torch.randn(2, width, device="cpu")
             eng.backward(eng(x, x))  # gradients, buckets and host flats exist before the baseline
             gc.collect()  # the previous engine's cycles are freed now, not during the measurement
-            before = _rss()
+            before = _trimmed_rss()
             eng.step()
             _step(eng, width)
-            held = _rss() - before
+            held = _trimmed_rss() - before
             numel = sum(f.numel() for f in eng.zero_optimizer.partition.flat.values())
             pool = eng.zero_optimizer.nvme.pool.nbytes if device == "nvme" else 0
             out[device, width] = {"held": held, "numel": numel, "pool": pool}
