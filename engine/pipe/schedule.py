@@ -56,6 +56,21 @@ def _p2p_bytes(ops) -> int:
     return sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
 
 
+# The partitioned wire hooks torch's stage where it sends (get_*_send_ops) and where it takes what it
+# received (two private methods). If a torch release renamed one, its override would never run and the
+# stage would compute on slices; so a wire refuses to start without them.
+_WIRE_HOOKS = ("get_fwd_send_ops", "get_bwd_send_ops", "_retrieve_recv_activations", "_retrieve_recv_grads")
+
+
+def _check_wire_hooks() -> None:
+    import torch
+    for name in _WIRE_HOOKS:
+        if not callable(getattr(tp.PipelineStage, name, None)):
+            raise RuntimeError(f"pipeline.pipe_partitioned / grad_partitioned need torch's PipelineStage.{name}, "
+                               f"which torch {torch.__version__} does not have (written against torch 2.13): "
+                               "set both keys to false, or use torch 2.13")
+
+
 class LoggedStage(tp.PipelineStage):
     """torch's PipelineStage, recording each computation it runs as (kind, stage, micro-batch), timing it
     on the rank's `clock` (stage_clock.py: the measured bubble), and counting the bytes it sends to the
@@ -68,6 +83,8 @@ class LoggedStage(tp.PipelineStage):
         self.sent_bytes = sent_bytes
         self.clock = clock
         self.wire = wire
+        if wire is not None:
+            _check_wire_hooks()
 
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
