@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
+from benchmarks.step_phases import fixed_batch_steps  # noqa: E402
 from offload.estimate import EstimateSettings, estimate_memory  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
@@ -100,14 +101,7 @@ def _rank(model_cfg: GPTConfig, cfg: dict, steps: int) -> dict:
     built_s, rss_built = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # one fixed batch per rank, every step: a loss that falls says the updates reach the weights
     x, y = RandomTokens(cfg["train_micro_batch_size_per_gpu"], model_cfg.seq_len, model_cfg.vocab_size, seed=rank)[:]
-    losses, times = [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        loss = eng(x, y)
-        eng.backward(loss)
-        eng.step()
-        times.append(time.perf_counter() - t)
-        losses.append(float(loss.detach()))
+    losses, times = fixed_batch_steps(eng, x, y, steps)
     store = eng.zero_optimizer.partition.store
     io1 = _io()
     out = {"losses": losses, "step_s": times, "build_s": built_s, "peak_rss": resource.getrusage(

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
+from benchmarks.step_phases import fixed_batch_steps  # noqa: E402
 
 
 def _io() -> dict:
@@ -50,14 +51,7 @@ def _train(deepspeed, model_cfg: GPTConfig, cfg: dict, steps: int, rank: int) ->
     built_s = time.perf_counter() - t0
     rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     x, y = RandomTokens(cfg["train_micro_batch_size_per_gpu"], model_cfg.seq_len, model_cfg.vocab_size, seed=rank)[:]
-    losses, times = [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        loss = eng(x, y)
-        eng.backward(loss)
-        eng.step()
-        times.append(time.perf_counter() - t)
-        losses.append(float(loss.detach()))
+    losses, times = fixed_batch_steps(eng, x, y, steps)
     io1 = _io()
     return {"losses": losses, "step_s": times, "build_s": built_s, "rss_start": rss_start,
             "rss_after_build": rss_built, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
