@@ -141,6 +141,14 @@ class AsyncFileIO:
                 if fd is not None:
                     os.close(fd)
 
+    def delete(self, path: str) -> None:
+        """Close a file's descriptors and delete it (one already gone is fine): a swap file's end."""
+        self.forget(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         for path in list(self._files):

@@ -387,13 +387,8 @@ class SwappedPartition:
         try:
             self._finish_writes()
         finally:
-            import os
             for path in self._files.values():
-                self.aio.forget(path)
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+                self.aio.delete(path)
 
 
 def _copy(value):

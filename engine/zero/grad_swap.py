@@ -178,11 +178,7 @@ class GradientSwap:
             if self.held is not None:
                 self.held.close()
             for path in self.files.values():
-                self.io.forget(path)
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+                self.io.delete(path)
 
 
 class HeldGradients:
@@ -227,11 +223,7 @@ class HeldGradients:
         self._held.clear()
 
     def close(self) -> None:
-        self.io.forget(self.path)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self.io.delete(self.path)
 
 
 def swaps_gradients(zero, optimizer) -> bool:
