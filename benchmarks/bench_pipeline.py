@@ -5,7 +5,7 @@ PipelineStage + schedule on the same layers, and (with --deepspeed-venv) DeepSpe
     python benchmarks/bench_pipeline.py --stages 2 --micro-batches 4 --deepspeed-venv /tmp/ds-venv
     python benchmarks/bench_pipeline.py --stages 2 --micro-batches 4 --tensor-parallel 2   # 3D rows
 
-Workload: benchmarks/pipe_workload.py (16 layers: 8 × Linear(512, 512) + GELU, micro-batch 16, MSE,
+Workload: benchmarks/pipe_workload.py (16 layers: 8 × Linear(512, 512) + GELU, micro-batch 16 or `--micro-size`, MSE,
 SGD), one rank per stage, 1 thread each, gloo over loopback, fp32. Per row: the median train_batch
 time of the last min(15, N - 1) of N steps (the first builds the stages; the next warm up), the slowest
 rank's, over `--rounds` interleaved rounds (in each, for every m, dstrain's schedules and torch's run
@@ -269,7 +269,13 @@ def main() -> int:
     p.add_argument("--deepspeed-venv", default=None)
     p.add_argument("--tensor-parallel", type=int, default=1, help="T > 1: the pipeline x tensor-parallel rows")
     p.add_argument("--paired", action="store_true", help="only dstrain's 1f1b vs torch's, alternating steps")
+    p.add_argument("--micro-size", type=int, default=None,
+                   help=f"rows per micro-batch (default {wl.MICRO}); set for every rank and DeepSpeed's peer")
     args = p.parse_args()
+    if args.micro_size is not None:  # before the first spawn: the ranks and the peer import the workload anew
+        os.environ["DSTRAIN_PIPE_MICRO"] = str(args.micro_size)
+        wl.MICRO = args.micro_size
+    print(f"micro-batch rows: {wl.MICRO}")
     print(f"load before: {os.getloadavg()}")
     if args.paired:
         for stages in [int(s) for s in args.stages.split(",")]:

@@ -2,10 +2,15 @@
 alike (torch only): a stack of Linear+GELU layers as a plain layer list, MSE loss."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 
-D, LAYERS, MICRO = 512, 16, 16
+# DSTRAIN_PIPE_MICRO (bench_pipeline's --micro-size) sets the rows per micro-batch for every process
+# that imports this, dstrain's ranks and DeepSpeed's alike: larger micro-batches make compute dominate
+# the per-message latency, which is how a bubble close to the schedule's formula can be seen here.
+D, LAYERS, MICRO = 512, 16, int(os.environ.get("DSTRAIN_PIPE_MICRO", "16"))
 
 
 def layers() -> list[nn.Module]:

@@ -25,7 +25,7 @@ def get_model_profile(model: torch.nn.Module, input_shape=None, args=None, kwarg
                       as_string: bool = True, output_file: str | None = None, ignore_modules=None,
                       mode: str = "forward"):
     """Profile one forward pass of `model` (after `warm_up` unprofiled ones); returns (flops, macs, params).
-    `ignore_modules`: module types whose parameters and FLOPs are not counted (ModuleProfile's `ignore`)."""
+    `ignore_modules`: module types that are not profiled themselves, as DeepSpeed's (ModuleProfile's `ignore`)."""
     ignore = tuple(ignore_modules or ())
     bad = [t for t in ignore if not (isinstance(t, type) and issubclass(t, torch.nn.Module))]
     if bad:

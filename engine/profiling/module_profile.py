@@ -41,8 +41,7 @@ class ModuleStats:
 
 class ModuleProfile:
     """Context manager: `with ModuleProfile(model) as prof: model(x)`; then `prof.stats`, `prof.total_flops`.
-    `ignore`: module types (exact types, as DeepSpeed's `ignore_modules`) whose parameters and FLOPs are
-    left out of every total and whose subtrees leave the table; their time stays in their parents'."""
+    `ignore`: module types (exact types) treated as DeepSpeed's `ignore_modules` (`_apply_ignored`)."""
 
     def __init__(self, model: torch.nn.Module, ignore: tuple[type, ...] = ()):
         self.model = model
@@ -106,27 +105,32 @@ class ModuleProfile:
                 continue
             if name in self.stats:
                 self.stats[name].flops = sum(ops.values())
-        self._drop_ignored()
+        self._apply_ignored()
 
-    def _drop_ignored(self) -> None:
-        """Take each outermost ignored module's parameters and FLOPs off its ancestors, then its subtree."""
-        ignored = [n for n, m in self.model.named_modules() if n and type(m) in self.ignore]
-        outermost = [n for n in ignored if not any(n.startswith(o + ".") for o in ignored if o != n)]
-        for name in outermost:
-            if name not in self.stats:
-                continue
-            gone = self.stats[name]
-            self.total_flops -= gone.flops
-            parent = name.rpartition(".")[0] if "." in name else ""
-            self.stats[parent].children.remove(name)
-            while True:
-                self.stats[parent].params -= gone.params
-                self.stats[parent].flops -= gone.flops
-                if not parent:
-                    break
-                parent = parent.rpartition(".")[0] if "." in parent else ""
-            for sub in [n for n in self.stats if n == name or n.startswith(name + ".")]:
-                del self.stats[sub]
+    def _apply_ignored(self) -> None:
+        """DeepSpeed 0.19's `ignore_modules`: an ignored type gets no hooks, so the operations it runs
+        itself (outside its submodules) count toward its nearest profiled ancestor, and its row shows
+        only its submodules' FLOPs and time; totals and parameter counts do not change. (Nothing
+        profiled above an ignored root: its own operations are not counted, as DeepSpeed's.)"""
+        ignored = {n for n, m in self.model.named_modules() if type(m) in self.ignore}
+        if not ignored:
+            return
+        # FlopCounterMode's per-module counts are inclusive; move each ignored module's own share up.
+        own = {n: s.flops - sum(self.stats[c].flops for c in s.children) for n, s in self.stats.items()}
+        for name in ignored:
+            up = name
+            while up in ignored and up:
+                up = up.rpartition(".")[0] if "." in up else ""
+            if up not in ignored:
+                own[up] += own[name]
+            else:  # the root is ignored: no profiled module to count it in
+                self.total_flops -= own[name]
+            own[name] = 0
+        for name in sorted(self.stats, key=lambda n: -self.stats[n].depth):  # children before parents
+            s = self.stats[name]
+            s.flops = own[name] + sum(self.stats[c].flops for c in s.children)
+            if name in ignored:
+                s.latency_s = sum(self.stats[c].latency_s for c in s.children)
 
     @property
     def total_params(self) -> int:
