@@ -1,6 +1,8 @@
 """mup's μP optimizers from the config (`"type": "muadam"`, `"muadamw"`, `"musgd"`; engine/mup_optimizers.py)
 equal `mup.MuAdam`, `mup.MuAdamW`, `mup.MuSGD` in one process on the global batch, at ZeRO stages 0-3
-on 2 ranks, with accumulation and with the optimizer offloaded to the CPU and to NVMe.
+on 2 ranks, with accumulation and with the optimizer offloaded to the CPU and to NVMe: each class on
+each tier, each tier at stages 1, 2 and 3 (OFFLOADED), and where the same run without offload is in
+CASES the offloaded one equals it bit for bit.
 
 The model's widths differ from its base shapes (`mup.set_base_shapes`), so its matrix-like parameters
 get their own learning rates (lr / width_mult for Adam, lr / fan-in:fan-out ratio for SGD): a stage
@@ -26,8 +28,12 @@ STEPS, MICRO = 5, 2
 PARAMS = {"MuAdam": {"lr": 0.02, "weight_decay": 0.01}, "MuAdamW": {"lr": 0.02, "weight_decay": 0.1},
           "MuSGD": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}
 # (type, stage, gas, offload); MuSGD is torch's SGD, untested at ZeRO >= 1 in DeepSpeed's sense
-CASES = ([("MuAdam", s, 2, "none") for s in (0, 1, 2, 3)] + [("MuAdamW", s, 1, "none") for s in (1, 3)]
-         + [("MuSGD", 2, 2, "none"), ("MuAdamW", 2, 2, "cpu"), ("MuAdam", 2, 2, "nvme")])
+IN_MEMORY = ([("MuAdam", s, 2, "none") for s in (0, 1, 2, 3)] + [("MuAdamW", s, 1, "none") for s in (1, 3)]
+             + [("MuSGD", 2, 2, "none")])
+# each tier: every class, and stages 1-3; all but MuAdamW's cpu stage 2 have their in-memory run above
+OFFLOADED = [("MuAdam", 1, 2, "cpu"), ("MuAdamW", 2, 2, "cpu"), ("MuAdamW", 3, 1, "cpu"), ("MuSGD", 2, 2, "cpu"),
+             ("MuAdamW", 1, 1, "nvme"), ("MuAdam", 2, 2, "nvme"), ("MuSGD", 2, 2, "nvme"), ("MuAdam", 3, 2, "nvme")]
+CASES = IN_MEMORY + OFFLOADED
 
 
 class MupNet(nn.Module):
@@ -105,6 +111,17 @@ def test_mup_optimizer_equals_mups_own_class(two_ranks, kind, stage, gas, offloa
             err = (got["params"][name] - w).abs().max().item()
             assert err < 2e-5, f"rank {rank} {kind} stage {stage} {offload} {name}: max |w - w_ref| = {err:.2e}"
             assert (w - start[name]).abs().max().item() > 1e-3, f"{name}: the reference did not move"
+
+
+@pytest.mark.parametrize("kind, stage, gas, offload", [c for c in OFFLOADED if (*c[:3], "none") in IN_MEMORY],
+                         ids=lambda v: str(v))
+def test_offloaded_mup_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stage, gas, offload):
+    for rank, results in enumerate(two_ranks):
+        got, want = results[(kind, stage, gas, offload)], results[(kind, stage, gas, "none")]
+        assert got["lrs"] == want["lrs"], f"rank {rank}: group lrs {got['lrs']} != {want['lrs']}"
+        for name, w in want["params"].items():
+            g = got["params"][name]
+            assert torch.equal(g, w), f"rank {rank} {kind} {offload} stage {stage} {name}: {(g - w).abs().max():.2e}"
 
 
 def test_parameters_without_base_shapes_are_a_config_error():
