@@ -38,14 +38,15 @@ ALL = ("Adagrad", "Lion", "Lamb", "Muon")
 MUP = ("MuAdam", "MuAdamW", "MuSGD")
 SAVES = [(saved, kind, SAVED_STAGE) for saved in ("none", "cpu") for kind in ALL] + [
     ("none", "Adafactor", 0)] + [("none", kind, SAVED_STAGE) for kind in MUP]  # (offload, optimizer, stage) saved
-SAVED = ("none", "cpu")  # the offload of the two saved checkpoints
 # world -> [(saved offload, stage, offload, optimizers)] each saved checkpoint is loaded into; at 4 ranks
-# (oversubscribed) the per-tensor ones, whose state layout differs most from the elementwise.
+# (oversubscribed) the per-tensor ones, whose state layout differs most from the elementwise, and mup's
+# (several param groups, each with its own lr).
 # RMSprop (a torch class by name) is left out for time: its state goes through the same declared-layout
 # path as Adagrad's, and test_optimizer_set.py steps it at stages 0-3.
 TARGETS = {1: [("none", 0, "none", ALL + ("Adafactor",) + MUP), ("cpu", 0, "none", ALL)],
-           2: [("none", SAVED_STAGE, "none", ALL + MUP), ("cpu", SAVED_STAGE, "cpu", ALL), ("none", 3, "cpu", ALL + MUP),
-               ("cpu", 3, "none", ALL), ("cpu", 2, "nvme", ALL), ("none", 0, "none", ("Adafactor",))],
+           2: [("none", SAVED_STAGE, "none", ALL + MUP), ("cpu", SAVED_STAGE, "cpu", ALL),
+               ("none", 3, "cpu", ALL + MUP), ("cpu", 3, "none", ALL), ("cpu", 2, "nvme", ALL),
+               ("none", 0, "none", ("Adafactor",))],
            4: [("none", 2, "none", ("Lamb", "Muon") + MUP), ("cpu", 3, "cpu", ("Lamb", "Muon"))]}
 
 
