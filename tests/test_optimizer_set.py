@@ -1,8 +1,8 @@
 """DeepSpeed's optimizer set (Adagrad, Lion, Lamb, Muon) and a torch.optim class by name equal
 single-process training at every ZeRO stage, with and without gradient accumulation; with the
-optimizer offloaded (`offload_optimizer.device` "cpu" at stages 1-3, "nvme" at stages 1-2 for the
-elementwise ones and 1-3 for Lamb and Muon, whose whole-tensor rules step in two passes over swapped
-sub-groups that cut their tensors) each equals its own run without offload bit for bit; an Inf on one
+optimizer offloaded (`offload_optimizer.device` "cpu" and "nvme" at stages 1-3; Lamb's and Muon's
+whole-tensor rules step in two passes over swapped sub-groups that cut their tensors) each equals its
+own run without offload bit for bit; an Inf on one
 rank skips Lamb's and Muon's swapped step and leaves their swap files' SHA-256 unchanged.
 
 References: torch's own class where one exists (Adagrad, RMSprop; AdamW for Muon's non-matrix half);
@@ -347,7 +347,7 @@ TWO_RANK_CASES = [(k, s, g, "none") for k in OPTIMIZERS for s in (0, 1, 2, 3) fo
                   if k != "RMSprop" or (s, g) in RMSPROP_CASES]
 NVME_ELEMENTWISE, NVME_PER_TENSOR = ("Adagrad", "Lion", "RMSprop"), ("Lamb", "Muon")
 OFFLOAD_CASES = ([(k, s, 2, "cpu") for k in OPTIMIZERS for s in (1, 2, 3)]
-                 + [(k, s, 2, "nvme") for k in NVME_ELEMENTWISE for s in (1, 2)]
+                 + [(k, s, 2, "nvme") for k in NVME_ELEMENTWISE for s in (1, 2, 3)]
                  + [(k, s, 2, "nvme") for k in NVME_PER_TENSOR for s in (1, 2, 3)])
 # An Inf at step INF_STEP, with and without NVMe: Lamb at stage 3, Muon at stage 2.
 INF_STEP = 2
@@ -447,7 +447,7 @@ def test_lion_and_lamb_step_large_cpu_flats_in_blocks_as_the_references():
     """ops/lion.py's and ops/lamb.py's blocks: tensors longer than a block (and a short one between) step
     as the papers' equations per tensor; Lion's blocks equal its whole-tensor foreach step bit for bit."""
     from ops.lamb import BLOCK
-    from ops.tensor_segments import FlatSegments, SegmentedReduction
+    from ops.tensor_segments import FlatRuns, SegmentedReduction
     sizes = [BLOCK + 100, 300, BLOCK + 70]
     torch.manual_seed(0)
     start = [torch.randn(n, device="cpu") * 0.1 for n in sizes]
@@ -463,8 +463,8 @@ def test_lion_and_lamb_step_large_cpu_flats_in_blocks_as_the_references():
     opt_paper = PaperLion(paper, lion["lr"], tuple(lion["betas"]), lion["weight_decay"])
     opt_lamb = ops.Lamb([flat], lr=lamb["lr"], weight_decay=lamb["weight_decay"],
                                       max_coeff=lamb["max_coeff"], min_coeff=lamb["min_coeff"])
-    ids = torch.repeat_interleave(torch.arange(3, device="cpu"), torch.tensor(sizes, device="cpu"))
-    opt_lamb.segmented = SegmentedReduction({flat: FlatSegments(ids, 3)}, 3, lambda v: v)
+    runs = [(sum(sizes[:i]), n, i) for i, n in enumerate(sizes)]  # boundaries inside 64-element rows
+    opt_lamb.segmented = SegmentedReduction({flat: FlatRuns(runs, flat.device, cache=True)}, 3, lambda v: v)
     opt_paper_lamb = PaperLamb(paper_lamb, lamb["lr"], lamb["weight_decay"], lamb["max_coeff"], lamb["min_coeff"])
     for step_grads in grads:
         for params in (blocked, whole, paper, paper_lamb):
