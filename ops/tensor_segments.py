@@ -37,23 +37,30 @@ class WindowPlan:
     cut_rows: torch.Tensor  # int64: rows cut by a fragment boundary
     head: tuple[torch.Tensor, torch.Tensor]  # (positions, tensor ids) added before the rows
     tail: tuple[torch.Tensor, torch.Tensor]  # (positions, tensor ids) added after the rows
+    loose: tuple[torch.Tensor, torch.Tensor]  # head and tail together (scaling has no order)
+    counts: tuple[int, int, int]  # cut rows, head and tail elements (host ints: empty steps skipped)
 
     def add_squares(self, partial: torch.Tensor, values: torch.Tensor) -> None:
         """partial[i] += Σ values² over the window's elements of tensor i, in the module note's order."""
         sq = values.detach().float().square()
         row_sums = sq[:self.rows * ROW].view(self.rows, ROW).sum(1)
-        row_sums.index_fill_(0, self.cut_rows, 0.0)  # their elements go one by one (x + 0.0 is x)
-        for pos, ids in (self.head, (None, self.row_ids), self.tail):
-            addends = row_sums if pos is None else sq[pos]
-            partial.index_add_(0, ids.to(partial.device), addends.to(partial.device))
+        cut, head, tail = self.counts
+        if cut:
+            row_sums.index_fill_(0, self.cut_rows, 0.0)  # their elements go one by one (x + 0.0 is x)
+        if head:
+            partial.index_add_(0, self.head[1].to(partial.device), sq[self.head[0]].to(partial.device))
+        partial.index_add_(0, self.row_ids.to(partial.device), row_sums.to(partial.device))
+        if tail:
+            partial.index_add_(0, self.tail[1].to(partial.device), sq[self.tail[0]].to(partial.device))
 
     def scale(self, values: torch.Tensor, per_tensor: torch.Tensor) -> torch.Tensor:
         """values[j] *= per_tensor[tensor of element j], in place; returns `values`."""
         per_tensor = per_tensor.to(values.device)
-        pos = torch.cat([self.head[0], self.tail[0]])
-        cut = values[pos] * per_tensor[torch.cat([self.head[1], self.tail[1]])]
+        pos, ids = self.loose
+        cut = values[pos] * per_tensor[ids] if pos.numel() else None
         values[:self.rows * ROW].view(self.rows, ROW).mul_(per_tensor[self.row_ids].unsqueeze(1))
-        values[pos] = cut
+        if cut is not None:
+            values[pos] = cut
         return values
 
 
@@ -99,7 +106,10 @@ class FlatRuns:
         cut = row_ids < 0
         cut_rows = cut.nonzero().view(-1)
         row_ids[cut] = 0
-        return WindowPlan(rows, row_ids, cut_rows, self._positions(head), self._positions(tail))
+        head_at, tail_at = self._positions(head), self._positions(tail)
+        loose = (torch.cat([head_at[0], tail_at[0]]), torch.cat([head_at[1], tail_at[1]]))
+        counts = (cut_rows.numel(), head_at[0].numel(), tail_at[0].numel())
+        return WindowPlan(rows, row_ids, cut_rows, head_at, tail_at, loose, counts)
 
     def _positions(self, pieces: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         pos = [torch.arange(a, b, dtype=torch.int64, device=self.device) for a, b, _ in pieces]
