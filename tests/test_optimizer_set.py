@@ -28,8 +28,9 @@ from torch import nn
 import engine
 import ops
 import schemas
-from engine.utils import safe_get_full_fp32_param
+from engine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from engine.zero.per_tensor import assign_owners
+from ops.state_layout import ELEMENTWISE, declared_layout
 from tests import optimizer_runs
 from tests.optimizer_runs import record
 from tests.offload_runs import _swap_hashes
@@ -109,6 +110,8 @@ def _train(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: st
     orthogonalizer = getattr(zopt.optimizer, "orthogonalize_flats", None)
     if orthogonalizer is not None:
         result["owned_cost"] = orthogonalizer.owned_cost()
+    if gas == 2 and stage >= 1:  # the offload parity's pairs: their per-element state too (from the swap files on NVMe)
+        result["state"] = _elementwise_state(eng)
     if offload != "none":  # where the step ran: staged host flats, or swap files with no state in memory
         result["tier"] = {"home": str(zopt.tier.home), "staged": zopt.tier.staged,
                           "nvme": getattr(zopt, "nvme", None) is not None,
@@ -116,6 +119,19 @@ def _train(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: st
     if offload == "nvme":
         eng.destroy()  # removes the swap directory (destroy's gc.collect costs ~1 s: only where needed)
     return result
+
+
+def _elementwise_state(eng) -> dict:
+    """(parameter, key) -> the whole state tensor, for every per-element key the class declares: a wrong
+    gradient that a sign-based update hides (Lion's) still shows in its momentum."""
+    keys = [k for k, kind in declared_layout(eng.optimizer).items() if kind == ELEMENTWISE]
+    out = {}
+    for name, p in eng.module.named_parameters():
+        for key in keys:
+            value = safe_get_full_optimizer_state(p, key)
+            if value is not None:
+                out[(name, key)] = value
+    return out
 
 
 class ClientSGD(torch.optim.SGD):
@@ -372,7 +388,8 @@ def test_optimizer_matches_single_process(two_ranks, kind, stage, gas, offload):
 @pytest.mark.parametrize("kind, stage, gas, offload", OFFLOAD_CASES, ids=lambda v: str(v))
 def test_offloaded_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stage, gas, offload):
     """The offload tier changes where the step runs, not what it computes (DeepSpeed's Muon and Lion
-    diverged with CPU offload): weights and every step's gradient norm equal the in-memory run's."""
+    diverged with CPU offload): weights, every step's gradient norm and every per-element state tensor
+    equal the in-memory run's."""
     for rank, results in enumerate(two_ranks):
         got, want = results[(kind, stage, gas, offload)], results[(kind, stage, gas, "none")]
         assert got["tier"]["home"] == "cpu" and got["tier"]["staged"], f"rank {rank}: {got['tier']}"
@@ -382,6 +399,9 @@ def test_offloaded_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stag
             g = got["params"][name]
             assert torch.equal(g, w), f"rank {rank} {kind} {offload} stage {stage} {name}: {(g - w).abs().max():.2e}"
         assert got["norms"] == want["norms"], f"rank {rank} {kind} {offload} stage {stage}: gradient norms"
+        assert got["state"].keys() == want["state"].keys() and got["state"], f"rank {rank}: {sorted(got['state'])}"
+        for key, value in want["state"].items():
+            assert torch.equal(got["state"][key], value), f"rank {rank} {kind} {offload} stage {stage} {key}"
 
 
 def test_nvme_refuses_an_optimizer_it_cannot_swap_by_name(two_ranks):
