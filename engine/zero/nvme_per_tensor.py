@@ -42,8 +42,9 @@ class SwappedLamb:
         self.tier, self.partition = tier, zopt.partition
         index = {p: i for i, p in enumerate(self.partition.params())}
         self.count, self.reduce = len(index), all_reduce_sum(zopt.comm)
-        # plans built per sub-group on demand: nothing held per flat element (memory note)
-        self.runs = {key: flat_runs(self.partition, key, index, cache=False) for key in tier.parts}
+        # plans built per sub-group on demand (nothing held per flat element: memory note), on the host,
+        # where the swapped sub-groups are stepped
+        self.runs = {key: flat_runs(self.partition, key, index, cache=False, device=CPU) for key in tier.parts}
 
     def step(self) -> None:
         partial = torch.zeros(2 * self.count, dtype=torch.float32, device=CPU)

@@ -54,11 +54,12 @@ def all_reduce_sum(comm):
     return reduce
 
 
-def flat_runs(partition: PartitionedParams, key, index: dict, cache: bool) -> FlatRuns:
+def flat_runs(partition: PartitionedParams, key, index: dict, cache: bool,
+              device: torch.device | None = None) -> FlatRuns:
     """Flat `key`'s fragments as runs over the global parameter `index` (padding counts for its own
-    parameter: zero weight and update, it adds nothing)."""
+    parameter: zero weight and update, it adds nothing); plans on `device`, by default the flat's."""
     runs = [(partition.fragments[p].offset, partition.fragments[p].padded, index[p]) for p in partition.members[key]]
-    return FlatRuns(runs, partition.flat[key].device, cache=cache)
+    return FlatRuns(runs, partition.flat[key].device if device is None else device, cache=cache)
 
 
 def segmented_reduction(partition: PartitionedParams, comm) -> SegmentedReduction:
