@@ -9,6 +9,8 @@
 - kernels: one optimizer step over `--numel` fp32 parameters (one flat tensor, as a ZeRO partition),
   each optimizer's median time against its memory-bandwidth bound: the bytes it must read and write
   per parameter (below) at the `add_` bandwidth measured in the same run (a.add_(b): 12 bytes/element).
+  Lamb three ways: on a ZeRO flat (per-tensor runs), at stage 0 on one tensor, and at stage 0 on the
+  same elements cut into 40,000 tensors (the batched step).
   Adagrad runs twice, torch's fused CPU kernel and its foreach kernel, to show which the offloaded
   step should use (ops.Adagrad picks fused).
 - muon: Newton-Schulz time of the benchmark GPT's Muon matrices, owner-based (the most loaded rank's
@@ -51,10 +53,14 @@ BYTES_PER_PARAM = {
     "Adagrad": 4 * (3 + 2),     # read w, g, s; write w, s
     "Adagrad foreach": 4 * (3 + 2),
     "Lion": 4 * (3 + 2),        # read w, g, m; write w, m
-    # ZeRO's flat (ops/lamb.py blocks): pass 1 reads w, g, m, v and writes m, v; pass 2 reads w, m, v and
-    # writes w; both read the int64 parameter id of every element (8 bytes each)
-    "Lamb": 4 * (4 + 2) + 4 * (3 + 1) + 2 * 8,
+    # ZeRO's flat and, at stage 0, a tensor over a block (ops/lamb.py blocks): pass 1 reads w, g, m, v and
+    # writes m, v; pass 2 reads w, m, v and writes w (each row's tensor id: 1/8 byte per element, not counted)
+    "Lamb": 4 * (4 + 2) + 4 * (3 + 1),
+    "Lamb stage 0": 4 * (4 + 2) + 4 * (3 + 1),
+    # stage 0, tensors smaller than a block: batches in cache, so one pass (read w, g, m, v; write w, m, v)
+    "Lamb stage 0, 40,000 tensors": 4 * (4 + 3),
 }
+MANY_TENSORS = 40_000
 CONFIGS = {  # the config's optimizer sections benchmarked on the GPT
     "AdamW": {"type": "AdamW", "params": {"lr": 1e-4}},
     "Adagrad": {"type": "Adagrad", "params": {"lr": 1e-2}},
@@ -93,17 +99,26 @@ def _make(name: str, p: torch.Tensor) -> torch.optim.Optimizer:
             "Adagrad": lambda: ops.Adagrad([p], lr=1e-2, fused=True),
             "Adagrad foreach": lambda: ops.Adagrad([p], lr=1e-2, foreach=True),
             "Lion": lambda: ops.Lion([p], lr=1e-5),
-            "Lamb": lambda: _flat_lamb(p)}[name]()
+            "Lamb": lambda: _flat_lamb(p),
+            "Lamb stage 0": lambda: ops.Lamb([p], lr=1e-3),
+            "Lamb stage 0, 40,000 tensors": lambda: _many_lamb(p, MANY_TENSORS)}[name]()
 
 
 def _flat_lamb(p: torch.Tensor) -> torch.optim.Optimizer:
     """ops.Lamb over `p` as ZeRO hands it a partition: one flat, its elements' parameter ids (one
     parameter here), the per-parameter norms' reduction (one rank: the identity)."""
-    from ops.tensor_segments import FlatSegments, SegmentedReduction
+    from ops.tensor_segments import FlatRuns, SegmentedReduction
     opt = ops.Lamb([p], lr=1e-3)
-    ids = torch.zeros(p.numel(), dtype=torch.int64, device=p.device)
-    opt.segmented = SegmentedReduction({p: FlatSegments(ids, 1)}, 1, lambda v: v)
+    opt.segmented = SegmentedReduction({p: FlatRuns([(0, p.numel(), 0)], p.device, cache=True)}, 1, lambda v: v)
     return opt
+
+
+def _many_lamb(p: torch.Tensor, count: int) -> torch.optim.Optimizer:
+    """ops.Lamb at stage 0 over `p` cut into `count` tensors (views of it, and their gradients of its)."""
+    params = [torch.nn.Parameter(t) for t in p.detach().chunk(count)]
+    for q, g in zip(params, p.grad.chunk(count)):
+        q.grad = g
+    return ops.Lamb(params, lr=1e-3)
 
 
 def kernels(numel: int, repeats: int) -> list[dict]:

@@ -1,6 +1,7 @@
 """mup's μP optimizers from the config (`"type": "muadam"`, `"muadamw"`, `"musgd"`; engine/mup_optimizers.py)
 equal `mup.MuAdam`, `mup.MuAdamW`, `mup.MuSGD` in one process on the global batch, at ZeRO stages 0-3
-on 2 ranks, with accumulation and with the optimizer offloaded to the CPU and to NVMe.
+on 2 ranks, with accumulation and with the optimizer offloaded to the CPU and to NVMe at stages 1-3,
+where each also equals the same run without offload bit for bit.
 
 The model's widths differ from its base shapes (`mup.set_base_shapes`), so its matrix-like parameters
 get their own learning rates (lr / width_mult for Adam, lr / fan-in:fan-out ratio for SGD): a stage
@@ -25,9 +26,12 @@ import mup  # noqa: E402  (.ci/setup installs it: a missing mup fails here, it i
 STEPS, MICRO = 5, 2
 PARAMS = {"MuAdam": {"lr": 0.02, "weight_decay": 0.01}, "MuAdamW": {"lr": 0.02, "weight_decay": 0.1},
           "MuSGD": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}
-# (type, stage, gas, offload); MuSGD is torch's SGD, untested at ZeRO >= 1 in DeepSpeed's sense
-CASES = ([("MuAdam", s, 2, "none") for s in (0, 1, 2, 3)] + [("MuAdamW", s, 1, "none") for s in (1, 3)]
-         + [("MuSGD", 2, 2, "none"), ("MuAdamW", 2, 2, "cpu"), ("MuAdam", 2, 2, "nvme")])
+# (type, stage, gas, offload); MuSGD is torch's SGD, untested at ZeRO >= 1 in DeepSpeed's sense.
+# MuAdamW runs without accumulation, the others with: both ways at every stage and tier.
+GAS = {"MuAdam": 2, "MuAdamW": 1, "MuSGD": 2}
+IN_MEMORY = [("MuAdam", 0, 2, "none")] + [(k, s, GAS[k], "none") for k in GAS for s in (1, 2, 3)]
+OFFLOADED = [(k, s, GAS[k], offload) for offload in ("cpu", "nvme") for k in GAS for s in (1, 2, 3)]
+CASES = IN_MEMORY + OFFLOADED
 
 
 class MupNet(nn.Module):
@@ -105,6 +109,16 @@ def test_mup_optimizer_equals_mups_own_class(two_ranks, kind, stage, gas, offloa
             err = (got["params"][name] - w).abs().max().item()
             assert err < 2e-5, f"rank {rank} {kind} stage {stage} {offload} {name}: max |w - w_ref| = {err:.2e}"
             assert (w - start[name]).abs().max().item() > 1e-3, f"{name}: the reference did not move"
+
+
+@pytest.mark.parametrize("kind, stage, gas, offload", OFFLOADED, ids=lambda v: str(v))
+def test_offloaded_mup_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stage, gas, offload):
+    for rank, results in enumerate(two_ranks):
+        got, want = results[(kind, stage, gas, offload)], results[(kind, stage, gas, "none")]
+        assert got["lrs"] == want["lrs"], f"rank {rank}: group lrs {got['lrs']} != {want['lrs']}"
+        for name, w in want["params"].items():
+            g = got["params"][name]
+            assert torch.equal(g, w), f"rank {rank} {kind} {offload} stage {stage} {name}: {(g - w).abs().max():.2e}"
 
 
 def test_parameters_without_base_shapes_are_a_config_error():

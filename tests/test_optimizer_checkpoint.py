@@ -8,6 +8,11 @@ the same at every world size. Checkpoints are saved at stage 1 on 2 ranks, once 
 once with `offload_optimizer.device: "cpu"` (DSTRAIN_OFFLOAD_STAGE_COPIES=1: the accelerator's copy path).
 torch's Adafactor (per-tensor state: each matrix's row and column factors, refused at stage >= 1) is
 saved at stage 0 on 2 ranks and resumes bit for bit there and at 1 rank.
+mup's MuAdam, MuAdamW and MuSGD (torch's Adam, AdamW, SGD over mup's param groups, one lr per width
+multiplier) are saved at stage 1 without offload after each group's lr was halved, as a schedule would:
+a load keeps every state tensor and every group's lr (a fresh engine has mup's own lrs: a load that
+dropped the saved ones would differ), resumes bit for bit at 2 ranks and reshards to 1 rank (stage 0),
+2 ranks at stage 3 with CPU offload, and 4 ranks at stage 2.
 """
 from __future__ import annotations
 
@@ -21,35 +26,39 @@ import engine
 from engine.checkpoint.state_layout import STATE_LAYOUTS
 from engine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from tests import optimizer_runs
+from tests import test_mup_optimizers as mup_set
 from tests.models import make_batches, micro_batches
 from tests.test_optimizer_set import OPTIMIZERS, Net, _offload
 
 GLOBAL_BATCH, STEPS, SAVE_AT, SAVED_STAGE = 8, 4, 2, 1
-CLASS_OF = {"Adagrad": "Adagrad", "Lion": "Lion", "Lamb": "Lamb", "Muon": "MuonWithAuxAdam", "Adafactor": "Adafactor"}
-PARAMS = {**OPTIMIZERS, "Adafactor": {"lr": 0.02}}
-SAVES = [(saved, kind, SAVED_STAGE) for saved in ("none", "cpu") for kind in ("Adagrad", "Lion", "Lamb", "Muon")] + [
-    ("none", "Adafactor", 0)]  # (offload, optimizer, stage) of each saved checkpoint
+CLASS_OF = {"Adagrad": "Adagrad", "Lion": "Lion", "Lamb": "Lamb", "Muon": "MuonWithAuxAdam", "Adafactor": "Adafactor",
+            "MuAdam": "Adam", "MuAdamW": "AdamW", "MuSGD": "SGD"}  # mup's builders return torch's classes
+PARAMS = {**OPTIMIZERS, "Adafactor": {"lr": 0.02}, **mup_set.PARAMS}
 ALL = ("Adagrad", "Lion", "Lamb", "Muon")
-SAVED = ("none", "cpu")  # the offload of the two saved checkpoints
+MUP = ("MuAdam", "MuAdamW", "MuSGD")
+SAVES = [(saved, kind, SAVED_STAGE) for saved in ("none", "cpu") for kind in ALL] + [
+    ("none", "Adafactor", 0)] + [("none", kind, SAVED_STAGE) for kind in MUP]  # (offload, optimizer, stage) saved
 # world -> [(saved offload, stage, offload, optimizers)] each saved checkpoint is loaded into; at 4 ranks
-# (oversubscribed) the per-tensor ones, whose state layout differs most from the elementwise.
+# (oversubscribed) the per-tensor ones, whose state layout differs most from the elementwise, and mup's
+# (several param groups, each with its own lr).
 # RMSprop (a torch class by name) is left out for time: its state goes through the same declared-layout
 # path as Adagrad's, and test_optimizer_set.py steps it at stages 0-3.
-TARGETS = {1: [("none", 0, "none", ALL + ("Adafactor",)), ("cpu", 0, "none", ALL)],
-           2: [("none", SAVED_STAGE, "none", ALL), ("cpu", SAVED_STAGE, "cpu", ALL), ("none", 3, "cpu", ALL),
-               ("cpu", 3, "none", ALL), ("cpu", 2, "nvme", ALL), ("none", 0, "none", ("Adafactor",))],
-           4: [("none", 2, "none", ("Lamb", "Muon")), ("cpu", 3, "cpu", ("Lamb", "Muon"))]}
+TARGETS = {1: [("none", 0, "none", ALL + ("Adafactor",) + MUP), ("cpu", 0, "none", ALL)],
+           2: [("none", SAVED_STAGE, "none", ALL + MUP), ("cpu", SAVED_STAGE, "cpu", ALL),
+               ("none", 3, "cpu", ALL + MUP), ("cpu", 3, "none", ALL), ("cpu", 2, "nvme", ALL),
+               ("none", 0, "none", ("Adafactor",))],
+           4: [("none", 2, "none", ("Lamb", "Muon") + MUP), ("cpu", 3, "cpu", ("Lamb", "Muon"))]}
 
 
 def _engine(kind: str, stage: int, offload: str = "none", nvme_path: str | None = None):
     world = torch.distributed.get_world_size()
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
            "gradient_clipping": 0.0, "optimizer": {"type": kind, "params": PARAMS[kind]},
-           "zero_allow_untested_optimizer": kind == "RMSprop",
+           "zero_allow_untested_optimizer": kind in ("RMSprop", "MuSGD"),
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 150, "stage3_param_persistence_threshold": 10,
                                  **_offload(offload, nvme_path)}}
     torch.manual_seed(0)
-    eng, _, _, _ = engine.initialize(model=Net(), config=cfg)
+    eng, _, _, _ = engine.initialize(model=mup_set.make_model() if kind in MUP else Net(), config=cfg)
     return eng
 
 
@@ -69,6 +78,9 @@ def _state(eng, kind: str) -> dict:
             value = safe_get_full_optimizer_state(p, key)
             if value is not None:
                 out[(name, key)] = torch.as_tensor(value).float().clone()
+    if kind in MUP:  # each group's lr: mup's width scaling (and whatever a schedule did to it)
+        for i, group in enumerate(eng.optimizer.param_groups):
+            out[("group", i, "lr")] = torch.tensor(group["lr"], dtype=torch.float64)
     return out
 
 
@@ -81,6 +93,9 @@ def _save_all(root: str) -> dict:
     for saved, kind, stage in SAVES:
         eng = _engine(kind, stage, saved)
         _train(eng, 0, SAVE_AT)
+        if kind in MUP:  # as a schedule would: the loads must restore these, not mup's own lrs
+            for group in eng.optimizer.param_groups:
+                group["lr"] *= 0.5
         eng.save_checkpoint(Path(root) / saved / kind)
         eng.wait_for_checkpoint()
         state = _state(eng, kind)
@@ -114,11 +129,11 @@ def runs():
                                                 for w in TARGETS}
 
 
-@pytest.mark.parametrize("saved", SAVED)
-@pytest.mark.parametrize("kind", ALL)
-def test_resume_at_the_same_stage_is_bit_for_bit(runs, kind, saved):
+@pytest.mark.parametrize("saved, kind", [(saved, kind) for saved, kind, stage in SAVES if stage == SAVED_STAGE])
+def test_resume_at_the_same_stage_is_bit_for_bit(runs, saved, kind):
     full, loaded = runs
     got = loaded[2][(saved, kind, SAVED_STAGE, saved)]
+    assert set(got["loaded"]) == set(full[(saved, kind)]["saved"]), f"{kind}: state keys differ"
     for key, value in full[(saved, kind)]["saved"].items():
         assert torch.equal(got["loaded"][key], value), f"{kind} {key}: loaded state differs"
     for name, value in full[(saved, kind)]["final"].items():
@@ -135,6 +150,9 @@ def test_reshard_keeps_every_state_tensor_and_continues(runs, world, saved, stag
     full, loaded = runs
     got, want = loaded[world][(saved, kind, stage, offload)], full[(saved, kind)]
     assert set(got["loaded"]) == set(want["saved"]), f"{kind}: state keys differ"
+    if kind in MUP:  # the halved lrs came back, and mup's scaling made them differ between groups
+        lrs = {value.item() for key, value in want["saved"].items() if key[0] == "group"}
+        assert len(lrs) >= 2, f"{kind}: one lr for every group ({lrs}): no μP scaling"
     for key, value in want["saved"].items():
         assert torch.equal(got["loaded"][key], value), f"{kind} {key}: loaded state differs"
     for name, value in want["final"].items():

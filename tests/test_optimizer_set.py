@@ -1,8 +1,8 @@
 """DeepSpeed's optimizer set (Adagrad, Lion, Lamb, Muon) and a torch.optim class by name equal
 single-process training at every ZeRO stage, with and without gradient accumulation; with the
-optimizer offloaded (`offload_optimizer.device` "cpu" at stages 1-3, "nvme" at stages 1-2 for the
-elementwise ones and 1-3 for Lamb and Muon, whose whole-tensor rules step in two passes over swapped
-sub-groups that cut their tensors) each equals its own run without offload bit for bit; an Inf on one
+optimizer offloaded (`offload_optimizer.device` "cpu" and "nvme" at stages 1-3; Lamb's and Muon's
+whole-tensor rules step in two passes over swapped sub-groups that cut their tensors) each equals its
+own run without offload bit for bit; an Inf on one
 rank skips Lamb's and Muon's swapped step and leaves their swap files' SHA-256 unchanged.
 
 References: torch's own class where one exists (Adagrad, RMSprop; AdamW for Muon's non-matrix half);
@@ -28,8 +28,9 @@ from torch import nn
 import engine
 import ops
 import schemas
-from engine.utils import safe_get_full_fp32_param
+from engine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from engine.zero.per_tensor import assign_owners
+from ops.state_layout import ELEMENTWISE, declared_layout
 from tests import optimizer_runs
 from tests.optimizer_runs import record
 from tests.offload_runs import _swap_hashes
@@ -109,6 +110,8 @@ def _train(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: st
     orthogonalizer = getattr(zopt.optimizer, "orthogonalize_flats", None)
     if orthogonalizer is not None:
         result["owned_cost"] = orthogonalizer.owned_cost()
+    if gas == 2 and stage >= 1:  # the offload parity's pairs: their per-element state too (from the swap files on NVMe)
+        result["state"] = _elementwise_state(eng)
     if offload != "none":  # where the step ran: staged host flats, or swap files with no state in memory
         result["tier"] = {"home": str(zopt.tier.home), "staged": zopt.tier.staged,
                           "nvme": getattr(zopt, "nvme", None) is not None,
@@ -116,6 +119,19 @@ def _train(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: st
     if offload == "nvme":
         eng.destroy()  # removes the swap directory (destroy's gc.collect costs ~1 s: only where needed)
     return result
+
+
+def _elementwise_state(eng) -> dict:
+    """(parameter, key) -> the whole state tensor, for every per-element key the class declares: a wrong
+    gradient that a sign-based update hides (Lion's) still shows in its momentum."""
+    keys = [k for k, kind in declared_layout(eng.optimizer).items() if kind == ELEMENTWISE]
+    out = {}
+    for name, p in eng.module.named_parameters():
+        for key in keys:
+            value = safe_get_full_optimizer_state(p, key)
+            if value is not None:
+                out[(name, key)] = value
+    return out
 
 
 class ClientSGD(torch.optim.SGD):
@@ -347,7 +363,7 @@ TWO_RANK_CASES = [(k, s, g, "none") for k in OPTIMIZERS for s in (0, 1, 2, 3) fo
                   if k != "RMSprop" or (s, g) in RMSPROP_CASES]
 NVME_ELEMENTWISE, NVME_PER_TENSOR = ("Adagrad", "Lion", "RMSprop"), ("Lamb", "Muon")
 OFFLOAD_CASES = ([(k, s, 2, "cpu") for k in OPTIMIZERS for s in (1, 2, 3)]
-                 + [(k, s, 2, "nvme") for k in NVME_ELEMENTWISE for s in (1, 2)]
+                 + [(k, s, 2, "nvme") for k in NVME_ELEMENTWISE for s in (1, 2, 3)]
                  + [(k, s, 2, "nvme") for k in NVME_PER_TENSOR for s in (1, 2, 3)])
 # An Inf at step INF_STEP, with and without NVMe: Lamb at stage 3, Muon at stage 2.
 INF_STEP = 2
@@ -372,7 +388,8 @@ def test_optimizer_matches_single_process(two_ranks, kind, stage, gas, offload):
 @pytest.mark.parametrize("kind, stage, gas, offload", OFFLOAD_CASES, ids=lambda v: str(v))
 def test_offloaded_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stage, gas, offload):
     """The offload tier changes where the step runs, not what it computes (DeepSpeed's Muon and Lion
-    diverged with CPU offload): weights and every step's gradient norm equal the in-memory run's."""
+    diverged with CPU offload): weights, every step's gradient norm and every per-element state tensor
+    equal the in-memory run's."""
     for rank, results in enumerate(two_ranks):
         got, want = results[(kind, stage, gas, offload)], results[(kind, stage, gas, "none")]
         assert got["tier"]["home"] == "cpu" and got["tier"]["staged"], f"rank {rank}: {got['tier']}"
@@ -382,6 +399,9 @@ def test_offloaded_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stag
             g = got["params"][name]
             assert torch.equal(g, w), f"rank {rank} {kind} {offload} stage {stage} {name}: {(g - w).abs().max():.2e}"
         assert got["norms"] == want["norms"], f"rank {rank} {kind} {offload} stage {stage}: gradient norms"
+        assert got["state"].keys() == want["state"].keys() and got["state"], f"rank {rank}: {sorted(got['state'])}"
+        for key, value in want["state"].items():
+            assert torch.equal(got["state"][key], value), f"rank {rank} {kind} {offload} stage {stage} {key}"
 
 
 def test_nvme_refuses_an_optimizer_it_cannot_swap_by_name(two_ranks):
@@ -447,7 +467,7 @@ def test_lion_and_lamb_step_large_cpu_flats_in_blocks_as_the_references():
     """ops/lion.py's and ops/lamb.py's blocks: tensors longer than a block (and a short one between) step
     as the papers' equations per tensor; Lion's blocks equal its whole-tensor foreach step bit for bit."""
     from ops.lamb import BLOCK
-    from ops.tensor_segments import FlatSegments, SegmentedReduction
+    from ops.tensor_segments import FlatRuns, SegmentedReduction
     sizes = [BLOCK + 100, 300, BLOCK + 70]
     torch.manual_seed(0)
     start = [torch.randn(n, device="cpu") * 0.1 for n in sizes]
@@ -463,8 +483,8 @@ def test_lion_and_lamb_step_large_cpu_flats_in_blocks_as_the_references():
     opt_paper = PaperLion(paper, lion["lr"], tuple(lion["betas"]), lion["weight_decay"])
     opt_lamb = ops.Lamb([flat], lr=lamb["lr"], weight_decay=lamb["weight_decay"],
                                       max_coeff=lamb["max_coeff"], min_coeff=lamb["min_coeff"])
-    ids = torch.repeat_interleave(torch.arange(3, device="cpu"), torch.tensor(sizes, device="cpu"))
-    opt_lamb.segmented = SegmentedReduction({flat: FlatSegments(ids, 3)}, 3, lambda v: v)
+    runs = [(sum(sizes[:i]), n, i) for i, n in enumerate(sizes)]  # boundaries inside 64-element rows
+    opt_lamb.segmented = SegmentedReduction({flat: FlatRuns(runs, flat.device, cache=True)}, 3, lambda v: v)
     opt_paper_lamb = PaperLamb(paper_lamb, lamb["lr"], lamb["weight_decay"], lamb["max_coeff"], lamb["min_coeff"])
     for step_grads in grads:
         for params in (blocked, whole, paper, paper_lamb):

@@ -18,45 +18,21 @@ committed together, so a failed or skipped step leaves the files as the last ste
 partial-sum vector (P parameters); nothing partition-sized beyond what the CPU tier holds anyway
 (the host master and gradient flats). Muon's bound is nvme_muon.py's memory note.
 [Note: bits] Both equal the in-memory step bit for bit: every operation is elementwise except the
-partial sums, and `index_add_` over the sub-groups in order adds each parameter's elements in the
-order one `index_add_` over the whole flat does. Sub-groups are whole SIMD lane groups (nvme_tier.py).
+partial sums, and those receive each parameter's addends in the order the in-memory blocks add them
+(ops/tensor_segments.py's rows note). Sub-groups are whole SIMD lane groups (nvme_tier.py).
 """
 from __future__ import annotations
-
-from bisect import bisect_right
 
 import torch
 
 import ops
 from offload.swapped_partition import MASTER
-from ops.lamb import (advance_moments, advance_step, apply_ratio, clipped_ratio, direction_from_moments)
+from ops.lamb import MOMENTS, advance_moments, advance_step, direction_from_moments, scaled_ratios
 
 from .nvme_muon import SwappedMuon
-from .per_tensor import all_reduce_sum
+from .per_tensor import all_reduce_sum, flat_runs
 
 CPU = torch.device("cpu")
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-class _FlatRuns:
-    """Which parameter each element of one flat belongs to, as sorted runs (offset, padded, index); a
-    sub-group's ids are made from them on demand instead of holding an int64 per flat element."""
-
-    def __init__(self, partition, key, index: dict):
-        frags = sorted((partition.fragments[p].offset, partition.fragments[p].padded, index[p])
-                       for p in partition.members[key])
-        self.runs, self.starts = frags, [f[0] for f in frags]
-
-    def ids(self, s: int, e: int) -> torch.Tensor:
-        # elements outside every fragment (none today) count for parameter 0, as segmented_reduction's zeros
-        ids = torch.zeros(e - s, dtype=torch.int64, device=CPU)
-        for offset, padded, i in self.runs[max(0, bisect_right(self.starts, s) - 1):]:
-            if offset >= e:
-                break
-            lo, hi = max(offset, s), min(offset + padded, e)
-            if lo < hi:
-                ids[lo - s:hi - s] = i
-        return ids
 
 
 class SwappedLamb:
@@ -66,7 +42,9 @@ class SwappedLamb:
         self.tier, self.partition = tier, zopt.partition
         index = {p: i for i, p in enumerate(self.partition.params())}
         self.count, self.reduce = len(index), all_reduce_sum(zopt.comm)
-        self.runs = {key: _FlatRuns(self.partition, key, index) for key in tier.parts}
+        # plans built per sub-group on demand (nothing held per flat element: memory note), on the host,
+        # where the swapped sub-groups are stepped
+        self.runs = {key: flat_runs(self.partition, key, index, cache=False, device=CPU) for key in tier.parts}
 
     def step(self) -> None:
         partial = torch.zeros(2 * self.count, dtype=torch.float32, device=CPU)
@@ -90,22 +68,22 @@ class SwappedLamb:
             state = {m: views[m] for m in MOMENTS}
             advance_moments(state, grad[s:e], group, views[MASTER])
             update = direction_from_moments(views[MASTER], state, group, step)
-            ids = runs.ids(s, e)
-            partial[:self.count].index_add_(0, ids, views[MASTER].square())
-            partial[self.count:].index_add_(0, ids, update.square())
+            plan = runs.plan(s, e)  # the in-memory step's sums, addend for addend (ops.tensor_segments)
+            plan.add_squares(partial[:self.count], views[MASTER])
+            plan.add_squares(partial[self.count:], update)
         part.sweep(visit, read, write=MOMENTS)
         return scalars
 
     def _apply_pass(self, key, part, scalars: list[dict], w_norm, u_norm) -> None:
         group, runs, store = self._group(key), self.runs[key], self.partition.store
-        ratio = clipped_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])
+        scaled = scaled_ratios(group, w_norm, u_norm)
         source, written = part.source_slot, 1 - part.source_slot  # the moments pass 1 wrote
 
         def visit(k: int, views: dict) -> None:
             s, e = part.groups[k]
             master = views[MASTER]
             update = direction_from_moments(master, views, group, int(scalars[k]["step"]))
-            apply_ratio(master, update, ratio[runs.ids(s, e)], group["lr"])
+            master.sub_(runs.plan(s, e).scale(update, scaled))
             store.write(key, s, master)  # what the all-gather sends from (nvme_tier.py's note)
         part.sweep(visit, {MASTER: source, **dict.fromkeys(MOMENTS, written)}, write=[MASTER])
         part.commit(scalars)

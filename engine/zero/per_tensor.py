@@ -2,8 +2,8 @@
 
 The partitions hold dim-0 fragments of many parameters in one flat per param group (partition.py).
 Two kinds of per-tensor optimizer are wired to them here, in `attach_per_tensor`:
-- a per-tensor *reduction* (ops.Lamb's trust ratio): `segmented_reduction` maps every flat element to
-  its parameter, so the optimizer sums per-parameter partial norms and reduces them once per step;
+- a per-tensor *reduction* (ops.Lamb's trust ratio): `segmented_reduction` lists each flat's fragments as
+  runs of their parameters, so the optimizer sums per-parameter partial norms and reduces them once per step;
 - a per-tensor *transform* (ops.MuonWithAuxAdam's Newton-Schulz): `OwnerOrthogonalizer` sends each
   matrix's fragments to one owner rank, which orthogonalises it whole, and sends the slices back.
 Any other optimizer class that needs whole tensors is refused at stage >= 1 (`per_tensor_problem`).
@@ -22,7 +22,7 @@ import torch
 
 import ops
 from ops.muon import muon_cost, orthogonalized
-from ops.tensor_segments import FlatSegments, SegmentedReduction
+from ops.tensor_segments import FlatRuns, SegmentedReduction
 from schemas.optimizer_torch import TORCH_NEEDS_CLOSURE, TORCH_PER_TENSOR
 
 from .partition import PartitionedParams, RankMajorLayout
@@ -54,17 +54,18 @@ def all_reduce_sum(comm):
     return reduce
 
 
+def flat_runs(partition: PartitionedParams, key, index: dict, cache: bool,
+              device: torch.device | None = None) -> FlatRuns:
+    """Flat `key`'s fragments as runs over the global parameter `index` (padding counts for its own
+    parameter: zero weight and update, it adds nothing); plans on `device`, by default the flat's."""
+    runs = [(partition.fragments[p].offset, partition.fragments[p].padded, index[p]) for p in partition.members[key]]
+    return FlatRuns(runs, partition.flat[key].device if device is None else device, cache=cache)
+
+
 def segmented_reduction(partition: PartitionedParams, comm) -> SegmentedReduction:
-    """Each flat's element -> parameter index (the same global index on every rank)."""
+    """Each flat's fragments -> parameter index (the same global index on every rank)."""
     index = {p: i for i, p in enumerate(partition.params())}
-    segments = {}
-    for key, members in partition.members.items():
-        flat = partition.flat[key]
-        ids = torch.zeros(flat.numel(), dtype=torch.int64, device=flat.device)
-        for p in members:
-            frag = partition.fragments[p]
-            ids[frag.offset:frag.offset + frag.padded] = index[p]  # padding: zero, adds nothing
-        segments[flat] = FlatSegments(ids, len(index))
+    segments = {partition.flat[key]: flat_runs(partition, key, index, cache=True) for key in partition.members}
     return SegmentedReduction(segments, len(index), all_reduce_sum(comm))
 
 
