@@ -153,6 +153,8 @@ def main() -> int:
     p.add_argument("--batch-json", default=None,
                    help='a list of {"model": GPTConfig fields, "config": ...} run in turn; prints a JSON list of rows')
     args = p.parse_args()
+    if args.model_json is None:
+        bench_config()  # an unknown DSTRAIN_BENCH_MODEL stops here, in one line, before any rank starts
     if not args.port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
