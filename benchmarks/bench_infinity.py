@@ -205,12 +205,28 @@ def print_agreement(ref: dict, rank0: dict[str, dict | None], dumps: str) -> Non
         found = compare(torch.load(path, weights_only=True), ref)
         norms = ", ".join("-" if v is None else f"{v:.4f}" for v in out["norms"])
         print(f"{name} against torch: losses " + ", ".join(f"{v:.4f}" for v in out["losses"]) + f"; grad norms "
-              f"{norms}; final parameters: ‖diff‖ / ‖torch's update‖ per tensor, largest {found['max']:.2e}, worst: "
+              f"{norms}; final parameters: ‖diff‖ / ‖torch's update‖ per tensor, largest {found['max']:.2e}, "
+              "worst: "
               + ", ".join(f"{n} {v:.2e}" for n, v in found["worst"])
               + (f"; not in the dump: {found['missing']}" if found["missing"] else ""))
 
 
-def print_deepspeed(rows: list[dict]) -> None:
+def deepspeed_misaligned(model_cfg: GPTConfig, world: int) -> list[str]:
+    """Parameters whose per-rank partition is not a multiple of 128 fp32 elements (512 bytes). With the
+    optimizer on NVMe, DeepSpeed 0.19.8 reads each gradient partition of 1 MiB or more back into its
+    sub-group's pinned buffer at the parameter's offset through O_DIRECT, and a read into an address
+    that is not 512-byte aligned fails unchecked (README's ZeRO-Infinity paragraph): once one partition
+    is misaligned, the offsets after it may be, and those tensors get a wrong update."""
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    return [name for name, p in model.named_parameters() if -(-p.numel() // world) % 128]
+
+
+def print_deepspeed(rows: list[dict], misaligned: list[str] = ()) -> None:
+    if misaligned:
+        print(f"deepspeed: {len(misaligned)} parameters' per-rank partitions are not multiples of 512 bytes (e.g. "
+              f"{misaligned[0]}): DeepSpeed 0.19.8 then reads some swapped gradients wrong (README); its losses and "
+              "times are for a partly wrong update unless --check-against-torch shows it agrees")
     mib = 2**20
     for r, out in enumerate(rows):
         if "error" in out:
@@ -268,7 +284,8 @@ def main(argv=None) -> int:
                    help="also train the GPT in one process with torch's AdamW on the same global batch and compare "
                         "each system's losses, gradient norms and final parameters with it (infinity_agreement.py)")
     p.add_argument("--keep-params", default=None, metavar="DIR",
-                   help="with --check-against-torch: keep the parameter files (dstrain.pt, deepspeed.pt, torch.pt) in DIR")
+                   help="with --check-against-torch: keep the parameter files (dstrain.pt, deepspeed.pt, "
+                        "torch.pt) in DIR")
     p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     p.add_argument("--swap-pipeline", action=argparse.BooleanOptionalAction, default=True,
                    help="offload_optimizer.pipeline_read / pipeline_write (default on)")
@@ -291,10 +308,11 @@ def main(argv=None) -> int:
           f"{args.world} ranks, swap files under {nvme_path}; load average {os.getloadavg()[0]:.2f}", flush=True)
     if args.keep_params:
         os.makedirs(args.keep_params, exist_ok=True)
-    dumps = args.keep_params or (tempfile.mkdtemp(prefix="bench-infinity-params-") if args.check_against_torch else None)
+    checked = args.check_against_torch or args.keep_params
+    dumps = args.keep_params or (tempfile.mkdtemp(prefix="bench-infinity-params-") if checked else None)
     try:
-        per_rank = run_distributed(_rank, args.world, args=(model_cfg, cfg, args.steps, dumps and f"{dumps}/dstrain.pt"),
-                                   timeout=6 * 3600)
+        per_rank = run_distributed(_rank, args.world, timeout=6 * 3600,
+                                   args=(model_cfg, cfg, args.steps, dumps and f"{dumps}/dstrain.pt"))
         # after dstrain's ranks exited, in the same swap directory (DeepSpeed's swap files go under it)
         buffers = {"offload_param": args.deepspeed_param_buffers, "offload_optimizer": args.deepspeed_optimizer_buffers}
         peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world, buffers,
@@ -304,7 +322,8 @@ def main(argv=None) -> int:
             shutil.rmtree(nvme_path, ignore_errors=True)
     print_dstrain(per_rank, est)
     if peer is not None:
-        print_deepspeed(peer)
+        misaligned = deepspeed_misaligned(model_cfg, args.world) if args.offload_optimizer == "nvme" else []
+        print_deepspeed(peer, misaligned)
     if dumps:
         try:
             ref = torch_reference(model_cfg, cfg, args.steps, args.world)

@@ -9,7 +9,7 @@ formula of the algorithm torch's backends use for that kind (ring or tree; NCCL 
 | all_reduce | the buffer S | 2(n−1)/n · S (ring: a reduce-scatter, then an all-gather) |
 | reduce_scatter | its full input S | (n−1)/n · S |
 | all_gather | its full output S | (n−1)/n · S |
-| reduce, broadcast | the buffer S | (n−1)/n · S, the average over the group (every rank but the root sends, or receives, S once) |
+| reduce, broadcast | the buffer S | (n−1)/n · S on average over the group (all but the root send or receive S once) |
 | all_to_all | its input S | (n−1)/n · S (a rank keeps its own chunk) |
 | send | the tensor | S (recv: 0) |
 
