@@ -259,6 +259,29 @@ def limit_memory(gib: float) -> Path:
     return group
 
 
+def run_and_report(args, model_cfg: GPTConfig, cfg: dict, est, dumps: str | None, made_nvme: str | None) -> None:
+    """dstrain's ranks, then DeepSpeed's (`--deepspeed-venv`), then torch's reference (`dumps`), printed."""
+    try:
+        per_rank = run_distributed(_rank, args.world, timeout=6 * 3600,
+                                   args=(model_cfg, cfg, args.steps, dumps and f"{dumps}/dstrain.pt"))
+        # after dstrain's ranks exited, in the same swap directory (DeepSpeed's swap files go under it)
+        buffers = {"offload_param": args.deepspeed_param_buffers, "offload_optimizer": args.deepspeed_optimizer_buffers}
+        peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world, buffers,
+                              dumps and f"{dumps}/deepspeed.pt") if args.deepspeed_venv else None
+    finally:
+        if made_nvme:  # the swap directories inside are removed by the ranks themselves
+            shutil.rmtree(made_nvme, ignore_errors=True)
+    print_dstrain(per_rank, est)
+    if peer is not None:
+        misaligned = deepspeed_misaligned(model_cfg, args.world) if args.offload_optimizer == "nvme" else []
+        print_deepspeed(peer, misaligned)
+    if dumps:
+        ref = torch_reference(model_cfg, cfg, args.steps, args.world)
+        if args.keep_params:
+            torch.save({"initial": ref["initial"], "final": ref["final"]}, Path(dumps, "torch.pt"))
+        print_agreement(ref, {"dstrain": per_rank[0], "deepspeed": (peer or [None])[0]}, dumps)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=float, default=50e6)
@@ -311,28 +334,10 @@ def main(argv=None) -> int:
     checked = args.check_against_torch or args.keep_params
     dumps = args.keep_params or (tempfile.mkdtemp(prefix="bench-infinity-params-") if checked else None)
     try:
-        per_rank = run_distributed(_rank, args.world, timeout=6 * 3600,
-                                   args=(model_cfg, cfg, args.steps, dumps and f"{dumps}/dstrain.pt"))
-        # after dstrain's ranks exited, in the same swap directory (DeepSpeed's swap files go under it)
-        buffers = {"offload_param": args.deepspeed_param_buffers, "offload_optimizer": args.deepspeed_optimizer_buffers}
-        peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world, buffers,
-                              dumps and f"{dumps}/deepspeed.pt") if args.deepspeed_venv else None
-    finally:
-        if made:  # the swap directories inside are removed by the ranks themselves
-            shutil.rmtree(nvme_path, ignore_errors=True)
-    print_dstrain(per_rank, est)
-    if peer is not None:
-        misaligned = deepspeed_misaligned(model_cfg, args.world) if args.offload_optimizer == "nvme" else []
-        print_deepspeed(peer, misaligned)
-    if dumps:
-        try:
-            ref = torch_reference(model_cfg, cfg, args.steps, args.world)
-            if args.keep_params:
-                torch.save({"initial": ref["initial"], "final": ref["final"]}, Path(dumps, "torch.pt"))
-            print_agreement(ref, {"dstrain": per_rank[0], "deepspeed": (peer or [None])[0]}, dumps)
-        finally:
-            if not args.keep_params:
-                shutil.rmtree(dumps, ignore_errors=True)
+        run_and_report(args, model_cfg, cfg, est, dumps, nvme_path if made else None)
+    finally:  # a failed run's parameter files too
+        if dumps and not args.keep_params:
+            shutil.rmtree(dumps, ignore_errors=True)
     print(f"full training state 16 B x {n / 1e6:.1f}M = {16 * n / 2**30:.2f} GiB; "
           f"load average {os.getloadavg()[0]:.2f}")
     if group is not None:
