@@ -18,6 +18,11 @@ zero.Init's file while initialize() copies it. Swap directories are removed at e
 `--deepspeed-venv`: then the same GPT and config under DeepSpeed (deepspeed_infinity_peer.py, its
 zero.Init(remote_device="nvme"), CPU Adam and async_io op), after dstrain's ranks exited, swap files
 under the same directory; its rows are printed below dstrain's.
+`--check-against-torch`: then also single-process torch on the same GPT and global batch
+(benchmarks/infinity_agreement.py), each system's losses and gradient norms (before clipping) next to
+torch's, and how far its final fp32 parameters are from torch's in units of torch's own update.
+`--clip 0`, `--offload-param cpu|none`, `--offload-optimizer cpu|none` switch one feature off at a time
+in both systems (the loss-gap diagnosis in README's ZeRO-Infinity paragraph).
 """
 from __future__ import annotations
 
@@ -38,11 +43,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
+from benchmarks.infinity_agreement import compare, dump_full_params, torch_reference  # noqa: E402
 from benchmarks.step_phases import fixed_batch_steps  # noqa: E402
 from offload.estimate import EstimateSettings, estimate_memory  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
 VOCAB = 8192
+# (offload_param, offload_optimizer) devices -> the `dstrain estimate` row printed next to the peak RSS
+ESTIMATE_ROW = {("none", "none"): "none", ("none", "cpu"): "cpu optimizer", ("none", "nvme"): "nvme optimizer",
+                ("cpu", "cpu"): "cpu params+optimizer", ("nvme", "cpu"): "nvme params+cpu optimizer",
+                ("nvme", "nvme"): "nvme params+optimizer"}
 
 
 def gpt_config(params: float, seq: int) -> GPTConfig:
@@ -53,20 +63,39 @@ def gpt_config(params: float, seq: int) -> GPTConfig:
     return GPTConfig(vocab_size=VOCAB, seq_len=seq, n_layer=layers, n_head=max(1, d // 64), d_model=d)
 
 
-def ds_config(nvme_path: str, micro: int, group: int, sub_group: int = 10_000_000, bucket: int = 20_000_000) -> dict:
+def ds_config(nvme_path: str, micro: int, group: int, sub_group: int = 10_000_000, bucket: int = 20_000_000,
+              clip: float = 1.0, offload_param: str = "nvme", offload_optimizer: str = "nvme",
+              swap_pipeline: bool = True) -> dict:
+    """The run's config: ZeRO-Infinity by default; `offload_param` / `offload_optimizer` "cpu" or
+    "none", `clip` 0 and `swap_pipeline` False switch one feature off at a time (`--check-against-torch`'s
+    diagnosis)."""
     nvme = {"device": "nvme", "nvme_path": nvme_path}
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
+    tiers = {"offload_optimizer": {**nvme, "buffer_count": 9, "pipeline_read": swap_pipeline,
+                                   "pipeline_write": swap_pipeline},
+             # a block's largest module is one gather group; max_in_cpu 0: every gather reads the files
+             "offload_param": {**nvme, "buffer_count": 5, "buffer_size": group, "max_in_cpu": 0}}
+    for section, device in (("offload_param", offload_param), ("offload_optimizer", offload_optimizer)):
+        if device != "nvme":
+            tiers.pop(section)
+            if device == "cpu":
+                tiers[section] = {"device": "cpu"}
+    # sub-groups and the aio section only where NVMe reads them (dstrain refuses them elsewhere, by name)
+    swapped = {"sub_group_size": sub_group} if offload_optimizer == "nvme" else {}
+    aio = {"aio": {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 2}} \
+        if "nvme" in (offload_param, offload_optimizer) else {}
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": clip,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
             "zero_optimization": {
                 # gradient buckets bounded too (4 in flight, partitioned.py): the default 5e8 elements
                 # would hold a 2.5B model's gradients four times over at 2 GB per bucket
-                "stage": 3, "reduce_bucket_size": bucket,
-                "sub_group_size": sub_group, "stage3_max_live_parameters": 100_000_000,
-                "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_reuse_distance": 100_000_000,
-                "offload_optimizer": {**nvme, "buffer_count": 9, "pipeline_read": True, "pipeline_write": True},
-                # a block's largest module is one gather group; max_in_cpu 0: every gather reads the files
-                "offload_param": {**nvme, "buffer_count": 5, "buffer_size": group, "max_in_cpu": 0}},
-            "aio": {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 2}}
+                "stage": 3, "reduce_bucket_size": bucket, **swapped, "stage3_max_live_parameters": 100_000_000,
+                "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_reuse_distance": 100_000_000, **tiers},
+            **aio}
+
+
+def remote_device(cfg: dict) -> str | None:
+    """zero.Init's remote_device for the config's parameter tier (both systems build the GPT under it)."""
+    return cfg["zero_optimization"].get("offload_param", {}).get("device")
 
 
 def _io() -> dict:
@@ -76,39 +105,43 @@ def _io() -> dict:
 
 def settings(cfg: dict) -> EstimateSettings:
     zero = cfg["zero_optimization"]
+    opt, param = zero.get("offload_optimizer", {}), zero.get("offload_param", {})
     return EstimateSettings(precision="fp32", reduce_bucket_size=zero["reduce_bucket_size"],
                             max_live_parameters=zero["stage3_max_live_parameters"],
-                            sub_group_size=zero["sub_group_size"],
-                            optimizer_buffer_count=zero["offload_optimizer"]["buffer_count"],
-                            param_buffer_count=zero["offload_param"]["buffer_count"],
-                            param_buffer_size=zero["offload_param"]["buffer_size"],
-                            max_in_cpu=zero["offload_param"]["max_in_cpu"])
+                            sub_group_size=zero.get("sub_group_size", EstimateSettings.sub_group_size),
+                            optimizer_buffer_count=opt.get("buffer_count", EstimateSettings.optimizer_buffer_count),
+                            param_buffer_count=param.get("buffer_count", EstimateSettings.param_buffer_count),
+                            param_buffer_size=param.get("buffer_size", EstimateSettings.param_buffer_size),
+                            max_in_cpu=param.get("max_in_cpu", EstimateSettings.max_in_cpu))
 
 
-def _rank(model_cfg: GPTConfig, cfg: dict, steps: int) -> dict:
+def _rank(model_cfg: GPTConfig, cfg: dict, steps: int, dump: str | None = None) -> dict:
     import torch.distributed as dist
 
     import engine
+    from engine.utils import safe_get_full_fp32_param
     torch.set_num_threads(1)
     rank = dist.get_rank()
     import psutil
     rss_start = psutil.Process().memory_info().rss  # torch and the engine, imported: not model state
     io0, t0 = _io(), time.perf_counter()
     torch.manual_seed(0)
-    with engine.zero.Init(remote_device="nvme", config_dict_or_path=cfg):
+    with engine.zero.Init(remote_device=remote_device(cfg), config_dict_or_path=cfg):
         model = GPT(model_cfg)
     eng, _, _, _ = engine.initialize(model=model, config=cfg)
     built_s, rss_built = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # one fixed batch per rank, every step: a loss that falls says the updates reach the weights
     x, y = RandomTokens(cfg["train_micro_batch_size_per_gpu"], model_cfg.seq_len, model_cfg.vocab_size, seed=rank)[:]
-    losses, times = fixed_batch_steps(eng, x, y, steps)
+    losses, times, norms = fixed_batch_steps(eng, x, y, steps)
     store = eng.zero_optimizer.partition.store
     io1 = _io()
-    out = {"losses": losses, "step_s": times, "build_s": built_s, "peak_rss": resource.getrusage(
+    out = {"losses": losses, "step_s": times, "norms": norms, "build_s": built_s, "peak_rss": resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_after_build": rss_built, "rss_start": rss_start,
         "disk_read": io1["read_bytes"] - io0["read_bytes"], "disk_written": io1["write_bytes"] - io0["write_bytes"],
-        "store_read": store.bytes_read, "store_written": store.bytes_written,
+        "store_read": getattr(store, "bytes_read", 0), "store_written": getattr(store, "bytes_written", 0),
         "partition_host_bytes": eng.zero_optimizer.model_state_bytes()["partition"]}
+    if dump:  # after the byte counts: gathering every parameter reads the store too
+        dump_full_params(model, safe_get_full_fp32_param, dump, rank)
     eng.destroy()
     return out
 
@@ -123,7 +156,7 @@ def _largest_group(model_cfg: GPTConfig, world: int) -> int:
 
 
 def deepspeed_rows(venv: str, model_cfg: GPTConfig, cfg: dict, steps: int, world: int,
-                   buffers: dict[str, int | None]) -> list[dict]:
+                   buffers: dict[str, int | None], dump: str | None = None) -> list[dict]:
     """The same GPT and config under DeepSpeed (benchmarks/deepspeed_infinity_peer.py in its venv): one
     row per rank, or [{"error": ...}] when it did not run. `buffers`: DeepSpeed's `buffer_count` for the
     "offload_param" / "offload_optimizer" section instead of the config's, where not None: its parameter
@@ -132,18 +165,68 @@ def deepspeed_rows(venv: str, model_cfg: GPTConfig, cfg: dict, steps: int, world
     peer = Path(__file__).resolve().parent / "deepspeed_infinity_peer.py"
     zero = dict(cfg["zero_optimization"])
     for section, count in buffers.items():
-        if count:
+        if count and zero.get(section, {}).get("device") == "nvme":
             zero[section] = {**zero[section], "buffer_count": count}
     cfg = {**cfg, "zero_optimization": zero}
     cmd = [str(Path(venv, "bin", "python")), str(peer), "--model-json", json.dumps(dataclasses.asdict(model_cfg)),
            "--config-json", json.dumps(cfg), "--steps", str(steps), "--world", str(world)]
+    cmd += ["--dump", dump] if dump else []
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=6 * 3600)
     if result.returncode != 0:
         return [{"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def print_deepspeed(rows: list[dict]) -> None:
+def print_dstrain(per_rank: list[dict], est) -> None:
+    mib = 2**20
+    for r, out in enumerate(per_rank):
+        print(f"rank {r}: build {out['build_s']:.1f} s; " + "; ".join(
+            f"step {k}: loss {loss:.4f}, {t:.1f} s" for k, (loss, t) in enumerate(zip(out["losses"], out["step_s"]))))
+        estimate = "no estimate row for these tiers" if est is None else (
+            f"estimate {(est.host_bytes + est.accelerator_bytes) / mib:.0f} MiB of model state "
+            f"(host {est.host_bytes / mib:.0f} + gathered/buckets {est.accelerator_bytes / mib:.0f}), "
+            f"NVMe {est.nvme_bytes / mib:.0f} MiB")
+        print(f"rank {r}: peak RSS {out['peak_rss'] / mib:.0f} MiB, {(out['peak_rss'] - out['rss_start']) / mib:.0f} "
+              f"above the rank's start (after build {out['rss_after_build'] / mib:.0f}), {estimate}; disk read "
+              f"{out['disk_read'] / mib:.0f} MiB, written {out['disk_written'] / mib:.0f} MiB (parameter store "
+              f"{out['store_read'] / mib:.0f} / {out['store_written'] / mib:.0f} MiB); host flat "
+              f"{out['partition_host_bytes']} bytes")
+
+
+def print_agreement(ref: dict, rank0: dict[str, dict | None], dumps: str) -> None:
+    """Each system's rank-0 losses and gradient norms next to single-process torch's, and how far its
+    final parameters are from torch's in units of torch's own update (infinity_agreement.compare)."""
+    print("torch (one process, same global batch): losses " + ", ".join(f"{v:.4f}" for v in ref["losses"])
+          + "; grad norms " + ", ".join(f"{v:.4f}" for v in ref["norms"]))
+    for name, out in rank0.items():
+        path = Path(dumps, f"{name}.pt")
+        if out is None or "error" in out or not path.exists():
+            continue
+        found = compare(torch.load(path, weights_only=True), ref)
+        norms = ", ".join("-" if v is None else f"{v:.4f}" for v in out["norms"])
+        print(f"{name} against torch: losses " + ", ".join(f"{v:.4f}" for v in out["losses"]) + f"; grad norms "
+              f"{norms}; final parameters: ‖diff‖ / ‖torch's update‖ per tensor, largest {found['max']:.2e}, "
+              "worst: "
+              + ", ".join(f"{n} {v:.2e}" for n, v in found["worst"])
+              + (f"; not in the dump: {found['missing']}" if found["missing"] else ""))
+
+
+def deepspeed_misaligned(model_cfg: GPTConfig, world: int) -> list[str]:
+    """Parameters whose per-rank partition is not a multiple of 128 fp32 elements (512 bytes). With the
+    optimizer on NVMe, DeepSpeed 0.19.8 reads each gradient partition of 1 MiB or more back into its
+    sub-group's pinned buffer at the parameter's offset through O_DIRECT, and a read into an address
+    that is not 512-byte aligned fails unchecked (README's ZeRO-Infinity paragraph): once one partition
+    is misaligned, the offsets after it may be, and those tensors get a wrong update."""
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    return [name for name, p in model.named_parameters() if -(-p.numel() // world) % 128]
+
+
+def print_deepspeed(rows: list[dict], misaligned: list[str] = ()) -> None:
+    if misaligned:
+        print(f"deepspeed: {len(misaligned)} parameters' per-rank partitions are not multiples of 512 bytes (e.g. "
+              f"{misaligned[0]}): DeepSpeed 0.19.8 then reads some swapped gradients wrong (README); its losses and "
+              "times are for a partly wrong update unless --check-against-torch shows it agrees")
     mib = 2**20
     for r, out in enumerate(rows):
         if "error" in out:
@@ -176,6 +259,29 @@ def limit_memory(gib: float) -> Path:
     return group
 
 
+def run_and_report(args, model_cfg: GPTConfig, cfg: dict, est, dumps: str | None, made_nvme: str | None) -> None:
+    """dstrain's ranks, then DeepSpeed's (`--deepspeed-venv`), then torch's reference (`dumps`), printed."""
+    try:
+        per_rank = run_distributed(_rank, args.world, timeout=6 * 3600,
+                                   args=(model_cfg, cfg, args.steps, dumps and f"{dumps}/dstrain.pt"))
+        # after dstrain's ranks exited, in the same swap directory (DeepSpeed's swap files go under it)
+        buffers = {"offload_param": args.deepspeed_param_buffers, "offload_optimizer": args.deepspeed_optimizer_buffers}
+        peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world, buffers,
+                              dumps and f"{dumps}/deepspeed.pt") if args.deepspeed_venv else None
+    finally:
+        if made_nvme:  # the swap directories inside are removed by the ranks themselves
+            shutil.rmtree(made_nvme, ignore_errors=True)
+    print_dstrain(per_rank, est)
+    if peer is not None:
+        misaligned = deepspeed_misaligned(model_cfg, args.world) if args.offload_optimizer == "nvme" else []
+        print_deepspeed(peer, misaligned)
+    if dumps:
+        ref = torch_reference(model_cfg, cfg, args.steps, args.world)
+        if args.keep_params:
+            torch.save({"initial": ref["initial"], "final": ref["final"]}, Path(dumps, "torch.pt"))
+        print_agreement(ref, {"dstrain": per_rank[0], "deepspeed": (peer or [None])[0]}, dumps)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=float, default=50e6)
@@ -197,41 +303,41 @@ def main(argv=None) -> int:
     p.add_argument("--deepspeed-optimizer-buffers", type=int, default=None,
                    help="DeepSpeed's offload_optimizer.buffer_count (default: the config's; its pipelined swapper "
                         "needs 4 per sub-group in flight, 12 with pipeline_read and pipeline_write)")
+    p.add_argument("--check-against-torch", action="store_true",
+                   help="also train the GPT in one process with torch's AdamW on the same global batch and compare "
+                        "each system's losses, gradient norms and final parameters with it (infinity_agreement.py)")
+    p.add_argument("--keep-params", default=None, metavar="DIR",
+                   help="with --check-against-torch: keep the parameter files (dstrain.pt, deepspeed.pt, "
+                        "torch.pt) in DIR")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
+    p.add_argument("--swap-pipeline", action=argparse.BooleanOptionalAction, default=True,
+                   help="offload_optimizer.pipeline_read / pipeline_write (default on)")
+    for tier in ("param", "optimizer"):
+        p.add_argument(f"--offload-{tier}", choices=("nvme", "cpu", "none"), default="nvme",
+                       help=f"offload_{tier}.device (default nvme: ZeRO-Infinity)")
     args = p.parse_args(argv)
     group = limit_memory(args.memory_limit_gib) if args.memory_limit_gib else None
     made = args.nvme_path is None
     nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="bench-infinity-")
     model_cfg = gpt_config(args.params, args.seq)
     cfg = ds_config(nvme_path, args.micro, _largest_group(model_cfg, args.world), int(args.sub_group_size),
-                    int(args.reduce_bucket_size))
+                    int(args.reduce_bucket_size), args.clip, args.offload_param, args.offload_optimizer,
+                    args.swap_pipeline)
     with torch.device("meta"):
         n = sum(t.numel() for t in GPT(model_cfg).parameters())
-    est = next(r for r in estimate_memory(n, gpus_per_node=args.world, settings=settings(cfg))
-               if r.stage == 3 and r.offload == "nvme params+optimizer")
+    est = next((r for r in estimate_memory(n, gpus_per_node=args.world, settings=settings(cfg))
+                if r.stage == 3 and r.offload == ESTIMATE_ROW.get((args.offload_param, args.offload_optimizer))), None)
     print(f"GPT {n / 1e6:.1f}M parameters ({model_cfg.n_layer} layers, d_model {model_cfg.d_model}), "
           f"{args.world} ranks, swap files under {nvme_path}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    if args.keep_params:
+        os.makedirs(args.keep_params, exist_ok=True)
+    checked = args.check_against_torch or args.keep_params
+    dumps = args.keep_params or (tempfile.mkdtemp(prefix="bench-infinity-params-") if checked else None)
     try:
-        per_rank = run_distributed(_rank, args.world, args=(model_cfg, cfg, args.steps), timeout=6 * 3600)
-        # after dstrain's ranks exited, in the same swap directory (DeepSpeed's swap files go under it)
-        buffers = {"offload_param": args.deepspeed_param_buffers, "offload_optimizer": args.deepspeed_optimizer_buffers}
-        peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world,
-                              buffers) if args.deepspeed_venv else None
-    finally:
-        if made:  # the swap directories inside are removed by the ranks themselves
-            shutil.rmtree(nvme_path, ignore_errors=True)
-    mib = 2**20
-    for r, out in enumerate(per_rank):
-        print(f"rank {r}: build {out['build_s']:.1f} s; " + "; ".join(
-            f"step {k}: loss {loss:.4f}, {t:.1f} s" for k, (loss, t) in enumerate(zip(out["losses"], out["step_s"]))))
-        print(f"rank {r}: peak RSS {out['peak_rss'] / mib:.0f} MiB, {(out['peak_rss'] - out['rss_start']) / mib:.0f} "
-              f"above the rank's start (after build {out['rss_after_build'] / mib:.0f}), "
-              f"estimate {(est.host_bytes + est.accelerator_bytes) / mib:.0f} MiB of model state "
-              f"(host {est.host_bytes / mib:.0f} + gathered/buckets {est.accelerator_bytes / mib:.0f}), "
-              f"NVMe {est.nvme_bytes / mib:.0f} MiB; disk read {out['disk_read'] / mib:.0f} MiB, written "
-              f"{out['disk_written'] / mib:.0f} MiB (parameter store {out['store_read'] / mib:.0f} / "
-              f"{out['store_written'] / mib:.0f} MiB); host flat {out['partition_host_bytes']} bytes")
-    if peer is not None:
-        print_deepspeed(peer)
+        run_and_report(args, model_cfg, cfg, est, dumps, nvme_path if made else None)
+    finally:  # a failed run's parameter files too
+        if dumps and not args.keep_params:
+            shutil.rmtree(dumps, ignore_errors=True)
     print(f"full training state 16 B x {n / 1e6:.1f}M = {16 * n / 2**30:.2f} GiB; "
           f"load average {os.getloadavg()[0]:.2f}")
     if group is not None:

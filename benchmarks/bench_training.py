@@ -16,6 +16,8 @@ never goes into the repository.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -30,12 +32,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples.gpt import BENCH_CONFIG as _BENCH_25M  # noqa: E402
+from benchmarks.workload_model import ENV as MODEL_ENV  # noqa: E402
+from benchmarks.workload_model import MODELS, bench_config  # noqa: E402
 from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
 
-# --model demo: the demo's small GPT (examples/train_gpt.py defaults), e.g. for precision step times.
-DEMO_CONFIG = GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=128)
-BENCH_CONFIG = DEMO_CONFIG if os.environ.get("DSTRAIN_BENCH_MODEL") == "demo" else _BENCH_25M
+BENCH_CONFIG = bench_config()  # --model: the spawned ranks read the choice at import, as the DeepSpeed peer does
 from tests.harness import run_distributed  # noqa: E402
 
 MICRO = 8
@@ -52,12 +53,16 @@ def _batches(steps: int, rank: int, model_cfg: GPTConfig | None = None, micro: i
     return [data[i * micro:(i + 1) * micro] for i in range(steps)]
 
 
-def _timed_loop(step_fn, batches) -> list[float]:
+def _timed_loop(step_fn, batches, counter=None, counted_step: int = -1) -> list[float]:
+    """Each step's ms. `counter` (a context manager, e.g. the suite's byte-counting dispatch mode) is
+    entered for step `counted_step` only: the suite's last warm-up step, which its median leaves out,
+    so the counter's own overhead never reaches a measured step."""
     times = []
-    for x, y in batches:
-        t0 = time.perf_counter()
-        step_fn(x, y)
-        times.append((time.perf_counter() - t0) * 1e3)
+    for i, (x, y) in enumerate(batches):
+        with (counter if counter is not None and i == counted_step else contextlib.nullcontext()):
+            t0 = time.perf_counter()
+            step_fn(x, y)
+            times.append((time.perf_counter() - t0) * 1e3)
     return times
 
 
@@ -79,7 +84,7 @@ def _run_ddp(steps: int, fused: bool, model_cfg: GPTConfig | None = None):
     return _timed_loop(_torch_step(model, opt), _batches(steps, dist.get_rank(), model_cfg))
 
 
-def _run_fsdp2(steps: int, fused: bool, model_cfg: GPTConfig | None = None):
+def _run_fsdp2(steps: int, fused: bool, model_cfg: GPTConfig | None = None, counter=None, counted_step: int = -1):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     model = GPT(model_cfg or BENCH_CONFIG)
@@ -88,7 +93,7 @@ def _run_fsdp2(steps: int, fused: bool, model_cfg: GPTConfig | None = None):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-    return _timed_loop(_torch_step(model, opt), _batches(steps, dist.get_rank(), model_cfg))
+    return _timed_loop(_torch_step(model, opt), _batches(steps, dist.get_rank(), model_cfg), counter, counted_step)
 
 
 def _dstrain_config(stage: int, fused: bool, extra: dict | None = None) -> dict:
@@ -159,7 +164,8 @@ def _run_deepspeed(python: Path, stage: int, steps: int, world: int, extra: dict
     `extra` merged into the config (bench_offload.py's offload sections). (step ms, peak RSS MB), or with
     `full` the peer's whole JSON row (the suite reads its bytes)."""
     cmd = [str(python), str(PEER), "--stage", str(stage), "--steps", str(steps), "--world", str(world)]
-    cmd += ["--model-json", json.dumps(model)] if model else []
+    # the model always named: the peer's own default is the same choice (workload_model), but explicit is checkable
+    cmd += ["--model-json", json.dumps(model or dataclasses.asdict(bench_config()))]
     cmd += ["--config-json", json.dumps(config)] if config else []
     cmd += ["--extra", json.dumps(extra)] if extra else []
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -180,14 +186,14 @@ def main(argv=None) -> int:
     p.add_argument("--systems", default="ddp,dstrain-z0")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--model", choices=["25m", "demo"], default="25m", help="the 25M benchmark GPT or the demo's")
+    p.add_argument("--model", choices=sorted(MODELS), default="25m", help="the 25M benchmark GPT or the demo's")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the systems this many times, interleaved, and keep each one's best round")
     p.add_argument("--foreach", action="store_true", help="AdamW foreach instead of fused (baselines.md used foreach)")
     p.add_argument("--deepspeed-venv", type=Path, default=None,
                    help="virtual environment with deepspeed for the deepspeed-z* systems (created if under /tmp)")
     args = p.parse_args(argv)
-    os.environ["DSTRAIN_BENCH_MODEL"] = args.model  # read by the spawned ranks at import
+    os.environ[MODEL_ENV] = args.model  # read by the spawned ranks at import and by the DeepSpeed peer
     systems = args.systems.split(",")
     unknown = [s for s in systems if s not in SYSTEMS and s not in DEEPSPEED_SYSTEMS]
     if unknown:

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
+from benchmarks.infinity_agreement import dump_full_params  # noqa: E402
 from benchmarks.step_phases import fixed_batch_steps  # noqa: E402
 
 
@@ -40,32 +41,39 @@ def _io() -> dict:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
-def _train(deepspeed, model_cfg: GPTConfig, cfg: dict, steps: int, rank: int) -> dict:
+def _train(deepspeed, model_cfg: GPTConfig, cfg: dict, steps: int, rank: int, dump: str | None = None) -> dict:
     import psutil
     rss_start = psutil.Process().memory_info().rss
     io0, t0 = _io(), time.perf_counter()
     torch.manual_seed(0)
-    with deepspeed.zero.Init(remote_device="nvme", config_dict_or_path=cfg):
+    # bench_infinity.remote_device: the parameter tier (bench_infinity cannot be imported in this venv)
+    remote = cfg["zero_optimization"].get("offload_param", {}).get("device")
+    with deepspeed.zero.Init(remote_device=remote, config_dict_or_path=cfg):
         model = GPT(model_cfg)
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     built_s = time.perf_counter() - t0
     rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     x, y = RandomTokens(cfg["train_micro_batch_size_per_gpu"], model_cfg.seq_len, model_cfg.vocab_size, seed=rank)[:]
-    losses, times = fixed_batch_steps(eng, x, y, steps)
+    losses, times, norms = fixed_batch_steps(eng, x, y, steps)
     io1 = _io()
-    return {"losses": losses, "step_s": times, "build_s": built_s, "rss_start": rss_start,
-            "rss_after_build": rss_built, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "disk_read": io1["read_bytes"] - io0["read_bytes"], "disk_written": io1["write_bytes"] - io0["write_bytes"]}
+    out = {"losses": losses, "step_s": times, "norms": norms, "build_s": built_s, "rss_start": rss_start,
+           "rss_after_build": rss_built, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "disk_read": io1["read_bytes"] - io0["read_bytes"], "disk_written": io1["write_bytes"] - io0["write_bytes"]}
+    if dump:  # after the byte counts: gathering every parameter swaps the optimizer state in
+        from deepspeed.utils import safe_get_full_fp32_param
+        dump_full_params(model, safe_get_full_fp32_param, dump, rank)
+    return out
 
 
-def _rank(rank: int, world: int, port: int, model: dict, cfg: dict, steps: int, outdir: str) -> None:
+def _rank(rank: int, world: int, port: int, model: dict, cfg: dict, steps: int, outdir: str,
+          dump: str | None = None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # as bench_infinity.py's ranks: two ranks share the machine's cores
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     try:
-        out = _train(deepspeed, GPTConfig(**model), cfg, steps, rank)
+        out = _train(deepspeed, GPTConfig(**model), cfg, steps, rank, dump)
     except Exception as e:  # noqa: BLE001 - DeepSpeed refusing the config is the peer's figure
         out = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:500], "where": traceback.format_exc()[-1500:]}
     Path(outdir, f"{rank}.json").write_text(json.dumps(out))
@@ -78,13 +86,15 @@ def main() -> int:
     p.add_argument("--config-json", required=True, help="the DeepSpeed config as JSON (bench_infinity.ds_config)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--dump", default=None, help="rank 0 saves the full fp32 parameters after the last step here "
+                   "(bench_infinity.py --check-against-torch)")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
         mp.spawn(_rank, args=(args.world, port, json.loads(args.model_json), json.loads(args.config_json),
-                              args.steps, outdir), nprocs=args.world)
+                              args.steps, outdir, args.dump), nprocs=args.world)
         rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
     print(json.dumps(rows))
     return 0

@@ -2,15 +2,21 @@
 
     VENV/bin/python benchmarks/deepspeed_peer.py --stage 2 --steps 20 --world 2
 
-Imports only torch, deepspeed and examples/gpt.py (and, for a `pipeline.stages` config, the layer list
-of examples/gpt_pipe.py built with DeepSpeed's LayerSpec). With `comms_logger` in the config the row
-carries the bytes per step DeepSpeed's own logger recorded. Prints one JSON line: the slowest rank's median step time and the largest peak RSS.
+Imports only torch, deepspeed, examples/gpt.py and benchmarks' standard-library-and-torch helpers
+(and, for a `pipeline.stages` config, the layer list of examples/gpt_pipe.py built with DeepSpeed's
+LayerSpec). The model is `--model-json`, else bench_training.py's choice (DSTRAIN_BENCH_MODEL, read by
+benchmarks/workload_model.py: an unknown value is an error). Bytes per step and rank follow
+benchmarks/comm_bytes.py's one convention (bytes one rank sends): with `comms_logger` in the config,
+DeepSpeed's own record converted (its all-gathers log the input shard); for a model held once over
+the ranks (pipeline, AutoTP) the dispatch mode of comm_bytes.py, which knows each collective's group.
+Prints one JSON line: the slowest rank's median step time and the largest peak RSS.
 Settings match bench_training.py's dstrain runs: fp32, torch's AdamW (DeepSpeed's FusedAdam differs
 numerically, baselines.md), gradient_clipping 1.0, overlap_comm, reduce_bucket_size 5e6.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -28,7 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.peak_rss import peak_mb, restart_peak  # noqa: E402
 from benchmarks.step_phases import StepPhases, kept  # noqa: E402
-from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, RandomTokens  # noqa: E402
+from benchmarks.comm_bytes import DispatchBytes, bytes_sent, deepspeed_logged_payloads  # noqa: E402
+from benchmarks.workload_model import bench_config  # noqa: E402
+from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
 
 MICRO, LR = 8, 1e-4
 
@@ -47,7 +55,7 @@ def _rank(rank: int, world: int, port: int, stage: int, steps: int, outdir: str,
     cfg.setdefault("zero_optimization", {}).update(extra_cfg.pop("zero_optimization", {}))
     cfg.update(extra_cfg)
     Path(outdir, f"{rank}.json").write_text(json.dumps(_train(deepspeed, cfg, GPTConfig(**model) if model else
-                                                              BENCH_CONFIG, rank, steps)))
+                                                              bench_config(), rank, steps)))
     deepspeed.comm.destroy_process_group()  # or a rank may abort at teardown (baselines.md)
 
 
@@ -85,18 +93,32 @@ def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) ->
     data = RandomTokens(steps * gas * micro, model_cfg.seq_len, model_cfg.vocab_size, seed=0 if one_copy else rank)
     batches = [data[i * micro:(i + 1) * micro] for i in range(steps * gas)]
     times, phases = [], StepPhases()
+    # One model copy over the ranks: collectives over groups smaller than the world (the pipeline's
+    # data-parallel group of 1, its tied-weight group, sends), which comms_logger does not record, so
+    # the dispatch mode counts them, as it does dstrain's rows of that kind (suite_runners).
+    # It runs in one step that kept() leaves out of the median (its overhead is on every tensor op).
+    seen, count_at = DispatchBytes(), 1 if steps > 4 else 0
     for i in range(steps):
         group = batches[i * gas:(i + 1) * gas]
-        t0 = time.perf_counter()
-        if stages > 1:
-            eng.train_batch(iter(group))
-        else:
-            for x, y in group:
-                phases.train_step(eng, x, y)
-        times.append((time.perf_counter() - t0) * 1e3)
+        with (seen if one_copy and i == count_at else contextlib.nullcontext()):
+            t0 = time.perf_counter()
+            if stages > 1:
+                eng.train_batch(iter(group))
+            else:
+                for x, y in group:
+                    phases.train_step(eng, x, y)
+            times.append((time.perf_counter() - t0) * 1e3)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"step_ms": statistics.median(kept(times)), "rss_mb": rss, "times_ms": times, "bytes": _logged_bytes(steps),
-            "phases_ms": phases.medians()}
+    logged = _logged_bytes(steps)
+    if one_copy:
+        payloads, unknown = dict(seen.payloads), seen.unknown  # one step's
+    elif logged is not None:
+        payloads, unknown = deepspeed_logged_payloads(logged, int(os.environ["WORLD_SIZE"]))
+    else:
+        payloads, unknown = None, set()
+    sent = None if payloads is None or unknown else bytes_sent(payloads)
+    return {"step_ms": statistics.median(kept(times)), "rss_mb": rss, "times_ms": times, "bytes": sent,
+            "logged": logged, "uncounted_ops": sorted(unknown), "phases_ms": phases.medians()}
 
 
 def _pipeline_gpt(cfg: GPTConfig, stages: int):
@@ -106,13 +128,14 @@ def _pipeline_gpt(cfg: GPTConfig, stages: int):
     return PipelineModule(layers=gpt_layers(cfg, LayerSpec, TiedLayerSpec), num_stages=stages, loss_fn=gpt_loss)
 
 
-def _logged_bytes(steps: int) -> float | None:
-    """Bytes per step that DeepSpeed's comms_logger recorded on this rank (config section comms_logger)."""
+def _logged_bytes(steps: int) -> dict[str, float] | None:
+    """{record name: logged bytes per step} of DeepSpeed's comms_logger on this rank (config section
+    comms_logger; names are the ops', sizes its own convention: benchmarks/comm_bytes.py converts)."""
     from deepspeed.comm import comms_logger
     if not comms_logger.enabled:
         return None
-    total = sum(size * entry[0] for sizes in comms_logger.comms_dict.values() for size, entry in sizes.items())
-    return total / steps
+    return {name: sum(size * entry[0] for size, entry in sizes.items()) / steps
+            for name, sizes in comms_logger.comms_dict.items()}
 
 
 def main() -> int:
@@ -130,6 +153,8 @@ def main() -> int:
     p.add_argument("--batch-json", default=None,
                    help='a list of {"model": GPTConfig fields, "config": ...} run in turn; prints a JSON list of rows')
     args = p.parse_args()
+    if args.model_json is None:
+        bench_config()  # an unknown DSTRAIN_BENCH_MODEL stops here, in one line, before any rank starts
     if not args.port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -160,7 +185,8 @@ def _batch(args) -> int:
         sent = [r["bytes"] for r in here if r.get("bytes") is not None]
         rows.append({"error": errors[0]} if errors else
                     {"step_ms": max(r["step_ms"] for r in here), "rss_mb": max(r["rss_mb"] for r in here),
-                     "bytes": max(sent) if sent else None})
+                     "bytes": max(sent) if sent else None,
+                     "uncounted_ops": sorted({op for r in here for op in r.get("uncounted_ops", [])})})
     print(json.dumps(rows))
     return 0
 

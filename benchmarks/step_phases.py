@@ -39,10 +39,11 @@ class StepPhases:
         return {name: statistics.median(kept(ms)) for name, ms in self.ms.items() if ms}
 
 
-def fixed_batch_steps(eng, x, y, steps: int) -> tuple[list[float], list[float]]:
-    """`steps` steps of `eng` on one batch (bench_infinity and its DeepSpeed peer): each step's loss and
-    wall time in seconds. A loss that falls says the updates reach the weights."""
-    losses, times = [], []
+def fixed_batch_steps(eng, x, y, steps: int) -> tuple[list[float], list[float], list[float | None]]:
+    """`steps` steps of `eng` on one batch (bench_infinity and its DeepSpeed peer): each step's loss,
+    wall time in seconds and global gradient norm before clipping (`get_global_grad_norm()`, which both
+    engines have). A loss that falls says the updates reach the weights."""
+    losses, times, norms = [], [], []
     for _ in range(steps):
         t = time.perf_counter()
         loss = eng(x, y)
@@ -50,4 +51,6 @@ def fixed_batch_steps(eng, x, y, steps: int) -> tuple[list[float], list[float]]:
         eng.step()
         times.append(time.perf_counter() - t)
         losses.append(float(loss.detach()))
-    return losses, times
+        norm = eng.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+    return losses, times, norms

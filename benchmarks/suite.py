@@ -17,9 +17,18 @@ all systems alike. Columns:
   compares with DeepSpeed running the same config.
 - vs bound: the ratio to the no-communication bound: one rank's forward, backward and AdamW step on
   its own micro-batch, alone (world size 1), with the same threads.
-- peak RSS/rank; bytes/step/rank: the payload bytes each system's collectives carried, counted where
-  they pass, as `suite_runners.COUNTED_BY` says (the report repeats it); the ZeRO paper's model-state
-  memory (fp32 AdamW: params 4Ψ + grads 4Ψ + moments 8Ψ, partitioned by stage) next to the measured RSS.
+- peak RSS/rank; the ZeRO paper's model-state memory (fp32 AdamW: params 4Ψ + grads 4Ψ + moments 8Ψ,
+  partitioned by stage) next to the measured RSS.
+- bytes/step/rank: one convention for every system, the bytes one rank sends per optimizer step,
+  computed from each collective's payload and its group's size n with the ring/tree formula
+  (benchmarks/comm_bytes.py's table): all-reduce of S bytes 2(n−1)/n·S, reduce-scatter of a full S
+  and all-gather into a full S (n−1)/n·S each, reduce and broadcast (n−1)/n·S averaged over the group,
+  a send S. So DDP and ZeRO-1/2 send the same Ψ·4·2(n−1)/n bytes of fp32 gradients-and-parameters, the
+  ZeRO paper's equal volume. The payloads are counted where each system's collectives pass, as
+  `suite_runners.COUNTED_BY` says (the report repeats it): dstrain's communicator, DDP's comm hook and
+  DeepSpeed's comms_logger (its all-gathers log the input shard: converted) over every step; a
+  dispatch mode for FSDP2 and the model-parallel rows, in the last warm-up step only (it intercepts
+  every tensor op, so no measured step runs under it).
 - scaling: step time and peak RSS per rank of `--scaling-system` against model size (3 sizes) and
   world size (`--worlds`, default 1, 2, 4).
 
@@ -120,6 +129,7 @@ class Round:
     bytes_per_step: float | None = None
     load_before: float = 0.0
     error: str | None = None
+    uncounted_ops: tuple = ()  # a peer's ops its record has no conversion rule for (comm_bytes.py)
 
 
 @dataclass
@@ -241,7 +251,8 @@ def measure_deepspeed(systems: list[str], results: dict, world: int, steps: int,
         else:
             rows = json.loads(done.stdout.strip().splitlines()[-1])
             out.update({system: Round(load_before=load, error=_last_line(row["error"])) if "error" in row else
-                        Round(row["step_ms"], row["rss_mb"], row.get("bytes"), load)
+                        Round(row["step_ms"], row["rss_mb"], row.get("bytes"), load,
+                              uncounted_ops=tuple(row.get("uncounted_ops", ())))
                         for (system, _), row in zip(items, rows)})
     return out
 
@@ -276,7 +287,9 @@ def main_table(results: dict[str, Result], n_params: int, world: int, threshold:
         ok = result.ok()
         rss = f"{max(r.rss_mb for r in ok):.0f}" if ok else "not run"
         sent = [r.bytes_per_step for r in ok if r.bytes_per_step is not None]
-        sent = f"{max(sent) / 2**20:.3f} MiB" if sent else ("not run" if not ok else "not counted: no counter reported")
+        uncounted = sorted({op for r in ok for op in r.uncounted_ops})
+        sent = f"{max(sent) / 2**20:.3f} MiB" if sent else ("not run" if not ok else "not counted: " + (
+            f"no conversion rule for {', '.join(uncounted)}" if uncounted else "no counter reported"))
         formula = zero_formula_mb(n_params, stage, world)
         formula = f"{formula:.0f}" if formula >= 10 else f"{formula:.2f}"
         label = f"deepspeed ({base}'s config)" if name.startswith("deepspeed:") else name

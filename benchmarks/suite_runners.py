@@ -5,6 +5,7 @@ own micro-batch; tensor parallelism and the pipeline hold one model copy over bo
 gradient_accumulation_steps micro-batches per step (config) on the data of data-parallel rank 0."""
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
@@ -14,19 +15,27 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import bench_training as bt
-from benchmarks.comm_bytes import DispatchBytes, count_ddp_buckets
+from benchmarks.comm_bytes import DispatchBytes, bytes_sent, communicator_payloads, count_ddp_buckets
 from benchmarks.peak_rss import peak_mb, restart_peak
 from examples.gpt import GPT, GPTConfig
 
-# How each system's bytes/step/rank is counted (the report prints this next to the table).
+# How each system's bytes/step/rank is counted (the report prints this next to the table). One
+# convention for all: the bytes one rank sends, from each collective's payload and group size
+# (benchmarks/comm_bytes.py's table: all-reduce 2(n-1)/n of the buffer, reduce-scatter and all-gather
+# (n-1)/n of the full tensor, send the tensor).
 COUNTED_BY = {
-    "dstrain": "dstrain's communicator counter (engine/comm.py, every data-parallel collective's payload)",
-    "dstrain-pipe2, dstrain-tp2 and dstrain-pipe2-tp2": "a dispatch mode over every torch.distributed op called from Python "
-                        "(benchmarks/comm_bytes.py): pipeline sends and tensor-parallel layers have communicators "
-                        "of their own",
-    "ddp": "a comm hook around torch's default all-reduce hook (each gradient bucket's bytes)",
-    "fsdp2": "the dispatch mode of benchmarks/comm_bytes.py (FSDP2's all-gathers and reduce-scatters)",
-    "deepspeed": "DeepSpeed's own comms_logger (config section comms_logger, prof_all), its message sizes summed",
+    "dstrain": "dstrain's communicator counter (engine/comm.py: every data-parallel collective's payload), "
+               "converted to bytes sent",
+    "dstrain-pipe2, dstrain-tp2 and dstrain-pipe2-tp2": "a dispatch mode over every torch.distributed op called "
+                        "from Python (benchmarks/comm_bytes.py), converted to bytes sent with each op's group size: "
+                        "pipeline sends and tensor-parallel layers have communicators of their own (these rows, and "
+                        "DeepSpeed's pipeline row, are timed under the mode, which intercepts every tensor op)",
+    "ddp": "a comm hook around torch's default all-reduce hook (each gradient bucket), converted to bytes sent",
+    "fsdp2": "the dispatch mode of benchmarks/comm_bytes.py (FSDP2's all-gathers and reduce-scatters; timed "
+             "under it), converted to bytes sent",
+    "deepspeed": "DeepSpeed's own comms_logger (config section comms_logger, prof_all), converted to bytes sent "
+                 "(it logs an all-gather's input shard, 1/n of the gathered tensor); its pipeline row: the "
+                 "dispatch mode, as dstrain's",
 }
 
 
@@ -36,30 +45,36 @@ def nvme_dir() -> str:
     return path
 
 
+def counted_step(warmup: int) -> int:
+    """The step a dispatch-mode count runs in: the last warm-up step (out of the median, past the first
+    step's one-time traffic where there are two); step 0 when there is no warm-up."""
+    return max(warmup - 1, 0)
+
+
 def rank_entry(system: str, steps: int, model: dict, micro: int, warmup: int, config: dict | None) -> dict:
+    """One system's median step ms, peak RSS and bytes one rank sends per step (comm_bytes.py)."""
     torch.manual_seed(0)
     cfg = GPTConfig(**model)
     if system == "ddp":
         times, sent = _ddp(steps, cfg)
     elif system == "fsdp2":
-        with DispatchBytes() as counter:
-            times = bt._run_fsdp2(steps, True, cfg)
-        sent = counter.bytes
+        seen = DispatchBytes()
+        times = bt._run_fsdp2(steps, True, cfg, seen, counted_step(warmup))
+        sent = seen.bytes  # one step's
     elif system == "bound":
         times, sent = _bound(steps, cfg, micro), None
     else:
-        times, sent = _dstrain(steps, cfg, config)
-    return {"step_ms": statistics.median(times[warmup:]), "rss_mb": bt._peak_rss_mb(),
-            "bytes": None if sent is None else sent / steps}
+        times, sent = _dstrain(steps, cfg, config, warmup)
+    return {"step_ms": statistics.median(times[warmup:]), "rss_mb": bt._peak_rss_mb(), "bytes": sent}
 
 
-def _ddp(steps: int, cfg: GPTConfig) -> tuple[list[float], int]:
+def _ddp(steps: int, cfg: GPTConfig) -> tuple[list[float], float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = DDP(GPT(cfg), gradient_as_bucket_view=True)
-    sent = count_ddp_buckets(model)
+    seen = count_ddp_buckets(model, dist.get_world_size())
     opt = torch.optim.AdamW(model.parameters(), lr=bt.LR, fused=True)
     times = bt._timed_loop(bt._torch_step(model, opt), bt._batches(steps, dist.get_rank(), cfg))
-    return times, sent["bytes"]
+    return times, bytes_sent(seen["payloads"]) / steps
 
 
 def _bound(steps: int, cfg: GPTConfig, micro: int) -> list[float]:
@@ -68,8 +83,9 @@ def _bound(steps: int, cfg: GPTConfig, micro: int) -> list[float]:
     return bt._timed_loop(bt._torch_step(model, opt), bt._batches(steps, 0, cfg, micro))
 
 
-def _dstrain(steps: int, cfg: GPTConfig, config: dict) -> tuple[list[float], int]:
-    """dstrain's steps; bytes from its communicator, or (pipeline, tensor parallel) the dispatch mode."""
+def _dstrain(steps: int, cfg: GPTConfig, config: dict, warmup: int) -> tuple[list[float], float]:
+    """dstrain's steps; bytes per step from its communicator over all steps, or (pipeline, tensor
+    parallel: communicators of their own) the dispatch mode over one warm-up step."""
     import engine
     pipe = "pipeline" in config
     if pipe:
@@ -94,13 +110,14 @@ def _dstrain(steps: int, cfg: GPTConfig, config: dict) -> tuple[list[float], int
         for x, y in group:
             eng.backward(eng(x, y))
             eng.step()
-    times = []
-    with DispatchBytes() as counter:
-        for group in groups:
+    seen, times = DispatchBytes(), []
+    for i, group in enumerate(groups):
+        with (seen if one_copy and i == counted_step(warmup) else contextlib.nullcontext()):
             t0 = time.perf_counter()
             step(group)
             times.append((time.perf_counter() - t0) * 1e3)
-    sent = counter.bytes if one_copy else sum(eng.comm.stats.bytes.values())
+    sent = seen.bytes if one_copy else bytes_sent(communicator_payloads(eng.comm.stats.bytes,
+                                                                         eng.comm.world_size)) / steps
     eng.destroy()
     return times, sent
 

@@ -1,9 +1,13 @@
 """The benchmark suite's `--quick` mode (benchmarks/suite.py) writes a report whose every cell holds a
 figure or says why not ("not run: why", "n/a: ...", "not counted: ..."), with the header a reader
 needs (command, versions, machine, load), the plots, and figures that follow from their definitions:
-ratios from the step times, bytes per step from the collectives each system runs, counted where they
-pass: ZeRO-1's from dstrain's counter (reduce-scatter of the gradients + all-gather of the parameters:
-8 bytes per fp32 parameter), DDP's from a comm hook (one all-reduce of every gradient: 4 bytes)."""
+ratios from the step times, and bytes per step in the suite's one convention, the bytes one rank
+sends (benchmarks/comm_bytes.py: ring all-reduce 2(n-1)/n of the buffer, reduce-scatter and all-gather
+(n-1)/n of the full tensor). On 2 ranks that is 4 bytes per fp32 parameter both for DDP (one all-reduce
+of every gradient, counted in a comm hook) and for ZeRO-1 (reduce-scatter of the gradients + all-gather
+of the parameters, dstrain's communicator counter): the ZeRO paper's equal volume. The dispatch-mode
+counter is checked on real gloo collectives of known sizes, and DeepSpeed's comms_logger conversion
+on the record its ZeRO-2 makes (reduce per owner, all-gather logged by its input shard)."""
 from __future__ import annotations
 
 import re
@@ -12,8 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from benchmarks.comm_bytes import DispatchBytes, bytes_sent, deepspeed_logged_payloads
 from examples.gpt import GPT, count_parameters
+from tests.harness import run_distributed
 from tests.report_format import is_figure_or_reason, missing_header_lines, ratio_matches, tables
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,7 +71,9 @@ def test_ratios_and_bytes_follow_from_their_definitions(report):
     step = {row[0]: float(row[1].split()[0]) for row in (ddp, z1)}
     assert ratio_matches(z1[3], step["dstrain-z1"], step["ddp"]), (z1[3], step)
     psi = count_parameters(GPT(QUICK_MODEL))
-    assert float(z1[9].split()[0]) == pytest.approx(8 * psi / 2**20, rel=0.05)  # + padding and the norm's scalars
+    # bytes one rank sends on 2 ranks: ZeRO-1 reduce-scatters 4Ψ and all-gathers 4Ψ, half of each leaves
+    # the rank; DDP's ring all-reduce of 4Ψ sends 2(n-1)/n = 1 x 4Ψ. Equal, as the ZeRO paper says.
+    assert float(z1[9].split()[0]) == pytest.approx(4 * psi / 2**20, rel=0.05)  # + padding and the norm's scalars
     assert float(ddp[9].split()[0]) == pytest.approx(4 * psi / 2**20, abs=0.0006)  # every gradient once
     assert float(z1[8]) == pytest.approx((8 * psi + 8 * psi / 2) / 2**20, abs=0.01)  # ZeRO-1 formula, 2 ranks
 
@@ -73,3 +83,47 @@ def test_plots_are_written(report):
     for name in re.findall(r"!\[([^\]]+)\]", text):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert len(re.findall(r"!\[", text)) == 2
+
+
+def _collectives_of_known_size() -> dict:
+    """Each c10d op the suite's dispatch mode has a rule for, on a 2-rank gloo group, alone under it."""
+    device = torch.device("cpu")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.ones(1000, device=device)  # 4000 bytes
+    out = {}
+    ops = {"all_reduce": lambda: dist.all_reduce(x),
+           "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(500, device=device), x),
+           "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(2000, device=device), x),
+           "broadcast": lambda: dist.broadcast(x, src=0),
+           "reduce": lambda: dist.reduce(x, dst=0),
+           "send": lambda: dist.send(x, dst=1) if rank == 0 else dist.recv(x, src=0)}
+    for name, op in ops.items():
+        with DispatchBytes() as seen:
+            op()
+        out[name] = (seen.bytes, dict(seen.payloads), sorted(seen.unknown), n)
+    return out
+
+
+def test_dispatch_mode_counts_bytes_sent_by_the_ring_formula():
+    rank0, rank1 = run_distributed(_collectives_of_known_size, 2, timeout=60)
+    # all-reduce of 4000 B: 2(n-1)/n x 4000; reduce-scatter of a 4000 B input and all-gather into an
+    # 8000 B output: (n-1)/n of the full tensor; reduce and broadcast: (n-1)/n, the group's average
+    for row in (rank0, rank1):
+        assert row["all_reduce"][:3] == (4000.0, {("all_reduce", 2): 4000}, [])
+        assert row["reduce_scatter"][:2] == (2000.0, {("reduce_scatter", 2): 4000})
+        assert row["all_gather"][:2] == (4000.0, {("all_gather", 2): 8000})
+        assert row["broadcast"][0] == row["reduce"][0] == 2000.0
+    assert (rank0["send"][0], rank1["send"][0]) == (4000.0, 0.0)  # what a rank sends; a receive sends nothing
+
+
+def test_deepspeed_comms_logger_record_converts_to_the_same_convention():
+    # DeepSpeed 0.19's ZeRO-2 on gloo, one step of Ψ fp32 parameters on 2 ranks: a reduce to each owner
+    # of its half (logged: the slice, 4Ψ in all) and an all_gather_into_tensor logged by its input shard
+    # (2Ψ); comms_logger's total (6Ψ) is neither the payload (8Ψ) nor the bytes sent (4Ψ).
+    psi = 1000
+    payloads, unknown = deepspeed_logged_payloads({"reduce": 4 * psi, "all_gather_into_tensor": 2 * psi,
+                                                  "all_reduce": 4, "barrier": 0}, world=2)
+    assert unknown == set()
+    assert payloads == {("reduce", 2): 4 * psi, ("all_gather", 2): 4 * psi, ("all_reduce", 2): 4}
+    assert bytes_sent(payloads) == 4 * psi + 4
+    assert deepspeed_logged_payloads({"batch_isend_irecv": 10}, world=2)[1] == {"batch_isend_irecv"}
