@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from ..comm import Communicator
+
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
@@ -52,10 +54,17 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
                   "them on save (or use save_checkpoint)", flush=True)
         return False
     state = consolidated_state_dict(engine.module, zopt, rank, exclude_frozen_parameters)
-    if rank == 0:
+    writes, done = rank == 0, engine.comm
+    groups = getattr(engine, "groups", None)  # tensor parallelism: the shards joined (dense_state.py's note)
+    if groups is not None and groups.topology.model > 1:
+        from ..tensor_parallel.dense_state import dense_state_dict
+        if rank == 0:
+            state = dense_state_dict(state, engine.module, Communicator(groups.model_group))
+        writes, done = rank == 0 and groups.coord.model == 0, Communicator(None)
+    if writes:
         os.makedirs(save_dir, exist_ok=True)
         path = os.path.join(save_dir, save_filename)
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)  # never a half-written file under the final name
-    engine.comm.barrier()
+    done.barrier()  # the file is there when any rank returns
     return True
