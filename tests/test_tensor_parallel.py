@@ -452,8 +452,9 @@ def _train_on_rank(stage: int, clip: float, optimizer: str = "SGD") -> dict:
             full = shard(full, p.tensor_parallel_dim, coord.model, 2, p.tensor_parallel_parts)
         err = max(err, _err(value, full.detach()))
     saved = _saved_16bit_error(eng, ref["model"]) if optimizer == "SGD" and not clip else None
+    placeholders = sum(p.numel() == 0 for p in eng.module.parameters())  # stage 3: partitioned between uses
     eng.destroy()
-    return {"coord": tuple(coord), "losses": losses, "ref_losses": ref["losses"], "params": err, "saved16": saved,
+    return {"coord": tuple(coord), "stage": stage, "placeholders": placeholders, "losses": losses, "ref_losses": ref["losses"], "params": err, "saved16": saved,
             "norms": norms, "ref_norms": ref["norms"], "atol": ADAM_ATOL if optimizer == "AdamW" else MODEL_ATOL}
 
 
@@ -639,6 +640,7 @@ def initialized(request):
 def _check_equals_reference(world: int, results: list) -> None:
     assert sorted(r["coord"] for r in results) == sorted((0, d, m) for d in range(world // 2) for m in range(2))
     for r in results:
+        assert (r["placeholders"] > 0) == (r["stage"] == 3), r  # ZeRO-3 really partitions (the matrices)
         assert r["params"] < r["atol"], r
         if world == 2:  # one data rank: its loss is the global batch's
             assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < MODEL_ATOL, r
