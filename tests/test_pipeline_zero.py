@@ -1,7 +1,8 @@
 """Pipeline × data parallelism on 4 ranks (2 stages × 2 data-parallel ranks): ZeRO-1 and ZeRO-2 over
 the data axis equal single-process SGD; with clipping every rank reports, and clips with, the norm of
 the whole model's gradient (the tied embedding counted once); an Inf produced on one stage makes every
-rank skip that step; ZeRO-3 with a pipeline is refused naming the key."""
+rank skip that step; ZeRO-3 in each stage (gathered once per step for all micro-batches, reduce-scattered
+once after the last) equals the same reference."""
 from __future__ import annotations
 
 import pytest
@@ -80,20 +81,39 @@ def test_two_stages_by_two_data_ranks():
         for name, p in params.items():
             torch.testing.assert_close(p, want[name] - init[name], rtol=5e-2, atol=2e-4,
                                        msg=f"bf16 update of {name}")
-    # ZeRO-3 with a pipeline: refused on every rank, naming the key
+    # ZeRO-3 in each stage (engine/pipe/zero3.py): the reference's weights; per step each of the stage's
+    # groups all-gathered once (its data all-gather and its id check) whatever the GAS micro-batches, the
+    # gradients reduce-scattered once per bucket after the last one, nothing gathered between steps
+    _check_against_reference([r["zero3"]["run"][:3] for r in per_rank], tied=True, gas=GAS, dp=2, n_layers=6)
     for r in per_rank:
-        assert r["zero3"] is not None and "zero_optimization.stage: 3 with a PipelineModule" in r["zero3"]
+        z3 = r["zero3"]
+        assert z3["groups"] > 0 and z3["between"] == [0] * STEPS, z3
+        for calls in z3["calls"]:
+            assert calls.get("all_gather", 0) == 2 * z3["groups"], (calls, z3["groups"])
+            assert calls.get("reduce_scatter", 0) == z3["buckets"], (calls, z3["buckets"])
 
 
 def _zero3():
+    """ZeRO-3 on 2 pipe × 2 data, every parameter partitioned (persistence threshold 0): the trained
+    parameters (gathered), losses, norms, skips, and per step the collectives' calls on this rank (the
+    stage-3 gather group shares the reduction group's counters) and the stage's gather groups and
+    gradient buckets, to count them against."""
     import engine
-    import schemas
     from engine.pipe import PipelineModule
-    pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss)
-    try:
-        engine.initialize(model=pm, config=_config("1f1b", GAS, 3))
-    except schemas.ConfigError as err:
-        return str(err)
-    return None
+    pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
+    cfg = _config("1f1b", GAS, 3, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    eng, *_ = engine.initialize(model=pm, config=cfg)
+    zopt, dp, dp_rank = eng.zero_optimizer, eng.comm.world_size, eng.comm.rank
+    losses, norms, calls, between = [], [], [], []
+    for x, y in global_batches(STEPS, MICRO * GAS * dp, True):
+        eng.comm.stats.reset()
+        losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))))
+        calls.append(dict(eng.comm.stats.calls))
+        norms.append(eng.get_global_grad_norm())
+        between.append(sum(p.numel() for p in pm.parameters()))  # placeholders between steps: 0
+    with engine.zero.GatheredParameters(list(pm.parameters())):
+        params = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    return {"run": (params, losses, norms, eng.skipped_steps), "calls": calls, "between": between,
+            "groups": len(zopt.coordinator.groups), "buckets": len(zopt.buckets)}
 
 

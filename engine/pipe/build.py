@@ -1,5 +1,5 @@
 """How `initialize()` meets a `PipelineModule`: the groups come from the module (it built them), the
-config is checked against it, and ZeRO-3 is refused (its message and docs/parallelism.md say why).
+config is checked against it (ZeRO-3 inside a stage: zero3.py).
 
 [Note: pipeline × tensor parallelism] The module's topology carries the model axis: its stages' layers
 are either engine.tensor_parallel layers (built inside the module, over its model group) or dense
@@ -45,14 +45,6 @@ def check_pipeline_config(cfg, model) -> None:
         if stages != "auto" and stages != model.num_stages:
             problems.append(f"pipeline.stages: {stages}, but the PipelineModule has num_stages={model.num_stages}; "
                             'make them equal or use "auto"')
-        if cfg.zero_optimization.stage == 3:
-            problems.append("zero_optimization.stage: 3 with a PipelineModule is not built yet in dstrain: stage 3's "
-                            "hooks gather a layer's parameters around each forward and backward and reduce-scatter "
-                            "its gradients during backward, and its prefetch replays one forward and one backward "
-                            "per step; a pipeline schedule runs every stage once per micro-batch, so it would "
-                            "gather and reduce gradient_accumulation_steps times per step (gathering each stage "
-                            "once per step and reducing once after the last micro-batch is not built); use stage "
-                            "1 or 2 (partitioned over the data axis)")
         if model.loss_fn is None:
             problems.append("PipelineModule(loss_fn=...) is needed to train: the last stage computes the loss")
     if problems:
