@@ -69,19 +69,21 @@ def _checked(result):
 
 
 # -- pipeline: 2 pipe × 2 data -------------------------------------------------------------------------
-def _config(save_dir: str, dp: int, extra: dict | None = None) -> dict:
+def _config(save_dir: str, dp: int, extra: dict | None = None, zero: int = 1) -> dict:
+    # ZeRO-3: every parameter partitioned over the data axis (engine/pipe/zero3.py)
+    section = {"stage": zero, **({"stage3_param_persistence_threshold": 0} if zero == 3 else {})}
     return {"train_micro_batch_size_per_gpu": GLOBAL // (GAS * dp), "gradient_accumulation_steps": GAS,
             "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
-            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1},
+            "zero_allow_untested_optimizer": True, "zero_optimization": section,
             "checkpoint": {"save_dir": save_dir, **(extra or {})}}
 
 
-def _engine(stages: int, save_dir: str, dp: int, extra: dict | None = None):
+def _engine(stages: int, save_dir: str, dp: int, extra: dict | None = None, zero: int = 1):
     import engine
     from engine.pipe import PipelineModule
     pm = PipelineModule(tied_specs(2), num_stages=stages, loss_fn=lm_loss, seed_layers=True,
                         partition_method="uniform")
-    eng, *_ = engine.initialize(model=pm, config=_config(save_dir, dp, extra))
+    eng, *_ = engine.initialize(model=pm, config=_config(save_dir, dp, extra, zero))
     return eng, pm
 
 
@@ -92,7 +94,9 @@ def _train(eng, steps: range) -> list[float]:
 
 
 def _params(pm) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in pm.named_parameters()}
+    import engine
+    with engine.zero.GatheredParameters(list(pm.parameters())):  # ZeRO-3: placeholders between steps
+        return {n: p.detach().clone() for n, p in pm.named_parameters()}
 
 
 def _save_then_load_at_four_data(save_dir: str):
@@ -111,6 +115,26 @@ def _save_then_load_at_four_data(save_dir: str):
     losses4 = _train(eng4, range(SAVE_AT, STEPS))
     eng4.destroy()
     return uninterrupted, at_save, (_params(pm4), losses4), steps_loaded, path
+
+
+def _pipe_zero3_save_and_continue(save_dir: str):
+    """2 pipe × 2 data at ZeRO-3: save at step SAVE_AT, continue to STEPS."""
+    eng, pm = _engine(2, save_dir, dp=2, zero=3)
+    _train(eng, range(SAVE_AT))
+    eng.save_checkpoint(save_dir)
+    losses = _train(eng, range(SAVE_AT, STEPS))
+    result = (_params(pm), losses, eng.stage_id)
+    eng.destroy()
+    return result
+
+
+def _pipe_load_in_one_process(save_dir: str, zero: int):
+    eng, pm = _engine(1, save_dir, dp=1, zero=zero)
+    eng.load_checkpoint(save_dir)
+    losses = _train(eng, range(SAVE_AT, STEPS))
+    result = (_params(pm), losses, eng.global_steps)
+    eng.destroy()
+    return result
 
 
 def _resume_in_one_process(save_dir: str):
@@ -366,7 +390,7 @@ def _pt_reference() -> dict:
 def _every_layout(root: str) -> dict:
     import torch.distributed as dist
 DIRS = ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2", "tp_zero3", "hf", "hf_dense", "hf_unflagged",
-        "frozen")
+        "frozen", "pipe_zero3")
 
 
 def _every_layout(root: str) -> dict:
@@ -374,6 +398,7 @@ def _every_layout(root: str) -> dict:
     dirs = {k: f"{root}/{k}" for k in DIRS}
     rank = dist.get_rank()
     out = {"four": {"pipe": _guarded(_save_then_load_at_four_data, dirs["pipe"]),
+                    "pipe_zero3": _guarded(_pipe_zero3_save_and_continue, dirs["pipe_zero3"]),
                     "tp": _guarded(_tp_save_and_resume_on_grid, dirs["tp"]),
                     "tp_4x1": _guarded(_tp_load_at, dirs["tp"], 4),
                     "pipe_tp": _guarded(_pt_save_and_continue, dirs["pipe_tp"]),
@@ -388,6 +413,8 @@ def _every_layout(root: str) -> dict:
     new_world(None, 0, 1)
     if rank == 0:
         out["one"] = {"pipe": _guarded(_resume_in_one_process, dirs["pipe"]),
+                      "pipe_zero3": _guarded(_pipe_load_in_one_process, dirs["pipe_zero3"], 3),
+                      "pipe_zero3_at_zero1": _guarded(_pipe_load_in_one_process, dirs["pipe_zero3"], 1),
                       "tp": _guarded(_tp_load_in_one_process, dirs["tp"], dirs["dense"]),
                       "pipe_tp": _guarded(_pt_load_at, dirs["pipe_tp"], 1),
                       "pipe_tp_layers": _guarded(_pt_load_at, dirs["pipe_tp_layers"], 1, True),
@@ -458,6 +485,19 @@ def test_pipeline_checkpoint_resumes_in_one_process(runs, pipe_runs):
     params, losses, steps_loaded = _checked(runs["one"]["pipe"])
     assert steps_loaded == SAVE_AT
     _assert_same(params, want, "1 process after auto_resume")
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["pipe_zero3", "pipe_zero3_at_zero1"])
+def test_pipeline_zero3_checkpoint_loads_in_one_process(runs, case):
+    """2 pipe × 2 data at ZeRO-3 (engine/pipe/zero3.py), saved at SAVE_AT: one process at ZeRO-3 and at
+    ZeRO-1 continues to the uninterrupted run's weights and losses."""
+    saved = [_checked(r["pipe_zero3"]) for r in runs["four"]]
+    assert {r[2] for r in saved} == {0, 1}
+    want, want_losses = _whole(saved)
+    params, losses, steps = _checked(runs["one"][case])
+    assert steps == STEPS
+    _assert_same(params, want, f"{case}: 1 process after loading")
     assert losses == pytest.approx(want_losses, rel=1e-5)
 
 
