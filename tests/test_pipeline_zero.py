@@ -41,7 +41,7 @@ def _train_with(zero: int, clip: float = 0.0, inf_at: int | None = None, extra: 
 
 def _all_cases():
     return {"zero1": _train_with(1), "zero2": _train_with(2), "clip": _train_with(2, clip=CLIP),
-            "inf": _train_with(0, inf_at=INF_STEP), "zero3": _zero3(),
+            "inf": _train_with(0, inf_at=INF_STEP), "zero3": _zero3(), "zero3_clip_inf": _zero3(CLIP, INF_STEP),
             "bf16": _train_with(1, extra={"bf16": {"enabled": True}})}
 
 
@@ -91,21 +91,40 @@ def test_two_stages_by_two_data_ranks():
         for calls in z3["calls"]:
             assert calls.get("all_gather", 0) == 2 * z3["groups"], (calls, z3["groups"])
             assert calls.get("reduce_scatter", 0) == z3["buckets"], (calls, z3["buckets"])
+    # ZeRO-3 clipped, with an Inf on stage 1 at INF_STEP: the reference's clipped run without that step, its
+    # norms reported on every rank, that step skipped everywhere
+    ref_norms = []
+    ref, _ = reference_sgd(tied_specs(4), global_batches(STEPS, MICRO * GAS * 2, True), lm_loss, LR, STEPS,
+                           clip=CLIP, skip={INF_STEP}, norms=ref_norms)
+    want = reference_params(ref)
+    for r in per_rank:
+        params, _, norms, skipped = r["zero3_clip_inf"]["run"]
+        assert skipped == 1 and not torch.isfinite(torch.tensor(norms[INF_STEP])), norms
+        finite = [n for s, n in enumerate(norms) if s != INF_STEP]
+        assert finite == pytest.approx([n for s, n in enumerate(ref_norms) if s != INF_STEP], rel=1e-5)
+        for name, p in params.items():
+            torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=f"ZeRO-3 clipped, {name}")
 
 
-def _zero3():
+def _zero3(clip: float = 0.0, inf_at: int | None = None):
     """ZeRO-3 on 2 pipe × 2 data, every parameter partitioned (persistence threshold 0): the trained
     parameters (gathered), losses, norms, skips, and per step the collectives' calls on this rank (the
     stage-3 gather group shares the reduction group's counters) and the stage's gather groups and
-    gradient buckets, to count them against."""
+    gradient buckets, to count them against. `clip`, `inf_at`: as `_train_with`'s."""
     import engine
     from engine.pipe import PipelineModule
     pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
-    cfg = _config("1f1b", GAS, 3, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    cfg = _config("1f1b", GAS, 3, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                                  "gradient_clipping": clip})
     eng, *_ = engine.initialize(model=pm, config=cfg)
     zopt, dp, dp_rank = eng.zero_optimizer, eng.comm.world_size, eng.comm.rank
+    poison = []
+    if inf_at is not None and eng.stage_id == 1:  # only the second stage's hidden layer sees it
+        layer = next(m for n, m in pm.named_children() if n.isdigit() and isinstance(m, torch.nn.Linear))
+        layer.weight.register_hook(lambda g: g * float("inf") if poison else g)
     losses, norms, calls, between = [], [], [], []
-    for x, y in global_batches(STEPS, MICRO * GAS * dp, True):
+    for step, (x, y) in enumerate(global_batches(STEPS, MICRO * GAS * dp, True)):
+        poison[:] = [True] if step == inf_at else []
         eng.comm.stats.reset()
         losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))))
         calls.append(dict(eng.comm.stats.calls))
