@@ -2,7 +2,7 @@
 the data axis equal single-process SGD; with clipping every rank reports, and clips with, the norm of
 the whole model's gradient (the tied embedding counted once); an Inf produced on one stage makes every
 rank skip that step; ZeRO-3 in each stage (gathered once per step for all micro-batches, reduce-scattered
-once after the last) equals the same reference."""
+once after the last) equals the same reference, also clipped with an Inf on one stage."""
 from __future__ import annotations
 
 import pytest
