@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="ddp,dstrain-tp2,deepspeed-autotp2")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--world", type=int, default=2, help="ranks; 4 gives dstrain 2 model x 2 data (ZeRO-3: shards halved)")
+    p.add_argument("--world", type=int, default=2,
+                   help="ranks; 4 gives dstrain 2 model x 2 data (ZeRO-3: shards halved)")
     p.add_argument("--deepspeed-venv", type=Path, default=None)
     args = p.parse_args(argv)
     rows = []

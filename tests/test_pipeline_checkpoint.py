@@ -208,10 +208,11 @@ def _tp_params(eng) -> dict:
     the data axis (a placeholder between uses)."""
     import engine
     from engine.tensor_parallel import is_partitioned
+    def layout(p):
+        return ((p.tensor_parallel_dim, p.tensor_parallel_parts, getattr(p, "tensor_parallel_transposed", False))
+                if is_partitioned(p) else None)
     with engine.zero.GatheredParameters(list(eng.module.parameters())):
-        return {n: (p.detach().clone(), (p.tensor_parallel_dim, p.tensor_parallel_parts,
-                                         getattr(p, "tensor_parallel_transposed", False)) if is_partitioned(p) else None)
-                for n, p in eng.module.named_parameters()}
+        return {n: (p.detach().clone(), layout(p)) for n, p in eng.module.named_parameters()}
 
 
 def _tp_train(eng, steps: range) -> dict:

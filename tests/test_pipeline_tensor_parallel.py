@@ -13,10 +13,11 @@ An Inf on one tensor rank of one stage makes every rank of the world skip that s
 ZeRO-3 (Megatron layers; every parameter partitioned over the data axis, gathered once per step:
 engine/pipe/zero3.py) (runs of 3 steps: 8 processes share 2 cores; ZeRO-2 partitions gradients as well
 as the optimizer state ZeRO-1 partitions, over the same data axis). fp16 (dynamic loss scale, an
-overflow on one tensor rank) and bf16 on 2 pipe × 2 model and on the 8-rank grid against the same-precision engine in one process; fp16 with
-clipping active at every step (the pipeline's norm, agreed over the model-parallel world and unscaled
-before clipping, equals the reference's, and the first step's equals the fp32 reference's). All in one
-spawn of 8 processes: the 8-rank runs, then ranks 0-3 as a world of 4, then rank 0 alone (tests/worlds.py).
+overflow on one tensor rank) and bf16 on 2 pipe × 2 model and on the 8-rank grid against the
+same-precision engine in one process; fp16 with clipping active at every step (the pipeline's norm,
+agreed over the model-parallel world and unscaled before clipping, equals the reference's, and the first
+step's equals the fp32 reference's). All in one spawn of 8 processes: the 8-rank runs, then ranks 0-3
+as a world of 4, then rank 0 alone (tests/worlds.py).
 """
 from __future__ import annotations
 

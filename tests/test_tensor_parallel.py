@@ -454,7 +454,8 @@ def _train_on_rank(stage: int, clip: float, optimizer: str = "SGD") -> dict:
     saved = _saved_16bit_error(eng, ref["model"]) if optimizer == "SGD" and not clip else None
     placeholders = sum(p.numel() == 0 for p in eng.module.parameters())  # stage 3: partitioned between uses
     eng.destroy()
-    return {"coord": tuple(coord), "stage": stage, "placeholders": placeholders, "losses": losses, "ref_losses": ref["losses"], "params": err, "saved16": saved,
+    return {"coord": tuple(coord), "stage": stage, "placeholders": placeholders, "losses": losses,
+            "ref_losses": ref["losses"], "params": err, "saved16": saved,
             "norms": norms, "ref_norms": ref["norms"], "atol": ADAM_ATOL if optimizer == "AdamW" else MODEL_ATOL}
 
 
