@@ -41,7 +41,7 @@ def _train_with(zero: int, clip: float = 0.0, inf_at: int | None = None, extra: 
 
 def _all_cases():
     return {"zero1": _train_with(1), "zero2": _train_with(2), "clip": _train_with(2, clip=CLIP),
-            "inf": _train_with(0, inf_at=INF_STEP), "zero3": _zero3(), "zero3_clip_inf": _zero3(CLIP, INF_STEP),
+            "inf": _train_with(0, inf_at=INF_STEP), "zero3": _zero3(), "zero3_clip_inf": _zero3(CLIP, INF_STEP), "in_init": _built_in_zero_init(),
             "bf16": _train_with(1, extra={"bf16": {"enabled": True}})}
 
 
@@ -91,6 +91,8 @@ def test_two_stages_by_two_data_ranks():
         for calls in z3["calls"]:
             assert calls.get("all_gather", 0) == 2 * z3["groups"], (calls, z3["groups"])
             assert calls.get("reduce_scatter", 0) == z3["buckets"], (calls, z3["buckets"])
+    for r in per_rank:
+        assert r["in_init"] is not None and "PipelineModule inside engine.zero.Init is not supported" in r["in_init"]
     # ZeRO-3 clipped, with an Inf on stage 1 at INF_STEP: the reference's clipped run without that step, its
     # norms reported on every rank, that step skipped everywhere
     ref_norms = []
@@ -104,6 +106,18 @@ def test_two_stages_by_two_data_ranks():
         assert finite == pytest.approx([n for s, n in enumerate(ref_norms) if s != INF_STEP], rel=1e-5)
         for name, p in params.items():
             torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=f"ZeRO-3 clipped, {name}")
+
+
+def _built_in_zero_init() -> str | None:
+    """A PipelineModule built inside engine.zero.Init: refused before any layer is built."""
+    import engine
+    from engine.pipe import PipelineModule
+    try:
+        with engine.zero.Init():
+            PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _zero3(clip: float = 0.0, inf_at: int | None = None):
