@@ -87,7 +87,8 @@ def test_two_stages_by_two_data_ranks():
     _check_against_reference([r["zero3"]["run"][:3] for r in per_rank], tied=True, gas=GAS, dp=2, n_layers=6)
     for r in per_rank:
         z3 = r["zero3"]
-        assert z3["groups"] > 0 and z3["between"] == [0] * STEPS, z3
+        assert z3["groups"] > 0 and z3["between"] == [0] * STEPS and z3["after_eval"] == 0, z3
+        assert z3["evaluated"] == pytest.approx(z3["run"][1][0], rel=1e-6), z3
         for calls in z3["calls"]:
             assert calls.get("all_gather", 0) == 2 * z3["groups"], (calls, z3["groups"])
             assert calls.get("reduce_scatter", 0) == z3["buckets"], (calls, z3["buckets"])
@@ -137,7 +138,11 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None):
         layer = next(m for n, m in pm.named_children() if n.isdigit() and isinstance(m, torch.nn.Linear))
         layer.weight.register_hook(lambda g: g * float("inf") if poison else g)
     losses, norms, calls, between = [], [], [], []
-    for step, (x, y) in enumerate(global_batches(STEPS, MICRO * GAS * dp, True)):
+    batches = global_batches(STEPS, MICRO * GAS * dp, True)
+    # eval_batch holds and releases the same way: on the first batch, the loss train_batch then reports
+    evaluated = float(eng.eval_batch(iter(list(micro_batches(*batches[0], dp_rank, dp, GAS)))))
+    after_eval = sum(p.numel() for p in pm.parameters())
+    for step, (x, y) in enumerate(batches):
         poison[:] = [True] if step == inf_at else []
         eng.comm.stats.reset()
         losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))))
@@ -147,6 +152,7 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None):
     with engine.zero.GatheredParameters(list(pm.parameters())):
         params = {n: p.detach().clone() for n, p in pm.named_parameters()}
     return {"run": (params, losses, norms, eng.skipped_steps), "calls": calls, "between": between,
+            "evaluated": evaluated, "after_eval": after_eval,
             "groups": len(zopt.coordinator.groups), "buckets": len(zopt.buckets)}
 
 
