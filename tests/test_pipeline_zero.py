@@ -92,6 +92,11 @@ def test_two_stages_by_two_data_ranks():
         for calls in z3["calls"]:
             assert calls.get("all_gather", 0) == 2 * z3["groups"], (calls, z3["groups"])
             assert calls.get("reduce_scatter", 0) == z3["buckets"], (calls, z3["buckets"])
+    whole = {n: p for r in per_rank for n, p in r["zero3"]["run"][0].items()}
+    saved = per_rank[0]["zero3"]["saved"]
+    assert set(saved) == set(whole) and all(s["zero3"]["saved"] is None for s in per_rank[1:]), sorted(saved)
+    for name, p in whole.items():
+        torch.testing.assert_close(saved[name], p, rtol=0, atol=0, msg=f"save_16bit_model: {name}")
     for r in per_rank:
         assert r["in_init"] is not None and "PipelineModule inside engine.zero.Init is not supported" in r["in_init"]
     # ZeRO-3 clipped, with an Inf on stage 1 at INF_STEP: the reference's clipped run without that step, its
@@ -126,10 +131,15 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None):
     parameters (gathered), losses, norms, skips, and per step the collectives' calls on this rank (the
     stage-3 gather group shares the reduction group's counters) and the stage's gather groups and
     gradient buckets, to count them against. `clip`, `inf_at`: as `_train_with`'s."""
+    import tempfile
+
+    import torch.distributed as dist
+
     import engine
     from engine.pipe import PipelineModule
     pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
-    cfg = _config("1f1b", GAS, 3, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    cfg = _config("1f1b", GAS, 3, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                         "stage3_gather_16bit_weights_on_model_save": True},
                                   "gradient_clipping": clip})
     eng, *_ = engine.initialize(model=pm, config=cfg)
     zopt, dp, dp_rank = eng.zero_optimizer, eng.comm.world_size, eng.comm.rank
@@ -151,7 +161,10 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None):
         between.append(sum(p.numel() for p in pm.parameters()))  # placeholders between steps: 0
     with engine.zero.GatheredParameters(list(pm.parameters())):
         params = {n: p.detach().clone() for n, p in pm.named_parameters()}
-    return {"run": (params, losses, norms, eng.skipped_steps), "calls": calls, "between": between,
+    with tempfile.TemporaryDirectory() as d:  # save_16bit_model: both stages' layers in one file, rank 0's
+        assert eng.save_16bit_model(d)
+        saved = torch.load(f"{d}/pytorch_model.bin", weights_only=True) if dist.get_rank() == 0 else None
+    return {"run": (params, losses, norms, eng.skipped_steps), "calls": calls, "between": between, "saved": saved,
             "evaluated": evaluated, "after_eval": after_eval,
             "groups": len(zopt.coordinator.groups), "buckets": len(zopt.buckets)}
 

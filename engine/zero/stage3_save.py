@@ -55,12 +55,11 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
         return False
     state = consolidated_state_dict(engine.module, zopt, rank, exclude_frozen_parameters)
     writes, done = rank == 0, engine.comm
-    groups = getattr(engine, "groups", None)  # tensor parallelism: the shards joined (dense_state.py's note)
-    if groups is not None and groups.topology.model > 1:
-        from ..tensor_parallel.dense_state import dense_state_dict
-        if rank == 0:
-            state = dense_state_dict(state, engine.module, Communicator(groups.model_group))
-        writes, done = rank == 0 and groups.coord.model == 0, Communicator(None)
+    groups = getattr(engine, "groups", None)  # shards joined, stages merged (tensor_parallel/dense_state.py)
+    if groups is not None and groups.topology.world_size > groups.topology.data:
+        from ..tensor_parallel.dense_state import whole_model_state
+        state, writes = whole_model_state(state, engine.module, groups, rank)
+        done = Communicator(None)
     if writes:
         os.makedirs(save_dir, exist_ok=True)
         path = os.path.join(save_dir, save_filename)
