@@ -27,6 +27,9 @@ reports the median ratio of the step pairs (the least load-sensitive figure this
 (whole tensors), next to the same model on `stages` ranks without it; each row gives the bytes the
 busiest rank sent to its neighbour stages per step (counted on torch's send ops). DeepSpeed has no
 peer row here: its PipelineEngine takes tensor parallelism only from a Megatron `mpu`, not from AutoTP.
+`--zero-data D` runs dstrain's 1F1B on `stages` × D ranks at ZeRO-1 and ZeRO-3 instead (each stage's
+parameters gathered once per step: engine/pipe/zero3.py), with the all-gathers per step, their bytes and
+the parameter elements a rank holds between steps (DeepSpeed refuses ZeRO-3 with its pipeline: no peer).
 """
 from __future__ import annotations
 
@@ -174,6 +177,50 @@ def _gpt_pipe(stages: int, degree: int, m: int, steps: int, sliced: bool = True)
     return {"step_ms": measured(times), "sent_per_step": (sent["forward"] + sent["backward"]) / steps}
 
 
+def _zero_on_grid(stages: int, zero: int, m: int, steps: int) -> dict:
+    """dstrain's 1F1B on `stages` × (world / stages) data ranks at ZeRO `zero` (3: engine/pipe/zero3.py):
+    step time, all-gather calls and bytes per step, and the parameter elements this rank holds between
+    steps (at ZeRO-3 its 1/data partition, as placeholders)."""
+    import resource
+
+    import torch.distributed as dist
+
+    import engine
+    from engine.pipe import PipelineModule
+    from engine.topology import Topology
+    topo = Topology.for_world(dist.get_world_size(), pipe=stages)
+    pm = PipelineModule(wl.layers(), topology=topo, loss_fn=wl.loss_fn, partition_method="uniform")
+    cfg = {"train_micro_batch_size_per_gpu": wl.MICRO, "gradient_accumulation_steps": m, "steps_per_print": 10**9,
+           "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": zero}}
+    eng, *_ = engine.initialize(model=pm, config=cfg)
+    data = wl.micro_batches(m * steps)
+    times = []
+    for i in range(steps):
+        eng.comm.stats.reset()
+        times.append(_timed(lambda k: eng.train_batch(iter(data[k * m:(k + 1) * m])), i))
+    stats = eng.comm.stats.snapshot()
+    held = sum(p.numel() for p in pm.parameters())
+    eng.destroy()
+    return {"step_ms": measured(times), "all_gathers": stats["calls"].get("all_gather", 0),
+            "gather_kb": stats["bytes"].get("all_gather", 0) / 1024, "held": held,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _zero_rows(stages: int, data: int, ms: list[int], steps: int) -> None:
+    print(f"{'p':>2} {'dp':>2} {'m':>2} {'system':<20} {'step ms':>9} {'vs zero1':>8} {'all-gathers/step':>16} "
+          f"{'gathered KB/step':>16} {'module elems held':>17} {'peak RSS MB':>11}")
+    for m in ms:
+        rows = {z: run_distributed(_zero_on_grid, world_size=stages * data, args=(stages, z, m, steps), timeout=1800)
+                for z in (1, 3)}
+        base = max(r["step_ms"] for r in rows[1])
+        for z, ranks in rows.items():
+            step = max(r["step_ms"] for r in ranks)
+            print(f"{stages:>2} {data:>2} {m:>2} {f'dstrain-1f1b-zero{z}':<20} {step:>9.1f} {step / base:>8.2f} "
+                  f"{max(r['all_gathers'] for r in ranks):>16} {max(r['gather_kb'] for r in ranks):>16.1f} "
+                  f"{max(r['held'] for r in ranks):>17} {max(r['rss_mb'] for r in ranks):>11.0f}")
+
+
 def _tensor_parallel_rows(stages: int, degree: int, ms: list[int], steps: int) -> None:
     print(f"{'p':>2} {'m':>2} {'system':<34} {'ranks':>5} {'step ms':>9} {'vs tp1':>6} {'boundary KB/step/rank':>21}")
     for m in ms:
@@ -271,6 +318,8 @@ def main() -> int:
     p.add_argument("--paired", action="store_true", help="only dstrain's 1f1b vs torch's, alternating steps")
     p.add_argument("--micro-size", type=int, default=None,
                    help=f"rows per micro-batch (default {wl.MICRO}); set for every rank and DeepSpeed's peer")
+    p.add_argument("--zero-data", type=int, default=0,
+                   help="D > 0: only dstrain's 1f1b at ZeRO-1 and ZeRO-3 on stages x D ranks (engine/pipe/zero3.py)")
     args = p.parse_args()
     if args.micro_size is not None:  # before the first spawn: the ranks and the peer import the workload anew
         os.environ["DSTRAIN_PIPE_MICRO"] = str(args.micro_size)
@@ -280,6 +329,11 @@ def main() -> int:
     if args.paired:
         for stages in [int(s) for s in args.stages.split(",")]:
             _paired_rows(stages, [int(m) for m in args.micro_batches.split(",")], args.steps)
+        print(f"load after: {os.getloadavg()}")
+        return 0
+    if args.zero_data > 0:
+        for stages in [int(s) for s in args.stages.split(",")]:
+            _zero_rows(stages, args.zero_data, [int(m) for m in args.micro_batches.split(",")], args.steps)
         print(f"load after: {os.getloadavg()}")
         return 0
     if args.tensor_parallel > 1:

@@ -10,6 +10,9 @@ Workload: a Llama-style HF model at the benchmark GPT's sizes (benchmarks/deepsp
   over the world (engine/tensor_parallel/norm.py) costs one more all-reduce of one float per step (over the model group);
 - `dstrain-tp2-fp16`, `dstrain-tp2-fp16-clip`: the same in fp16 (dynamic loss scale), without and with
   clipping (the agreed norm of the unscaled gradients; on CPU fp16 matmuls are slow, compare the pair);
+- `dstrain-tp2-z3`: `dstrain-tp2` at ZeRO-3: each shard partitioned over the data axis and gathered around
+  its use (with 2 ranks and T = 2 the data axis has one rank: the cost of stage 3's hooks and gathers
+  beside ZeRO-1's, not memory; on 4 ranks each shard is halved);
 - `deepspeed-autotp2`: DeepSpeed 0.19's `tensor_parallel.autotp_size: 2`, ZeRO-1, the same.
 Median step time of steps 2..N-1, slowest rank, and the ratio to the first system. On 2 CPU cores
 tensor parallelism cannot beat DDP (the same flops plus 4 all-reduces of activations per layer); the
@@ -61,13 +64,13 @@ def _run_ddp(steps: int) -> list[float]:
     return _timed(step, bench_batches(steps, GLOBAL_BATCH // world, dist.get_rank()))
 
 
-def _run_dstrain_tp(steps: int, tp: int = 2, clip: float = 0.0, fp16: bool = False) -> list[float]:
+def _run_dstrain_tp(steps: int, tp: int = 2, clip: float = 0.0, fp16: bool = False, zero: int = 1) -> list[float]:
     import engine
     from engine.topology import current
     data = dist.get_world_size() // tp
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // data, "gradient_accumulation_steps": 1,
            "gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-           "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}, "fp16": {"enabled": fp16}}
+           "zero_optimization": {"stage": zero}, "tensor_parallel": {"autotp_size": tp}, "fp16": {"enabled": fp16}}
     eng, _, _, _ = engine.initialize(model=bench_model(), config=cfg)
 
     def step(ids):
@@ -81,7 +84,8 @@ def _run_dstrain_tp(steps: int, tp: int = 2, clip: float = 0.0, fp16: bool = Fal
 SYSTEMS = {"ddp": _run_ddp, "dstrain-tp2": _run_dstrain_tp,
            "dstrain-tp2-clip": functools.partial(_run_dstrain_tp, clip=1.0),
            "dstrain-tp2-fp16": functools.partial(_run_dstrain_tp, fp16=True),
-           "dstrain-tp2-fp16-clip": functools.partial(_run_dstrain_tp, clip=1.0, fp16=True)}
+           "dstrain-tp2-fp16-clip": functools.partial(_run_dstrain_tp, clip=1.0, fp16=True),
+           "dstrain-tp2-z3": functools.partial(_run_dstrain_tp, zero=3)}
 
 
 def _rank_entry(system: str, steps: int) -> dict:
@@ -105,6 +109,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="ddp,dstrain-tp2,deepspeed-autotp2")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--world", type=int, default=2,
+                   help="ranks; 4 gives dstrain 2 model x 2 data (ZeRO-3: shards halved)")
     p.add_argument("--deepspeed-venv", type=Path, default=None)
     args = p.parse_args(argv)
     rows = []
@@ -112,9 +118,9 @@ def main(argv=None) -> int:
         if name == "deepspeed-autotp2":
             if args.deepspeed_venv is None:
                 p.error("deepspeed-autotp2 needs --deepspeed-venv PATH")
-            row = _run_deepspeed(args.deepspeed_venv, args.steps, 2)
+            row = _run_deepspeed(args.deepspeed_venv, args.steps, args.world)
         elif name in SYSTEMS:
-            per_rank = run_distributed(_rank_entry, 2, args=(name, args.steps), timeout=1800)
+            per_rank = run_distributed(_rank_entry, args.world, args=(name, args.steps), timeout=1800)
             row = {"step_ms": max(r["step_ms"] for r in per_rank), "rss_mb": max(r["rss_mb"] for r in per_rank)}
         else:
             p.error(f"unknown system {name!r}; choose from {sorted(SYSTEMS) + ['deepspeed-autotp2']}")

@@ -203,3 +203,14 @@ def current() -> ProcessGroups:
     if not _CURRENT:
         _CURRENT.append(ProcessGroups(Topology.from_world()))
     return _CURRENT[0]
+
+
+def model_parallel_if_set() -> ProcessGroups | None:
+    """The current groups when they were set for this world and split it beyond the data axis (a model
+    or pipe axis), else None: what `engine.zero.Init` partitions over by default (its note)."""
+    if not _CURRENT or not dist.is_initialized():
+        return None
+    topo = _CURRENT[0].topology
+    if topo.world_size != dist.get_world_size() or topo.data == topo.world_size:
+        return None
+    return _CURRENT[0]

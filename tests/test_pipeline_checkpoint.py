@@ -18,7 +18,9 @@ and a checkpoint the dense process saves loaded at 2 model ranks (degree 1 → 2
 equal to a dense single-process reference (SGD with momentum on the global batch, no clipping: a
 wrong shard or a wrong gradient scale moves the weights), losses and reported gradient norms
 included. The consolidate tool turns the tensor-parallel checkpoint into the dense model's state
-dict. The same GPT at ZeRO-2 (2 model × 2 data) loads into 1 process and into 2 model × 1 data.
+dict. The same GPT at ZeRO-2 (2 model × 2 data) loads into 1 process and into 2 model × 1 data; at
+ZeRO-3 (2 × 2, matrices partitioned over the data axis and gathered) into 1 process at ZeRO-3, into
+2 model × 1 data at ZeRO-2 and into 2 × 2 at ZeRO-2, and the ZeRO-2 checkpoint into 2 × 2 at ZeRO-3.
 HF GPT-2 (`Conv1D` projections, weights stored (in, out)) the same way at `autotp_size: 2`: loaded into
 the plain Conv1D model in 1 process, which saves a dense checkpoint that loads at autotp 2 (degree
 2 → 1 → 2), and at 4 model ranks (2 → 4); every weight right after each load equals the dense
@@ -67,19 +69,21 @@ def _checked(result):
 
 
 # -- pipeline: 2 pipe × 2 data -------------------------------------------------------------------------
-def _config(save_dir: str, dp: int, extra: dict | None = None) -> dict:
+def _config(save_dir: str, dp: int, extra: dict | None = None, zero: int = 1) -> dict:
+    # ZeRO-3: every parameter partitioned over the data axis (engine/pipe/zero3.py)
+    section = {"stage": zero, **({"stage3_param_persistence_threshold": 0} if zero == 3 else {})}
     return {"train_micro_batch_size_per_gpu": GLOBAL // (GAS * dp), "gradient_accumulation_steps": GAS,
             "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
-            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1},
+            "zero_allow_untested_optimizer": True, "zero_optimization": section,
             "checkpoint": {"save_dir": save_dir, **(extra or {})}}
 
 
-def _engine(stages: int, save_dir: str, dp: int, extra: dict | None = None):
+def _engine(stages: int, save_dir: str, dp: int, extra: dict | None = None, zero: int = 1):
     import engine
     from engine.pipe import PipelineModule
     pm = PipelineModule(tied_specs(2), num_stages=stages, loss_fn=lm_loss, seed_layers=True,
                         partition_method="uniform")
-    eng, *_ = engine.initialize(model=pm, config=_config(save_dir, dp, extra))
+    eng, *_ = engine.initialize(model=pm, config=_config(save_dir, dp, extra, zero))
     return eng, pm
 
 
@@ -90,7 +94,9 @@ def _train(eng, steps: range) -> list[float]:
 
 
 def _params(pm) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in pm.named_parameters()}
+    import engine
+    with engine.zero.GatheredParameters(list(pm.parameters())):  # ZeRO-3: placeholders between steps
+        return {n: p.detach().clone() for n, p in pm.named_parameters()}
 
 
 def _save_then_load_at_four_data(save_dir: str):
@@ -109,6 +115,26 @@ def _save_then_load_at_four_data(save_dir: str):
     losses4 = _train(eng4, range(SAVE_AT, STEPS))
     eng4.destroy()
     return uninterrupted, at_save, (_params(pm4), losses4), steps_loaded, path
+
+
+def _pipe_zero3_save_and_continue(save_dir: str):
+    """2 pipe × 2 data at ZeRO-3: save at step SAVE_AT, continue to STEPS."""
+    eng, pm = _engine(2, save_dir, dp=2, zero=3)
+    _train(eng, range(SAVE_AT))
+    eng.save_checkpoint(save_dir)
+    losses = _train(eng, range(SAVE_AT, STEPS))
+    result = (_params(pm), losses, eng.stage_id)
+    eng.destroy()
+    return result
+
+
+def _pipe_load_in_one_process(save_dir: str, zero: int):
+    eng, pm = _engine(1, save_dir, dp=1, zero=zero)
+    eng.load_checkpoint(save_dir)
+    losses = _train(eng, range(SAVE_AT, STEPS))
+    result = (_params(pm), losses, eng.global_steps)
+    eng.destroy()
+    return result
 
 
 def _resume_in_one_process(save_dir: str):
@@ -168,6 +194,8 @@ def _tp_engine(tp: int, zero: int = 1, kind: str = "gpt"):
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL // data, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "SGD", "params": {"lr": TP_LR, "momentum": MOMENTUM}},
            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero}}
+    if zero == 3:  # the matrices partitioned and gathered, the norms and biases kept whole
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 64
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
     eng, *_ = engine.initialize(model=MODELS[kind](), config=cfg)
@@ -176,11 +204,15 @@ def _tp_engine(tp: int, zero: int = 1, kind: str = "gpt"):
 
 
 def _tp_params(eng) -> dict:
-    """name -> (this rank's tensor, (dim, parts, transposed) of a shard or None)."""
+    """name -> (this rank's tensor, (dim, parts, transposed) of a shard or None); at ZeRO-3 gathered over
+    the data axis (a placeholder between uses)."""
+    import engine
     from engine.tensor_parallel import is_partitioned
-    return {n: (p.detach().clone(), (p.tensor_parallel_dim, p.tensor_parallel_parts,
-                                     getattr(p, "tensor_parallel_transposed", False)) if is_partitioned(p) else None)
-            for n, p in eng.module.named_parameters()}
+    def layout(p):
+        return ((p.tensor_parallel_dim, p.tensor_parallel_parts, getattr(p, "tensor_parallel_transposed", False))
+                if is_partitioned(p) else None)
+    with engine.zero.GatheredParameters(list(eng.module.parameters())):
+        return {n: (p.detach().clone(), layout(p)) for n, p in eng.module.named_parameters()}
 
 
 def _tp_train(eng, steps: range) -> dict:
@@ -358,7 +390,8 @@ def _pt_reference() -> dict:
 # open worlds of 1 and stop.
 def _every_layout(root: str) -> dict:
     import torch.distributed as dist
-DIRS = ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2", "hf", "hf_dense", "hf_unflagged", "frozen")
+DIRS = ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2", "tp_zero3", "hf", "hf_dense", "hf_unflagged",
+        "frozen", "pipe_zero3")
 
 
 def _every_layout(root: str) -> dict:
@@ -366,21 +399,28 @@ def _every_layout(root: str) -> dict:
     dirs = {k: f"{root}/{k}" for k in DIRS}
     rank = dist.get_rank()
     out = {"four": {"pipe": _guarded(_save_then_load_at_four_data, dirs["pipe"]),
+                    "pipe_zero3": _guarded(_pipe_zero3_save_and_continue, dirs["pipe_zero3"]),
                     "tp": _guarded(_tp_save_and_resume_on_grid, dirs["tp"]),
                     "tp_4x1": _guarded(_tp_load_at, dirs["tp"], 4),
                     "pipe_tp": _guarded(_pt_save_and_continue, dirs["pipe_tp"]),
                     "pipe_tp_layers": _guarded(_pt_save_and_continue, dirs["pipe_tp_layers"], True),
                     "tp_zero2": _guarded(_tp_save_and_continue, dirs["tp_zero2"], "gpt", 2),
+                    "tp_zero3": _guarded(_tp_save_and_continue, dirs["tp_zero3"], "gpt", 3),
+                    "tp_zero3_at_zero2": _guarded(_tp_load_at, dirs["tp_zero3"], 2, 2),
+                    "tp_zero2_at_zero3": _guarded(_tp_load_at, dirs["tp_zero2"], 2, 3),
                     "hf": _guarded(_tp_save_and_continue, dirs["hf"], "hf"),
                     "hf_4x1": _guarded(_tp_load_at, dirs["hf"], 4, 1, "hf"),
                     "frozen": _guarded(_tp_save_and_continue, dirs["frozen"], "frozen")}}
     new_world(None, 0, 1)
     if rank == 0:
         out["one"] = {"pipe": _guarded(_resume_in_one_process, dirs["pipe"]),
+                      "pipe_zero3": _guarded(_pipe_load_in_one_process, dirs["pipe_zero3"], 3),
+                      "pipe_zero3_at_zero1": _guarded(_pipe_load_in_one_process, dirs["pipe_zero3"], 1),
                       "tp": _guarded(_tp_load_in_one_process, dirs["tp"], dirs["dense"]),
                       "pipe_tp": _guarded(_pt_load_at, dirs["pipe_tp"], 1),
                       "pipe_tp_layers": _guarded(_pt_load_at, dirs["pipe_tp_layers"], 1, True),
                       "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 1, 2),
+                      "tp_zero3": _guarded(_tp_load_at, dirs["tp_zero3"], 1, 3),
                       "hf": _guarded(_tp_load_in_one_process, dirs["hf"], dirs["hf_dense"], "hf"),
                       "frozen": _guarded(_tp_load_at, dirs["frozen"], 1, 1, "frozen")}
         _as_unflagged(dirs["hf"], dirs["hf_unflagged"])
@@ -390,6 +430,7 @@ def _every_layout(root: str) -> dict:
         out["two"] = {"tp_2x2": _guarded(_tp_load_at, dirs["tp"], 2), "tp_dense": _guarded(_tp_load_at, dirs["dense"], 2),
                       "pipe_tp": _guarded(_pt_load_at, dirs["pipe_tp"], 2),
                       "tp_zero2": _guarded(_tp_load_at, dirs["tp_zero2"], 2, 2),
+                      "tp_zero3": _guarded(_tp_load_at, dirs["tp_zero3"], 2, 2),
                       "hf_dense": _guarded(_tp_load_at, dirs["hf_dense"], 2, 1, "hf"),
                       "frozen": _guarded(_tp_load_at, dirs["frozen"], 2, 1, "frozen"),
                       "hf_unflagged": _guarded(_tp_load_at, dirs["hf_unflagged"], 2, 1, "hf")}
@@ -445,6 +486,19 @@ def test_pipeline_checkpoint_resumes_in_one_process(runs, pipe_runs):
     params, losses, steps_loaded = _checked(runs["one"]["pipe"])
     assert steps_loaded == SAVE_AT
     _assert_same(params, want, "1 process after auto_resume")
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["pipe_zero3", "pipe_zero3_at_zero1"])
+def test_pipeline_zero3_checkpoint_loads_in_one_process(runs, case):
+    """2 pipe × 2 data at ZeRO-3 (engine/pipe/zero3.py), saved at SAVE_AT: one process at ZeRO-3 and at
+    ZeRO-1 continues to the uninterrupted run's weights and losses."""
+    saved = [_checked(r["pipe_zero3"]) for r in runs["four"]]
+    assert {r[2] for r in saved} == {0, 1}
+    want, want_losses = _whole(saved)
+    params, losses, steps = _checked(runs["one"][case])
+    assert steps == STEPS
+    _assert_same(params, want, f"{case}: 1 process after loading")
     assert losses == pytest.approx(want_losses, rel=1e-5)
 
 
@@ -766,25 +820,39 @@ def test_pipe_by_tensor_parallel_checkpoint_loads_at_fewer_ranks(runs, pt_refere
     _assert_pt_equals_reference(results, pt_reference, 1, f"2 pipe × 2 model → {layout}")
 
 
-# -- ZeRO-2 × tensor parallel tests ----------------------------------------------------------------------
-def test_zero2_tensor_parallel_run_equals_the_dense_reference(runs, reference):
-    results = [_checked(r["tp_zero2"]) for r in runs["four"]]
+# -- ZeRO-2 and ZeRO-3 × tensor parallel tests -----------------------------------------------------------
+# ZeRO-3 saved at 2 model × 2 data loads at 1 process (ZeRO-3, a dense model), at 2 model × 1 data
+# (ZeRO-2) and at 2 × 2 ZeRO-2; the ZeRO-2 checkpoint loads at 2 × 2 ZeRO-3 (resharding across stages).
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_tensor_parallel_run_equals_the_dense_reference(runs, reference, zero):
+    results = [_checked(r[f"tp_zero{zero}"]) for r in runs["four"]]
     assert sorted(r["coord"] for r in results) == [(0, d, m) for d in range(2) for m in range(2)]
     for r in results:
-        _assert_equals_reference(r, reference, 2, f"ZeRO-2, 2 × 2 uninterrupted, rank {r['coord']}")
+        _assert_equals_reference(r, reference, 2, f"ZeRO-{zero}, 2 × 2 uninterrupted, rank {r['coord']}")
     assert _mean_losses(results) == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
-    meta = json.loads((Path(runs["dirs"]["tp_zero2"]) / TAG / "metadata.json").read_text())
-    assert meta["zero_stage"] == 2 and meta["model_parallel_size"] == 2 and meta["data_parallel_size"] == 2
+    meta = json.loads((Path(runs["dirs"][f"tp_zero{zero}"]) / TAG / "metadata.json").read_text())
+    assert meta["zero_stage"] == zero and meta["model_parallel_size"] == 2 and meta["data_parallel_size"] == 2
 
 
-@pytest.mark.parametrize("layout", ["one", "two"], ids=["to-1-process", "to-2-model-x-1-data"])
-def test_zero2_tensor_parallel_checkpoint_loads_at_fewer_ranks(runs, reference, layout):
-    results = [_checked(runs["one"]["tp_zero2"])] if layout == "one" else [_checked(r["tp_zero2"]) for r in runs["two"]]
+@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("layout", ["one", "two"], ids=["to-1-process", "to-2-model-x-1-data-zero2"])
+def test_zero_tensor_parallel_checkpoint_loads_at_fewer_ranks(runs, reference, layout, zero):
+    key = f"tp_zero{zero}"
+    results = [_checked(runs["one"][key])] if layout == "one" else [_checked(r[key]) for r in runs["two"]]
     degree = 1 if layout == "one" else 2
     assert sorted(r["coord"] for r in results) == [(0, 0, m) for m in range(degree)]
     for r in results:
-        _assert_equals_reference(r, reference, degree, f"ZeRO-2 2 × 2 → {layout}, rank {r['coord']}")
+        _assert_equals_reference(r, reference, degree, f"ZeRO-{zero} 2 × 2 → {layout}, rank {r['coord']}")
         assert r["losses"] == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["tp_zero3_at_zero2", "tp_zero2_at_zero3"])
+def test_tensor_parallel_checkpoint_loads_at_another_zero_stage_on_the_same_grid(runs, reference, case):
+    results = [_checked(r[case]) for r in runs["four"]]
+    assert sorted(r["coord"] for r in results) == [(0, d, m) for d in range(2) for m in range(2)]
+    for r in results:
+        _assert_equals_reference(r, reference, 2, f"{case}, rank {r['coord']}")
+    assert _mean_losses(results) == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5)
 
 
 def test_megatron_layer_stages_checkpoint_loads_in_one_process(runs, pt_reference):

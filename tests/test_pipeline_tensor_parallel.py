@@ -9,13 +9,15 @@ so a gradient off by the tensor-parallel size, a replicated tied embedding summe
 1/m shows in the weights), with accumulation. Every rank also reports the gradient norm it clipped
 with, compared to the reference's: sharded parameters counted fully, replicated and tied ones once.
 An Inf on one tensor rank of one stage makes every rank of the world skip that step.
-4 ranks: 2 pipe × 2 model, ZeRO-1 and ZeRO-2; 8 ranks: 2 pipe × 2 data × 2 model at ZeRO-2 (runs of
-3 steps: 8 processes share 2 cores; ZeRO-2 partitions gradients as well as the optimizer state ZeRO-1
-partitions, over the same data axis). fp16 (dynamic loss scale, an overflow on one tensor rank) and bf16
-on 2 pipe × 2 model and on the 8-rank grid against the same-precision engine in one process; fp16 with
-clipping active at every step (the pipeline's norm, agreed over the model-parallel world and unscaled
-before clipping, equals the reference's, and the first step's equals the fp32 reference's). All in one
-spawn of 8 processes: the 8-rank runs, then ranks 0-3 as a world of 4, then rank 0 alone (tests/worlds.py).
+4 ranks: 2 pipe × 2 model, ZeRO-1 and ZeRO-2; 8 ranks: 2 pipe × 2 data × 2 model at ZeRO-2 (AutoTP) and
+ZeRO-3 (Megatron layers; every parameter partitioned over the data axis, gathered once per step:
+engine/pipe/zero3.py) (runs of 3 steps: 8 processes share 2 cores; ZeRO-2 partitions gradients as well
+as the optimizer state ZeRO-1 partitions, over the same data axis). fp16 (dynamic loss scale, an
+overflow on one tensor rank) and bf16 on 2 pipe × 2 model and on the 8-rank grid against the
+same-precision engine in one process; fp16 with clipping active at every step (the pipeline's norm,
+agreed over the model-parallel world and unscaled before clipping, equals the reference's, and the first
+step's equals the fp32 reference's). All in one spawn of 8 processes: the 8-rank runs, then ranks 0-3
+as a world of 4, then rank 0 alone (tests/worlds.py).
 """
 from __future__ import annotations
 
@@ -66,6 +68,8 @@ def _train_3d(route: str, zero: int, steps: int, inf_at: int | None = None, prec
               **(precision or {})}
     if route == "autotp":
         config["tensor_parallel"] = {"autotp_size": 2}
+    if zero == 3:  # every parameter partitioned over the data axis (engine/pipe/zero3.py)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     eng, *_ = engine.initialize(model=pm, config=config)
     coord = pm.process_groups.coord
     poison = []
@@ -78,10 +82,13 @@ def _train_3d(route: str, zero: int, steps: int, inf_at: int | None = None, prec
         poison[:] = [True] if step == inf_at else []
         losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))))
         norms.append(eng.get_global_grad_norm())
-    params = {_dense_name(n): (p.detach().clone(), getattr(p, "tensor_parallel_dim", None),
-                               getattr(p, "tensor_parallel_parts", 1)) for n, p in pm.named_parameters()}
+    placeholders = sum(p.numel() == 0 for p in pm.parameters())
+    with engine.zero.GatheredParameters(list(pm.parameters())):  # ZeRO-3: placeholders between steps
+        params = {_dense_name(n): (p.detach().clone(), getattr(p, "tensor_parallel_dim", None),
+                                   getattr(p, "tensor_parallel_parts", 1)) for n, p in pm.named_parameters()}
     result = {"coord": tuple(coord), "params": params, "losses": losses, "norms": norms,
-              "skipped": eng.skipped_steps, "sharded": sum(d is not None for _, d, _ in params.values())}
+              "skipped": eng.skipped_steps, "sharded": sum(d is not None for _, d, _ in params.values()),
+              "placeholders": placeholders}
     if precision:
         result.update(_precision_state(eng, pm, _dense_name))
     eng.destroy()
@@ -178,7 +185,7 @@ CASES_4 = {"layers-zero1": ("layers", 1, None, None), "autotp-zero2": ("autotp",
            "fp16-clip": ("autotp", 2, None, FP16_CLIP)}
 # 2 pipe × 2 data × 2 model, ZeRO-2 (data 2: the reduce-scatter of gradients is real)
 CASES_8 = {"autotp-zero2": ("autotp", 2, None, None), "fp16-clip-inf": ("layers", 2, INF_STEP, FP16_CLIP),
-           "bf16": ("autotp", 2, None, BF16)}
+           "bf16": ("autotp", 2, None, BF16), "layers-zero3": ("layers", 3, None, None)}
 
 
 def _every_world(root: str):
@@ -225,8 +232,12 @@ def test_an_inf_on_one_tensor_rank_of_one_stage_skips_the_step_everywhere(four_r
     _check([r["inf-zero2"] for r in four_rank_results], STEPS_4, dp=1, skip=frozenset({INF_STEP}))
 
 
-def test_pipe2_x_dp2_x_tp2_on_eight_ranks_equals_the_dense_model(every_world):
-    _check([r["eight"]["autotp-zero2"] for r in every_world], STEPS_8, dp=2)
+@pytest.mark.parametrize("case", ["autotp-zero2", "layers-zero3"])
+def test_pipe2_x_dp2_x_tp2_on_eight_ranks_equals_the_dense_model(every_world, case):
+    _check([r["eight"][case] for r in every_world], STEPS_8, dp=2)
+    # ZeRO-3 (engine/pipe/zero3.py): every parameter a placeholder between steps, none at ZeRO-2
+    assert all((r["eight"][case]["placeholders"] == len(r["eight"][case]["params"])) == case.endswith("zero3")
+               for r in every_world)
 
 
 # fp16 and bf16 with a pipeline: the pipeline's fp32 master weights after the steps against the

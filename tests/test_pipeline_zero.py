@@ -1,7 +1,8 @@
 """Pipeline × data parallelism on 4 ranks (2 stages × 2 data-parallel ranks): ZeRO-1 and ZeRO-2 over
 the data axis equal single-process SGD; with clipping every rank reports, and clips with, the norm of
 the whole model's gradient (the tied embedding counted once); an Inf produced on one stage makes every
-rank skip that step; ZeRO-3 with a pipeline is refused naming the key."""
+rank skip that step; ZeRO-3 in each stage (gathered once per step for all micro-batches, reduce-scattered
+once after the last) equals the same reference, also clipped with an Inf on one stage."""
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,7 @@ def _train_with(zero: int, clip: float = 0.0, inf_at: int | None = None, extra: 
 
 def _all_cases():
     return {"zero1": _train_with(1), "zero2": _train_with(2), "clip": _train_with(2, clip=CLIP),
-            "inf": _train_with(0, inf_at=INF_STEP), "zero3": _zero3(),
+            "inf": _train_with(0, inf_at=INF_STEP), "zero3": _zero3(), "zero3_clip_inf": _zero3(CLIP, INF_STEP), "in_init": _built_in_zero_init(),
             "bf16": _train_with(1, extra={"bf16": {"enabled": True}})}
 
 
@@ -80,20 +81,91 @@ def test_two_stages_by_two_data_ranks():
         for name, p in params.items():
             torch.testing.assert_close(p, want[name] - init[name], rtol=5e-2, atol=2e-4,
                                        msg=f"bf16 update of {name}")
-    # ZeRO-3 with a pipeline: refused on every rank, naming the key
+    # ZeRO-3 in each stage (engine/pipe/zero3.py): the reference's weights; per step each of the stage's
+    # groups all-gathered once (its data all-gather and its id check) whatever the GAS micro-batches, the
+    # gradients reduce-scattered once per bucket after the last one, nothing gathered between steps
+    _check_against_reference([r["zero3"]["run"][:3] for r in per_rank], tied=True, gas=GAS, dp=2, n_layers=6)
     for r in per_rank:
-        assert r["zero3"] is not None and "zero_optimization.stage: 3 with a PipelineModule" in r["zero3"]
+        z3 = r["zero3"]
+        assert z3["groups"] > 0 and z3["between"] == [0] * STEPS and z3["after_eval"] == 0, z3
+        assert z3["evaluated"] == pytest.approx(z3["run"][1][0], rel=1e-6), z3
+        for calls in z3["calls"]:
+            assert calls.get("all_gather", 0) == 2 * z3["groups"], (calls, z3["groups"])
+            assert calls.get("reduce_scatter", 0) == z3["buckets"], (calls, z3["buckets"])
+    whole = {n: p for r in per_rank for n, p in r["zero3"]["run"][0].items()}
+    saved = per_rank[0]["zero3"]["saved"]
+    assert set(saved) == set(whole) and all(s["zero3"]["saved"] is None for s in per_rank[1:]), sorted(saved)
+    for name, p in whole.items():
+        torch.testing.assert_close(saved[name], p, rtol=0, atol=0, msg=f"save_16bit_model: {name}")
+    for r in per_rank:
+        assert r["in_init"] is not None and "PipelineModule inside engine.zero.Init is not supported" in r["in_init"]
+    # ZeRO-3 clipped, with an Inf on stage 1 at INF_STEP: the reference's clipped run without that step, its
+    # norms reported on every rank, that step skipped everywhere
+    ref_norms = []
+    ref, _ = reference_sgd(tied_specs(4), global_batches(STEPS, MICRO * GAS * 2, True), lm_loss, LR, STEPS,
+                           clip=CLIP, skip={INF_STEP}, norms=ref_norms)
+    want = reference_params(ref)
+    for r in per_rank:
+        params, _, norms, skipped = r["zero3_clip_inf"]["run"]
+        assert skipped == 1 and not torch.isfinite(torch.tensor(norms[INF_STEP])), norms
+        finite = [n for s, n in enumerate(norms) if s != INF_STEP]
+        assert finite == pytest.approx([n for s, n in enumerate(ref_norms) if s != INF_STEP], rel=1e-5)
+        for name, p in params.items():
+            torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=f"ZeRO-3 clipped, {name}")
 
 
-def _zero3():
+def _built_in_zero_init() -> str | None:
+    """A PipelineModule built inside engine.zero.Init: refused before any layer is built."""
     import engine
-    import schemas
     from engine.pipe import PipelineModule
-    pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss)
     try:
-        engine.initialize(model=pm, config=_config("1f1b", GAS, 3))
-    except schemas.ConfigError as err:
+        with engine.zero.Init():
+            PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss)
+    except ValueError as err:
         return str(err)
     return None
+
+
+def _zero3(clip: float = 0.0, inf_at: int | None = None):
+    """ZeRO-3 on 2 pipe × 2 data, every parameter partitioned (persistence threshold 0): the trained
+    parameters (gathered), losses, norms, skips, and per step the collectives' calls on this rank (the
+    stage-3 gather group shares the reduction group's counters) and the stage's gather groups and
+    gradient buckets, to count them against. `clip`, `inf_at`: as `_train_with`'s."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import engine
+    from engine.pipe import PipelineModule
+    pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
+    cfg = _config("1f1b", GAS, 3, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                         "stage3_gather_16bit_weights_on_model_save": True},
+                                  "gradient_clipping": clip})
+    eng, *_ = engine.initialize(model=pm, config=cfg)
+    zopt, dp, dp_rank = eng.zero_optimizer, eng.comm.world_size, eng.comm.rank
+    poison = []
+    if inf_at is not None and eng.stage_id == 1:  # only the second stage's hidden layer sees it
+        layer = next(m for n, m in pm.named_children() if n.isdigit() and isinstance(m, torch.nn.Linear))
+        layer.weight.register_hook(lambda g: g * float("inf") if poison else g)
+    losses, norms, calls, between = [], [], [], []
+    batches = global_batches(STEPS, MICRO * GAS * dp, True)
+    # eval_batch holds and releases the same way: on the first batch, the loss train_batch then reports
+    evaluated = float(eng.eval_batch(iter(list(micro_batches(*batches[0], dp_rank, dp, GAS)))))
+    after_eval = sum(p.numel() for p in pm.parameters())
+    for step, (x, y) in enumerate(batches):
+        poison[:] = [True] if step == inf_at else []
+        eng.comm.stats.reset()
+        losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))))
+        calls.append(dict(eng.comm.stats.calls))
+        norms.append(eng.get_global_grad_norm())
+        between.append(sum(p.numel() for p in pm.parameters()))  # placeholders between steps: 0
+    with engine.zero.GatheredParameters(list(pm.parameters())):
+        params = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    with tempfile.TemporaryDirectory() as d:  # save_16bit_model: both stages' layers in one file, rank 0's
+        assert eng.save_16bit_model(d)
+        saved = torch.load(f"{d}/pytorch_model.bin", weights_only=True) if dist.get_rank() == 0 else None
+    return {"run": (params, losses, norms, eng.skipped_steps), "calls": calls, "between": between, "saved": saved,
+            "evaluated": evaluated, "after_eval": after_eval,
+            "groups": len(zopt.coordinator.groups), "buckets": len(zopt.buckets)}
 
 

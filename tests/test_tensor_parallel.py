@@ -175,10 +175,11 @@ def _refusals() -> dict:
     found = {}
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
             "tensor_parallel": {"autotp_size": 2}}
-    cases = {"zero3": {"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True},
+    cases = {"zero_init": {"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True},
              "onebit": {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "stale_parameters": {}}
     for name, extra in cases.items():
-        model = _tiny_gpt()
+        with engine.zero.Init(enabled=name == "zero_init"):  # AutoTP cannot cut what Init partitioned
+            model = _tiny_gpt()
         params = list(model.parameters()) if name == "stale_parameters" else None
         try:
             engine.initialize(model=model, model_parameters=params, config={**base, **extra})
@@ -351,7 +352,8 @@ def test_autotp_model_equals_dense_after_sgd_steps(two_rank_results, kind):
 # with SGD: unclipped (a wrong gradient scale moves the weights), and clipped by torch's
 # clip_grad_norm_ at CLIP, below every step's norm (checked), so every step is scaled by CLIP / norm
 # and a norm counted wrong (a replicated parameter T times, a shard once) moves the weights and the
-# reported norm. ZeRO-1 and ZeRO-2 partition over the data axis only. AdamW (clipped) at ZeRO-2: Adam's
+# reported norm. ZeRO-1, 2 and 3 partition over the data axis only (stage 3 also gathers over it, and
+# its save_16bit_model joins the shards). AdamW (clipped) at ZeRO-2 and 3: Adam's
 # update barely depends on the gradient's scale, so there the reported norm is the norm's oracle and
 # the weights check everything else (moments, bias correction, decay on the right shards). Adam divides
 # each gradient element by its own running magnitude, so the summation-order noise of near-zero
@@ -361,11 +363,40 @@ OPTIMIZERS = {"SGD": {"lr": LR}, "AdamW": {"lr": 1e-2, "weight_decay": 0.1}}
 ADAM_ATOL = 1e-4
 
 
+# Stage 3: matrices partitioned and gathered around their use, norms and biases (at most 64 elements)
+# kept whole (both kinds exercised); save_16bit_model gathers them.
+STAGE3 = {"stage3_param_persistence_threshold": 64, "stage3_gather_16bit_weights_on_model_save": True}
+
+
+def _whole_params(eng) -> dict:
+    """name -> this rank's parameter (its shard, or a replicated one) as a tensor: at stage 3 gathered
+    over the data axis (between uses it is a placeholder), elsewhere as it is."""
+    import engine
+    params = dict(eng.module.named_parameters())
+    with engine.zero.GatheredParameters(list(params.values())):
+        return {n: p.detach().clone() for n, p in params.items()}
+
+
+def _saved_16bit_error(eng, reference: nn.Module) -> float | None:
+    """`save_16bit_model` writes the dense model's state dict (shards joined, dense_state.py): on global
+    rank 0, loaded strictly into the dense GPT, its largest distance to `reference`; None elsewhere."""
+    import tempfile
+
+    import torch.distributed as dist
+    with tempfile.TemporaryDirectory() as d:
+        assert eng.save_16bit_model(d)
+        if dist.get_rank() != 0:
+            return None
+        dense = _tiny_gpt()
+        dense.load_state_dict(torch.load(f"{d}/pytorch_model.bin", weights_only=True))
+    return max(_err(p.detach(), q.detach()) for p, q in zip(dense.parameters(), reference.parameters()))
+
+
 def _config(stage: int, data: int, clip: float = 0.0, fp16: bool = False, optimizer: str = "SGD") -> dict:
     return {"train_micro_batch_size_per_gpu": 4 // data, "gradient_accumulation_steps": 1,
             "gradient_clipping": clip, "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]},
             "zero_allow_untested_optimizer": True, "fp16": {"enabled": fp16, "initial_scale_power": 8, "hysteresis": 1},
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": {"stage": stage, **(STAGE3 if stage == 3 else {})},
             "tensor_parallel": {"autotp_size": 2}}
 
 
@@ -415,13 +446,16 @@ def _train_on_rank(stage: int, clip: float, optimizer: str = "SGD") -> dict:
         losses.append(loss.item())
         norms.append(eng.get_global_grad_norm())
     err = 0.0
-    for name, p in eng.module.named_parameters():
-        full = _full_of(ref["model"], name)
+    for name, value in _whole_params(eng).items():
+        p, full = dict(eng.module.named_parameters())[name], _full_of(ref["model"], name)
         if is_partitioned(p):
             full = shard(full, p.tensor_parallel_dim, coord.model, 2, p.tensor_parallel_parts)
-        err = max(err, _err(p.detach(), full.detach()))
+        err = max(err, _err(value, full.detach()))
+    saved = _saved_16bit_error(eng, ref["model"]) if optimizer == "SGD" and not clip else None
+    placeholders = sum(p.numel() == 0 for p in eng.module.parameters())  # stage 3: partitioned between uses
     eng.destroy()
-    return {"coord": tuple(coord), "losses": losses, "ref_losses": ref["losses"], "params": err,
+    return {"coord": tuple(coord), "stage": stage, "placeholders": placeholders, "losses": losses,
+            "ref_losses": ref["losses"], "params": err, "saved16": saved,
             "norms": norms, "ref_norms": ref["norms"], "atol": ADAM_ATOL if optimizer == "AdamW" else MODEL_ATOL}
 
 
@@ -446,25 +480,25 @@ def _overflow_on_rank(stage: int) -> dict:
         hook = None
         if step == INF_STEP and coord.model == 1 and coord.data == 0:
             hook = poisoned.register_hook(lambda g: torch.full_like(g, float("inf")))
-        before = [p.detach().clone() for p in eng.module.parameters()]
+        before = _whole_params(eng)
         mine = batch[coord.data * micro:(coord.data + 1) * micro]
         eng.backward(eng(mine[:, :-1], mine[:, 1:]))
         eng.step()
         if hook is not None:
             hook.remove()
-        changed.append(any(not torch.equal(b, p.detach()) for b, p in zip(before, eng.module.parameters())))
+        changed.append(any(not torch.equal(before[n], p) for n, p in _whole_params(eng).items()))
         scales.append(eng.zero_optimizer.guard.scaler.loss_scale)
     result = {"coord": tuple(coord), "changed": changed, "scales": scales, "skipped": eng.skipped_steps}
     eng.destroy()
     return result
 
 
-CLIPPED_WITH = {0: "SGD", 1: "SGD", 2: "AdamW"}
+CLIPPED_WITH = {0: "SGD", 1: "SGD", 2: "AdamW", 3: "AdamW"}
 
 
 def _initialize_on_rank(stage: int, overflow: bool = True) -> dict:
-    """Every from-the-config case of one ZeRO stage (the overflow skip: stages 0 and 1, whose norm code
-    stage 2 shares, engine/zero/partitioned.py)."""
+    """Every from-the-config case of one ZeRO stage (the overflow skip: stages 0, 1 and 3; stage 2's norm
+    code is stage 1's, engine/zero/partitioned.py, and stage 3 inherits it with its own parameters)."""
     cases = {"sgd": _guarded(_train_on_rank, stage, 0.0),
              "clipped": _guarded(_train_on_rank, stage, CLIP, CLIPPED_WITH[stage])}
     if overflow:
@@ -507,15 +541,81 @@ def _fp16_clipped(tensor_parallel: bool) -> dict:
     return result
 
 
+class _DenseMLP(nn.Module):
+    """`ParallelMLP`'s dense counterpart: the same two layers, built in the same order (the same weights
+    from the same seed: each parallel layer cuts its shard from such a dense layer, layers.py)."""
+
+    def __init__(self, d_model: int, d_hidden: int):
+        super().__init__()
+        self.fc, self.out = nn.Linear(d_model, d_hidden), nn.Linear(d_hidden, d_model)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc(x)))
+
+
+class _LayerNet(nn.Module):
+    """An embedding, an MLP from engine.tensor_parallel's layers (`parallel`) or dense, a norm, a head."""
+
+    def __init__(self, parallel: bool):
+        super().__init__()
+        from engine.tensor_parallel import ParallelMLP
+        self.tok = nn.Embedding(64, 32)
+        self.mlp = (ParallelMLP if parallel else _DenseMLP)(32, 64)
+        self.norm, self.head = nn.LayerNorm(32), nn.Linear(32, 64)
+
+    def forward(self, x, y):
+        h = self.tok(x)
+        return F.cross_entropy(self.head(self.norm(h + self.mlp(h))).flatten(0, 1), y.flatten())
+
+
+def _layers_in_zero_init() -> dict:
+    """The Megatron-layer route at ZeRO-3: the topology set first, the model built from ParallelMLP inside
+    `engine.zero.Init` (each dense layer gathered for its cut, the shards partitioned over the data axis
+    only), trained 5 steps with SGD unclipped against the dense net on the global batch."""
+    import engine
+    from engine.tensor_parallel import is_partitioned
+    from engine.tensor_parallel.layers import shard
+    from engine.topology import ProcessGroups, Topology, set_current
+    groups = ProcessGroups(Topology.for_world(4, model=2))
+    set_current(groups)
+    torch.manual_seed(0)
+    reference = _LayerNet(parallel=False)
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    config = _config(3, 2)
+    torch.manual_seed(0)
+    with engine.zero.Init(config=config):
+        model = _LayerNet(parallel=True)
+    placeholders = sum(p.numel() == 0 for p in model.parameters())  # partitioned as built
+    eng, *_ = engine.initialize(model=model, config=config)
+    coord = groups.coord
+    for batch in _batches():
+        loss = reference(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mine = batch[coord.data * 2:(coord.data + 1) * 2]
+        eng.backward(eng(mine[:, :-1], mine[:, 1:]))
+        eng.step()
+    err, sharded = 0.0, 0
+    ref_params = dict(reference.named_parameters())
+    for name, value in _whole_params(eng).items():
+        p, full = dict(eng.module.named_parameters())[name], ref_params[name].detach()
+        if is_partitioned(p):
+            full, sharded = shard(full, p.tensor_parallel_dim, coord.model, 2, p.tensor_parallel_parts), sharded + 1
+        err = max(err, _err(value, full))
+    eng.destroy()
+    return {"params": err, "sharded": sharded, "placeholders": placeholders}
+
+
 def _four_rank_checks():
-    """2 model × 2 data: ZeRO-1 and ZeRO-2 in one spawn; then rank 0 alone (tests/worlds.py) for the
-    same-precision reference of fp16 with clipping."""
+    """2 model × 2 data: ZeRO-1, ZeRO-2 and ZeRO-3 (AutoTP; Megatron layers built inside zero.Init) in
+    one spawn; then rank 0 alone (tests/worlds.py) for the same-precision reference of fp16 with clipping."""
     import torch.distributed as dist
 
     from tests.worlds import new_world
     rank = dist.get_rank()
-    out = {"initialize": {stage: _initialize_on_rank(stage, overflow=stage == 1) for stage in (1, 2)},
-           "fp16_clipped": _guarded(_fp16_clipped, True)}
+    out = {"initialize": {stage: _initialize_on_rank(stage, overflow=stage != 2) for stage in (1, 2, 3)},
+           "layers_zero_init": _guarded(_layers_in_zero_init), "fp16_clipped": _guarded(_fp16_clipped, True)}
     new_world(None, 0, 1)
     if rank == 0:
         out["fp16_reference"] = _guarded(_fp16_clipped, False)
@@ -530,7 +630,8 @@ def four_rank_results():
 RESULTS_OF_WORLD = {2: "two_rank_results", 4: "four_rank_results"}
 
 
-@pytest.fixture(scope="module", params=[(2, 0), (4, 1), (4, 2)], ids=["tp2", "tp2xdp2-zero1", "tp2xdp2-zero2"])
+@pytest.fixture(scope="module", params=[(2, 0), (4, 1), (4, 2), (4, 3)],
+                ids=["tp2", "tp2xdp2-zero1", "tp2xdp2-zero2", "tp2xdp2-zero3"])
 def initialized(request):
     world, stage = request.param
     results = request.getfixturevalue(RESULTS_OF_WORLD[world])
@@ -540,6 +641,7 @@ def initialized(request):
 def _check_equals_reference(world: int, results: list) -> None:
     assert sorted(r["coord"] for r in results) == sorted((0, d, m) for d in range(world // 2) for m in range(2))
     for r in results:
+        assert (r["placeholders"] > 0) == (r["stage"] == 3), r  # ZeRO-3 really partitions (the matrices)
         assert r["params"] < r["atol"], r
         if world == 2:  # one data rank: its loss is the global batch's
             assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < MODEL_ATOL, r
@@ -552,6 +654,16 @@ def _check_equals_reference(world: int, results: list) -> None:
 def test_initialize_with_autotp_equals_reference(initialized):
     world, results = initialized
     _check_equals_reference(world, [_checked(r["sgd"]) for r in results])
+    # save_16bit_model: one file, the dense model's state dict (global rank 0 wrote it and read it back)
+    assert [r["sgd"]["saved16"] is not None for r in results] == [True] + [False] * (world - 1)
+    assert results[0]["sgd"]["saved16"] < MODEL_ATOL, results[0]["sgd"]["saved16"]
+
+
+def test_megatron_layers_built_in_zero_init_equal_dense_at_zero3(four_rank_results):
+    for r in four_rank_results:
+        got = _checked(r["layers_zero_init"])
+        assert got["placeholders"] == 9 and got["sharded"] == 3, got  # 9 parameters; fc.weight, fc.bias, out.weight cut
+        assert got["params"] < MODEL_ATOL, got
 
 
 def test_clipping_uses_the_whole_models_norm(initialized):
@@ -563,7 +675,7 @@ def test_clipping_uses_the_whole_models_norm(initialized):
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), r
 
 
-@pytest.mark.parametrize("world, stage", [(2, 0), (4, 1)], ids=["tp2", "tp2xdp2-zero1"])
+@pytest.mark.parametrize("world, stage", [(2, 0), (4, 1), (4, 3)], ids=["tp2", "tp2xdp2-zero1", "tp2xdp2-zero3"])
 def test_an_inf_on_one_tensor_rank_skips_the_step_everywhere(request, world, stage):
     results = [r["initialize"][stage] for r in request.getfixturevalue(RESULTS_OF_WORLD[world])]
     overflow = [_checked(r["overflow"]) for r in results]
@@ -575,7 +687,7 @@ def test_an_inf_on_one_tensor_rank_skips_the_step_everywhere(request, world, sta
 
 def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):
     refusals = _checked(two_rank_results[0]["refusals"])
-    assert "zero_optimization.stage 3 with tensor_parallel.autotp_size > 1 is not built yet" in refusals["zero3"]
+    assert "tensor_parallel.autotp_size: the model was built inside engine.zero.Init" in refusals["zero_init"]
     assert "pass model_parameters=None or model.parameters()" in refusals["stale_parameters"]
     assert "optimizer.type: OneBitAdam (a 1-bit optimizer) with tensor_parallel.autotp_size > 1 is not built" \
         in refusals["onebit"]

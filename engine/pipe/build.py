@@ -1,5 +1,5 @@
 """How `initialize()` meets a `PipelineModule`: the groups come from the module (it built them), the
-config is checked against it, and ZeRO-3 is refused (docs/parallelism.md says why).
+config is checked against it (ZeRO-3 inside a stage: zero3.py).
 
 [Note: pipeline × tensor parallelism] The module's topology carries the model axis: its stages' layers
 are either engine.tensor_parallel layers (built inside the module, over its model group) or dense
@@ -45,10 +45,6 @@ def check_pipeline_config(cfg, model) -> None:
         if stages != "auto" and stages != model.num_stages:
             problems.append(f"pipeline.stages: {stages}, but the PipelineModule has num_stages={model.num_stages}; "
                             'make them equal or use "auto"')
-        if cfg.zero_optimization.stage == 3:
-            problems.append("zero_optimization.stage: 3 with a PipelineModule is not supported: stage 3 gathers "
-                            "each layer's parameters around every forward and backward, which a pipeline runs "
-                            "once per micro-batch; use stage 1 or 2 (partitioned over the data axis)")
         if model.loss_fn is None:
             problems.append("PipelineModule(loss_fn=...) is needed to train: the last stage computes the loss")
     if problems:

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from ..comm import Communicator
 from ..engine import Engine
-from . import boundary
+from . import boundary, zero3
 from .partitioned_wire import PartitionedWire, partitioned
 from .probe import chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
@@ -254,12 +254,14 @@ class PipelineEngine(Engine):
         m = self.config.gradient_accumulation_steps
         self._loss_factor = self.zero_optimizer.guard.scaler.loss_scale / m
         self.timers.start("forward")  # the schedule interleaves forward and backward: one timer
+        zero3.hold(self.zero_optimizer)  # ZeRO-3: gathered once for all m micro-batches (zero3.py's note)
         _, losses = self._run(data_iter, training=True)
         self.timers.stop("forward")
         self.timers.start("allreduce")
         self.tied.all_reduce_grads()
         self.tied.measure_duplicates(self.zero_optimizer.guard.scaler.loss_scale)
         reduce_accumulated(self.zero_optimizer)
+        zero3.release(self.zero_optimizer)
         self.timers.stop("allreduce")
         # the loss reaches every stage on the step's norm all-reduce (reduction.py's note)
         self._last_loss = self._stage_loss(losses)
@@ -279,7 +281,11 @@ class PipelineEngine(Engine):
         (and, with return_logits, the last stage's outputs per micro-batch; None elsewhere)."""
         self.module.eval()
         self._loss_factor = 1.0 / self.config.gradient_accumulation_steps
-        stages, losses = self._run(data_iter, training=False)
+        zero3.hold(self.zero_optimizer)
+        try:
+            stages, losses = self._run(data_iter, training=False)
+        finally:
+            zero3.release(self.zero_optimizer)
         loss = self._broadcast_loss(self._stage_loss(losses)) if compute_loss else None
         if reduce_output is None and compute_loss and self.is_last_stage:
             loss = [l.detach() / self._loss_factor for l in losses]

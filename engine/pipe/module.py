@@ -78,6 +78,11 @@ class PipelineModule(nn.Module):
                  activation_checkpoint_interval: int = 0, activation_checkpoint_func: Callable | None = None,
                  checkpointable_layers: list[str] | None = None, virtual_stages: int = 1):
         super().__init__()
+        if getattr(type(self).__init__, "_z3_wrapped", False):  # inside engine.zero.Init (it wraps every __init__)
+            raise ValueError("PipelineModule inside engine.zero.Init is not supported: each stage builds other layers, "
+                             "and Init broadcasts every layer over its whole group as it is built; build the "
+                             "PipelineModule outside zero.Init (zero_optimization.stage 3 partitions each stage at "
+                             "initialize)")
         dsdist.init_distributed()
         world = torch.distributed.get_world_size()
         if topology is None:

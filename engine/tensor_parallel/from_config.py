@@ -61,14 +61,15 @@ def tensor_parallel_groups(degree: int) -> ProcessGroups | None:
     return groups
 
 
-def refused_with_tensor_parallel(cfg: schemas.Config) -> list[str]:
-    """What does not compose with AutoTP yet: each one a config key and what to do."""
-    problems = []
-    if cfg.zero_optimization.stage == 3:  # stages 1 and 2 partition over the data axis (norm.py's note)
-        problems.append(f"zero_optimization.stage 3 with {KEY} > 1 is not built yet in dstrain: stage 3 gathers "
-                        "parameters over the data axis and agrees its gradient norm over it alone, without the "
-                        "model group's shards and replicated copies; use stage 0, 1 or 2")
-    return problems
+def refused_with_tensor_parallel(model: nn.Module, prebuilt: set[int]) -> list[str]:
+    """What does not compose with AutoTP: each one a config key and what to do. (ZeRO-3 does: it
+    partitions each rank's shards and replicated parameters over the data axis, norm.py's note.)"""
+    if prebuilt or not any(hasattr(p, "_z3_chunk") for p in model.parameters()):
+        return []
+    return [f"{KEY}: the model was built inside engine.zero.Init, which partitioned its projections before AutoTP "
+            "could shard them; build it outside zero.Init (stage 3 partitions it at initialize), or build it from "
+            "engine.tensor_parallel's layers inside zero.Init after engine.topology.set_current(ProcessGroups("
+            "Topology.for_world(world, model=T)))"]
 
 
 def apply_tensor_parallel(model: nn.Module, cfg: schemas.Config, groups: ProcessGroups,
@@ -76,12 +77,12 @@ def apply_tensor_parallel(model: nn.Module, cfg: schemas.Config, groups: Process
     """Shard `model` over this rank's model group, seed the dropout streams; the names it replaced.
     A model built from this package's layers is sharded already and kept as it is. `pipelined`: this
     rank holds one stage, which may have no projection while another stage does (checked over the world)."""
-    problems = refused_with_tensor_parallel(cfg)
-    if problems:
-        raise schemas.ConfigError(problems)
     import engine.checkpointing as ac
     comm = tensor_parallel_comm(groups.model_group)
     prebuilt = _prebuilt_degrees(model)
+    problems = refused_with_tensor_parallel(model, prebuilt)
+    if problems:
+        raise schemas.ConfigError(problems)
     if prebuilt - {comm.world_size}:
         raise schemas.ConfigError([f"{KEY}: {comm.world_size}, but the model's engine.tensor_parallel layers split "
                                    f"over {sorted(prebuilt)} rank(s): build them after the topology exists "

@@ -57,6 +57,15 @@ def shard(full: torch.Tensor, dim: int, rank: int, world: int, parts: int = 1) -
     return torch.cat([s.chunk(world, dim=dim)[rank] for s in sections], dim=dim).clone()
 
 
+def whole_parameters(dense: nn.Module):
+    """A context in which `dense`'s parameters are whole. Inside `engine.zero.Init` the dense layer a
+    parallel layer is cut from was partitioned over the data axis when its own `__init__` returned
+    (zero/init.py's notes); it is gathered for the cut and released after, and the parallel layer's
+    shards are then partitioned in turn. Elsewhere nothing to do."""
+    from ..zero.init import GatheredParameters  # here: importing the layers need not load all of engine.zero
+    return GatheredParameters(list(dense.parameters()))
+
+
 def mark_partitioned(param: nn.Parameter, dim: int, parts: int, full_shape: torch.Size) -> nn.Parameter:
     param.tensor_parallel_dim = dim
     param.tensor_parallel_parts = parts
@@ -88,14 +97,15 @@ class ColumnParallelLinear(nn.Module):
         dense = _dense if _dense is not None else nn.Linear(in_features, out_features, bias=bias, device=device,
                                                             dtype=dtype)
         world, rank = self.comm.world_size, self.comm.rank
-        weight = dense_weight(dense)
-        self.weight = mark_partitioned(_param(shard(weight, 0, rank, world, parts), weight.requires_grad),
-                                       0, parts, weight.shape)
-        _mark_conv1d_origin(self.weight, dense)
-        self.bias = None
-        if getattr(dense, "bias", None) is not None:
-            self.bias = mark_partitioned(_param(shard(dense.bias, 0, rank, world, parts), dense.bias.requires_grad),
-                                         0, parts, dense.bias.shape)
+        with whole_parameters(dense):
+            weight = dense_weight(dense)
+            self.weight = mark_partitioned(_param(shard(weight, 0, rank, world, parts), weight.requires_grad),
+                                           0, parts, weight.shape)
+            _mark_conv1d_origin(self.weight, dense)
+            self.bias = None
+            if getattr(dense, "bias", None) is not None:
+                self.bias = mark_partitioned(_param(shard(dense.bias, 0, rank, world, parts),
+                                                    dense.bias.requires_grad), 0, parts, dense.bias.shape)
 
     @classmethod
     def from_dense(cls, module: nn.Module, parts: int = 1, gather_output: bool = False, group=None):
@@ -124,12 +134,13 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         dense = _dense if _dense is not None else nn.Linear(in_features, out_features, bias=bias, device=device,
                                                             dtype=dtype)
-        weight = dense_weight(dense)
-        self.weight = mark_partitioned(_param(shard(weight, 1, self.comm.rank, self.comm.world_size),
-                                              weight.requires_grad), 1, 1, weight.shape)
-        _mark_conv1d_origin(self.weight, dense)
-        bias_t = getattr(dense, "bias", None)
-        self.bias = _param(bias_t, bias_t.requires_grad) if bias_t is not None else None
+        with whole_parameters(dense):
+            weight = dense_weight(dense)
+            self.weight = mark_partitioned(_param(shard(weight, 1, self.comm.rank, self.comm.world_size),
+                                                  weight.requires_grad), 1, 1, weight.shape)
+            _mark_conv1d_origin(self.weight, dense)
+            bias_t = getattr(dense, "bias", None)
+            self.bias = _param(bias_t, bias_t.requires_grad) if bias_t is not None else None
 
     @classmethod
     def from_dense(cls, module: nn.Module, input_is_parallel: bool = True, group=None):
@@ -161,8 +172,9 @@ class VocabParallelEmbedding(nn.Module):
                                                                dtype=dtype)
         if dense.padding_idx is not None or dense.max_norm is not None:
             raise ValueError("VocabParallelEmbedding: padding_idx and max_norm are not supported; use a plain table")
-        self.weight = mark_partitioned(_param(shard(dense.weight, 0, self.comm.rank, self.comm.world_size),
-                                              dense.weight.requires_grad), 0, 1, dense.weight.shape)
+        with whole_parameters(dense):
+            self.weight = mark_partitioned(_param(shard(dense.weight, 0, self.comm.rank, self.comm.world_size),
+                                                  dense.weight.requires_grad), 0, 1, dense.weight.shape)
         self.vocab_start = self.comm.rank * self.weight.shape[0]
         self.vocab_end = self.vocab_start + self.weight.shape[0]
 

@@ -9,7 +9,9 @@ over the model-parallel group: sharded parameters counted fully, replicated ones
 all-reduce of one float per step. Clipping then scales every rank by the same norm, and a NaN/Inf on
 any rank (its square stays non-finite through both sums; a replicated parameter's Inf left out on
 rank r > 0 is counted on rank 0, where it is the same Inf) makes every rank skip the same step, so
-fp16's dynamic loss scale moves identically everywhere.
+fp16's dynamic loss scale moves identically everywhere. ZeRO-3 takes the same route: its optimizer is
+stage 2's with parameters partitioned too (over the data axis, the ranks of one tensor coordinate), so
+the same `counted_elsewhere` and `norm_reduce` apply to its fragments unchanged.
 """
 from __future__ import annotations
 

@@ -15,6 +15,11 @@ the shape). So at most one module's own parameters exist in full at a time. `Mod
 too (`override_module_apply`): `fn` sees each module's parameters gathered, and rank 0's result is
 kept — which is what makes `self.apply(init_weights)` at the end of a model's `__init__` work.
 `initialize()` then builds the stage-3 partition from the chunks without materializing the model.
+[Note: which group] Without `data_parallel_group` the parameters are partitioned over the data axis of
+the current topology when one splits the world further (tensor parallelism, set with
+`engine.topology.set_current` before the model is built: the ranks that hold the same shard), else over
+the world: the group stage 3 partitions over at `initialize`. `GatheredParameters` of a parameter no
+engine owns yet gathers over the same default.
 """
 from __future__ import annotations
 
@@ -41,6 +46,13 @@ def _subclasses(cls) -> list[type]:
                 out.append(sub)
                 todo.append(sub)
     return out
+
+
+def default_communicator() -> Communicator:
+    """The data axis of a model-parallel topology, else the world (module note: which group)."""
+    from ..topology import model_parallel_if_set
+    groups = model_parallel_if_set()
+    return Communicator(groups.data_group if groups is not None else None)
 
 
 def _is_partitioned(p: torch.Tensor) -> bool:
@@ -75,7 +87,7 @@ class Init:
             "param_swapper": (param_swapper is None, "NVMe parameter swapping"),
         }, locals())
         self.enabled = enabled
-        self.comm = Communicator(data_parallel_group)
+        self.comm = Communicator(data_parallel_group) if data_parallel_group is not None else default_communicator()
         source = config if config is not None else config_dict_or_path
         cfg = schemas.load_config(source, world_size=self.comm.world_size) if source is not None else None
         self.dtype = dtype or (model_dtype(cfg) if cfg is not None else None)
@@ -212,7 +224,7 @@ class GatheredParameters(contextlib.ContextDecorator):
     def _communicator(self) -> Communicator:
         if self.comm is None:
             owner = next((getattr(p, "_z3_owner", None) for p in self.params), None)
-            self.comm = owner.comm if owner is not None else Communicator()
+            self.comm = owner.comm if owner is not None else default_communicator()
         return self.comm
 
     def __enter__(self):

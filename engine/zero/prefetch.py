@@ -49,6 +49,7 @@ class ParamCoordinator:
         self.pending: dict[int, tuple] = {}  # gid -> (work, out) of an issued all-gather
         self.active: Counter = Counter()
         self.in_pass = self.training_pass = self.in_backward = False
+        self.held = False  # a pipeline step holds every group gathered (engine/pipe/zero3.py)
         self.trace: list | None = None
         self.recording: list | None = None
         self.plan: list[tuple[int, int]] = []
@@ -121,20 +122,28 @@ class ParamCoordinator:
 
     # -- hook entry points (stage3_units.install_hooks) -------------------------------------------
     def pre_forward(self, unit: int) -> None:
+        if self.held:
+            return
         if unit == 0:  # the root: a new pass (a previous one without backward ends here)
             self._begin_pass()
         self._pre(unit, "F")
 
     def post_forward(self, unit: int) -> None:
+        if self.held:
+            return
         self._post(unit, "F")
         if unit == 0 and not torch.is_grad_enabled():
             self.end_pass()
 
     def pre_backward(self, unit: int) -> None:
+        if self.held:
+            return
         self.in_backward = True
         self._pre(unit, "B")
 
     def post_backward(self, unit: int) -> None:
+        if self.held:
+            return
         self._post(unit, "B")
 
     # -- events ----------------------------------------------------------------------------------
@@ -284,8 +293,15 @@ class ParamCoordinator:
                 self._finish(g)
         return got
 
+    def hold_all(self) -> None:
+        """Gather every group now and keep it through any number of passes, the hooks doing nothing,
+        until `release_all` (a pipeline schedule's micro-batches: engine/pipe/zero3.py's note)."""
+        self.gather_now(self.groups)
+        self.held = True
+
     def release_all(self) -> None:
         """After an optimizer step: drop every gathered copy (its values are stale)."""
+        self.held = False
         self.end_pass()
         for g in self.groups:
             if g.gathered:

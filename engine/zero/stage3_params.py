@@ -53,7 +53,15 @@ def chunk_tensor(chunk) -> torch.Tensor:
 def local_chunk(p: torch.nn.Parameter, spec: ChunkSpec, rank: int) -> torch.Tensor:
     """The padded 1-D chunk of `p` this rank keeps: from `zero.Init` if it partitioned `p`, else cut."""
     chunk = getattr(p, "_z3_chunk", None)
-    return chunk_tensor(chunk) if chunk is not None else padded_chunk(p.data, spec, rank)
+    if chunk is None:
+        return padded_chunk(p.data, spec, rank)
+    chunk = chunk_tensor(chunk)
+    if chunk.numel() != spec.padded:  # Init cut it for another group than the data axis stage 3 uses
+        raise ValueError(f"engine.zero.Init partitioned a parameter of shape {tuple(full_shape(p))} into chunks of "
+                         f"{chunk.numel()} elements, but stage 3 partitions it into chunks of {spec.padded} over the "
+                         "data axis: give zero.Init data_parallel_group= that axis (its default once the topology is "
+                         "set, engine.topology.set_current, before the model is built)")
+    return chunk
 
 
 def gather_full(comm, spec: ChunkSpec, chunk: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

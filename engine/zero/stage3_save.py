@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from ..comm import Communicator
+
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
@@ -52,10 +54,16 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
                   "them on save (or use save_checkpoint)", flush=True)
         return False
     state = consolidated_state_dict(engine.module, zopt, rank, exclude_frozen_parameters)
-    if rank == 0:
+    writes, done = rank == 0, engine.comm
+    groups = getattr(engine, "groups", None)  # shards joined, stages merged (tensor_parallel/dense_state.py)
+    if groups is not None and groups.topology.world_size > groups.topology.data:
+        from ..tensor_parallel.dense_state import whole_model_state
+        state, writes = whole_model_state(state, engine.module, groups, rank)
+        done = Communicator(None)
+    if writes:
         os.makedirs(save_dir, exist_ok=True)
         path = os.path.join(save_dir, save_filename)
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)  # never a half-written file under the final name
-    engine.comm.barrier()
+    done.barrier()  # the file is there when any rank returns
     return True
