@@ -125,7 +125,7 @@ def _buckets(stage: int, psi: int, s: EstimateSettings, wbytes: int) -> int:
 def _swapped_gradient_staging(psi: int, n: int, s: EstimateSettings) -> int:
     """[Note: swapped gradient] With the optimizer on NVMe the partition gradient is in swap files
     (engine/zero/grad_swap.py); the host holds the landings in flight (DEPTH bucket segments) and one
-    range being read (a sub-group, or a norm chunk). Lamb and Muon keep it on the host instead."""
+    range being read (a sub-group, or a norm chunk), whatever the optimizer (Lamb and Muon too)."""
     from engine.zero.grad_swap import DEPTH, NORM_CHUNK
     return 4 * (DEPTH * min(s.reduce_bucket_size, psi) // n + min(max(s.sub_group_size, NORM_CHUNK), psi // n))
 

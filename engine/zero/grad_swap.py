@@ -18,8 +18,9 @@ no host bytes at all (`PartitionedParams.flat_grad` holds meta tensors: shapes o
   landing overwrites every slot, as the first reduce-scatter overwrites the in-memory partition.
 Host memory for gradients is then the buckets in flight (REDUCE_DEPTH, partitioned.py) plus one
 staging copy per landing in flight (a bucket's segment) and one sub-group or NORM_CHUNK being read,
-whatever the model size. Lamb and Muon (nvme_per_tensor.py) read whole tensors of the gradient: with
-them the partition gradient stays in host memory.
+whatever the model size. Lamb and Muon (nvme_per_tensor.py, nvme_muon.py) read it the same way, one
+sub-group at a time (Lamb in its first pass, Muon in its momentum pass and again where a round forms
+its update), through the tier's `grad_reader`; a range read twice is the same bits.
 [Note: held gradients] The first reducing backward of a run holds every full gradient until backward
 ends (arrivals.py's note: it finds parameters whose gradient arrives in pieces), and a deferred
 bucket holds its parameters' gradients too: in memory that is the whole model's gradient, 4 bytes
@@ -42,7 +43,7 @@ import torch
 from offload.aio import ALIGNMENT, aligned_empty
 
 from .stage0 import clip_coefficient
-from .swappable import _PER_TENSOR
+from .swappable import swap_problem
 
 FP32 = 4
 NORM_CHUNK = 1 << 20  # elements per squared-norm term, in memory and from the files alike (a 4 MiB read)
@@ -235,11 +236,11 @@ class HeldGradients:
 
 
 def swaps_gradients(zero, optimizer) -> bool:
-    """Whether the gradient partition lives in swap files (module note): the optimizer on NVMe, stepped
-    elementwise (Lamb and Muon read whole tensors of the in-memory gradient)."""
+    """Whether the gradient partition lives in swap files (module note): the optimizer on NVMe, one the
+    NVMe tier steps (any other is refused there, by name)."""
     section = zero.offload_optimizer
     return (SWAP_GRADIENTS and section is not None and section.device == "nvme"
-            and not isinstance(optimizer, _PER_TENSOR))
+            and swap_problem(optimizer) is None)
 
 
 def attach_grad_swap(zopt) -> None:

@@ -16,7 +16,8 @@ committed together, so a failed or skipped step leaves the files as the last ste
 
 [Note: memory] Lamb holds per sub-group its pool buffers and the sub-group's update, plus the 2·P
 partial-sum vector (P parameters); nothing partition-sized beyond what the CPU tier holds anyway
-(the host master and gradient flats). Muon's bound is nvme_muon.py's memory note.
+(the host master flat; the gradient is read from its swap file one sub-group at a time: grad_swap.py).
+Muon's bound is nvme_muon.py's memory note.
 [Note: bits] Both equal the in-memory step bit for bit: every operation is elementwise except the
 partial sums, and `index_add_` over the sub-groups in order adds each parameter's elements in the
 order one `index_add_` over the whole flat does. Sub-groups are whole SIMD lane groups (nvme_tier.py).
@@ -80,7 +81,7 @@ class SwappedLamb:
         return self.tier.optimizer.param_groups[key[0]]
 
     def _moments_pass(self, key, part, partial: torch.Tensor) -> list[dict]:
-        group, grad, runs = self._group(key), self.partition.flat_grad[key], self.runs[key]
+        group, grad, runs = self._group(key), self.tier.grad_reader(key), self.runs[key]  # the swap file's (grad_swap.py)
         scalars = [part.scalars(k) if part.has_state else {} for k in range(len(part.groups))]
         read = dict.fromkeys([MASTER, *MOMENTS] if part.has_state else [MASTER], part.source_slot)
 
@@ -88,7 +89,7 @@ class SwappedLamb:
             s, e = part.groups[k]
             step = advance_step(scalars[k])
             state = {m: views[m] for m in MOMENTS}
-            advance_moments(state, grad[s:e], group, views[MASTER])
+            advance_moments(state, grad(s, e), group, views[MASTER])
             update = direction_from_moments(views[MASTER], state, group, step)
             ids = runs.ids(s, e)
             partial[:self.count].index_add_(0, ids, views[MASTER].square())
