@@ -18,6 +18,12 @@ zero.Init's file while initialize() copies it. Swap directories are removed at e
 `--deepspeed-venv`: then the same GPT and config under DeepSpeed (deepspeed_infinity_peer.py, its
 zero.Init(remote_device="nvme"), CPU Adam and async_io op), after dstrain's ranks exited, swap files
 under the same directory; its rows are printed below dstrain's.
+`--gradients swap,memory`: what the gradient swap costs (engine/zero/grad_swap.py): dstrain once with
+the gradient partition in swap files (as it runs) and once in host memory (grad_swap.SWAP_GRADIENTS
+False in the ranks: a benchmark switch, not a config key), each with its median backward and step
+time after the first step (benchmarks/step_phases.py) and rank 0's gradient bytes written and read
+per step against the raw O_DIRECT disk bandwidth measured first under the same directory
+(bench_offload_io.disk_bandwidth, `--disk-mb`).
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
-from benchmarks.step_phases import fixed_batch_steps  # noqa: E402
+from benchmarks.step_phases import StepPhases, fixed_batch_steps  # noqa: E402
 from offload.estimate import EstimateSettings, estimate_memory  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
@@ -85,10 +91,12 @@ def settings(cfg: dict) -> EstimateSettings:
                             max_in_cpu=zero["offload_param"]["max_in_cpu"])
 
 
-def _rank(model_cfg: GPTConfig, cfg: dict, steps: int) -> dict:
+def _rank(model_cfg: GPTConfig, cfg: dict, steps: int, gradients: str = "swap") -> dict:
     import torch.distributed as dist
 
     import engine
+    from engine.zero import grad_swap
+    grad_swap.SWAP_GRADIENTS = gradients == "swap"  # this rank only (module docstring: --gradients)
     torch.set_num_threads(1)
     rank = dist.get_rank()
     import psutil
@@ -101,14 +109,17 @@ def _rank(model_cfg: GPTConfig, cfg: dict, steps: int) -> dict:
     built_s, rss_built = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # one fixed batch per rank, every step: a loss that falls says the updates reach the weights
     x, y = RandomTokens(cfg["train_micro_batch_size_per_gpu"], model_cfg.seq_len, model_cfg.vocab_size, seed=rank)[:]
-    losses, times = fixed_batch_steps(eng, x, y, steps)
-    store = eng.zero_optimizer.partition.store
+    phases = StepPhases()
+    losses, times = fixed_batch_steps(eng, x, y, steps, phases)
+    store, swap = eng.zero_optimizer.partition.store, eng.zero_optimizer.grad_swap
     io1 = _io()
     out = {"losses": losses, "step_s": times, "build_s": built_s, "peak_rss": resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_after_build": rss_built, "rss_start": rss_start,
         "disk_read": io1["read_bytes"] - io0["read_bytes"], "disk_written": io1["write_bytes"] - io0["write_bytes"],
         "store_read": store.bytes_read, "store_written": store.bytes_written,
-        "partition_host_bytes": eng.zero_optimizer.model_state_bytes()["partition"]}
+        "partition_host_bytes": eng.zero_optimizer.model_state_bytes()["partition"], "phases_ms": phases.medians(),
+        "grad_written": swap.bytes_written if swap else 0, "grad_read": swap.bytes_read if swap else 0,
+        "held_written": swap.held.bytes_written if swap else 0}
     eng.destroy()
     return out
 
@@ -197,7 +208,13 @@ def main(argv=None) -> int:
     p.add_argument("--deepspeed-optimizer-buffers", type=int, default=None,
                    help="DeepSpeed's offload_optimizer.buffer_count (default: the config's; its pipelined swapper "
                         "needs 4 per sub-group in flight, 12 with pipeline_read and pipeline_write)")
+    p.add_argument("--gradients", default="swap", help="comma list of swap, memory: where dstrain's gradient "
+                   "partition lives, one run each (module docstring)")
+    p.add_argument("--disk-mb", type=int, default=256, help="file size of the raw O_DIRECT bandwidth measurement")
     args = p.parse_args(argv)
+    kinds = args.gradients.split(",")
+    if not kinds or set(kinds) - {"swap", "memory"}:
+        p.error(f"--gradients {args.gradients!r}: expected a comma list of swap, memory")
     group = limit_memory(args.memory_limit_gib) if args.memory_limit_gib else None
     made = args.nvme_path is None
     nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="bench-infinity-")
@@ -210,8 +227,14 @@ def main(argv=None) -> int:
                if r.stage == 3 and r.offload == "nvme params+optimizer")
     print(f"GPT {n / 1e6:.1f}M parameters ({model_cfg.n_layer} layers, d_model {model_cfg.d_model}), "
           f"{args.world} ranks, swap files under {nvme_path}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    disk = None
     try:
-        per_rank = run_distributed(_rank, args.world, args=(model_cfg, cfg, args.steps), timeout=6 * 3600)
+        if "memory" in kinds:  # the bandwidth the gradient bytes are set against, where the swap files go
+            from benchmarks.bench_offload_io import disk_bandwidth
+            with tempfile.TemporaryDirectory(dir=nvme_path) as d:
+                disk = disk_bandwidth(d, args.disk_mb * 2**20, repeats=2)
+        runs = {kind: run_distributed(_rank, args.world, args=(model_cfg, cfg, args.steps, kind), timeout=6 * 3600)
+                for kind in kinds}
         # after dstrain's ranks exited, in the same swap directory (DeepSpeed's swap files go under it)
         buffers = {"offload_param": args.deepspeed_param_buffers, "offload_optimizer": args.deepspeed_optimizer_buffers}
         peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world,
@@ -219,17 +242,10 @@ def main(argv=None) -> int:
     finally:
         if made:  # the swap directories inside are removed by the ranks themselves
             shutil.rmtree(nvme_path, ignore_errors=True)
-    mib = 2**20
-    for r, out in enumerate(per_rank):
-        print(f"rank {r}: build {out['build_s']:.1f} s; " + "; ".join(
-            f"step {k}: loss {loss:.4f}, {t:.1f} s" for k, (loss, t) in enumerate(zip(out["losses"], out["step_s"]))))
-        print(f"rank {r}: peak RSS {out['peak_rss'] / mib:.0f} MiB, {(out['peak_rss'] - out['rss_start']) / mib:.0f} "
-              f"above the rank's start (after build {out['rss_after_build'] / mib:.0f}), "
-              f"estimate {(est.host_bytes + est.accelerator_bytes) / mib:.0f} MiB of model state "
-              f"(host {est.host_bytes / mib:.0f} + gathered/buckets {est.accelerator_bytes / mib:.0f}), "
-              f"NVMe {est.nvme_bytes / mib:.0f} MiB; disk read {out['disk_read'] / mib:.0f} MiB, written "
-              f"{out['disk_written'] / mib:.0f} MiB (parameter store {out['store_read'] / mib:.0f} / "
-              f"{out['store_written'] / mib:.0f} MiB); host flat {out['partition_host_bytes']} bytes")
+    for kind, per_rank in runs.items():
+        _print_dstrain(per_rank, est, "" if kind == "swap" else "[gradient partition in memory] ")
+    if disk is not None:
+        _print_gradient_costs(runs, disk, args.steps)
     if peer is not None:
         print_deepspeed(peer)
     print(f"full training state 16 B x {n / 1e6:.1f}M = {16 * n / 2**30:.2f} GiB; "
@@ -241,6 +257,34 @@ def main(argv=None) -> int:
               f"job, page cache included; failcnt {(group / 'memory.failcnt').read_text().strip()}); full training "
               f"state / limit = {16 * n / limit:.2f}")
     return 0
+
+
+def _print_gradient_costs(runs: dict, disk: tuple[float, float], steps: int) -> None:
+    """Rank 0's median backward and step, and its gradient swap bytes per step against the disk."""
+    mib = 2**20
+    print(f"disk (O_DIRECT, best of 2): write {disk[0]:.3f} GB/s, read {disk[1]:.3f} GB/s")
+    for kind, per_rank in runs.items():
+        out = per_rank[0]
+        written, read = out["grad_written"] / steps, out["grad_read"] / steps  # every step lands the same
+        at_disk = written / disk[0] / 1e9 + read / disk[1] / 1e9
+        print(f"gradients {kind}: rank 0 backward {out['phases_ms']['backward']:.0f} ms, step "
+              f"{out['phases_ms']['step']:.0f} ms (medians after the first step); gradient swap per step "
+              f"written {written / mib:.1f} MiB, read {read / mib:.1f} MiB = {at_disk:.2f} s at the disk's "
+              f"bandwidth; held gradients written in the first backward {out['held_written'] / mib:.1f} MiB")
+
+
+def _print_dstrain(per_rank: list[dict], est, prefix: str) -> None:
+    mib = 2**20
+    for r, out in enumerate(per_rank):
+        print(f"{prefix}rank {r}: build {out['build_s']:.1f} s; " + "; ".join(
+            f"step {k}: loss {loss:.4f}, {t:.1f} s" for k, (loss, t) in enumerate(zip(out["losses"], out["step_s"]))))
+        print(f"{prefix}rank {r}: peak RSS {out['peak_rss'] / mib:.0f} MiB, {(out['peak_rss'] - out['rss_start']) / mib:.0f} "
+              f"above the rank's start (after build {out['rss_after_build'] / mib:.0f}), "
+              f"estimate {(est.host_bytes + est.accelerator_bytes) / mib:.0f} MiB of model state "
+              f"(host {est.host_bytes / mib:.0f} + gathered/buckets {est.accelerator_bytes / mib:.0f}), "
+              f"NVMe {est.nvme_bytes / mib:.0f} MiB; disk read {out['disk_read'] / mib:.0f} MiB, written "
+              f"{out['disk_written'] / mib:.0f} MiB (parameter store {out['store_read'] / mib:.0f} / "
+              f"{out['store_written'] / mib:.0f} MiB); host flat {out['partition_host_bytes']} bytes")
 
 
 if __name__ == "__main__":
