@@ -23,9 +23,10 @@ buffers (world x the largest owner's block: at most W each, plus padding), and o
 matrices and their results (at most W each), plus Newton-Schulz's temporaries of one matrix (about four
 of its size). Pass 2 keeps at most the last round's tail that reaches into the current sub-group.
 None of it grows with the partition; the momentum, the master and the gradient stay in the files (the
-gradient is read one sub-group at a time, grad_swap.py: in pass 1 and again where a round forms U). tests/test_optimizer_set.py measures the peak of the step's tensor
-allocations with torch's profiler. The price: the momentum and the gradient are read twice per step (passes 1 and 2), and
-a flat with R rounds takes 2R all-to-alls instead of 2.
+gradient is read one sub-group at a time, grad_swap.py: in pass 1 and again where a round forms U).
+tests/test_optimizer_set.py measures the peak of the step's tensor allocations with torch's profiler.
+The price: the momentum and the gradient are read twice per step (passes 1 and 2), and a flat with R
+rounds takes 2R all-to-alls instead of 2.
 """
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ class SwappedLamb:
         return self.tier.optimizer.param_groups[key[0]]
 
     def _moments_pass(self, key, part, partial: torch.Tensor) -> list[dict]:
-        group, grad, runs = self._group(key), self.tier.grad_reader(key), self.runs[key]  # the swap file's (grad_swap.py)
+        group, grad, runs = self._group(key), self.tier.grad_reader(key), self.runs[key]  # from grad_swap.py's files
         scalars = [part.scalars(k) if part.has_state else {} for k in range(len(part.groups))]
         read = dict.fromkeys([MASTER, *MOMENTS] if part.has_state else [MASTER], part.source_slot)
 

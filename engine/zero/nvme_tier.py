@@ -1,13 +1,14 @@
 """ZeRO-Infinity's optimizer tier at stages 1, 2 and 3 (`offload_optimizer.device: "nvme"`).
 
-[Note: nvme tier] The partition is placed as for `device: "cpu"` (tier.py): reduced gradient segments
-land in host memory, clipping and the NaN/Inf check run over them there (at stage 3 with an
-optimizer on NVMe they land in swap files instead and are read back here: grad_swap.py). What changes is the step: the
+[Note: nvme tier] The partition is placed as for `device: "cpu"` (tier.py), except the gradient: reduced
+segments land in swap files, and unscaling, the NaN/Inf check and clipping are applied as they are read
+back (grad_swap.py). What changes is the step: the
 fp32 master weights and the optimizer state live in `SwappedPartition` swap files under a per-job
 `SwapDir` in `nvme_path`, one partition per flat (param group, model dtype), and each sub-group of
 `sub_group_size` elements is read, stepped by a copy of the configured optimizer and written back
 (offload/swapped_partition.py); Lamb and Muon, which need whole tensors, take two passes over the
-sub-groups instead (nvme_per_tensor.py). Every stepper reads the gradient through `grad_reader`. The updated master slice is written through the partition store
+sub-groups instead (nvme_per_tensor.py). Every stepper reads the gradient through `grad_reader`. The
+updated master slice is written through the partition store
 into what the all-gather sends from (the host flat `PartitionedParams.flat`; with `offload_param.device:
 "nvme"` the parameter swap files instead: param_nvme.py), so the gather path is the CPU tier's.
 That host flat is the send image, not the state: the configured optimizer never steps, and its state stays empty; the
