@@ -146,7 +146,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
     nvme = eng.zero_optimizer.nvme
     at_init = len(list(nvme.swap.path.glob("*.swp"))) if nvme is not None else None  # fast_init writes none
     dtype = next(eng.module.parameters()).dtype
-    norms, unchanged, param_bytes = [], None, []
+    norms, unchanged, param_bytes, in_flight = [], None, [], []
     for step, (x, y) in enumerate(batches):
         if resume is not None and step == RESUME_AT:
             eng.save_checkpoint(resume)
@@ -166,6 +166,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
             eng.step()
             if eng.zero_optimizer.partition.store.swapped:  # what exists after each micro-step
                 param_bytes.append(eng.zero_optimizer.partition.store.measured_bytes())
+                in_flight.append(eng.zero_optimizer.partition.store.writes_in_flight)
         if poison:
             unchanged = _same_state(before, _state_snapshot(eng.zero_optimizer))
         norms.append(eng.get_global_grad_norm())
@@ -180,7 +181,8 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
         out["param_store"] = {"accounted_peak": store.peak_accounted, "measured": param_bytes,
                               "bound": store.max_in_cpu * 4 + store.pool.nbytes, "pool": store.pool.nbytes,
                               "read": store.bytes_read, "written": store.bytes_written,
-                              "reads_ahead": store.reads_ahead,
+                              "reads_ahead": store.reads_ahead, "writes_behind": store.writes_behind,
+                              "in_flight_after_step": in_flight,
                               "partition_bytes": zopt.model_state_bytes()["partition"],
                               "master_in_memory": store.master_in_memory, "dir": store.swap.path}
     swap_dir = zopt.nvme.swap.path if zopt.nvme is not None else None

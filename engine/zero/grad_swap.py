@@ -40,7 +40,7 @@ from collections import deque
 
 import torch
 
-from offload.aio import ALIGNMENT, aligned_empty
+from offload.aio import ALIGNMENT, aligned_empty, staged_empty
 
 from .stage0 import clip_coefficient
 from .swappable import swap_problem
@@ -57,14 +57,6 @@ SWAP_GRADIENTS = True
 def norm_ranges(numel: int):
     """The [start, stop) ranges the global norm sums squares over (module note)."""
     return [(s, min(s + NORM_CHUNK, numel)) for s in range(0, numel, NORM_CHUNK)] or [(0, 0)]
-
-
-def staged_empty(numel: int, offset_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base, view): `view` has `numel` fp32 elements at an address congruent to the file offset of
-    `offset_elements` modulo the O_DIRECT block, so a transfer of it at that offset can go direct."""
-    phase = (offset_elements * FP32 % ALIGNMENT) // FP32
-    base = aligned_empty(phase + numel, torch.float32)
-    return base, base[phase:phase + numel]
 
 
 class SwappedTargets:

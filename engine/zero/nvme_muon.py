@@ -128,7 +128,7 @@ class SwappedMuon:
                 self._run_round(pending.pop(0), ready)
             pieces = [u[max(s, a) - a:min(e, b) - a] for a, b, u in windows if a < e and b > s]
             apply_muon_update(views[MASTER], pieces[0] if len(pieces) == 1 else torch.cat(pieces), group)
-            store.write(key, s, views[MASTER])
+            store.write_behind(key, s, views[MASTER])
             while windows and windows[0][1] <= e:
                 windows.pop(0)
         part.sweep(visit, {MASTER: part.source_slot}, write=[MASTER])

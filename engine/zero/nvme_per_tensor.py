@@ -107,7 +107,7 @@ class SwappedLamb:
             master = views[MASTER]
             update = direction_from_moments(master, views, group, int(scalars[k]["step"]))
             apply_ratio(master, update, ratio[runs.ids(s, e)], group["lr"])
-            store.write(key, s, master)  # what the all-gather sends from (nvme_tier.py's note)
+            store.write_behind(key, s, master)  # what the all-gather sends from (nvme_tier.py's note)
         part.sweep(visit, {MASTER: source, **dict.fromkeys(MOMENTS, written)}, write=[MASTER])
         part.commit(scalars)
 

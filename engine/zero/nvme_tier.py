@@ -10,7 +10,8 @@ fp32 master weights and the optimizer state live in `SwappedPartition` swap file
 sub-groups instead (nvme_per_tensor.py). Every stepper reads the gradient through `grad_reader`. The
 updated master slice is written through the partition store
 into what the all-gather sends from (the host flat `PartitionedParams.flat`; with `offload_param.device:
-"nvme"` the parameter swap files instead: param_nvme.py), so the gather path is the CPU tier's.
+"nvme"` the parameter swap files instead: param_nvme.py, each write overlapping the next sub-group's
+step), so the gather path is the CPU tier's.
 That host flat is the send image, not the state: the configured optimizer never steps, and its state stays empty; the
 state's host memory is the swap pool. At stage 3 the host flat is also the chunk the prefetcher's
 all-gathers send from (tier.py's stage-3 note), so the same copy serves both. A skipped step never
@@ -126,18 +127,21 @@ class NvmeOptimizerTier:
     def step(self) -> None:
         """The optimizer step over every partition, sub-group by sub-group; the host flats receive the
         updated master weights for the all-gather."""
-        if self.per_tensor is not None:
-            self.per_tensor.step()
-            return
-        for key, part in self.parts.items():
-            self.step_elementwise(key, part)
+        try:
+            if self.per_tensor is not None:
+                self.per_tensor.step()
+                return
+            for key, part in self.parts.items():
+                self.step_elementwise(key, part)
+        finally:  # the last sub-group's write-back (offload/param_swap.py's note: write-behind)
+            self.partition.store.flush()
 
     def step_elementwise(self, key: tuple, part: SwappedPartition) -> None:
         """Flat `key`'s step by the inner copy of the optimizer, sub-group by sub-group; the updated
         master goes through the partition store (the host flat, or the parameter swap files)."""
         _copy_hyper(self.optimizer.param_groups[key[0]], part.param_groups[0])
         store = self.partition.store
-        part.step(self.grad_reader(key), lambda s, e, master: store.write(key, s, master))
+        part.step(self.grad_reader(key), lambda s, e, master: store.write_behind(key, s, master))
 
     def grad_reader(self, key: tuple):
         """(start, stop) -> flat `key`'s unscaled, clipped fp32 gradient there: read from its swap file
