@@ -23,6 +23,13 @@ under the same directory; its rows are printed below dstrain's.
 torch's, and how far its final fp32 parameters are from torch's in units of torch's own update.
 `--clip 0`, `--offload-param cpu|none`, `--offload-optimizer cpu|none` switch one feature off at a time
 in both systems (the loss-gap diagnosis in README's ZeRO-Infinity paragraph).
+`--gradients swap,memory`: what the gradient swap costs (engine/zero/grad_swap.py): dstrain once with
+the gradient partition in swap files (as it runs) and once in host memory (grad_swap.SWAP_GRADIENTS
+False in the ranks: a benchmark switch, not a config key), each with its median backward and step
+time after the first step (benchmarks/step_phases.py) and rank 0's gradient bytes written and read
+per step against the raw O_DIRECT disk bandwidth measured first under the same directory
+(bench_offload_io.disk_bandwidth, `--disk-mb`). The torch comparison and the parameter files are the
+first kind's run.
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
 from benchmarks.infinity_agreement import compare, dump_full_params, torch_reference  # noqa: E402
-from benchmarks.step_phases import fixed_batch_steps  # noqa: E402
+from benchmarks.step_phases import StepPhases, fixed_batch_steps  # noqa: E402
 from offload.estimate import EstimateSettings, estimate_memory  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
@@ -115,11 +122,13 @@ def settings(cfg: dict) -> EstimateSettings:
                             max_in_cpu=param.get("max_in_cpu", EstimateSettings.max_in_cpu))
 
 
-def _rank(model_cfg: GPTConfig, cfg: dict, steps: int, dump: str | None = None) -> dict:
+def _rank(model_cfg: GPTConfig, cfg: dict, steps: int, dump: str | None = None, gradients: str = "swap") -> dict:
     import torch.distributed as dist
 
     import engine
     from engine.utils import safe_get_full_fp32_param
+    from engine.zero import grad_swap
+    grad_swap.SWAP_GRADIENTS = gradients == "swap"  # this rank only (module docstring: --gradients)
     torch.set_num_threads(1)
     rank = dist.get_rank()
     import psutil
@@ -132,14 +141,17 @@ def _rank(model_cfg: GPTConfig, cfg: dict, steps: int, dump: str | None = None) 
     built_s, rss_built = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # one fixed batch per rank, every step: a loss that falls says the updates reach the weights
     x, y = RandomTokens(cfg["train_micro_batch_size_per_gpu"], model_cfg.seq_len, model_cfg.vocab_size, seed=rank)[:]
-    losses, times, norms = fixed_batch_steps(eng, x, y, steps)
-    store = eng.zero_optimizer.partition.store
+    phases = StepPhases()
+    losses, times, norms = fixed_batch_steps(eng, x, y, steps, phases)
+    store, swap = eng.zero_optimizer.partition.store, getattr(eng.zero_optimizer, "grad_swap", None)
     io1 = _io()
     out = {"losses": losses, "step_s": times, "norms": norms, "build_s": built_s, "peak_rss": resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_after_build": rss_built, "rss_start": rss_start,
         "disk_read": io1["read_bytes"] - io0["read_bytes"], "disk_written": io1["write_bytes"] - io0["write_bytes"],
         "store_read": getattr(store, "bytes_read", 0), "store_written": getattr(store, "bytes_written", 0),
-        "partition_host_bytes": eng.zero_optimizer.model_state_bytes()["partition"]}
+        "partition_host_bytes": eng.zero_optimizer.model_state_bytes()["partition"], "phases_ms": phases.medians(),
+        "grad_written": swap.bytes_written if swap else 0, "grad_read": swap.bytes_read if swap else 0,
+        "held_written": swap.held.bytes_written if swap else 0}
     if dump:  # after the byte counts: gathering every parameter reads the store too
         dump_full_params(model, safe_get_full_fp32_param, dump, rank)
     eng.destroy()
@@ -177,20 +189,34 @@ def deepspeed_rows(venv: str, model_cfg: GPTConfig, cfg: dict, steps: int, world
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def print_dstrain(per_rank: list[dict], est) -> None:
+def print_dstrain(per_rank: list[dict], est, prefix: str = "") -> None:
     mib = 2**20
     for r, out in enumerate(per_rank):
-        print(f"rank {r}: build {out['build_s']:.1f} s; " + "; ".join(
+        print(f"{prefix}rank {r}: build {out['build_s']:.1f} s; " + "; ".join(
             f"step {k}: loss {loss:.4f}, {t:.1f} s" for k, (loss, t) in enumerate(zip(out["losses"], out["step_s"]))))
         estimate = "no estimate row for these tiers" if est is None else (
             f"estimate {(est.host_bytes + est.accelerator_bytes) / mib:.0f} MiB of model state "
             f"(host {est.host_bytes / mib:.0f} + gathered/buckets {est.accelerator_bytes / mib:.0f}), "
             f"NVMe {est.nvme_bytes / mib:.0f} MiB")
-        print(f"rank {r}: peak RSS {out['peak_rss'] / mib:.0f} MiB, {(out['peak_rss'] - out['rss_start']) / mib:.0f} "
+        print(f"{prefix}rank {r}: peak RSS {out['peak_rss'] / mib:.0f} MiB, {(out['peak_rss'] - out['rss_start']) / mib:.0f} "
               f"above the rank's start (after build {out['rss_after_build'] / mib:.0f}), {estimate}; disk read "
               f"{out['disk_read'] / mib:.0f} MiB, written {out['disk_written'] / mib:.0f} MiB (parameter store "
               f"{out['store_read'] / mib:.0f} / {out['store_written'] / mib:.0f} MiB); host flat "
               f"{out['partition_host_bytes']} bytes")
+
+
+def _print_gradient_costs(runs: dict, disk: tuple[float, float], steps: int) -> None:
+    """Rank 0's median backward and step, and its gradient swap bytes per step against the disk."""
+    mib = 2**20
+    print(f"disk (O_DIRECT, best of 2): write {disk[0]:.3f} GB/s, read {disk[1]:.3f} GB/s")
+    for kind, per_rank in runs.items():
+        out = per_rank[0]
+        written, read = out["grad_written"] / steps, out["grad_read"] / steps  # every step lands the same
+        at_disk = written / disk[0] / 1e9 + read / disk[1] / 1e9
+        print(f"gradients {kind}: rank 0 backward {out['phases_ms']['backward']:.0f} ms, step "
+              f"{out['phases_ms']['step']:.0f} ms (medians after the first step); gradient swap per step "
+              f"written {written / mib:.1f} MiB, read {read / mib:.1f} MiB = {at_disk:.2f} s at the disk's "
+              f"bandwidth; held gradients written in the first backward {out['held_written'] / mib:.1f} MiB")
 
 
 def print_agreement(ref: dict, rank0: dict[str, dict | None], dumps: str) -> None:
@@ -259,11 +285,20 @@ def limit_memory(gib: float) -> Path:
     return group
 
 
-def run_and_report(args, model_cfg: GPTConfig, cfg: dict, est, dumps: str | None, made_nvme: str | None) -> None:
-    """dstrain's ranks, then DeepSpeed's (`--deepspeed-venv`), then torch's reference (`dumps`), printed."""
+def run_and_report(args, model_cfg: GPTConfig, cfg: dict, est, dumps: str | None, made_nvme: str | None,
+                   kinds: list[str], nvme_path: str) -> None:
+    """dstrain's ranks (once per `--gradients` kind), then DeepSpeed's (`--deepspeed-venv`), then torch's
+    reference (`dumps`, against the first kind's run), printed."""
+    disk = None
     try:
-        per_rank = run_distributed(_rank, args.world, timeout=6 * 3600,
-                                   args=(model_cfg, cfg, args.steps, dumps and f"{dumps}/dstrain.pt"))
+        if "memory" in kinds:  # the bandwidth the gradient bytes are set against, where the swap files go
+            from benchmarks.bench_offload_io import disk_bandwidth
+            with tempfile.TemporaryDirectory(dir=nvme_path) as d:
+                disk = disk_bandwidth(d, args.disk_mb * 2**20, repeats=2)
+        runs = {kind: run_distributed(_rank, args.world, timeout=6 * 3600, args=(
+            model_cfg, cfg, args.steps, dumps and k == 0 and f"{dumps}/dstrain.pt", kind))
+            for k, kind in enumerate(kinds)}
+        per_rank = runs[kinds[0]]
         # after dstrain's ranks exited, in the same swap directory (DeepSpeed's swap files go under it)
         buffers = {"offload_param": args.deepspeed_param_buffers, "offload_optimizer": args.deepspeed_optimizer_buffers}
         peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world, buffers,
@@ -271,7 +306,10 @@ def run_and_report(args, model_cfg: GPTConfig, cfg: dict, est, dumps: str | None
     finally:
         if made_nvme:  # the swap directories inside are removed by the ranks themselves
             shutil.rmtree(made_nvme, ignore_errors=True)
-    print_dstrain(per_rank, est)
+    for kind, ranks in runs.items():
+        print_dstrain(ranks, est, "" if kind == "swap" else "[gradient partition in memory] ")
+    if disk is not None:
+        _print_gradient_costs(runs, disk, args.steps)
     if peer is not None:
         misaligned = deepspeed_misaligned(model_cfg, args.world) if args.offload_optimizer == "nvme" else []
         print_deepspeed(peer, misaligned)
@@ -315,7 +353,13 @@ def main(argv=None) -> int:
     for tier in ("param", "optimizer"):
         p.add_argument(f"--offload-{tier}", choices=("nvme", "cpu", "none"), default="nvme",
                        help=f"offload_{tier}.device (default nvme: ZeRO-Infinity)")
+    p.add_argument("--gradients", default="swap", help="comma list of swap, memory: where dstrain's gradient "
+                   "partition lives, one run each (module docstring)")
+    p.add_argument("--disk-mb", type=int, default=256, help="file size of the raw O_DIRECT bandwidth measurement")
     args = p.parse_args(argv)
+    kinds = args.gradients.split(",")
+    if not kinds or set(kinds) - {"swap", "memory"}:
+        p.error(f"--gradients {args.gradients!r}: expected a comma list of swap, memory")
     group = limit_memory(args.memory_limit_gib) if args.memory_limit_gib else None
     made = args.nvme_path is None
     nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="bench-infinity-")
@@ -334,7 +378,7 @@ def main(argv=None) -> int:
     checked = args.check_against_torch or args.keep_params
     dumps = args.keep_params or (tempfile.mkdtemp(prefix="bench-infinity-params-") if checked else None)
     try:
-        run_and_report(args, model_cfg, cfg, est, dumps, nvme_path if made else None)
+        run_and_report(args, model_cfg, cfg, est, dumps, nvme_path if made else None, kinds, nvme_path)
     finally:  # a failed run's parameter files too
         if dumps and not args.keep_params:
             shutil.rmtree(dumps, ignore_errors=True)

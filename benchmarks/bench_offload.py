@@ -27,6 +27,13 @@ These machines are shared and noisy: read the ratios, and the load printed befor
 A second table splits rank 0's median step into forward, backward (with the reductions that overlap
 it) and step (norm, clipping, the optimizer, the all-gather), timed the same way in both systems
 (benchmarks/step_phases.py).
+What the gradient swap costs (engine/zero/grad_swap.py: with the optimizer on NVMe the gradient
+partition lives in swap files): `dstrain-z2-nvme-grad-in-memory` and `dstrain-z3-nvme-opt-grad-in-memory`
+are the NVMe systems with the gradient partition in host memory instead (grad_swap.SWAP_GRADIENTS set
+False in their ranks: a benchmark switch, not a config key). When an NVMe system runs, the raw O_DIRECT
+disk bandwidth is measured first in the same directory (bench_offload_io.disk_bandwidth, `--disk-mb`),
+and a third table gives rank 0's gradient bytes written and read per step after the first (the first
+also writes the held gradients: grad_swap.py's note) and the seconds they take at that bandwidth.
 """
 from __future__ import annotations
 
@@ -50,11 +57,13 @@ ZERO2 = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}
 CPU_OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 NVME = None  # NVMe optimizer offload under --nvme-path (_nvme_offload)
 NVME_BOTH = "nvme-both"  # and the parameters on NVMe too
+GRAD_IN_MEMORY = "-grad-in-memory"  # a system name's suffix: grad_swap.SWAP_GRADIENTS False in its ranks
 # name: (offload sections, environment, ZeRO stage)
 DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
            "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}, 2),
-           "dstrain-z2-nvme": (NVME, {}, 2), "dstrain-z3": ({}, {}, 3), "dstrain-z3-nvme-opt": (NVME, {}, 3),
-           "dstrain-z3-nvme": (NVME_BOTH, {}, 3)}
+           "dstrain-z2-nvme": (NVME, {}, 2), "dstrain-z2-nvme" + GRAD_IN_MEMORY: (NVME, {}, 2),
+           "dstrain-z3": ({}, {}, 3), "dstrain-z3-nvme-opt": (NVME, {}, 3),
+           "dstrain-z3-nvme-opt" + GRAD_IN_MEMORY: (NVME, {}, 3), "dstrain-z3-nvme": (NVME_BOTH, {}, 3)}
 # DeepSpeed's offload path: without torch_adam, its AdamW with offload is DeepSpeedCPUAdam.
 ADAMW = {"type": "AdamW", "params": {"lr": bt.LR}}
 # name: (ZeRO stage, config merged in, NVMe optimizer offload under --nvme-path)
@@ -74,21 +83,37 @@ def _nvme_offload(nvme_path: str, params: bool = False) -> dict:
     return section
 
 
-def _entry(offload: dict, steps: int, stage: int = 2):
+def _grad_bytes(zopt) -> dict:
+    """Gradient bytes this rank's swap files moved so far (engine/zero/grad_swap.py), by kind."""
+    swap = zopt.grad_swap
+    if swap is None:
+        return {}
+    held = swap.held
+    return {"written": swap.bytes_written, "read": swap.bytes_read,
+            "held_written": held.bytes_written if held else 0, "held_read": held.bytes_read if held else 0}
+
+
+def _entry(offload: dict, steps: int, stage: int = 2, grad_in_memory: bool = False):
     import torch.distributed as dist
 
     import engine
+    from engine.zero import grad_swap
+    grad_swap.SWAP_GRADIENTS = not grad_in_memory  # this rank only (module docstring)
     torch.manual_seed(0)
     zero = {**ZERO2, "stage": stage, **offload}
     eng, _, _, _ = engine.initialize(model=bt.GPT(bt.BENCH_CONFIG),
                                      config=bt._dstrain_config(stage, True, {"zero_optimization": zero}))
-    phases, times = StepPhases(), []
+    phases, times, after_first = StepPhases(), [], {}
     for x, y in bt._batches(steps, dist.get_rank()):
         t0 = time.perf_counter()
         phases.train_step(eng, x, y)
         times.append((time.perf_counter() - t0) * 1e3)
+        after_first = after_first or _grad_bytes(eng.zero_optimizer)
+    end = _grad_bytes(eng.zero_optimizer)
+    per_step = {k: (end[k] - after_first[k]) / max(1, steps - 1) for k in end}
     eng.destroy()
-    return {"step_ms": statistics.median(kept(times)), "rss_mb": bt._peak_rss_mb(), "phases_ms": phases.medians()}
+    return {"step_ms": statistics.median(kept(times)), "rss_mb": bt._peak_rss_mb(), "phases_ms": phases.medians(),
+            "grad_bytes_per_step": per_step, "grad_bytes_first_step": after_first}
 
 
 def _load() -> str:
@@ -102,13 +127,21 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--deepspeed-venv", type=Path, default=None, help="virtual environment with deepspeed")
     p.add_argument("--nvme-path", default=None, help="directory for the NVMe systems' swap files (default: a temp dir)")
+    p.add_argument("--disk-mb", type=int, default=256, help="file size of the raw O_DIRECT bandwidth measurement")
     args = p.parse_args(argv)
     systems = args.systems.split(",")
 
     def nvme_dir() -> str:
         return args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-")
     print(f"before: {_load()}", flush=True)
-    rows, phases = [], {}  # phases: rank 0's median forward / backward / step ms (step_phases.py)
+    disk = None  # (write, read) GB/s of the raw O_DIRECT loop where the swap files go
+    if any(DSTRAIN.get(name, (0,))[0] in (NVME, NVME_BOTH) for name in systems):
+        from bench_offload_io import disk_bandwidth
+        with tempfile.TemporaryDirectory(dir=args.nvme_path, prefix="bench-offload-disk-") as d:
+            disk = disk_bandwidth(d, args.disk_mb * 2**20, repeats=2)
+        print(f"disk (O_DIRECT, {args.disk_mb} MiB, best of 2): write {disk[0]:.2f} GB/s, read {disk[1]:.2f} GB/s",
+              flush=True)
+    rows, phases, grads = [], {}, {}  # phases: rank 0's median forward / backward / step ms (step_phases.py)
     for name in systems:
         if name in DEEPSPEED:
             if args.deepspeed_venv is None:
@@ -128,9 +161,13 @@ def main(argv=None) -> int:
             offload, env, stage = DSTRAIN[name]
             if offload in (NVME, NVME_BOTH):
                 offload = _nvme_offload(nvme_dir(), params=offload == NVME_BOTH)
-            per_rank = run_distributed(_entry, args.world, args=(offload, args.steps, stage), timeout=1800, env=env)
+            per_rank = run_distributed(_entry, args.world, args=(offload, args.steps, stage, name.endswith(GRAD_IN_MEMORY)),
+                                       timeout=1800, env=env)
             rows.append((name, max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank), ""))
             phases[name] = per_rank[0]["phases_ms"]
+            if per_rank[0]["grad_bytes_per_step"]:
+                grads[name] = per_rank[0]
+
         print(f"{name:>22}: {rows[-1][1] or 0:8.1f} ms/step  {rows[-1][3]}", flush=True)
     print(f"after: {_load()}")
     base = next((step for name, step, _, _ in rows if name == "dstrain-z2" and step), None)
@@ -143,7 +180,22 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(PHASES))
     for name, parts in phases.items():  # a system run twice shows its last round
         print(f"| {name} | " + " | ".join(f"{parts[k]:.0f}" for k in PHASES) + " |")
+    if grads and disk:
+        _print_gradient_io(grads, disk)
     return 0
+
+
+def _print_gradient_io(grads: dict, disk: tuple[float, float]) -> None:
+    """Rank 0's gradient swap traffic per step against the disk bandwidth measured in this run."""
+    mib = 2**20
+    print(f"\n| system (rank 0) | gradient MiB written / read per step | at disk bandwidth, ms | "
+          f"first step: held gradients MiB written / read |")
+    print("|---|---|---|---|")
+    for name, r in grads.items():
+        per, first = r["grad_bytes_per_step"], r["grad_bytes_first_step"]
+        at_disk = (per["written"] / disk[0] + per["read"] / disk[1]) / 1e6  # bytes / (GB/s) -> ms
+        print(f"| {name} | {per['written'] / mib:.1f} / {per['read'] / mib:.1f} | {at_disk:.0f} | "
+              f"{first['held_written'] / mib:.1f} / {first['held_read'] / mib:.1f} |")
 
 
 if __name__ == "__main__":

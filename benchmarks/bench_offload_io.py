@@ -57,6 +57,31 @@ def raw_direct(path: str, buf: torch.Tensor, block: int, write: bool) -> float:
         os.close(fd)
 
 
+def random_aligned(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random aligned buffer of `nbytes` to write and an aligned one to read back into."""
+    buf = aligned_empty(nbytes, torch.uint8)
+    buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    return buf, aligned_empty(nbytes, torch.uint8)
+
+
+def disk_bandwidth(d: str, nbytes: int, repeats: int, block: int = AioConfig().block_size,
+                   buffers: tuple | None = None) -> tuple[float, float]:
+    """(write, read) GB/s of the raw O_DIRECT loop over an `nbytes` file in `d`, best of `repeats` (the
+    figure bench_offload.py and bench_infinity.py set the gradient swap's bytes against)."""
+    buf, back = buffers or random_aligned(nbytes)
+    raw = os.path.join(d, "raw.bin")
+    best_w, best_r = float("inf"), float("inf")
+    try:
+        for _ in range(repeats):
+            best_w = min(best_w, raw_direct(raw, buf, block, write=True))
+            _drop_cache(raw)
+            best_r = min(best_r, raw_direct(raw, back, block, write=False))
+    finally:
+        if os.path.exists(raw):
+            os.unlink(raw)
+    return nbytes / best_w / 1e9, nbytes / best_r / 1e9
+
+
 def engine_io(io: AsyncFileIO, path: str, buf: torch.Tensor, write: bool) -> float:
     start = time.perf_counter()
     (io.write if write else io.read)(path, buf, 0).wait()
@@ -104,18 +129,11 @@ def main() -> None:
     args = p.parse_args()
     nbytes = args.mb * 2**20
     aio = AioConfig()
-    buf = aligned_empty(nbytes, torch.uint8)
-    buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
-    back = aligned_empty(nbytes, torch.uint8)
+    buf, back = random_aligned(nbytes)
     result = {"mb": args.mb, "block_size": aio.block_size, "queue_depth": aio.queue_depth, "load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        raw = os.path.join(d, "raw.bin")
-        best_w, best_r = float("inf"), float("inf")
-        for _ in range(args.repeats):
-            best_w = min(best_w, raw_direct(raw, buf, aio.block_size, write=True))
-            _drop_cache(raw)
-            best_r = min(best_r, raw_direct(raw, back, aio.block_size, write=False))
-        result["disk_write_GBps"], result["disk_read_GBps"] = nbytes / best_w / 1e9, nbytes / best_r / 1e9
+        result["disk_write_GBps"], result["disk_read_GBps"] = disk_bandwidth(d, nbytes, args.repeats, aio.block_size,
+                                                                            (buf, back))
         for threads in (int(t) for t in args.threads.split(",")):
             io = AsyncFileIO(AioConfig(intra_op_parallelism=threads), path_key="--dir")
             path = os.path.join(d, f"engine{threads}.bin")

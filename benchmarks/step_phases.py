@@ -39,16 +39,16 @@ class StepPhases:
         return {name: statistics.median(kept(ms)) for name, ms in self.ms.items() if ms}
 
 
-def fixed_batch_steps(eng, x, y, steps: int) -> tuple[list[float], list[float], list[float | None]]:
+def fixed_batch_steps(eng, x, y, steps: int,
+                      phases: StepPhases | None = None) -> tuple[list[float], list[float], list[float | None]]:
     """`steps` steps of `eng` on one batch (bench_infinity and its DeepSpeed peer): each step's loss,
     wall time in seconds and global gradient norm before clipping (`get_global_grad_norm()`, which both
-    engines have). A loss that falls says the updates reach the weights."""
-    losses, times, norms = [], [], []
+    engines have), each phase's time into `phases` if given. A loss that falls says the updates reach
+    the weights."""
+    losses, times, norms, phases = [], [], [], phases or StepPhases()
     for _ in range(steps):
         t = time.perf_counter()
-        loss = eng(x, y)
-        eng.backward(loss)
-        eng.step()
+        loss = phases.train_step(eng, x, y)
         times.append(time.perf_counter() - t)
         losses.append(float(loss.detach()))
         norm = eng.get_global_grad_norm()

@@ -311,6 +311,14 @@ def _byte_view(tensor: torch.Tensor, path: str) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+def staged_empty(numel: int, offset_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, view): `view` has `numel` fp32 elements at an address congruent to the file offset of
+    `offset_elements` modulo the O_DIRECT block, so a transfer of it at that offset can go direct."""
+    phase = (offset_elements * 4 % ALIGNMENT) // 4
+    base = aligned_empty(phase + numel, torch.float32)
+    return base, base[phase:phase + numel]
+
+
 def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
     """A host tensor of `numel` elements whose first byte is `ALIGNMENT`-aligned (O_DIRECT's rule)."""
     itemsize = torch.empty(0, dtype=dtype, device="cpu").element_size()

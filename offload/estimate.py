@@ -9,9 +9,9 @@ gradients, 12Ψ of fp32 master weights and moments; stage 1 divides the 12Ψ by 
 gradients too, stage 3 everything. fp32 (`precision="fp32"`) is dstrain's layout: 4Ψ weights, 4Ψ
 gradients, 8Ψ moments, and at stages 1-2 a separate fp32 master partition (4Ψ/N); at stage 3 the fp32
 partition is the parameter. Offload moves the optimizer's share (master, moments and the fp32
-partition gradient, 16Ψ/N) to host memory, or to NVMe where only the swap pool stays on the host
-(at stages 1-2 the partition gradient stays there too; at stage 3 it is swapped as well:
-`_swapped_gradient_staging`);
+partition gradient, 16Ψ/N) to host memory, or to NVMe where only the swap pool and the gradient's
+landings stay on the host (the partition gradient is swapped as well: `_swapped_gradient_staging`;
+at stages 1-2 the host also keeps the fp32 send image of the all-gather, 4Ψ/N);
 at stage 3 either offload section also moves the fp32 parameter partition (dstrain keeps no 16-bit
 one) to the host, and parameter offload to NVMe moves it into swap files (`_stage3_partition`). Added on top:
 gradient buckets in flight (REDUCE_DEPTH x `reduce_bucket_size`, stages 0-2), the stage-3 gathered
@@ -87,9 +87,9 @@ def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings) -
     elif opt_dev == "cpu":
         host += optimizer_state
     else:  # the stepper swaps its own fp32 master with the moments, in two slots (swapped_partition.py)
-        grad_host = _swapped_gradient_staging(psi, n, s) if stage == 3 else partition_grad
-        host += grad_host + _optimizer_pool(psi // n, s)
-        nvme += 2 * (4 * psi // shard + moments) + (partition_grad if stage == 3 else 0)
+        send_image = 4 * psi // n if stage < 3 else 0  # stages 1-2: the host flat the all-gather sends
+        host += _swapped_gradient_staging(psi, n, s) + _optimizer_pool(psi // n, s) + send_image
+        nvme += 2 * (4 * psi // shard + moments) + partition_grad
     if stage == 3 and offload != "none":
         accel -= weights
         host, nvme = _stage3_partition(offload, opt_dev, half, psi, n, s, host, nvme)
@@ -123,9 +123,9 @@ def _buckets(stage: int, psi: int, s: EstimateSettings, wbytes: int) -> int:
 
 
 def _swapped_gradient_staging(psi: int, n: int, s: EstimateSettings) -> int:
-    """[Note: swapped gradient] At stage 3 with the optimizer on NVMe the partition gradient is in swap
-    files (engine/zero/grad_swap.py); the host holds the landings in flight (DEPTH bucket segments) and
-    one range being read (a sub-group, or a norm chunk). Lamb and Muon keep it on the host instead."""
+    """[Note: swapped gradient] With the optimizer on NVMe the partition gradient is in swap files
+    (engine/zero/grad_swap.py); the host holds the landings in flight (DEPTH bucket segments) and one
+    range being read (a sub-group, or a norm chunk), whatever the optimizer (Lamb and Muon too)."""
     from engine.zero.grad_swap import DEPTH, NORM_CHUNK
     return 4 * (DEPTH * min(s.reduce_bucket_size, psi) // n + min(max(s.sub_group_size, NORM_CHUNK), psi // n))
 

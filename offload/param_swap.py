@@ -20,17 +20,27 @@ slots read once stay resident (a copy kept per group, updated by every write: th
 truth), so a model that fits is read from disk once. Resident parameter bytes are therefore at most
 `max_in_cpu * 4` plus the pool; `accounted_bytes()` keeps the count, `measured_bytes()` sums the
 storages that exist. A skipped step writes nothing: the files stay bit for bit as they were.
+[Note: write-behind] The NVMe optimizer tier hands each updated sub-group over with `write_behind`: its
+values are copied into a staging buffer of the store (the caller's buffer goes back to the optimizer's
+pool when the call returns) and the write is started, not waited for, so it overlaps the next
+sub-group's step; at most WRITE_BEHIND writes are in flight (the oldest is finished before another
+starts, so writes land in the order given), and every other operation, `flush()` (the tier's, at the
+end of each step) and `close()` finish them first. The bytes are the synchronous write's. Host memory:
+WRITE_BEHIND + 1 staging copies of a sub-group at most.
 """
 from __future__ import annotations
 
 import torch
 
-from offload.aio import AsyncFileIO
+from collections import deque
+
+from offload.aio import AsyncFileIO, staged_empty
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
 
 FP32_BYTES = 4
 CPU = torch.device("cpu")
+WRITE_BEHIND = 1  # write-backs in flight (module note: write-behind)
 
 
 class _Slots:
@@ -70,7 +80,9 @@ class NvmeParamStore:
         self._ahead: dict[tuple, tuple] = {}  # group -> (buffer, handles) of a read issued ahead
         self._open: dict[tuple, torch.Tensor] = {}  # group -> the pool buffer its slots are in
         self._events: dict[int, object] = {}  # buffer ptr -> event of the device copy still reading it
+        self._behind: deque = deque()  # (handle, staging buffer) of writes in flight (module note: write-behind)
         self.bytes_read = self.bytes_written = 0
+        self.writes_behind = 0  # writes left in flight when their call returned
         self.reads_ahead = 0  # groups read ahead of their gather (the prefetcher's requests that found a buffer)
         self.peak_accounted = self.accounted_bytes()
         swapped_init = getattr(partition, "swapped_init", {})
@@ -90,6 +102,7 @@ class NvmeParamStore:
     def read(self, key, start: int, stop: int) -> torch.Tensor:
         if self.master_in_memory:
             return self.partition.flat[key].detach()[start:stop]
+        self.flush()
         out = torch.empty(stop - start, dtype=torch.float32, device=CPU)
         self.bytes_read += self.io.read(self.files[key], out, start * FP32_BYTES).wait()
         return out
@@ -101,6 +114,26 @@ class NvmeParamStore:
             if dst.data_ptr() != values.data_ptr():
                 dst.copy_(values)
         self._write_file(key, start, values)
+
+    def write_behind(self, key, start: int, values: torch.Tensor) -> None:
+        """`write`, with the file write overlapping what the caller does next (module note: write-behind)."""
+        values = values.detach().reshape(-1)
+        if self.master_in_memory:  # the optimizer tier on NVMe drops the host master: not met there
+            self.write(key, start, values)
+            return
+        base, staged = staged_empty(values.numel(), start)
+        staged.copy_(values)
+        self._write_file(key, start, staged, base)
+
+    @property
+    def writes_in_flight(self) -> int:
+        return len(self._behind)
+
+    def flush(self) -> None:
+        """Finish every write in flight (module note: write-behind)."""
+        while self._behind:
+            handle, _ = self._behind.popleft()
+            self.bytes_written += handle.wait()
 
     def slot(self, param) -> torch.Tensor:
         frag = self.partition.fragments[param]
@@ -117,6 +150,7 @@ class NvmeParamStore:
         (zero.Init(remote_device="nvme")): read it from the files; it is the master from now on."""
         if self.master_in_memory:
             return
+        self.flush()
         for key, flat in self.partition.flat.items():
             self.bytes_read += self.io.read(self.files[key], flat.detach(), 0).wait()
         self.master_in_memory = True
@@ -133,6 +167,7 @@ class NvmeParamStore:
         slots = self._layout(group)
         if group in self._cache:
             return slots.views(self._cache[group])
+        self.flush()
         if group in self._ahead:
             buf, handles = self._ahead.pop(group)
             for h in handles:
@@ -164,6 +199,7 @@ class NvmeParamStore:
         group = tuple(params)
         if group in self._cache or group in self._ahead or group in self._open or self.pool.free_count() <= 1:
             return False
+        self.flush()
         slots = self._layout(group)
         buf = self._acquire(slots)
         self._ahead[group] = (buf, self._start_reads(slots, buf))
@@ -187,6 +223,7 @@ class NvmeParamStore:
 
     def close(self) -> None:
         try:
+            self.flush()
             self._drain_ahead()
             self._cache.clear()
             self.io.close()
@@ -224,11 +261,21 @@ class NvmeParamStore:
             self._release(buf)
         self._ahead.clear()
 
-    def _write_file(self, key, start: int, values: torch.Tensor) -> None:
+    def _write_file(self, key, start: int, values: torch.Tensor, behind: torch.Tensor | None = None) -> None:
+        """Write `values` at `start` of flat `key`'s file; `behind`: the staging buffer `values` views,
+        kept with the write left in flight (module note: write-behind), else the write is waited for."""
         self._drain_ahead()
         if not values.is_contiguous() or values.device != CPU:
             values = values.to(device=CPU).contiguous()
-        self.bytes_written += self.io.write(self.files[key], values, start * FP32_BYTES).wait()
+        if behind is None:
+            self.flush()  # writes land in the order given
+            self.bytes_written += self.io.write(self.files[key], values, start * FP32_BYTES).wait()
+        else:
+            while len(self._behind) >= WRITE_BEHIND:
+                old, _ = self._behind.popleft()
+                self.bytes_written += old.wait()
+            self._behind.append((self.io.write(self.files[key], values, start * FP32_BYTES), behind))
+            self.writes_behind += 1
         stop = start + values.numel()
         for group, resident in self._cache.items():  # keep resident copies equal to the files
             for k, s, e, at in self._layout(group).runs:

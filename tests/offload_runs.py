@@ -146,7 +146,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
     nvme = eng.zero_optimizer.nvme
     at_init = len(list(nvme.swap.path.glob("*.swp"))) if nvme is not None else None  # fast_init writes none
     dtype = next(eng.module.parameters()).dtype
-    norms, unchanged, param_bytes = [], None, []
+    norms, unchanged, param_bytes, in_flight = [], None, [], []
     for step, (x, y) in enumerate(batches):
         if resume is not None and step == RESUME_AT:
             eng.save_checkpoint(resume)
@@ -166,6 +166,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
             eng.step()
             if eng.zero_optimizer.partition.store.swapped:  # what exists after each micro-step
                 param_bytes.append(eng.zero_optimizer.partition.store.measured_bytes())
+                in_flight.append(eng.zero_optimizer.partition.store.writes_in_flight)
         if poison:
             unchanged = _same_state(before, _state_snapshot(eng.zero_optimizer))
         norms.append(eng.get_global_grad_norm())
@@ -180,7 +181,8 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
         out["param_store"] = {"accounted_peak": store.peak_accounted, "measured": param_bytes,
                               "bound": store.max_in_cpu * 4 + store.pool.nbytes, "pool": store.pool.nbytes,
                               "read": store.bytes_read, "written": store.bytes_written,
-                              "reads_ahead": store.reads_ahead,
+                              "reads_ahead": store.reads_ahead, "writes_behind": store.writes_behind,
+                              "in_flight_after_step": in_flight,
                               "partition_bytes": zopt.model_state_bytes()["partition"],
                               "master_in_memory": store.master_in_memory, "dir": store.swap.path}
     swap_dir = zopt.nvme.swap.path if zopt.nvme is not None else None
@@ -189,6 +191,10 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
         out["state_in_memory"] = sum(len(s) for s in zopt.optimizer.state.values())
         out["swap_files"] = len(list(swap_dir.glob("*.swp")))
         out["swap_files_at_init"] = at_init
+        swap = zopt.grad_swap  # the gradient partition in swap files (engine/zero/grad_swap.py)
+        out["grad_swap"] = None if swap is None else {"written": swap.bytes_written, "read": swap.bytes_read,
+                                                      "host_bytes": zopt.partition.num_bytes()["master_grad"],
+                                                      "held": swap.held is not None}
     eng.destroy()  # every run: 45 engines' process groups and gloo threads would pile up in this process
     if swap_dir is not None:
         out["swap_dir_left"] = swap_dir.exists()
@@ -210,8 +216,8 @@ MIXED_CASES.update({(precision, 2, NVME): (2, "adamw", NVME, precision) for prec
 INF_CASES = {("inf", precision, stage, name): (stage, "adamw", offload, precision, True)
              for precision, stage in (("fp16", 1), ("fp32", 3))
              for name, offload in (("none", {}), ("opt_cpu", OPT_CPU if stage < 3 else BOTH_CPU))}
-INF_CASES.update({("inf", "fp32", stage, NVME): (stage, "adamw", NVME, "fp32", True) for stage in (2, 3)})
-INF_CASES[("inf", "fp32", 2, "none")] = (2, "adamw", {}, "fp32", True)
+INF_CASES.update({("inf", "fp32", stage, NVME): (stage, "adamw", NVME, "fp32", True) for stage in (1, 2, 3)})
+INF_CASES.update({("inf", "fp32", stage, "none"): (stage, "adamw", {}, "fp32", True) for stage in (1, 2)})
 # offload_param "nvme" (tests/test_offload_param_nvme.py): the references are FP32_CASES' "none" runs.
 PARAM_NVME_CASES = {(3, opt, name): (3, opt, name) for opt in ("adamw", "sgd") for name in (PARAM_NVME, BOTH_NVME)}
 PARAM_NVME_CASES[("inf", "fp32", 3, BOTH_NVME)] = (3, "adamw", BOTH_NVME, "fp32", True)

@@ -114,6 +114,39 @@ class Stack(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
+def _stage2_nvme_config(nvme_path: str) -> dict:
+    """The stage-3 config's optimizer side at stage 2: the gradient partition in swap files (grad_swap.py)."""
+    layer = STACK_WIDTH * STACK_WIDTH
+    return {"train_batch_size": 4, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            # all-gather buckets of a layer too: the default is GATHER_BUCKET_CAP (16 MiB, 2 in flight)
+            "zero_optimization": {"stage": 2, "sub_group_size": SUB_GROUP, "reduce_bucket_size": layer,
+                                  "allgather_bucket_size": layer,
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3}}}
+
+
+def _stage2_nvme_peaks(nvme_path: str, depth: int) -> dict:
+    """Peak RSS growth of initialize (the model built before the baseline) and of one step of 2
+    micro-steps (the first reducing backward holds every full gradient: arrivals.py) at stage 2."""
+    torch.manual_seed(0)
+    model = Stack(depth)
+    gc.collect()
+    build_peak, eng = _peak_growth(lambda: engine.initialize(model=model, config=_stage2_nvme_config(nvme_path))[0])
+    zopt, x = eng.zero_optimizer, torch.randn(1, STACK_WIDTH, device="cpu")
+
+    def train():
+        for _ in range(2):
+            eng.backward(eng(x, x))
+            eng.step()
+    gc.collect()
+    train_peak, _ = _peak_growth(train)
+    out = {"build": build_peak, "train": train_peak, "numel": sum(f.numel() for f in zopt.partition.flat.values()),
+           "pools": zopt.nvme.pool.nbytes, "swapped": zopt.grad_swap is not None,
+           "grad_host_bytes": zopt.partition.num_bytes()["master_grad"]}
+    eng.destroy()
+    return out
+
+
 def _stage3_nvme_config(nvme_path: str) -> dict:
     nvme = {"device": "nvme", "nvme_path": nvme_path}
     layer = STACK_WIDTH * STACK_WIDTH
@@ -187,6 +220,8 @@ def _held_by_stepping(nvme_path: str) -> dict:
     for depth in STACK_DEPTHS:
         out["stage3", depth] = _stage3_nvme_peaks(nvme_path, depth)
     out["stage3 in memory", STACK_DEPTHS[1]] = _stage3_nvme_peaks(nvme_path, STACK_DEPTHS[1], zero_init=False, steps=0)
+    for depth in STACK_DEPTHS:
+        out["stage2", depth] = _stage2_nvme_peaks(nvme_path, depth)
     return out
 
 
@@ -196,7 +231,7 @@ def held_by_stepping(tmp_path_factory) -> list[dict]:  # one 2-rank spawn for th
 
 
 def test_nvme_optimizer_state_host_memory_is_the_pool_while_the_model_grows_4x(held_by_stepping):
-    results = [{k: v for k, v in r.items() if not k[0].startswith("stage3")} for r in held_by_stepping]
+    results = [{k: v for k, v in r.items() if not k[0].startswith("stage")} for r in held_by_stepping]
     print([{f"{k[0]}-{k[1]}": round(v["held"] / MiB, 2) for k, v in r.items()} for r in results])  # MiB, with -s
     for rank, r in enumerate(results):
         small, large = r["nvme", WIDTHS[0]], r["nvme", WIDTHS[1]]
@@ -317,3 +352,23 @@ def test_nvme_async_save_memory_stays_bounded_while_the_model_grows_4x(checkpoin
         assert r["peak"] <= MARGIN, f"width {w}: async save peak {r['peak'] / MiB:.1f} MiB (state {r['state'] / MiB:.0f} MiB)"
     assert large["peak"] - small["peak"] <= MARGIN / 2, \
         f"async save peak grew {(large['peak'] - small['peak']) / MiB:.1f} MiB as the model grew 4x"
+
+
+def test_stage2_nvme_gradients_hold_no_partition_while_the_model_grows_4x(held_by_stepping):
+    """ZeRO-2 with the optimizer on NVMe keeps its gradient partition in swap files (grad_swap.py): the
+    build allocates no gradient flat, and training (gradient accumulation 2, the first backward holding
+    every full gradient in a file too) stays within the pool + STACK_MARGIN while the partition grows 4x.
+    What stage 2 still holds by design is the fp32 send image of the all-gather (4 bytes per partition
+    element, built at initialize): the build's bound counts it, and only it, as growing with the model."""
+    print({f"{k[0]}-{k[1]}": {n: round(v[n] / MiB, 1) for n in ("build", "train", "pools")}
+           for k, v in held_by_stepping[0].items() if k[0] == "stage2"})  # MiB, with -s
+    for rank, r in enumerate(held_by_stepping):
+        small, large = r["stage2", STACK_DEPTHS[0]], r["stage2", STACK_DEPTHS[1]]
+        assert large["numel"] == 4 * small["numel"] and 4 * large["numel"] > STACK_MARGIN + large["pools"]
+        assert small["pools"] == large["pools"] and large["swapped"] and large["grad_host_bytes"] == 0, (rank, large)
+        send_image = 4 * (large["numel"] - small["numel"])  # the host flat: 12 MiB more at the large size
+        assert large["build"] - small["build"] <= send_image + STACK_MARGIN / 2, (rank, small["build"], large["build"])
+        # the gradient partition (4 B/element) would grow the build by another 12 MiB, the first
+        # backward's full gradients (32 MiB at the large size) the training peak
+        assert large["train"] <= large["pools"] + STACK_MARGIN, (rank, large["train"] / MiB, large["pools"] / MiB)
+        assert large["train"] - small["train"] <= STACK_MARGIN / 2, (rank, small["train"], large["train"])

@@ -26,7 +26,7 @@ from tests.offload_runs import (FAST_INIT_CASES, INF_STEP, NVME, RESUME_AT, asse
                                 shared_runs)
 
 CASES = [(stage, opt) for stage in (1, 2, 3) for opt in ("sgd", "adamw")]
-INF_STAGES = (2, 3)
+INF_STAGES = (1, 2, 3)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,21 @@ def test_nvme_offload_equals_no_offload_bit_for_bit(runs, stage, opt):
         assert all(len(g) > 1 and g[-1][1] - g[-1][0] < g[0][1] - g[0][0] == 128 for g in got["sub_groups"])
         assert got["state_in_memory"] == 0, f"rank {rank}: optimizer state was built in memory"
         assert got["swap_files"] > 0 and got["skipped"] == 0
+        _assert_gradient_swapped(got, stage, f"rank {rank} stage {stage} {opt}")
         _assert_same(got, result[(stage, opt, "none")], f"rank {rank} stage {stage} {opt}")
+
+
+def _assert_gradient_swapped(got: dict, stage: int, what: str) -> None:
+    """The partition gradient was in swap files (engine/zero/grad_swap.py), none of it in host memory:
+    10 steps of 2 micro-steps landed there (stages 2-3 every micro-step, read-add-write after the first;
+    stage 1 at the boundary) and the norm and the stepper read it back."""
+    swap = got["grad_swap"]
+    assert swap is not None and swap["host_bytes"] == 0, f"{what}: gradient partition in host memory ({swap})"
+    # per step, P the partition's bytes: stage 1 writes P and reads it twice (the norm, the stepper);
+    # stages 2-3 write 2P (each micro-step) and read 3P (the second landing's read-add-write, then both)
+    assert swap["written"] > 0 and swap["read"] * (2 if stage > 1 else 1) == swap["written"] * (3 if stage > 1 else 2), \
+        f"{what}: {swap}"
+    assert swap["held"] == (stage > 1), f"{what}: held gradients in a file {swap['held']} (stage 1 keeps .grad)"
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

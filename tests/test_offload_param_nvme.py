@@ -10,7 +10,8 @@ two of tests.models.StackNet's layers resident and reads the rest from the files
 ahead of use by the prefetcher); ReuseNet's one group is read from the files every time. An Inf on
 one rank skips the step with every swap file's SHA-256 unchanged. Resident parameter bytes stay
 within max_in_cpu * 4 + the pool, by the store's count and by the storages that exist after every
-micro-step, and with the optimizer on NVMe the host flat holds no bytes. Checkpoints: saved with
+micro-step, and with the optimizer on NVMe the host flat holds no bytes; there each sub-group's
+write-back is left in flight while the next one steps, and none is in flight after a step. Checkpoints: saved with
 parameters (and optimizer) on NVMe, loaded without offload, and the other way round, both runs
 continue equal to the run never stopped. The swap directories are gone after `destroy()`. The runs are
 tests/offload_runs.py's, in the one 2-rank spawn test_offload_parity.py and test_offload_nvme.py share.
@@ -40,6 +41,9 @@ def test_param_nvme_equals_stage3_without_offload_bit_for_bit(runs, key):
         assert store["master_in_memory"] is (name == PARAM_NVME)
         if name == BOTH_NVME:
             assert store["partition_bytes"] == 0, f"rank {rank}: the host flat still holds bytes"
+            # each sub-group's write-back overlapped the next one's step, and each step ended with them
+            # finished (offload/param_swap.py's note: write-behind)
+            assert store["writes_behind"] > 0 and set(store["in_flight_after_step"]) == {0}, f"rank {rank}: {store}"
         assert not store["dir_left"], f"rank {rank}: the parameter swap directory was left"
         _assert_same(got, result[(3, opt, "none")], f"rank {rank} {key}")
 

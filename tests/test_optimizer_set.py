@@ -115,6 +115,7 @@ def _train(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: st
     if offload != "none":  # where the step ran: staged host flats, or swap files with no state in memory
         result["tier"] = {"home": str(zopt.tier.home), "staged": zopt.tier.staged,
                           "nvme": getattr(zopt, "nvme", None) is not None,
+                          "grad_swapped": getattr(zopt, "grad_swap", None) is not None,  # engine/zero/grad_swap.py
                           "state_in_memory": sum(len(s) for s in zopt.optimizer.state.values())}
     if offload == "nvme":
         eng.destroy()  # removes the swap directory (destroy's gc.collect costs ~1 s: only where needed)
@@ -393,8 +394,9 @@ def test_offloaded_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stag
     for rank, results in enumerate(two_ranks):
         got, want = results[(kind, stage, gas, offload)], results[(kind, stage, gas, "none")]
         assert got["tier"]["home"] == "cpu" and got["tier"]["staged"], f"rank {rank}: {got['tier']}"
-        if offload == "nvme":  # the state lives in the swap files only
+        if offload == "nvme":  # the state, and the gradient partition, live in the swap files only
             assert got["tier"]["nvme"] and got["tier"]["state_in_memory"] == 0, f"rank {rank}: {got['tier']}"
+            assert got["tier"]["grad_swapped"], f"rank {rank}: {got['tier']}"
         for name, w in want["params"].items():
             g = got["params"][name]
             assert torch.equal(g, w), f"rank {rank} {kind} {offload} stage {stage} {name}: {(g - w).abs().max():.2e}"

@@ -21,7 +21,7 @@ from .stage0 import DataParallelOptimizer
 from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
 from .tier import PartitionTier
-from .grad_swap import attach_grad_swap
+from .grad_swap import attach_grad_swap, swaps_gradients
 from .nvme_tier import NvmeOptimizerTier, inner_factory, wants_nvme
 from .param_nvme import attach_param_nvme, finish_param_nvme, refuse_unconsumed_init_chunks, wants_param_nvme
 from .init import (GatheredParameters, Init, register_external_parameter,  # noqa: F401  (deepspeed.zero's names)
@@ -77,9 +77,11 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
         zopt = PARTITIONED_STAGES[zero.stage](
             optimizer, comm, guard, reduce_bucket_numel=zero.reduce_bucket_size,
             allgather_bucket_numel=zero.allgather_bucket_size, reduce_scatter=zero.reduce_scatter,
-            allgather_partitions=zero.allgather_partitions, tier=PartitionTier.for_zero(comm.device, zero), **common)
+            allgather_partitions=zero.allgather_partitions, tier=PartitionTier.for_zero(comm.device, zero),
+            grads_swapped=swaps_gradients(zero, optimizer), **common)
         if wants_nvme(zero):
             zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
+            attach_grad_swap(zopt)  # the gradient partition in swap files (grad_swap.py's note)
         attach_per_tensor(zopt)
         tag_parameters(zopt, zopt.params)
         return zopt

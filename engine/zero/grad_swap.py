@@ -1,14 +1,15 @@
-"""Stage 3's reduced gradient partition in swap files (`offload_optimizer.device: "nvme"`).
+"""The reduced gradient partition in swap files (`offload_optimizer.device: "nvme"`, ZeRO stages 1-3).
 
 [Note: gradient swap] DeepSpeed keeps each rank's fp32 gradient partition in host memory (4 bytes per
 partition element), which is what bounds ZeRO-Infinity by host memory once the optimizer state and
-the parameters are on NVMe. Here, at stage 3 with an elementwise optimizer on NVMe, the partition
-gradient has no host bytes at all (`PartitionedParams.flat_grad` holds meta tensors: shapes only):
+the parameters are on NVMe. Here, with the optimizer on NVMe at any stage, the partition gradient has
+no host bytes at all (`PartitionedParams.flat_grad` holds meta tensors: shapes only):
 - each gradient bucket's reduced segment, as its reduce-scatter finishes, is written to one swap file
   per flat (param group, model dtype) at the flat's element offsets: `SwappedTargets.land`. A later
   micro-step of the same window reads that range back, adds its segment and writes it (read-add-write:
-  the same fp32 `a + b` as the in-memory accumulation, so the bytes are equal). At most `DEPTH` writes
-  are in flight; each reducing backward ends with every write finished (`flush`).
+  the same fp32 `a + b` as the in-memory accumulation, so the bytes are equal). Stages 2 and 3 land on
+  every micro-step (read-add-write after the first), stage 1 once, at the boundary (a write). At most
+  `DEPTH` writes are in flight; each reducing backward ends with every write finished (`flush`).
 - at the step, the global norm reads the files in NORM_CHUNK ranges (partitioned.py's `_global_norm`
   takes its squares over the same ranges of the in-memory flat, so the norm is bit for bit the same),
   and the NVMe stepper reads each sub-group's gradient with its state (nvme_tier.py), unscaled and
@@ -17,14 +18,18 @@ gradient has no host bytes at all (`PartitionedParams.flat_grad` holds meta tens
   landing overwrites every slot, as the first reduce-scatter overwrites the in-memory partition.
 Host memory for gradients is then the buckets in flight (REDUCE_DEPTH, partitioned.py) plus one
 staging copy per landing in flight (a bucket's segment) and one sub-group or NORM_CHUNK being read,
-whatever the model size. Lamb and Muon (nvme_per_tensor.py) read whole tensors of the gradient: with
-them the partition gradient stays in host memory.
+whatever the model size. Lamb and Muon (nvme_per_tensor.py, nvme_muon.py) read it the same way, one
+sub-group at a time (Lamb in its first pass, Muon in its momentum pass and again where a round forms
+its update), through the tier's `grad_reader`; a range read twice is the same bits.
 [Note: held gradients] The first reducing backward of a run holds every full gradient until backward
 ends (arrivals.py's note: it finds parameters whose gradient arrives in pieces), and a deferred
 bucket holds its parameters' gradients too: in memory that is the whole model's gradient, 4 bytes
 per parameter on every rank, for one backward. With the gradient swapped, `HeldGradients` keeps them
 in a file instead (one region per parameter; a second piece is read, added with the same `add_` and
-written back), so the first backward is bounded like the others.
+written back), so the first backward is bounded like the others. Stages 2 and 3 only: stage 1 keeps
+every full gradient in `.grad` across its accumulation micro-steps by design (stage1.py), so a file
+would bound nothing there and cost a write of the model's gradient per micro-step with
+`grad_accum_dtype`.
 Writes go through a staging buffer placed at the file offset's phase of the O_DIRECT block, so the
 aligned middle of every transfer bypasses the page cache (offload/aio.py's note).
 """
@@ -35,28 +40,23 @@ from collections import deque
 
 import torch
 
-from offload.aio import ALIGNMENT, aligned_empty
+from offload.aio import ALIGNMENT, aligned_empty, staged_empty
 
 from .stage0 import clip_coefficient
-from .swappable import _PER_TENSOR
+from .swappable import swap_problem
 
 FP32 = 4
 NORM_CHUNK = 1 << 20  # elements per squared-norm term, in memory and from the files alike (a 4 MiB read)
 DEPTH = 4  # landings whose writes may be in flight
 CPU = torch.device("cpu")
+# benchmarks/bench_offload.py and bench_infinity.py set this False in their ranks to measure what the swap
+# costs against the gradient in host memory; not a config key (the swap is how NVMe offload works here).
+SWAP_GRADIENTS = True
 
 
 def norm_ranges(numel: int):
     """The [start, stop) ranges the global norm sums squares over (module note)."""
     return [(s, min(s + NORM_CHUNK, numel)) for s in range(0, numel, NORM_CHUNK)] or [(0, 0)]
-
-
-def staged_empty(numel: int, offset_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base, view): `view` has `numel` fp32 elements at an address congruent to the file offset of
-    `offset_elements` modulo the O_DIRECT block, so a transfer of it at that offset can go direct."""
-    phase = (offset_elements * FP32 % ALIGNMENT) // FP32
-    base = aligned_empty(phase + numel, torch.float32)
-    return base, base[phase:phase + numel]
 
 
 class SwappedTargets:
@@ -82,7 +82,7 @@ class SwappedTargets:
             base, buf = staged_empty(numel, start)
             path = self.swap.file_of(key)
             if accumulate:
-                self.swap.io.read(path, buf, start * FP32).wait()
+                self.swap.bytes_read += self.swap.io.read(path, buf, start * FP32).wait()
             for i, at, n in members:
                 (buf[at:at + n].add_ if accumulate else buf[at:at + n].copy_)(slots[i])
             self.swap.push(self.swap.io.write(path, buf, start * FP32), base)
@@ -187,6 +187,7 @@ class HeldGradients:
 
     def __init__(self, params: list, swap_dir, io, name: str):
         self.io, self.path = io, swap_dir.file(f"{name}.held.swp")
+        self.bytes_written = self.bytes_read = 0
         self.offsets, at = {}, 0
         for p in params:  # a region per parameter (its full shape: stage 3's are placeholders), block-aligned
             self.offsets[p] = at
@@ -200,7 +201,7 @@ class HeldGradients:
     def __setitem__(self, param, grad: torch.Tensor) -> None:
         staged = aligned_empty(grad.numel(), grad.dtype)
         staged.copy_(grad.reshape(-1))
-        self.io.write(self.path, staged, self.offsets[param]).wait()
+        self.bytes_written += self.io.write(self.path, staged, self.offsets[param]).wait()
         self._held[param] = (grad.dtype, grad.shape)
 
     def get(self, param, default=None):
@@ -208,7 +209,7 @@ class HeldGradients:
             return default
         dtype, shape = self._held[param]
         out = aligned_empty(shape.numel(), dtype)
-        self.io.read(self.path, out, self.offsets[param]).wait()
+        self.bytes_read += self.io.read(self.path, out, self.offsets[param]).wait()
         return out.view(shape)
 
     def pop(self, param, default=None):
@@ -227,11 +228,11 @@ class HeldGradients:
 
 
 def swaps_gradients(zero, optimizer) -> bool:
-    """Whether stage 3 keeps its gradient partition in swap files (module note): the optimizer on NVMe,
-    stepped elementwise (Lamb and Muon read whole tensors of the in-memory gradient)."""
+    """Whether the gradient partition lives in swap files (module note): the optimizer on NVMe, one the
+    NVMe tier steps (any other is refused there, by name)."""
     section = zero.offload_optimizer
-    return (section is not None and section.device == "nvme"
-            and not isinstance(optimizer, _PER_TENSOR))
+    return (SWAP_GRADIENTS and section is not None and section.device == "nvme"
+            and swap_problem(optimizer) is None)
 
 
 def attach_grad_swap(zopt) -> None:
@@ -241,7 +242,8 @@ def attach_grad_swap(zopt) -> None:
         return
     swap = GradientSwap(zopt.partition, zopt.nvme.swap, zopt.nvme.io, name=f"rank{zopt.comm.rank}")
     zopt.grad_swap = zopt.nvme.grad_swap = swap
-    zopt._accum = swap.held = HeldGradients(zopt.params, zopt.nvme.swap, zopt.nvme.io, name=f"rank{zopt.comm.rank}")
+    if zopt.reduce_every_micro_step:  # stages 2 and 3 (module note: held gradients)
+        zopt._accum = swap.held = HeldGradients(zopt.params, zopt.nvme.swap, zopt.nvme.io, name=f"rank{zopt.comm.rank}")
     fragments = zopt.partition.fragments
     for bucket in zopt.buckets:
         bucket.targets = swap.targets([fragments[p] for p in bucket.layout.params])

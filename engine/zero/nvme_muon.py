@@ -22,10 +22,11 @@ a round holds, in fp32: U of this rank's fragments (about W/world), the all-to-a
 buffers (world x the largest owner's block: at most W each, plus padding), and on the owner its whole
 matrices and their results (at most W each), plus Newton-Schulz's temporaries of one matrix (about four
 of its size). Pass 2 keeps at most the last round's tail that reaches into the current sub-group.
-None of it grows with the partition; the momentum and master stay in the files, and the host gradient
-flat is the CPU tier's (tier.py). tests/test_optimizer_set.py measures the peak of the step's tensor
-allocations with torch's profiler. The price: the momentum is read twice per step (passes 1 and 2), and
-a flat with R rounds takes 2R all-to-alls instead of 2.
+None of it grows with the partition; the momentum, the master and the gradient stay in the files (the
+gradient is read one sub-group at a time, grad_swap.py: in pass 1 and again where a round forms U).
+tests/test_optimizer_set.py measures the peak of the step's tensor allocations with torch's profiler.
+The price: the momentum and the gradient are read twice per step (passes 1 and 2), and a flat with R
+rounds takes 2R all-to-alls instead of 2.
 """
 from __future__ import annotations
 
@@ -110,11 +111,11 @@ class SwappedMuon:
                 self.tier.step_elementwise(key, part)
 
     def _momentum_pass(self, key, part, group: dict) -> None:
-        grad, beta = self.partition.flat_grad[key], group["momentum"]
+        grad, beta = self.tier.grad_reader(key), group["momentum"]  # from the swap file (grad_swap.py)
 
         def visit(k: int, views: dict) -> None:
             s, e = part.groups[k]
-            views[MOMENTUM].lerp_(grad[s:e], 1 - beta)  # m <- β·m + (1−β)·G (ops.muon.nesterov_momentum)
+            views[MOMENTUM].lerp_(grad(s, e), 1 - beta)  # m <- β·m + (1−β)·G (ops.muon.nesterov_momentum)
         read = {MOMENTUM: part.source_slot} if part.has_state else {}
         part.sweep(visit, read, write=[MOMENTUM])
 
@@ -127,7 +128,7 @@ class SwappedMuon:
                 self._run_round(pending.pop(0), ready)
             pieces = [u[max(s, a) - a:min(e, b) - a] for a, b, u in windows if a < e and b > s]
             apply_muon_update(views[MASTER], pieces[0] if len(pieces) == 1 else torch.cat(pieces), group)
-            store.write(key, s, views[MASTER])
+            store.write_behind(key, s, views[MASTER])
             while windows and windows[0][1] <= e:
                 windows.pop(0)
         part.sweep(visit, {MASTER: part.source_slot}, write=[MASTER])
@@ -146,7 +147,7 @@ class SwappedMuon:
     def _nesterov(self, key, a: int, b: int) -> torch.Tensor:
         """U = G.lerp(m, β) of flat `key`'s elements [a, b), from the momentum pass 1 wrote."""
         part, beta = self.tier.parts[key], self.optimizer.param_groups[key[0]]["momentum"]
-        grad = self.partition.flat_grad[key]
+        grad = self.tier.grad_reader(key)  # read again: the same bits the momentum pass read
         update = torch.empty(b - a, dtype=torch.float32, device=CPU)
         starts = [s for s, _ in part.groups]
 
@@ -154,7 +155,7 @@ class SwappedMuon:
             s, e = part.groups[k]
             lo, hi = max(s, a), min(e, b)
             # over the whole sub-group, as the in-memory step: SIMD lanes as there (nvme_tier.py's lanes note)
-            nesterov = grad[s:e].lerp(views[MOMENTUM], beta)
+            nesterov = grad(s, e).lerp(views[MOMENTUM], beta)
             update[lo - a:hi - a].copy_(nesterov[lo - s:hi - s])
         first, last = bisect_right(starts, a) - 1, bisect_right(starts, b - 1) - 1
         part.sweep(visit, {MOMENTUM: 1 - part.source_slot}, write=[], groups=range(first, last + 1))

@@ -16,7 +16,8 @@ committed together, so a failed or skipped step leaves the files as the last ste
 
 [Note: memory] Lamb holds per sub-group its pool buffers and the sub-group's update, plus the 2·P
 partial-sum vector (P parameters); nothing partition-sized beyond what the CPU tier holds anyway
-(the host master and gradient flats). Muon's bound is nvme_muon.py's memory note.
+(the host master flat; the gradient is read from its swap file one sub-group at a time: grad_swap.py).
+Muon's bound is nvme_muon.py's memory note.
 [Note: bits] Both equal the in-memory step bit for bit: every operation is elementwise except the
 partial sums, and those receive each parameter's addends in the order the in-memory blocks add them
 (ops/tensor_segments.py's rows note). Sub-groups are whole SIMD lane groups (nvme_tier.py).
@@ -58,7 +59,7 @@ class SwappedLamb:
         return self.tier.optimizer.param_groups[key[0]]
 
     def _moments_pass(self, key, part, partial: torch.Tensor) -> list[dict]:
-        group, grad, runs = self._group(key), self.partition.flat_grad[key], self.runs[key]
+        group, grad, runs = self._group(key), self.tier.grad_reader(key), self.runs[key]  # from grad_swap.py's files
         scalars = [part.scalars(k) if part.has_state else {} for k in range(len(part.groups))]
         read = dict.fromkeys([MASTER, *MOMENTS] if part.has_state else [MASTER], part.source_slot)
 
@@ -66,7 +67,7 @@ class SwappedLamb:
             s, e = part.groups[k]
             step = advance_step(scalars[k])
             state = {m: views[m] for m in MOMENTS}
-            advance_moments(state, grad[s:e], group, views[MASTER])
+            advance_moments(state, grad(s, e), group, views[MASTER])
             update = direction_from_moments(views[MASTER], state, group, step)
             plan = runs.plan(s, e)  # the in-memory step's sums, addend for addend (ops.tensor_segments)
             plan.add_squares(partial[:self.count], views[MASTER])
@@ -84,7 +85,7 @@ class SwappedLamb:
             master = views[MASTER]
             update = direction_from_moments(master, views, group, int(scalars[k]["step"]))
             master.sub_(runs.plan(s, e).scale(update, scaled))
-            store.write(key, s, master)  # what the all-gather sends from (nvme_tier.py's note)
+            store.write_behind(key, s, master)  # what the all-gather sends from (nvme_tier.py's note)
         part.sweep(visit, {MASTER: source, **dict.fromkeys(MOMENTS, written)}, write=[MASTER])
         part.commit(scalars)
 

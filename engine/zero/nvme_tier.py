@@ -1,15 +1,17 @@
 """ZeRO-Infinity's optimizer tier at stages 1, 2 and 3 (`offload_optimizer.device: "nvme"`).
 
-[Note: nvme tier] The partition is placed as for `device: "cpu"` (tier.py): reduced gradient segments
-land in host memory, clipping and the NaN/Inf check run over them there (at stage 3 with an
-elementwise optimizer they land in swap files instead and are read back here: grad_swap.py). What changes is the step: the
+[Note: nvme tier] The partition is placed as for `device: "cpu"` (tier.py), except the gradient: reduced
+segments land in swap files, and unscaling, the NaN/Inf check and clipping are applied as they are read
+back (grad_swap.py). What changes is the step: the
 fp32 master weights and the optimizer state live in `SwappedPartition` swap files under a per-job
 `SwapDir` in `nvme_path`, one partition per flat (param group, model dtype), and each sub-group of
 `sub_group_size` elements is read, stepped by a copy of the configured optimizer and written back
 (offload/swapped_partition.py); Lamb and Muon, which need whole tensors, take two passes over the
-sub-groups instead (nvme_per_tensor.py). The updated master slice is written through the partition store
+sub-groups instead (nvme_per_tensor.py). Every stepper reads the gradient through `grad_reader`. The
+updated master slice is written through the partition store
 into what the all-gather sends from (the host flat `PartitionedParams.flat`; with `offload_param.device:
-"nvme"` the parameter swap files instead: param_nvme.py), so the gather path is the CPU tier's.
+"nvme"` the parameter swap files instead: param_nvme.py, each write overlapping the next sub-group's
+step), so the gather path is the CPU tier's.
 That host flat is the send image, not the state: the configured optimizer never steps, and its state stays empty; the
 state's host memory is the swap pool. At stage 3 the host flat is also the chunk the prefetcher's
 all-gathers send from (tier.py's stage-3 note), so the same copy serves both. A skipped step never
@@ -93,7 +95,7 @@ class NvmeOptimizerTier:
             raise schemas.ConfigError([problem])
         partition, rank = zopt.partition, zopt.comm.rank
         self.optimizer, self.partition = zopt.optimizer, partition
-        self.grad_swap = None  # set by grad_swap.attach_grad_swap at stage 3
+        self.grad_swap = None  # set by grad_swap.attach_grad_swap
         try:
             self.swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
         except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
@@ -125,20 +127,31 @@ class NvmeOptimizerTier:
     def step(self) -> None:
         """The optimizer step over every partition, sub-group by sub-group; the host flats receive the
         updated master weights for the all-gather."""
-        if self.per_tensor is not None:
-            self.per_tensor.step()
-            return
-        for key, part in self.parts.items():
-            self.step_elementwise(key, part)
+        try:
+            if self.per_tensor is not None:
+                self.per_tensor.step()
+                return
+            for key, part in self.parts.items():
+                self.step_elementwise(key, part)
+        finally:  # the last sub-group's write-back (offload/param_swap.py's note: write-behind)
+            self.partition.store.flush()
 
     def step_elementwise(self, key: tuple, part: SwappedPartition) -> None:
         """Flat `key`'s step by the inner copy of the optimizer, sub-group by sub-group; the updated
         master goes through the partition store (the host flat, or the parameter swap files)."""
         _copy_hyper(self.optimizer.param_groups[key[0]], part.param_groups[0])
-        grad, store = self.partition.flat_grad[key], self.partition.store
-        swapped = self.grad_swap  # stage 3: the gradient is read from its swap file with the state (grad_swap.py)
-        grad_slice = (lambda s, e: swapped.step_slice(key, s, e)) if swapped is not None else (lambda s, e: grad[s:e])
-        part.step(grad_slice, lambda s, e, master: store.write(key, s, master))
+        store = self.partition.store
+        part.step(self.grad_reader(key), lambda s, e, master: store.write_behind(key, s, master))
+
+    def grad_reader(self, key: tuple):
+        """(start, stop) -> flat `key`'s unscaled, clipped fp32 gradient there: read from its swap file
+        (grad_swap.py; a new tensor on each call, so a range read twice is the same bits) or a view of the
+        host gradient flat (the benchmarks' in-memory switch, grad_swap.SWAP_GRADIENTS)."""
+        swapped = self.grad_swap
+        if swapped is not None:
+            return lambda s, e: swapped.step_slice(key, s, e)
+        grad = self.partition.flat_grad[key]
+        return lambda s, e: grad[s:e]
 
     def state_chunks(self, key: tuple):
         return self.parts[key].state_chunks()

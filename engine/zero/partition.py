@@ -159,10 +159,13 @@ class PartitionedParams:
     """fp32 master partitions of an optimizer's trainable parameters on this rank, and the optimizer
     rewired to step them (one flat Parameter per param group and model dtype)."""
 
-    grads_swapped = False  # stage 3 + NVMe optimizer: the gradient partition is in swap files (grad_swap.py)
+    grads_swapped = False  # NVMe optimizer: the gradient partition is in swap files (grad_swap.py)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, world: int, rank: int, tier=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, world: int, rank: int, tier=None,
+                 grads_swapped: bool | None = None):
         self.tier = tier  # where the flats live (tier.py); None: on the parameters' device
+        if grads_swapped is not None:  # (Stage3Partition sets it itself before this runs)
+            self.grads_swapped = grads_swapped
         if optimizer.state:
             raise ValueError("the optimizer already has state; ZeRO stages 1-3 need a fresh optimizer "
                              "(its state is built over this rank's partition of the fp32 master weights)")

@@ -50,6 +50,12 @@ class HostPartitionStore:
     def read_ahead(self, params: list) -> bool:
         return False  # nothing to read: the slots are in memory
 
+    def write_behind(self, key, start: int, values: torch.Tensor) -> None:
+        self.write(key, start, values)  # a copy in memory: nothing to overlap
+
+    def flush(self) -> None:
+        pass  # nothing in flight
+
     def master_updated(self) -> None:
         pass
 

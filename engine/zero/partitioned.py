@@ -83,7 +83,7 @@ class PartitionedZeroOptimizer:
                  gradient_predivide_factor: float = 1.0, communication_data_type: str | None = None,
                  grad_accum_dtype: str | None = None, reduce_scatter: bool = True,
                  allgather_partitions: bool = True, ignore_unused_parameters: bool = True,
-                 param_names: dict | None = None, tier: PartitionTier | None = None):
+                 param_names: dict | None = None, tier: PartitionTier | None = None, grads_swapped: bool = False):
         self.optimizer = optimizer
         self.comm = comm
         self.guard = guard
@@ -93,7 +93,7 @@ class PartitionedZeroOptimizer:
         self.use_all_gather = allgather_partitions
         self.overlap = overlap_comm
         self._init_tier(tier)
-        self.partition = PartitionedParams(optimizer, comm.world_size, comm.rank, self.tier)
+        self.partition = PartitionedParams(optimizer, comm.world_size, comm.rank, self.tier, grads_swapped=grads_swapped)
         self.params = self.partition.params()
         self.gather_runs = self.partition.gather_runs(max(1, min(int(allgather_bucket_numel), GATHER_BUCKET_CAP)))
         self.inflight = InFlight(depth=REDUCE_DEPTH)
@@ -106,7 +106,7 @@ class PartitionedZeroOptimizer:
         self.tier = tier if tier is not None else PartitionTier.on_device(self.comm.device)
         self.host_grads = HostGradients(self.tier) if self.tier.staged else None
         self.nvme = None  # offload_optimizer.device "nvme": set by build_zero_optimizer (nvme_tier.py)
-        self.grad_swap = None  # stage 3 with it: the gradient partition in swap files (grad_swap.py)
+        self.grad_swap = None  # with it: the gradient partition in swap files (grad_swap.py)
 
     # -- gradient buckets (module notes: bucket order, freeing) -----------------------------------
     def _init_gradients(self, bucket_numel: int, grad_accum_dtype: str | None) -> None:
