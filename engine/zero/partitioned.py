@@ -36,7 +36,7 @@ from ops.state_layout import ELEMENTWISE, declared_layout
 from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
 from .arrivals import ArrivalLog
-from .grad_swap import SwappedTargets, norm_ranges
+from .grad_swap import norm_ranges
 from .partition import REDUCE_DEPTH, InFlight, PartitionedParams, RankMajorLayout, land_slots, split_runs
 from .nvme_state import state_value
 from .tier import HostGradients, PartitionTier
@@ -63,10 +63,9 @@ class _Bucket:
     launched: bool = False
     deferred: bool = False  # waits for the end of backward (arrivals.py's note)
     packed: set = field(default_factory=set)
+    device: torch.device = None  # the collectives' device: send buffers live there, not with the targets,
+    # which are host slots under CPU offload (tier.py) or in swap files (grad_swap.py); NCCL takes no host tensor
 
-    @property
-    def device(self) -> torch.device:
-        return self.targets.device if isinstance(self.targets, SwappedTargets) else self.targets[0].device
 
 
 class PartitionedZeroOptimizer:
@@ -133,7 +132,8 @@ class PartitionedZeroOptimizer:
                 layout, targets = self._layout(params)
                 # Gradients accumulated in a wider dtype are reduced in it, as stage 0 does.
                 wire = self.comm_dtype or (accum if accum is not None and not self.reduce_every_micro_step else dtype)
-                bucket = _Bucket(len(self.buckets), layout, targets, self._direct_slice(params), wire)
+                bucket = _Bucket(len(self.buckets), layout, targets, self._direct_slice(params), wire,
+                                 device=self.comm.device)
                 self.buckets.append(bucket)
                 for p in params:
                     self._bucket_of[p] = bucket
