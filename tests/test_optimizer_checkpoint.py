@@ -1,6 +1,7 @@
 """Each optimizer's state survives a checkpoint, with and without the optimizer offloaded: resumed at the
-same stage and world size it continues bit for bit; loaded at another world size (2 -> 1 rank for all,
-2 -> 4 ranks for Lamb and Muon), stage (1 -> 3) or offload tier (none <-> cpu, cpu -> nvme) every
+same stage and world size it continues bit for bit; loaded at another world size (2 -> 1 and 2 -> 4
+ranks for all; Lamb and Muon also from the CPU-offloaded save at 4), stage (1 -> 3) or offload tier
+(none <-> cpu, cpu -> nvme) every
 state tensor is the saved one exactly (its declared layout, engine/checkpoint/state_layout.py, files
 it per element or per tensor) and training continues to the
 uninterrupted result at fp32 tolerance (only the ranks' summation order differs). The global batch is
@@ -39,15 +40,15 @@ MUP = ("MuAdam", "MuAdamW", "MuSGD")
 SAVES = [(saved, kind, SAVED_STAGE) for saved in ("none", "cpu") for kind in ALL] + [
     ("none", "Adafactor", 0)] + [("none", kind, SAVED_STAGE) for kind in MUP]  # (offload, optimizer, stage) saved
 # world -> [(saved offload, stage, offload, optimizers)] each saved checkpoint is loaded into; at 4 ranks
-# (oversubscribed) the per-tensor ones, whose state layout differs most from the elementwise, and mup's
-# (several param groups, each with its own lr).
+# (oversubscribed) every optimizer once, and the per-tensor ones, whose state layout differs most from
+# the elementwise, from the CPU-offloaded save too; mup's have several param groups, each with its own lr.
 # RMSprop (a torch class by name) is left out for time: its state goes through the same declared-layout
 # path as Adagrad's, and test_optimizer_set.py steps it at stages 0-3.
 TARGETS = {1: [("none", 0, "none", ALL + ("Adafactor",) + MUP), ("cpu", 0, "none", ALL)],
            2: [("none", SAVED_STAGE, "none", ALL + MUP), ("cpu", SAVED_STAGE, "cpu", ALL),
                ("none", 3, "cpu", ALL + MUP), ("cpu", 3, "none", ALL), ("cpu", 2, "nvme", ALL),
                ("none", 0, "none", ("Adafactor",))],
-           4: [("none", 2, "none", ("Lamb", "Muon") + MUP), ("cpu", 3, "cpu", ("Lamb", "Muon"))]}
+           4: [("none", 2, "none", ALL + MUP), ("cpu", 3, "cpu", ("Lamb", "Muon"))]}
 
 
 def _engine(kind: str, stage: int, offload: str = "none", nvme_path: str | None = None):
