@@ -33,17 +33,16 @@ from tests.test_optimizer_set import OPTIMIZERS, Net, _offload
 
 GLOBAL_BATCH, STEPS, SAVE_AT, SAVED_STAGE = 8, 4, 2, 1
 CLASS_OF = {"Adagrad": "Adagrad", "Lion": "Lion", "Lamb": "Lamb", "Muon": "MuonWithAuxAdam", "Adafactor": "Adafactor",
+            "RMSprop": "RMSprop",
             "MuAdam": "Adam", "MuAdamW": "AdamW", "MuSGD": "SGD"}  # mup's builders return torch's classes
 PARAMS = {**OPTIMIZERS, "Adafactor": {"lr": 0.02}, **mup_set.PARAMS}
-ALL = ("Adagrad", "Lion", "Lamb", "Muon")
+ALL = ("Adagrad", "Lion", "Lamb", "Muon", "RMSprop")  # RMSprop: a torch.optim class by name
 MUP = ("MuAdam", "MuAdamW", "MuSGD")
 SAVES = [(saved, kind, SAVED_STAGE) for saved in ("none", "cpu") for kind in ALL] + [
     ("none", "Adafactor", 0)] + [("none", kind, SAVED_STAGE) for kind in MUP]  # (offload, optimizer, stage) saved
 # world -> [(saved offload, stage, offload, optimizers)] each saved checkpoint is loaded into; at 4 ranks
 # (oversubscribed) every optimizer once, and the per-tensor ones, whose state layout differs most from
 # the elementwise, from the CPU-offloaded save too; mup's have several param groups, each with its own lr.
-# RMSprop (a torch class by name) is left out for time: its state goes through the same declared-layout
-# path as Adagrad's, and test_optimizer_set.py steps it at stages 0-3.
 TARGETS = {1: [("none", 0, "none", ALL + ("Adafactor",) + MUP), ("cpu", 0, "none", ALL)],
            2: [("none", SAVED_STAGE, "none", ALL + MUP), ("cpu", SAVED_STAGE, "cpu", ALL),
                ("none", 3, "cpu", ALL + MUP), ("cpu", 3, "none", ALL), ("cpu", 2, "nvme", ALL),
