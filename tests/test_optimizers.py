@@ -262,3 +262,27 @@ def test_bias_correction_false_under_zero_stage_2_is_single_process_training():
         assert kind == "UncorrectedAdam"
         for k, v in state.items():
             torch.testing.assert_close(v, ref.state_dict()[k], atol=1e-6, rtol=1e-5)
+
+
+def test_muon_ns_dtype_bf16_reaches_the_optimizer_and_orthogonalises_in_bf16():
+    """`optimizer.params.ns_dtype: "bf16"` (dstrain's key, for accelerators with bf16 matmuls): the built
+    optimizer runs Newton-Schulz in bf16, whose result is fp32 and within bf16 rounding of the fp32 one."""
+    from ops.muon import newton_schulz
+    ps = params()
+    for p in ps:
+        p.use_muon = True
+    assert build_optimizer(ps, config("Muon")).ns_dtype is torch.float32
+    opt = build_optimizer(ps, config("Muon", ns_dtype="bf16"))
+    assert opt.ns_dtype is torch.bfloat16
+    torch.manual_seed(1)
+    m = torch.randn(24, 16)
+    fp32, bf16 = newton_schulz(m), newton_schulz(m, torch.bfloat16)
+    assert bf16.dtype is torch.float32 and not torch.equal(bf16, fp32)  # computed in bf16, not in fp32
+    assert torch.linalg.vector_norm(bf16 - fp32) <= 0.05 * torch.linalg.vector_norm(fp32)
+    before = [p.detach().clone() for p in ps]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, ps))
+    with pytest.raises(Exception, match="ns_dtype"):
+        config("Muon", ns_dtype="fp16")
