@@ -320,7 +320,7 @@ def run_and_report(args, model_cfg: GPTConfig, cfg: dict, est, dumps: str | None
         print_agreement(ref, {"dstrain": per_rank[0], "deepspeed": (peer or [None])[0]}, dumps)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=float, default=50e6)
     p.add_argument("--steps", type=int, default=3)
@@ -356,6 +356,11 @@ def main(argv=None) -> int:
     p.add_argument("--gradients", default="swap", help="comma list of swap, memory: where dstrain's gradient "
                    "partition lives, one run each (module docstring)")
     p.add_argument("--disk-mb", type=int, default=256, help="file size of the raw O_DIRECT bandwidth measurement")
+    return p
+
+
+def main(argv=None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     kinds = args.gradients.split(",")
     if not kinds or set(kinds) - {"swap", "memory"}:

@@ -120,7 +120,7 @@ def _load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=",".join([*DSTRAIN, *DEEPSPEED]))
     p.add_argument("--steps", type=int, default=8)
@@ -128,6 +128,11 @@ def main(argv=None) -> int:
     p.add_argument("--deepspeed-venv", type=Path, default=None, help="virtual environment with deepspeed")
     p.add_argument("--nvme-path", default=None, help="directory for the NVMe systems' swap files (default: a temp dir)")
     p.add_argument("--disk-mb", type=int, default=256, help="file size of the raw O_DIRECT bandwidth measurement")
+    return p
+
+
+def main(argv=None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     systems = args.systems.split(",")
 
