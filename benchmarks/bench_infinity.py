@@ -12,9 +12,12 @@ engine imported) next to `dstrain estimate`'s host + accelerator
 bytes for the "nvme params+optimizer" row (one CPU holds both here; the estimate counts model state,
 not activations or the framework), the bytes the process read from and wrote to storage
 (/proc/self/io: the block layer's count, O_DIRECT included) and the parameter store's own counts.
-Before a large run check `df` under `--nvme-path`: the swap files take about 4 (parameters) + 2 x 12
-(optimizer master and moments, two slots) bytes per parameter, plus the 4 bytes per parameter of
-zero.Init's file while initialize() copies it. Swap directories are removed at exit.
+Before a large run check `df` under `--nvme-path` (the run prints the estimator's figure and the free
+space first): the swap files take about 4 (parameters) + 2 x 12 (optimizer master and moments, two
+slots; `--swap-slots 1`: one, written in place) + 4 (the gradient partition) bytes per parameter, plus
+the 4 bytes per parameter of zero.Init's file while initialize() copies it, and the first backward's
+held gradients, 4 bytes per parameter per rank, until that backward ends. Swap directories are removed
+at exit.
 `--deepspeed-venv`: then the same GPT and config under DeepSpeed (deepspeed_infinity_peer.py, its
 zero.Init(remote_device="nvme"), CPU Adam and async_io op), after dstrain's ranks exited, swap files
 under the same directory; its rows are printed below dstrain's.
@@ -42,6 +45,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,13 +76,13 @@ def gpt_config(params: float, seq: int) -> GPTConfig:
 
 def ds_config(nvme_path: str, micro: int, group: int, sub_group: int = 10_000_000, bucket: int = 20_000_000,
               clip: float = 1.0, offload_param: str = "nvme", offload_optimizer: str = "nvme",
-              swap_pipeline: bool = True) -> dict:
+              swap_pipeline: bool = True, swap_slots: int = 2) -> dict:
     """The run's config: ZeRO-Infinity by default; `offload_param` / `offload_optimizer` "cpu" or
     "none", `clip` 0 and `swap_pipeline` False switch one feature off at a time (`--check-against-torch`'s
     diagnosis)."""
     nvme = {"device": "nvme", "nvme_path": nvme_path}
     tiers = {"offload_optimizer": {**nvme, "buffer_count": 9, "pipeline_read": swap_pipeline,
-                                   "pipeline_write": swap_pipeline},
+                                   "pipeline_write": swap_pipeline, **({"swap_slots": 1} if swap_slots == 1 else {})},
              # a block's largest module is one gather group; max_in_cpu 0: every gather reads the files
              "offload_param": {**nvme, "buffer_count": 5, "buffer_size": group, "max_in_cpu": 0}}
     for section, device in (("offload_param", offload_param), ("offload_optimizer", offload_optimizer)):
@@ -117,6 +121,7 @@ def settings(cfg: dict) -> EstimateSettings:
                             max_live_parameters=zero["stage3_max_live_parameters"],
                             sub_group_size=zero.get("sub_group_size", EstimateSettings.sub_group_size),
                             optimizer_buffer_count=opt.get("buffer_count", EstimateSettings.optimizer_buffer_count),
+                            swap_slots=opt.get("swap_slots", EstimateSettings.swap_slots),
                             param_buffer_count=param.get("buffer_count", EstimateSettings.param_buffer_count),
                             param_buffer_size=param.get("buffer_size", EstimateSettings.param_buffer_size),
                             max_in_cpu=param.get("max_in_cpu", EstimateSettings.max_in_cpu))
@@ -179,6 +184,8 @@ def deepspeed_rows(venv: str, model_cfg: GPTConfig, cfg: dict, steps: int, world
     for section, count in buffers.items():
         if count and zero.get(section, {}).get("device") == "nvme":
             zero[section] = {**zero[section], "buffer_count": count}
+    if "swap_slots" in zero.get("offload_optimizer", {}):  # a dstrain key: DeepSpeed's swapper always writes in place
+        zero["offload_optimizer"] = {k: v for k, v in zero["offload_optimizer"].items() if k != "swap_slots"}
     cfg = {**cfg, "zero_optimization": zero}
     cmd = [str(Path(venv, "bin", "python")), str(peer), "--model-json", json.dumps(dataclasses.asdict(model_cfg)),
            "--config-json", json.dumps(cfg), "--steps", str(steps), "--world", str(world)]
@@ -285,11 +292,35 @@ def limit_memory(gib: float) -> Path:
     return group
 
 
+class DiskUse:
+    """The peak of the file system's used bytes under `path` above its value at the start, sampled
+    in a thread: what the swap files really took (sparse regions and files given back included)."""
+
+    def __init__(self, path: str, every_s: float = 0.5):
+        self.start = self.peak_used = shutil.disk_usage(path).used
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(path, every_s), daemon=True)
+        self._thread.start()
+
+    def _sample(self, path: str, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.peak_used = max(self.peak_used, shutil.disk_usage(path).used)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak(self) -> int:
+        return self.peak_used - self.start
+
+
 def run_and_report(args, model_cfg: GPTConfig, cfg: dict, est, dumps: str | None, made_nvme: str | None,
                    kinds: list[str], nvme_path: str) -> None:
     """dstrain's ranks (once per `--gradients` kind), then DeepSpeed's (`--deepspeed-venv`), then torch's
     reference (`dumps`, against the first kind's run), printed."""
     disk = None
+    used = DiskUse(nvme_path)
     try:
         if "memory" in kinds:  # the bandwidth the gradient bytes are set against, where the swap files go
             from benchmarks.bench_offload_io import disk_bandwidth
@@ -304,8 +335,11 @@ def run_and_report(args, model_cfg: GPTConfig, cfg: dict, est, dumps: str | None
         peer = deepspeed_rows(args.deepspeed_venv, model_cfg, cfg, args.steps, args.world, buffers,
                               dumps and f"{dumps}/deepspeed.pt") if args.deepspeed_venv else None
     finally:
+        used.stop()
         if made_nvme:  # the swap directories inside are removed by the ranks themselves
             shutil.rmtree(made_nvme, ignore_errors=True)
+    print(f"peak disk use under {nvme_path}: {used.peak / 1e9:.1f} GB above the start "
+          "(the file system's used bytes, sampled every 0.5 s: other writers on it count too)")
     for kind, ranks in runs.items():
         print_dstrain(ranks, est, "" if kind == "swap" else "[gradient partition in memory] ")
     if disk is not None:
@@ -348,6 +382,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --check-against-torch: keep the parameter files (dstrain.pt, deepspeed.pt, "
                         "torch.pt) in DIR")
     p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
+    p.add_argument("--swap-slots", type=int, choices=(1, 2), default=2,
+                   help="offload_optimizer.swap_slots: 1 writes the optimizer-state files in place (half the disk)")
     p.add_argument("--swap-pipeline", action=argparse.BooleanOptionalAction, default=True,
                    help="offload_optimizer.pipeline_read / pipeline_write (default on)")
     for tier in ("param", "optimizer"):
@@ -371,13 +407,17 @@ def main(argv=None) -> int:
     model_cfg = gpt_config(args.params, args.seq)
     cfg = ds_config(nvme_path, args.micro, _largest_group(model_cfg, args.world), int(args.sub_group_size),
                     int(args.reduce_bucket_size), args.clip, args.offload_param, args.offload_optimizer,
-                    args.swap_pipeline)
+                    args.swap_pipeline, args.swap_slots)
     with torch.device("meta"):
         n = sum(t.numel() for t in GPT(model_cfg).parameters())
     est = next((r for r in estimate_memory(n, gpus_per_node=args.world, settings=settings(cfg))
                 if r.stage == 3 and r.offload == ESTIMATE_ROW.get((args.offload_param, args.offload_optimizer))), None)
     print(f"GPT {n / 1e6:.1f}M parameters ({model_cfg.n_layer} layers, d_model {model_cfg.d_model}), "
           f"{args.world} ranks, swap files under {nvme_path}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    if est is not None:  # the swap files' size, per the estimator, against the disk (before hours are spent)
+        free = shutil.disk_usage(nvme_path).free
+        print(f"swap files (estimate, all ranks): {est.nvme_bytes * args.world / 1e9:.1f} GB; "
+              f"free under {nvme_path}: {free / 1e9:.1f} GB", flush=True)
     if args.keep_params:
         os.makedirs(args.keep_params, exist_ok=True)
     checked = args.check_against_torch or args.keep_params

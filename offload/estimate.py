@@ -46,6 +46,7 @@ class EstimateSettings:
     max_live_parameters: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000
     optimizer_buffer_count: int = 4
+    swap_slots: int = 2  # offload_optimizer.swap_slots: copies of the NVMe optimizer-state files
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
@@ -86,10 +87,10 @@ def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings) -
         accel += optimizer_state
     elif opt_dev == "cpu":
         host += optimizer_state
-    else:  # the stepper swaps its own fp32 master with the moments, in two slots (swapped_partition.py)
+    else:  # the stepper swaps its own fp32 master with the moments, in swap_slots copies (swapped_partition.py)
         send_image = 4 * psi // n if stage < 3 else 0  # stages 1-2: the host flat the all-gather sends
         host += _swapped_gradient_staging(psi, n, s) + _optimizer_pool(psi // n, s) + send_image
-        nvme += 2 * (4 * psi // shard + moments) + partition_grad
+        nvme += s.swap_slots * (4 * psi // shard + moments) + partition_grad
     if stage == 3 and offload != "none":
         accel -= weights
         host, nvme = _stage3_partition(offload, opt_dev, half, psi, n, s, host, nvme)

@@ -19,6 +19,13 @@ optimizer create its state as it always does; from then on the state comes from 
 when every sub-group's write has finished. A step that fails halfway (disk full, a bad gradient slice)
 leaves slot s, the state the previous step produced, bit for bit as it was; a skipped step (overflow)
 is simply not taken. Disk use is twice the state, I/O per step is the same as one slot.
+With `slots=1` (`offload_optimizer.swap_slots: 1`, for a disk that cannot hold the state twice) both
+logical slots name the same file, so a step writes in place, as DeepSpeed's swapper does: half the disk,
+the same bytes read and written, the same results (every pass reads a sub-group's range before it
+writes it, and a later pass of the same step reads what an earlier one wrote from the slot it was
+written to). What a failed step leaves is then partly overwritten; the partition remembers which keys
+were written since the last commit, and any later read of one of them as committed state (the next
+step, a checkpoint) is refused with an error saying so, instead of stepping from mixed state.
 
 [Note: deferred initialisation] `initialize(..., deferred=True)` (`offload_optimizer.fast_init`) writes
 nothing: until the first step (or a load) the master is read from `read_master_slice` (the caller's
@@ -43,6 +50,7 @@ from ops.state_layout import ELEMENTWISE, PER_TENSOR, SCALAR, StateLayoutError, 
 MASTER = "master"
 SUB_GROUP_KEY = "zero_optimization.sub_group_size"
 COUNT_KEY = "zero_optimization.offload_optimizer.buffer_count"
+SLOTS_KEY = "zero_optimization.offload_optimizer.swap_slots"
 
 
 def sub_group_buffer_elements(numel: int, sub_group_size: int) -> int:
@@ -71,7 +79,7 @@ class SwappedPartition:
 
     def __init__(self, numel: int, make_optimizer: Callable[[list], torch.optim.Optimizer], swap_dir: SwapDir,
                  aio: AsyncFileIO, pool: SwapBufferPool, sub_group_size: int, pipeline_read: bool = False,
-                 pipeline_write: bool = False, name: str = "partition"):
+                 pipeline_write: bool = False, name: str = "partition", slots: int = 2):
         if sub_group_size < 1:
             raise ValueError(f"{SUB_GROUP_KEY} must be at least 1 element (got {sub_group_size})")
         self.numel, self.aio, self.pool, self.name = int(numel), aio, pool, name
@@ -87,16 +95,26 @@ class SwappedPartition:
             raise ValueError(f"{COUNT_KEY} is {pool.buffer_count}; this optimizer swaps {self.per_group} "
                              f"tensors per sub-group (master + {', '.join(self.state_keys) or 'no state'}); "
                              f"set it to at least {self.per_group}")
+        if slots not in (1, 2):
+            raise ValueError(f"{SLOTS_KEY} is {slots}; use 2 (a failed step keeps the previous state) or 1 "
+                             "(in place: half the disk)")
+        self.slots = slots
         self.pipeline_read, self.pipeline_write = self._fit_pipeline(pipeline_read, pipeline_write)
         self._param = torch.nn.Parameter(torch.zeros(0, dtype=torch.float32, device="cpu"))
         self.optimizer = make_optimizer([self._param])
         self._files = {(key, slot): swap_dir.file(f"{name}.{key}.{slot}.swp")
-                       for key in [MASTER, *self.state_keys] for slot in (0, 1)}
+                       for key in [MASTER, *self.state_keys] for slot in range(slots)}
         self._slot = 0
+        self._overwritten: set[str] = set()  # slots=1: keys written in place since the last commit (module note)
         self._has_state = False  # false until the first step (or a load) wrote optimizer state
         self._initial: Optional[Callable[[int, int], torch.Tensor]] = None  # deferred master (module note)
         self._scalars: list[dict] = [{} for _ in self.groups]
         self._writes: deque[tuple[list[IOHandle], list[torch.Tensor]]] = deque()
+
+    @property
+    def paths(self) -> list[str]:
+        """Its swap files: one per swapped key and slot."""
+        return list(self._files.values())
 
     @property
     def param_groups(self) -> list[dict]:
@@ -142,7 +160,20 @@ class SwappedPartition:
 
     def _transfer(self, k: int, files: list[tuple[str, int]], buffers, write: bool) -> list[IOHandle]:
         op = self.aio.write if write else self.aio.read
-        return [op(self._files[key, slot], buf, k * self.stride_bytes) for (key, slot), buf in zip(files, buffers)]
+        return [op(self._file(key, slot), buf, k * self.stride_bytes) for (key, slot), buf in zip(files, buffers)]
+
+    def _file(self, key: str, slot: int) -> str:
+        """The swap file of `key` in logical slot `slot` (one file for both with slots=1: module note)."""
+        return self._files[key, slot % self.slots]
+
+    def _check_committed(self, read: dict) -> None:
+        """Refuse to read, as the committed state, a key a failed step overwrote in place (slots=1)."""
+        stale = sorted(key for key, slot in read.items() if slot == self._slot and key in self._overwritten)
+        if stale:
+            named = MASTER if MASTER in stale else stale[0]
+            raise OffloadIOError(f"{self._file(named, self._slot)}: the optimizer state {stale} was partly "
+                                 "overwritten in place by a step that did not finish; load a checkpoint to go "
+                                 f"on (with {SLOTS_KEY}: 2 a failed step leaves the previous state)")
 
     def _start_read(self, k: int, keys: list[str], read: dict[str, int]):
         """Buffers for `keys` of sub-group k; those in `read` (key -> slot) are read into theirs."""
@@ -165,6 +196,8 @@ class SwappedPartition:
         to the pool once the writes finished."""
         try:
             pairs = [((key, 1 - self._slot), buf) for key, buf in zip(keys, buffers) if key in write]
+            if self.slots == 1:
+                self._overwritten.update(key for (key, _), _ in pairs)
             handles = self._transfer(k, [f for f, _ in pairs], [b for _, b in pairs], write=True)
         except BaseException:
             self._release(buffers)
@@ -232,6 +265,7 @@ class SwappedPartition:
         {key: n-element view} for every key in `read` (key -> slot to read it from) or `write`; a key
         only written starts as zeros. The `write` keys then go to the slot `commit` makes current; until
         then the current slot is as the last commit left it (the two-slots note)."""
+        self._check_committed(read)
         keys = [key for key in [MASTER, *self.state_keys] if key in read or key in write]
         order = range(len(self.groups)) if groups is None else groups
         reads: dict = {}
@@ -263,6 +297,7 @@ class SwappedPartition:
     def commit(self, scalars: list[dict], has_state: bool = True) -> None:
         """Make the slot the last sweeps wrote current, with these per-sub-group scalars."""
         self._slot, self._has_state, self._scalars, self._initial = 1 - self._slot, has_state, scalars, None
+        self._overwritten.clear()
 
     def step(self, grad_slice: Callable[[int, int], torch.Tensor],
              on_updated: Optional[Callable[[int, int, torch.Tensor], None]] = None) -> None:
@@ -319,12 +354,15 @@ class SwappedPartition:
             write_file(path_for(MASTER), ((k * self.stride_bytes, self._initial(s, e))
                                           for k, (s, e) in enumerate(self.groups)), path_key)
             return FrozenState({MASTER: path_for(MASTER)}, self.groups, self.stride_bytes, scalars)
-        files = {key: self._files[key, self._slot] for key in self._keys(self._has_state)}
+        keys = self._keys(self._has_state)
+        self._check_committed(dict.fromkeys(keys, self._slot))
+        files = {key: self._file(key, self._slot) for key in keys}
         return FrozenState(snapshot_files(files, path_for, path_key), self.groups, self.stride_bytes, scalars)
 
     def state_chunks(self) -> Iterator[dict]:
         """The state, one sub-group at a time: {"start", "end", "master", "state": {key: tensor},
         "scalars": {key: value}}; tensors are copies owned by the caller (one sub-group each)."""
+        self._check_committed(dict.fromkeys(self._keys(self._has_state), self._slot))
         for k, (s, e) in enumerate(self.groups):
             keys = self._keys(self._has_state)
             buffers, handles = self._start_read(k, keys, dict.fromkeys(keys, self._slot))

@@ -71,6 +71,12 @@ class OffloadOptimizerConfig(StrictModel):
     """Device "nvme": write no swap file at initialisation; the first step reads the initial master
     weights from host memory and writes master and state for the first time (DeepSpeed's fast_init
     batches that initial write; here it is skipped). Same training, bit for bit."""
+    swap_slots: int = Field(2, ge=1, le=2)
+    """Device "nvme" (a dstrain key): copies of the optimizer-state swap files. 2: a step writes the
+    other copy and switches to it only when every write has finished, so a step that fails halfway
+    (disk full, an I/O error) leaves the previous state bit for bit; twice the disk. 1: in place, as
+    DeepSpeed's swapper writes: half the disk, the same training; after a failed step the state is
+    refused (an error naming the file) until a checkpoint is loaded."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of optimizer state offloaded; below 1 only with ZeRO stage 3 (not built yet: only 1)."""
     super_offload: bool = False

@@ -10,6 +10,8 @@ tests/test_offload_stepper.py.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from offload.estimate import EstimateSettings, estimate_memory
@@ -45,6 +47,8 @@ def test_zero_formulas_mixed_precision():
     assert nvme.nvme_bytes == 2 * 12 * psi // n + 4 * psi // n + 4 * psi // n and nvme.accelerator_bytes == 4 * 2 + 2
     z2nvme = row(rows, 2, "nvme optimizer")  # stages 1-2: the gradient swapped too, the send image on the host
     assert z2nvme.nvme_bytes == 2 * 12 * psi // n + 4 * psi // n and z2nvme.host_bytes >= 4 * psi // n
+    one_slot = estimate_memory(psi, nodes=2, gpus_per_node=4, settings=replace(s, swap_slots=1))
+    assert row(one_slot, 3, "nvme params+optimizer").nvme_bytes == 12 * psi // n + 4 * psi // n + 4 * psi // n
     assert {r.offload for r in rows if r.stage == 0} == {"none"}
     assert sum(r.stage == 3 for r in rows) == 6 and sum(r.stage == 1 for r in rows) == 3
 

@@ -22,7 +22,7 @@ import math
 
 import pytest
 
-from tests.offload_runs import (FAST_INIT_CASES, INF_STEP, NVME, RESUME_AT, assert_same as _assert_same,
+from tests.offload_runs import (FAST_INIT_CASES, INF_STEP, NVME, ONE_SLOT_CASES, RESUME_AT, assert_same as _assert_same,
                                 shared_runs)
 
 CASES = [(stage, opt) for stage in (1, 2, 3) for opt in ("sgd", "adamw")]
@@ -56,6 +56,8 @@ def _assert_gradient_swapped(got: dict, stage: int, what: str) -> None:
     assert swap["written"] > 0 and swap["read"] * (2 if stage > 1 else 1) == swap["written"] * (3 if stage > 1 else 2), \
         f"{what}: {swap}"
     assert swap["held"] == (stage > 1), f"{what}: held gradients in a file {swap['held']} (stage 1 keeps .grad)"
+    # the first backward held every gradient in the file; emptied, the file is gone (its disk given back)
+    assert (swap["held_files_made"] >= 1) == (stage > 1) and not swap["held_file_left"], f"{what}: {swap}"
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -96,6 +98,18 @@ def test_destroy_removes_the_swap_directory(runs):
             if isinstance(key, tuple) and key[-1] == NVME:
                 assert got["swap_dir_left"] is False, f"rank {rank} {key}: swap directory left after destroy()"
         assert result["left_in_nvme_path"] == [], f"rank {rank}: {result['left_in_nvme_path']} left in nvme_path"
+
+
+@pytest.mark.parametrize("key", list(ONE_SLOT_CASES), ids=lambda k: f"stage{k[0]}-{k[1]}")
+def test_one_swap_slot_halves_the_state_files_and_trains_the_same(runs, key):
+    stage, opt, _ = key
+    for rank, result in enumerate(runs):
+        one, two = result[key], result[(stage, opt, NVME)]
+        assert 0 < 2 * one["state_file_bytes"] == two["state_file_bytes"], \
+            f"rank {rank}: state files {one['state_file_bytes']} bytes with one slot, {two['state_file_bytes']} with two"
+        _assert_gradient_swapped(one, stage, f"rank {rank} stage {stage} {opt} one slot")
+        _assert_same(one, two, f"rank {rank} stage {stage} {opt} one slot vs two")
+        _assert_same(one, result[(stage, opt, "none")], f"rank {rank} stage {stage} {opt} one slot vs no offload")
 
 
 @pytest.mark.parametrize("key", list(FAST_INIT_CASES), ids=lambda k: f"stage{k[0]}-{k[1]}")

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from offload import AsyncFileIO, SwapBufferPool, SwapDir, SwappedPartition, sub_group_buffer_elements
+from offload.aio import OffloadIOError
 from offload.swapped_partition import MASTER
 from offload.estimate import EstimateSettings, estimate_memory
 from schemas.features import AioConfig
@@ -40,11 +41,11 @@ OPTIMIZERS = {
 class Swapped:
     """A SwappedPartition with its directory, I/O engine and pool, and the flat the engine would hold."""
 
-    def __init__(self, root, make, numel, sub_group, pipeline=(False, False), buffers=9):
+    def __init__(self, root, make, numel, sub_group, pipeline=(False, False), buffers=9, slots=2):
         self.swap = SwapDir.create(root, path_key=KEY)
         self.io = AsyncFileIO(AioConfig(block_size=4096, intra_op_parallelism=2), path_key=KEY)
         self.pool = SwapBufferPool(buffers, sub_group_buffer_elements(numel, sub_group))
-        self.part = SwappedPartition(numel, make, self.swap, self.io, self.pool, sub_group, *pipeline)
+        self.part = SwappedPartition(numel, make, self.swap, self.io, self.pool, sub_group, *pipeline, slots=slots)
         self.model = torch.full((numel,), float("nan"), device="cpu")
 
     def step(self, grad):
@@ -135,6 +136,47 @@ def test_failed_step_leaves_files_unchanged_and_training_continues_exactly(tmp_p
         assert_state_equal(swapped.part, want_state)
     finally:
         swapped.close()
+
+
+def test_one_slot_steps_in_place_and_refuses_the_state_a_failed_step_left(tmp_path):
+    """swap_slots 1: half the files, the same bits as in memory (pipelined, so the write of sub-group
+    k-1 and the read of k+1 are in flight around k's step); after a step that failed halfway, the next
+    step and a checkpoint's read are refused, naming the file; a loaded state steps on exactly."""
+    make = OPTIMIZERS["adamw-fused"]
+    master, grads = data(steps=4)
+    want, want_state = reference(make, master, grads)
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    one = Swapped(tmp_path / "one", make, NUMEL, 1000, pipeline=(True, True), slots=1)
+    two = Swapped(tmp_path / "two", make, NUMEL, 1000, pipeline=(True, True))
+    try:
+        for swapped in (one, two):
+            swapped.part.initialize(lambda s, e: master[s:e])
+            for grad in grads[:2]:
+                swapped.step(grad)
+        assert len(one.part.paths) * 2 == len(two.part.paths) == 6
+        assert sum(map(os.path.getsize, one.part.paths)) * 2 == sum(map(os.path.getsize, two.part.paths))
+        saved = [{k: v.clone() if torch.is_tensor(v) else v for k, v in c.items()} for c in one.part.state_chunks()]
+
+        def bad_grad(s, e):
+            if s >= 3000:  # sub-groups 0-2 are written in place before this one fails
+                raise RuntimeError("gradient unavailable")
+            return grads[2][s:e]
+        with pytest.raises(RuntimeError, match="gradient unavailable"):
+            one.part.step(bad_grad)
+        for refused in (lambda: one.step(grads[2]), lambda: next(one.part.state_chunks())):
+            with pytest.raises(OffloadIOError, match=r"master\.0\.swp: the optimizer state .* partly overwritten"
+                                                     r".*load a checkpoint.*swap_slots: 2"):
+                refused()
+        one.part.load_chunks(iter(saved))  # the checkpoint taken before the failure
+        for grad in grads[2:]:
+            one.step(grad)
+            two.step(grad)
+        for swapped in (one, two):
+            assert torch.equal(swapped.model, want)
+            assert_state_equal(swapped.part, want_state)
+    finally:
+        one.close()
+        two.close()
 
 
 def test_state_streams_out_and_loads_at_other_boundaries(tmp_path):

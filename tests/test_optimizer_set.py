@@ -2,7 +2,7 @@
 single-process training at every ZeRO stage, with and without gradient accumulation; with the
 optimizer offloaded (`offload_optimizer.device` "cpu" and "nvme" at stages 1-3; Lamb's and Muon's
 whole-tensor rules step in two passes over swapped sub-groups that cut their tensors) each equals its
-own run without offload bit for bit; an Inf on one
+own run without offload bit for bit (Lamb and Muon also with `swap_slots` 1, written in place); an Inf on one
 rank skips Lamb's and Muon's swapped step and leaves their swap files' SHA-256 unchanged.
 
 References: torch's own class where one exists (Adagrad, RMSprop; AdamW for Muon's non-matrix half);
@@ -69,8 +69,9 @@ NVME_SUB_GROUP = 64
 def _offload(offload: str, nvme_path: str | None) -> dict:
     if offload == "cpu":
         return {"offload_optimizer": {"device": "cpu"}}
-    if offload == "nvme":
-        return {"sub_group_size": NVME_SUB_GROUP, "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}}
+    if offload.startswith("nvme"):  # "nvme1": offload_optimizer.swap_slots 1, the state files written in place
+        return {"sub_group_size": NVME_SUB_GROUP, "offload_optimizer": {
+            "device": "nvme", "nvme_path": nvme_path, **({"swap_slots": 1} if offload == "nvme1" else {})}}
     return {}
 
 
@@ -117,7 +118,7 @@ def _train(kind: str, stage: int, gas: int, offload: str = "none", nvme_path: st
                           "nvme": getattr(zopt, "nvme", None) is not None,
                           "grad_swapped": getattr(zopt, "grad_swap", None) is not None,  # engine/zero/grad_swap.py
                           "state_in_memory": sum(len(s) for s in zopt.optimizer.state.values())}
-    if offload == "nvme":
+    if offload.startswith("nvme"):
         eng.destroy()  # removes the swap directory (destroy's gc.collect costs ~1 s: only where needed)
     return result
 
@@ -365,7 +366,9 @@ TWO_RANK_CASES = [(k, s, g, "none") for k in OPTIMIZERS for s in (0, 1, 2, 3) fo
 NVME_ELEMENTWISE, NVME_PER_TENSOR = ("Adagrad", "Lion", "RMSprop"), ("Lamb", "Muon")
 OFFLOAD_CASES = ([(k, s, 2, "cpu") for k in OPTIMIZERS for s in (1, 2, 3)]
                  + [(k, s, 2, "nvme") for k in NVME_ELEMENTWISE for s in (1, 2, 3)]
-                 + [(k, s, 2, "nvme") for k in NVME_PER_TENSOR for s in (1, 2, 3)])
+                 + [(k, s, 2, "nvme") for k in NVME_PER_TENSOR for s in (1, 2, 3)]
+                 # their two passes with the state files written in place (swap_slots 1)
+                 + [("Lamb", 3, 2, "nvme1"), ("Muon", 2, 2, "nvme1")])
 # An Inf at step INF_STEP, with and without NVMe: Lamb at stage 3, Muon at stage 2.
 INF_STEP = 2
 INF_CASES = [(k, s, 2, offload) for k, s in (("Lamb", 3), ("Muon", 2)) for offload in ("none", "nvme")]
@@ -394,7 +397,7 @@ def test_offloaded_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stag
     for rank, results in enumerate(two_ranks):
         got, want = results[(kind, stage, gas, offload)], results[(kind, stage, gas, "none")]
         assert got["tier"]["home"] == "cpu" and got["tier"]["staged"], f"rank {rank}: {got['tier']}"
-        if offload == "nvme":  # the state, and the gradient partition, live in the swap files only
+        if offload.startswith("nvme"):  # the state, and the gradient partition, live in the swap files only
             assert got["tier"]["nvme"] and got["tier"]["state_in_memory"] == 0, f"rank {rank}: {got['tier']}"
             assert got["tier"]["grad_swapped"], f"rank {rank}: {got['tier']}"
         for name, w in want["params"].items():

@@ -110,7 +110,7 @@ class NvmeOptimizerTier:
                 group = self.optimizer.param_groups[key[0]]
                 part = SwappedPartition(flat.numel(), inner_factory(self.optimizer, group), self.swap, self.io,
                                         self.pool, sub_group, pipeline_read=section.pipeline_read,
-                                        pipeline_write=section.pipeline_write,
+                                        pipeline_write=section.pipeline_write, slots=section.swap_slots,
                                         name=f"rank{rank}-group{key[0]}-{str(key[1]).removeprefix('torch.')}")
                 # fast_init: nothing written before the first step (the stepper's deferred-initialisation note)
                 part.initialize(lambda s, e, key=key: partition.store.read(key, s, e), deferred=section.fast_init)
