@@ -17,6 +17,8 @@ schedule owns them.
 """
 from __future__ import annotations
 
+import socket
+
 import torch
 from torch.distributed import pipelining as tp
 from torch.utils import _pytree as pytree
@@ -28,7 +30,7 @@ from .partitioned_wire import PartitionedWire, partitioned
 from .probe import chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import LoggedStage, schedule_class
-from .stage_clock import StageClock
+from .stage_clock import StageClock, pipeline_idle
 
 _MIXED_BATCH = -1  # the batch key that says the first stage's micro-batches differ in nest or shape
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
@@ -238,13 +240,16 @@ class PipelineEngine(Engine):
         return dict(enumerate(self.pipe_comm.all_gather_object(list(self._actions))))
 
     def stage_idle_fraction(self) -> float:
-        """This rank's measured idle fraction of the last batch: the wall-clock share of its schedule run
-        spent outside computations (stage_clock.py)."""
+        """This rank's measured idle fraction of the last batch over its own schedule run (no collective;
+        shorter than the pipeline's span on all but the last rank to finish: stage_clock.py's note)."""
         return self._clock.idle_fraction()
 
     def measured_idle(self) -> dict[int, float]:
-        """`stage_idle_fraction` of every stage, {pipe rank: fraction} (collective over the pipe group)."""
-        return dict(enumerate(self.pipe_comm.all_gather_object(self.stage_idle_fraction())))
+        """Every stage's measured idle fraction of the last batch over the pipeline's span (the first
+        start to the last end over the stages: the bubble formula's quantity, stage_clock.py's note),
+        {pipe rank: fraction} (collective over the pipe group; never on the step's path)."""
+        mine = (socket.gethostname(), self._clock.edges(), self._clock.busy_seconds())
+        return dict(enumerate(pipeline_idle(self.pipe_comm.all_gather_object(mine))))
 
     # -- the public API -------------------------------------------------------------------------
     def train_batch(self, data_iter=None) -> torch.Tensor:
