@@ -47,7 +47,8 @@ def _train(schedule: str, stages: int, virtual: int, gas: int, tied: bool, zero:
     expected = len(actions[eng.stage_id]) + (gas if eng.is_last_stage else 0)
     measured = (eng.measured_idle()[eng.stage_id], eng._clock.intervals(), expected, eng.stage_idle_fraction(),
                 eng._clock.edges(), eng._clock.busy_seconds())
-    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, idle, measured
+    early = [None if st.early is None else st.early.count for _, entry in eng._built.items() for st in entry[0]]
+    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, idle, measured, early
 
 
 def _check_against_reference(results, tied: bool, gas: int, dp: int, n_layers: int = 8):
@@ -124,6 +125,12 @@ def test_every_schedule_matches_single_process(stages, request):
         for fraction, timed, expected, own, _, busy in clocks:
             assert timed == expected and 0.0 <= own <= fraction <= 1.0
             assert fraction == pytest.approx(1.0 - busy / span, rel=1e-12)
+    # one chunk per rank: every receive after a step's first in each direction posted a micro-batch early
+    # (engine/pipe/early_receive.py), activations on all but the first stage, gradients on all but the last
+    for k, (schedule, virtual, gas, _, _) in enumerate(CASES[stages]):
+        for rank, r in enumerate(per_rank):
+            directions = (rank > 0) + (rank < stages - 1)
+            assert r[k][4] == ([STEPS * (gas - 1) * directions] if virtual == 1 else [None] * virtual), (schedule, rank)
     # Schedule accounting: the idle slots of the executed action lists, per stage, vs the formula.
     for schedule in ("1f1b", "gpipe"):
         m = next(c[2] for c in CASES[stages] if c[0] == schedule)

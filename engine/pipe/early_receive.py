@@ -1,0 +1,47 @@
+"""Receives posted one micro-batch ahead on a one-chunk-per-rank schedule (1F1B, GPipe).
+
+[Note: why post early] torch's schedules post a stage's receive for micro-batch k only when they are
+about to use it (in 1F1B, fused with the send of the previous backward's gradient). On gloo, a
+receive posted after its message arrived costs the posting thread the transfer: on the last stage of
+a 2-stage 1F1B, whose steady state is the pipeline's critical path, each `bwd_send_fwd_recv` took 4-13
+ms of a 25-35 ms micro-batch (benchmarks/results/2026-12-02-pipe3-timeline.txt), and the first stage
+waited that long for each gradient. Posted as soon as micro-batch k's own receive has completed, the
+receive of k + 1 is pending when the data comes, so the transport fills it in the background while
+the stage computes, and the schedule's later post is skipped (`get_*_recv_ops` return nothing).
+
+Safe because each (direction, peer) carries one ordered stream: with one chunk per rank a stage
+receives activations only from the previous stage and gradients only from the next, in micro-batch
+order, into per-micro-batch buffers (torch allocates `args_recv_info` / `grad_recv_info` per chunk), so
+an early receive matches the same message the late one would. With several chunks per rank two
+chunks receive from the same peer, and an early receive could take the other chunk's message (same
+shapes: silently wrong), so interleaved and zero-bubble schedules keep torch's posting. No receive is
+left posted after a step: the last micro-batch posts none.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+class EarlyReceives:
+    """The receives one stage has posted ahead, {(direction, micro-batch): works}."""
+
+    def __init__(self, stage):
+        self.stage = stage
+        self.works: dict[tuple[str, int], list] = {}
+        self.count = 0  # receives posted early so far (tests count them)
+
+    def posted(self, direction: str, mb: int) -> bool:
+        return (direction, mb) in self.works
+
+    def arrived(self, direction: str, mb: int) -> None:
+        """Before micro-batch `mb` computes: wait for its early receive (if it had one), then post the
+        next micro-batch's (module note)."""
+        for work in self.works.pop((direction, mb), ()):
+            work.wait()
+        nxt, st = mb + 1, self.stage
+        forward = direction == "forward"
+        if nxt < len(st.args_recv_info if forward else st.grad_recv_info):  # one entry per micro-batch
+            ops = st.get_fwd_recv_ops(nxt) if forward else st.get_bwd_recv_ops(nxt)
+            if ops:
+                self.works[(direction, nxt)] = dist.batch_isend_irecv(ops)
+                self.count += 1
