@@ -23,7 +23,8 @@ ratios, and the load printed with them.
 `--timeline` prints, per rank, every action, wait and post of two dstrain-1f1b steps after `--steps`
 warm-up ones (benchmarks/pipe_timeline.py; docs/parallelism.md reads one).
 `--paired` steps dstrain's 1f1b and torch's bare schedule alternately in the same processes and
-reports the median ratio of the step pairs (the least load-sensitive figure this machine gives).
+reports the median ratio of the step pairs and each rank's median CPU time per step (process CPU time,
+gloo's threads included: less distorted by a shared machine than wall time).
 `--tensor-parallel T` adds pipeline × tensor parallelism rows instead: examples/gpt_pipe.py's GPT
 (d_model 256, 4 blocks, seq 64) in 1F1B on `stages` × T ranks with AutoTP (`autotp_size: T`), with
 `pipeline.pipe_partitioned`/`grad_partitioned` true (the default: slices cross the boundary) and false
@@ -106,6 +107,13 @@ def _timed(step, i: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _timed_cpu(step, i: int) -> tuple[float, float]:
+    """(wall ms, this process's CPU ms, all its threads: gloo's transport included) of one step."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    step(i)
+    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+
+
 def _dstrain(schedule: str, m: int, steps: int) -> dict:
     from engine.checkpointing import SavedActivationProbe
     from engine.pipe.schedule import idle_fractions
@@ -133,19 +141,22 @@ def _paired(m: int, steps: int) -> dict:
     steps sees the same load, so their ratio is steadier than that of separate runs."""
     eng, _, ours = _dstrain_stepper("1f1b", m, steps)
     theirs = _torch_stepper(m, steps)
-    pairs = [(_timed(ours, i), _timed(theirs, i)) for i in range(steps)]
+    pairs = [(_timed_cpu(ours, i), _timed_cpu(theirs, i)) for i in range(steps)]
     eng.destroy()
-    return {"dstrain": [a for a, _ in pairs], "torch": [b for _, b in pairs]}
+    return {"dstrain": [a[0] for a, _ in pairs], "torch": [b[0] for _, b in pairs],
+            "dstrain_cpu": measured([a[1] for a, _ in pairs]), "torch_cpu": measured([b[1] for _, b in pairs])}
 
 
 def _paired_rows(stages: int, ms: list[int], steps: int) -> None:
-    print(f"{'p':>2} {'m':>2} {'dstrain-1f1b ms':>15} {'torch ms':>9} {'median pair ratio':>17}")
+    print(f"{'p':>2} {'m':>2} {'dstrain-1f1b ms':>15} {'torch ms':>9} {'median pair ratio':>17} "
+          f"{'CPU ms/step per rank, dstrain':>29} {'torch':>13}")
     for m in ms:
         ranks = run_distributed(_paired, world_size=stages, args=(m, steps), timeout=1800)
         slowest = {k: [max(r[k][i] for r in ranks) for i in range(steps)] for k in ("dstrain", "torch")}
         ratios = [a / b for a, b in zip(slowest["dstrain"], slowest["torch"])]
+        cpu = {k: "/".join(f"{r[k + '_cpu']:.1f}" for r in ranks) for k in ("dstrain", "torch")}
         print(f"{stages:>2} {m:>2} {measured(slowest['dstrain']):>15.1f} {measured(slowest['torch']):>9.1f} "
-              f"{measured(ratios):>17.2f}", flush=True)
+              f"{measured(ratios):>17.2f} {cpu['dstrain']:>29} {cpu['torch']:>13}", flush=True)
 
 
 def _timeline(m: int, steps: int, record: int) -> dict:
