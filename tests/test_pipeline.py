@@ -258,3 +258,16 @@ def test_a_chunk_whose_output_nest_depends_on_values_is_an_error():
     chunk(2 * torch.ones(2))  # the same structure again
     with pytest.raises(ValueError, match="different nest or constants"):
         chunk(-torch.ones(2))
+
+
+def test_a_receive_left_posted_by_a_failed_step_stops_the_next():
+    """engine/pipe/early_receive.py: a step that raised inside the schedule can leave a receive posted, into
+    which the next step's first message would land; the next step refuses to start instead."""
+    from types import SimpleNamespace
+
+    from engine.pipe.early_receive import EarlyReceives
+    early = EarlyReceives(SimpleNamespace(stage_index=1))
+    early.start_step()  # nothing posted: the step starts
+    early.works[("forward", 3)] = []
+    with pytest.raises(RuntimeError, match=r"stage 1: an earlier train_batch/eval_batch stopped inside the schedule"):
+        early.start_step()

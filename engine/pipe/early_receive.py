@@ -15,7 +15,8 @@ order, into per-micro-batch buffers (torch allocates `args_recv_info` / `grad_re
 an early receive matches the same message the late one would. With several chunks per rank two
 chunks receive from the same peer, and an early receive could take the other chunk's message (same
 shapes: silently wrong), so interleaved and zero-bubble schedules keep torch's posting. No receive is
-left posted after a step: the last micro-batch posts none.
+left posted after a step: the last micro-batch posts none (a step that raised midway can leave one,
+and the next step refuses to start: `start_step`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ class EarlyReceives:
         self.stage = stage
         self.works: dict[tuple[str, int], list] = {}
         self.count = 0  # receives posted early so far (tests count them)
+
+    def start_step(self) -> None:
+        """A step that raised inside the schedule can leave a receive posted; the next step's first message
+        would land in that micro-batch's buffer, so it is refused rather than misread."""
+        if self.works:
+            raise RuntimeError(f"pipeline stage {self.stage.stage_index}: an earlier train_batch/eval_batch stopped "
+                               f"inside the schedule with receives still posted ({sorted(self.works)}); the stages "
+                               "are out of step: rebuild the engine (engine.initialize) before the next batch")
 
     def posted(self, direction: str, mb: int) -> bool:
         return (direction, mb) in self.works

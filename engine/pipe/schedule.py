@@ -89,6 +89,11 @@ class LoggedStage(tp.PipelineStage):
             _check_wire_hooks()
         self.early = EarlyReceives(self) if early_receives else None
 
+    def clear_runtime_states(self) -> None:
+        super().clear_runtime_states()
+        if self.early is not None:
+            self.early.start_step()
+
     def get_fwd_recv_ops(self, fwd_chunk_id):
         if self.early is not None and self.early.posted("forward", fwd_chunk_id):
             return []  # already posted (early_receive.py); forward_one_chunk waits for it
