@@ -117,14 +117,19 @@ def _timed_cpu(step, i: int) -> tuple[float, float]:
 def _dstrain(schedule: str, m: int, steps: int) -> dict:
     from engine.checkpointing import SavedActivationProbe
     from engine.pipe.schedule import idle_fractions
+    from engine.pipe.stage_clock import pipeline_idle
     eng, pm, step = _dstrain_stepper(schedule, m, steps)
-    times, idle_each = [], []  # the step times and this stage's measured idle fraction of each step
-    for i in range(steps - 1):  # measured_idle: a collective, outside the timed step
+    times, records = [], []  # the step times and this stage's clock record of each step
+    for i in range(steps - 1):
         times.append(_timed(step, i))
-        idle_each.append(eng.measured_idle()[eng.stage_id])
+        records.append(eng.idle_record())
     with SavedActivationProbe(pm.parameters()) as probe:
         times.append(_timed(step, steps - 1))
-    idle_each.append(eng.measured_idle()[eng.stage_id])
+    records.append(eng.idle_record())
+    # each step's idle fraction over the pipeline's span, from every stage's records, gathered once after
+    # the steps (a collective between steps would line the ranks up: a barrier the other systems lack)
+    every = eng.pipe_comm.all_gather_object(records)
+    idle_each = [pipeline_idle([r[k] for r in every])[eng.stage_id] for k in range(steps)]
     idle = idle_fractions(eng.schedule_actions(), eng.num_stages * pm.virtual_stages)
     eng.destroy()
     return {"step_ms": measured(times), "bubble": max(idle.values()), "act_bytes": probe.peak_bytes,

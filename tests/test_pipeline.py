@@ -46,7 +46,7 @@ def _train(schedule: str, stages: int, virtual: int, gas: int, tied: bool, zero:
     # on the last stage every micro-batch's loss; with this rank's own-span fraction, edges and busy time
     expected = len(actions[eng.stage_id]) + (gas if eng.is_last_stage else 0)
     measured = (eng.measured_idle()[eng.stage_id], eng._clock.intervals(), expected, eng.stage_idle_fraction(),
-                eng._clock.edges(), eng._clock.busy_seconds())
+                *eng.idle_record()[1:])
     early = [None if st.early is None else st.early.count for _, entry in eng._built.items() for st in entry[0]]
     return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, idle, measured, early
 

@@ -245,12 +245,16 @@ class PipelineEngine(Engine):
         shorter than the pipeline's span on all but the last rank to finish: stage_clock.py's note)."""
         return self._clock.idle_fraction()
 
+    def idle_record(self) -> tuple[str, tuple[float, float], float]:
+        """This rank's (host, (start, end) of its schedule run, seconds computing) of the last batch: what
+        `stage_clock.pipeline_idle` takes from every stage (no collective: gather them when convenient)."""
+        return socket.gethostname(), self._clock.edges(), self._clock.busy_seconds()
+
     def measured_idle(self) -> dict[int, float]:
         """Every stage's measured idle fraction of the last batch over the pipeline's span (the first
         start to the last end over the stages: the bubble formula's quantity, stage_clock.py's note),
         {pipe rank: fraction} (collective over the pipe group; never on the step's path)."""
-        mine = (socket.gethostname(), self._clock.edges(), self._clock.busy_seconds())
-        return dict(enumerate(pipeline_idle(self.pipe_comm.all_gather_object(mine))))
+        return dict(enumerate(pipeline_idle(self.pipe_comm.all_gather_object(self.idle_record()))))
 
     # -- the public API -------------------------------------------------------------------------
     def train_batch(self, data_iter=None) -> torch.Tensor:
