@@ -12,7 +12,9 @@ the stage computes, and the schedule's later post is skipped (`get_*_recv_ops` r
 Safe because each (direction, peer) carries one ordered stream: with one chunk per rank a stage
 receives activations only from the previous stage and gradients only from the next, in micro-batch
 order, into per-micro-batch buffers (torch allocates `args_recv_info` / `grad_recv_info` per chunk), so
-an early receive matches the same message the late one would. With several chunks per rank two
+an early receive matches the same message the late one would. With tensor parallelism each tensor
+rank has its own peer on the next stage, and with partitioned boundaries (partitioned_wire.py) the
+early receive fills the same slice buffer the late one would, reassembled when the stage takes it. With several chunks per rank two
 chunks receive from the same peer, and an early receive could take the other chunk's message (same
 shapes: silently wrong), so interleaved and zero-bubble schedules keep torch's posting. No receive is
 left posted after a step: the last micro-batch posts none (a step that raised midway can leave one,

@@ -136,7 +136,7 @@ class PipelineEngine(Engine):
             examples = wire.buffer_examples(inputs, outputs, receives=chunk > 0, sends=chunk < chunks - 1)
         return LoggedStage(mod, chunk, chunks, self.device, **examples, group=self.groups.pipe_group,
                            action_log=self._actions, sent_bytes=self._sent_bytes, clock=self._clock, wire=wire,
-                           early_receives=not self._multi and wire is None)  # early_receive.py's note
+                           early_receives=not self._multi)  # early_receive.py's note
 
     def _loss(self, flat_output, labels):
         """torch's loss hook on the last stage: the user's loss of the rebuilt output, divided by the
