@@ -15,18 +15,21 @@ computation alone. The events are read (one synchronisation) only when the fract
 never on the step's path.
 
 [Note: whose span] The formula (p−1)/(m+p−1) is the share of the *pipeline's* span — from the
-earliest start of any rank's schedule run to the latest end of one — that a stage does not compute. A rank's own schedule run is a shorter interval on every stage but the one that ends
-last: in 1F1B the last stage returns once it has sent its final input gradient, while the first stage
-still runs that micro-batch's backward (p=2: one backward, a third of a micro-batch's work). Dividing
-by its own span, the last stage reported less than the formula and the first more or the same
+earliest start of any rank's schedule run to the latest end of one — that a stage does not compute.
+A rank's own schedule run is a shorter interval on every stage but the one that ends last: in 1F1B
+the last stage returns once it has sent its final input gradient, while the first stage still runs
+that micro-batch's backward (two thirds of a micro-batch's work). Divided by its own span, the last
+stage reported less than the formula; the first stage's span is the pipeline's already
 (benchmarks/pipe_timeline.py shows it). So `pipeline_idle` divides each rank's computing time by the
 union of the ranks' spans, from their edges exchanged over the pipe group only when the fraction is
 asked for (`PipelineEngine.measured_idle`). Edges are host `time.perf_counter` readings
 (CLOCK_MONOTONIC): one clock for every process of a machine. Two machines' clocks differ by an offset
 no one measured (NTP keeps them within milliseconds, a micro-batch's order), so edges from two hosts
-are refused rather than compared. On CUDA the edges are host times too (the first action queued, the
-last call returned: the schedule's blocking waits keep the host near its stream), while the computing
-time is the events' (the note above); the span is then good to a kernel launch's latency.
+are refused rather than compared. On CUDA the edges are host times too, while the computing time is
+the events' (the note above): CUDA events measure time only between events of one device, so they
+cannot place two ranks' spans on one axis. NCCL's waits order streams without blocking the host, so
+a host edge can lead its stream by the work queued and not yet run: there the span is a lower bound
+and the fraction may read low by up to that queued work (not measured: no accelerator here).
 """
 from __future__ import annotations
 
@@ -73,7 +76,8 @@ class StageClock:
             self.marks = _HostMarks(timer or time.perf_counter)
         else:
             self.marks = _EventMarks(device)
-        # the span's edges on the host clock, comparable between ranks (note: whose span); on CPU the marks are
+        # the span's edges on the host clock, comparable between ranks (note: whose span); on CPU the marks
+        # are host readings already
         self._host = None if isinstance(self.marks, _HostMarks) else time.perf_counter
         self._step: list = []
         self._edges: tuple[float, float] | None = None
