@@ -16,7 +16,12 @@ an early receive matches the same message the late one would. With tensor parall
 rank has its own peer on the next stage, and with partitioned boundaries (partitioned_wire.py) the
 early receive fills the same slice buffer the late one would, reassembled when the stage takes it. With several chunks per rank two
 chunks receive from the same peer, and an early receive could take the other chunk's message (same
-shapes: silently wrong), so interleaved and zero-bubble schedules keep torch's posting. No receive is
+shapes: silently wrong), so interleaved and zero-bubble schedules keep torch's posting. Only on gloo, whose sends and receives progress independently. NCCL runs the point-to-point ops
+between two ranks on one stream in posting order unless they are posted as one batch, so a middle
+stage's early receive of activation k + 1 could hold back its send of gradient j to the same
+neighbour, which that neighbour needs before it computes and sends activation k + 1: a deadlock.
+Not testable here (no accelerator), so NCCL keeps torch's posting.
+No receive is
 left posted after a step: the last micro-batch posts none (a step that raised midway can leave one,
 and the next step refuses to start: `start_step`).
 """

@@ -20,6 +20,7 @@ from __future__ import annotations
 import socket
 
 import torch
+import torch.distributed as dist
 from torch.distributed import pipelining as tp
 from torch.utils import _pytree as pytree
 
@@ -79,6 +80,7 @@ class PipelineEngine(Engine):
         self.is_last_stage = self.stage_id == self.num_stages - 1
         self.schedule_name = config.pipeline.schedule
         self._schedule_cls, self._multi = schedule_class(self.schedule_name, module.virtual_stages)
+        self._pipe_backend = dist.get_backend(groups.pipe_group) if dist.is_initialized() else None
         self.tied = TiedGradients(module, groups, comm)
         self.loss_rider = LossRider()
         # pipeline.pipe_partitioned / grad_partitioned: slices over the model axis (partitioned_wire.py)
@@ -136,7 +138,7 @@ class PipelineEngine(Engine):
             examples = wire.buffer_examples(inputs, outputs, receives=chunk > 0, sends=chunk < chunks - 1)
         return LoggedStage(mod, chunk, chunks, self.device, **examples, group=self.groups.pipe_group,
                            action_log=self._actions, sent_bytes=self._sent_bytes, clock=self._clock, wire=wire,
-                           early_receives=not self._multi)  # early_receive.py's note
+                           early_receives=not self._multi and self._pipe_backend == "gloo")  # early_receive.py
 
     def _loss(self, flat_output, labels):
         """torch's loss hook on the last stage: the user's loss of the rebuilt output, divided by the
