@@ -13,14 +13,18 @@ in one set of processes and DeepSpeed's right after, or right before in every ot
 ratio to DeepSpeed taken within each round and its median over rounds reported (a shared machine's
 load drifts between rounds); the bubble fraction replayed from the executed actions
 (engine/pipe/schedule.py, "replay") next to its formula and to the idle fraction each stage measured in
-wall-clock time (engine/pipe/stage_clock.py: the share of its schedule run spent outside forward,
-backward and loss; per stage, the median over the measured steps, then over rounds), and the peak
+wall-clock time (engine/pipe/stage_clock.py: the share of the pipeline's span, the earliest start to the
+latest end of the stages' schedule runs, spent outside forward, backward and loss; per stage, the median
+over the measured steps, then over rounds), and the peak
 bytes of activations autograd holds per stage (saved-tensor hooks). With more ranks than free cores
 a stage also waits for a core, and that wait counts as idle: read 4-stage rows on 2 cores as a bound.
 Interleaved and zero-bubble rows use 2 chunks per rank. These machines are shared and noisy: read
 ratios, and the load printed with them.
+`--timeline` prints, per rank, every action, wait and post of two dstrain-1f1b steps after `--steps`
+warm-up ones (benchmarks/pipe_timeline.py; docs/parallelism.md reads one).
 `--paired` steps dstrain's 1f1b and torch's bare schedule alternately in the same processes and
-reports the median ratio of the step pairs (the least load-sensitive figure this machine gives).
+reports the median ratio of the step pairs and each rank's median CPU time per step (process CPU time,
+gloo's threads included: less distorted by a shared machine than wall time).
 `--tensor-parallel T` adds pipeline × tensor parallelism rows instead: examples/gpt_pipe.py's GPT
 (d_model 256, 4 blocks, seq 64) in 1F1B on `stages` × T ranks with AutoTP (`autotp_size: T`), with
 `pipeline.pipe_partitioned`/`grad_partitioned` true (the default: slices cross the boundary) and false
@@ -103,17 +107,29 @@ def _timed(step, i: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _timed_cpu(step, i: int) -> tuple[float, float]:
+    """(wall ms, this process's CPU ms, all its threads: gloo's transport included) of one step."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    step(i)
+    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+
+
 def _dstrain(schedule: str, m: int, steps: int) -> dict:
     from engine.checkpointing import SavedActivationProbe
     from engine.pipe.schedule import idle_fractions
+    from engine.pipe.stage_clock import pipeline_idle
     eng, pm, step = _dstrain_stepper(schedule, m, steps)
-    times, idle_each = [], []  # the step times and this stage's measured idle fraction of each step
+    times, records = [], []  # the step times and this stage's clock record of each step
     for i in range(steps - 1):
         times.append(_timed(step, i))
-        idle_each.append(eng.stage_idle_fraction())
+        records.append(eng.idle_record())
     with SavedActivationProbe(pm.parameters()) as probe:
         times.append(_timed(step, steps - 1))
-    idle_each.append(eng.stage_idle_fraction())
+    records.append(eng.idle_record())
+    # each step's idle fraction over the pipeline's span, from every stage's records, gathered once after
+    # the steps (a collective between steps would line the ranks up: a barrier the other systems lack)
+    every = eng.pipe_comm.all_gather_object(records)
+    idle_each = [pipeline_idle([r[k] for r in every])[eng.stage_id] for k in range(steps)]
     idle = idle_fractions(eng.schedule_actions(), eng.num_stages * pm.virtual_stages)
     eng.destroy()
     return {"step_ms": measured(times), "bubble": max(idle.values()), "act_bytes": probe.peak_bytes,
@@ -130,19 +146,47 @@ def _paired(m: int, steps: int) -> dict:
     steps sees the same load, so their ratio is steadier than that of separate runs."""
     eng, _, ours = _dstrain_stepper("1f1b", m, steps)
     theirs = _torch_stepper(m, steps)
-    pairs = [(_timed(ours, i), _timed(theirs, i)) for i in range(steps)]
+    pairs = [(_timed_cpu(ours, i), _timed_cpu(theirs, i)) for i in range(steps)]
     eng.destroy()
-    return {"dstrain": [a for a, _ in pairs], "torch": [b for _, b in pairs]}
+    return {"dstrain": [a[0] for a, _ in pairs], "torch": [b[0] for _, b in pairs],
+            "dstrain_cpu": measured([a[1] for a, _ in pairs]), "torch_cpu": measured([b[1] for _, b in pairs])}
 
 
 def _paired_rows(stages: int, ms: list[int], steps: int) -> None:
-    print(f"{'p':>2} {'m':>2} {'dstrain-1f1b ms':>15} {'torch ms':>9} {'median pair ratio':>17}")
+    print(f"{'p':>2} {'m':>2} {'dstrain-1f1b ms':>15} {'torch ms':>9} {'median pair ratio':>17} "
+          f"{'CPU ms/step per rank, dstrain':>29} {'torch':>13}")
     for m in ms:
         ranks = run_distributed(_paired, world_size=stages, args=(m, steps), timeout=1800)
         slowest = {k: [max(r[k][i] for r in ranks) for i in range(steps)] for k in ("dstrain", "torch")}
         ratios = [a / b for a, b in zip(slowest["dstrain"], slowest["torch"])]
+        cpu = {k: "/".join(f"{r[k + '_cpu']:.1f}" for r in ranks) for k in ("dstrain", "torch")}
         print(f"{stages:>2} {m:>2} {measured(slowest['dstrain']):>15.1f} {measured(slowest['torch']):>9.1f} "
-              f"{measured(ratios):>17.2f}", flush=True)
+              f"{measured(ratios):>17.2f} {cpu['dstrain']:>29} {cpu['torch']:>13}", flush=True)
+
+
+def _timeline(m: int, steps: int, record: int) -> dict:
+    """dstrain's 1f1b: `steps` warm-up train_batches, then `record` more with every event timed
+    (benchmarks/pipe_timeline.py); this rank's events and the (start, end) of each recorded step."""
+    from benchmarks import pipe_timeline
+    eng, _, step = _dstrain_stepper("1f1b", m, steps + record)
+    for i in range(steps):
+        step(i)
+    events, spans = [], []
+    with pipe_timeline.recording(eng, events):
+        for i in range(steps, steps + record):
+            t0 = time.perf_counter()
+            step(i)
+            spans.append((t0, time.perf_counter()))
+    eng.destroy()
+    return {"events": events, "spans": spans}
+
+
+def _timeline_rows(stages: int, ms: list[int], steps: int) -> None:
+    from benchmarks import pipe_timeline
+    for m in ms:
+        ranks = run_distributed(_timeline, world_size=stages, args=(m, steps, 2), timeout=1800)
+        print(f"## dstrain-1f1b p={stages} m={m}, {wl.MICRO} rows: events as 'label start-end' in ms")
+        print(pipe_timeline.summarize([r["events"] for r in ranks], [r["spans"] for r in ranks]), flush=True)
 
 
 def _gpt_pipe(stages: int, degree: int, m: int, steps: int, sliced: bool = True) -> dict:
@@ -316,6 +360,8 @@ def main() -> int:
     p.add_argument("--deepspeed-venv", default=None)
     p.add_argument("--tensor-parallel", type=int, default=1, help="T > 1: the pipeline x tensor-parallel rows")
     p.add_argument("--paired", action="store_true", help="only dstrain's 1f1b vs torch's, alternating steps")
+    p.add_argument("--timeline", action="store_true",
+                   help="only a per-rank timeline of 2 dstrain-1f1b steps after --steps warm-up ones")
     p.add_argument("--micro-size", type=int, default=None,
                    help=f"rows per micro-batch (default {wl.MICRO}); set for every rank and DeepSpeed's peer")
     p.add_argument("--zero-data", type=int, default=0,
@@ -326,6 +372,11 @@ def main() -> int:
         wl.MICRO = args.micro_size
     print(f"micro-batch rows: {wl.MICRO}")
     print(f"load before: {os.getloadavg()}")
+    if args.timeline:
+        for stages in [int(s) for s in args.stages.split(",")]:
+            _timeline_rows(stages, [int(m) for m in args.micro_batches.split(",")], args.steps)
+        print(f"load after: {os.getloadavg()}")
+        return 0
     if args.paired:
         for stages in [int(s) for s in args.stages.split(",")]:
             _paired_rows(stages, [int(m) for m in args.micro_batches.split(",")], args.steps)

@@ -43,10 +43,12 @@ def _train(schedule: str, stages: int, virtual: int, gas: int, tied: bool, zero:
     actions = eng.schedule_actions()
     idle = idle_fractions(actions, stages * virtual)[eng.stage_id]
     # the measured bubble of the last batch (stage_clock.py) and what its clock timed: every action, and
-    # on the last stage every micro-batch's loss
+    # on the last stage every micro-batch's loss; with this rank's own-span fraction, edges and busy time
     expected = len(actions[eng.stage_id]) + (gas if eng.is_last_stage else 0)
-    measured = (eng.measured_idle()[eng.stage_id], eng._clock.intervals(), expected)
-    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, idle, measured
+    measured = (eng.measured_idle()[eng.stage_id], eng._clock.intervals(), expected, eng.stage_idle_fraction(),
+                *eng.idle_record()[1:])
+    early = [None if st.early is None else st.early.count for _, entry in eng._built.items() for st in entry[0]]
+    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, idle, measured, early
 
 
 def _check_against_reference(results, tied: bool, gas: int, dp: int, n_layers: int = 8):
@@ -114,9 +116,21 @@ def test_every_schedule_matches_single_process(stages, request):
     for k, (schedule, _, gas, tied, n_layers) in enumerate(CASES[stages]):
         _check_against_reference([r[k] for r in per_rank], tied, gas, dp=1, n_layers=n_layers)
         idle[schedule] = [r[k][2] for r in per_rank]
-    for r in per_rank:  # the wall-clock bubble is the benchmark's (no timing assertions): here its bookkeeping
-        for fraction, timed, expected in (case[3] for case in r):
-            assert 0.0 <= fraction <= 1.0 and timed == expected
+    # the wall-clock bubble's values are the benchmark's (no timing assertions); here its bookkeeping: each
+    # action timed, and each stage's fraction taken over the pipeline's span (the union of the stages' runs,
+    # stage_clock.py's note), not its own, so never below the own-span one
+    for k in range(len(CASES[stages])):
+        clocks = [r[k][3] for r in per_rank]
+        span = max(c[4][1] for c in clocks) - min(c[4][0] for c in clocks)
+        for fraction, timed, expected, own, _, busy in clocks:
+            assert timed == expected and 0.0 <= own <= fraction <= 1.0
+            assert fraction == pytest.approx(1.0 - busy / span, rel=1e-12)
+    # one chunk per rank: every receive after a step's first in each direction posted a micro-batch early
+    # (engine/pipe/early_receive.py), activations on all but the first stage, gradients on all but the last
+    for k, (schedule, virtual, gas, _, _) in enumerate(CASES[stages]):
+        for rank, r in enumerate(per_rank):
+            directions = (rank > 0) + (rank < stages - 1)
+            assert r[k][4] == ([STEPS * (gas - 1) * directions] if virtual == 1 else [None] * virtual), (schedule, rank)
     # Schedule accounting: the idle slots of the executed action lists, per stage, vs the formula.
     for schedule in ("1f1b", "gpipe"):
         m = next(c[2] for c in CASES[stages] if c[0] == schedule)
@@ -203,8 +217,9 @@ def test_dicts_masks_and_changing_lengths_cross_stages(two_rank_results):
 
 def test_the_measured_bubble_is_the_span_outside_computations():
     """engine/pipe/stage_clock.py's arithmetic on a scripted clock: a step of 10 s with computations of 2 s
-    and 1 s (a loss nested in the second counted once) is idle 1 - 3/10."""
-    from engine.pipe.stage_clock import StageClock
+    and 1 s (a loss nested in the second counted once) is idle 1 - 3/10 of its own span, and 1 - 3/12 of
+    a pipeline span that another rank's run stretches to 12 s; edges from two hosts are refused."""
+    from engine.pipe.stage_clock import StageClock, pipeline_idle
     ticks = iter([0.0, 1.0, 3.0, 4.0, 5.0, 10.0])
     clock = StageClock(torch.device("cpu"), timer=lambda: next(ticks))
     clock.start_step()  # 0
@@ -217,6 +232,12 @@ def test_the_measured_bubble_is_the_span_outside_computations():
     assert clock.intervals() == 2 and clock.idle_fraction() == pytest.approx(0.7)
     with pytest.raises(RuntimeError, match="before a whole step"):
         StageClock(torch.device("cpu")).idle_fraction()
+    # over the pipeline's span: this 0..10 s run and another rank's 2..12 s one computing 6 s make a 12 s span
+    assert clock.edges() == (0.0, 10.0) and clock.busy_seconds() == pytest.approx(3.0)
+    ranks = [("h", clock.edges(), clock.busy_seconds()), ("h", (2.0, 12.0), 6.0)]
+    assert pipeline_idle(ranks) == pytest.approx([1 - 3 / 12, 1 - 6 / 12])
+    with pytest.raises(RuntimeError, match="2 hosts, whose clocks are not comparable"):
+        pipeline_idle([ranks[0], ("other", (2.0, 12.0), 6.0)])
 
 
 def test_a_chunk_whose_output_nest_depends_on_values_is_an_error():
@@ -237,3 +258,16 @@ def test_a_chunk_whose_output_nest_depends_on_values_is_an_error():
     chunk(2 * torch.ones(2))  # the same structure again
     with pytest.raises(ValueError, match="different nest or constants"):
         chunk(-torch.ones(2))
+
+
+def test_a_receive_left_posted_by_a_failed_step_stops_the_next():
+    """engine/pipe/early_receive.py: a step that raised inside the schedule can leave a receive posted, into
+    which the next step's first message would land; the next step refuses to start instead."""
+    from types import SimpleNamespace
+
+    from engine.pipe.early_receive import EarlyReceives
+    early = EarlyReceives(SimpleNamespace(stage_index=1))
+    early.start_step()  # nothing posted: the step starts
+    early.works[("forward", 3)] = []
+    with pytest.raises(RuntimeError, match=r"stage 1: an earlier train_batch/eval_batch stopped inside the schedule"):
+        early.start_step()

@@ -46,7 +46,8 @@ def _train(route: str, sliced: bool, steps: int, grads_sliced: bool | None = Non
                                getattr(p, "tensor_parallel_parts", 1)) for n, p in pm.named_parameters()}
     result = {"coord": tuple(pm.process_groups.coord), "params": params, "losses": losses, "norms": norms,
               "skipped": eng.skipped_steps, "sharded": sum(d is not None for _, d, _ in params.values()),
-              "sent": eng.boundary_bytes()}
+              "sent": eng.boundary_bytes(),
+              "early": sum(st.early.count for entry in eng._built.values() for st in entry[0])}
     eng.destroy()
     return result
 
@@ -77,6 +78,8 @@ def test_slices_give_bit_for_bit_the_result_of_whole_tensors(four_ranks, route):
         assert sliced["losses"] == whole["losses"] and sliced["norms"] == whole["norms"], sliced["coord"]
         for name, (p, _, _) in sliced["params"].items():
             assert torch.equal(p, whole["params"][name][0]), (sliced["coord"], name)
+        # with slices too, each step's second receive in each direction was posted early (early_receive.py)
+        assert sliced["early"] == whole["early"] == STEPS * (GAS - 1), (sliced["coord"], sliced["early"])
 
 
 @pytest.mark.parametrize("route", ROUTES)

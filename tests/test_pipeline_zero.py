@@ -82,15 +82,18 @@ def test_two_stages_by_two_data_ranks():
             torch.testing.assert_close(p, want[name] - init[name], rtol=5e-2, atol=2e-4,
                                        msg=f"bf16 update of {name}")
     # ZeRO-3 in each stage (engine/pipe/zero3.py): the reference's weights; per step each of the stage's
-    # groups all-gathered once (its data all-gather and its id check) whatever the GAS micro-batches, the
-    # gradients reduce-scattered once per bucket after the last one, nothing gathered between steps
+    # groups all-gathered once whatever the GAS micro-batches, plus one id check for them all (zero3.py's
+    # note: the gathers follow one fixed list), the gradients reduce-scattered once per bucket after the
+    # last one; the gathered copies released before the optimizer step starts (not only by the step's own
+    # release of stale copies) and nothing gathered between steps
     _check_against_reference([r["zero3"]["run"][:3] for r in per_rank], tied=True, gas=GAS, dp=2, n_layers=6)
     for r in per_rank:
         z3 = r["zero3"]
-        assert z3["groups"] > 0 and z3["between"] == [0] * STEPS and z3["after_eval"] == 0, z3
+        assert z3["groups"] > 1 and z3["between"] == [0] * STEPS and z3["after_eval"] == 0, z3
+        assert z3["at_step"] == [0] * STEPS, z3["at_step"]
         assert z3["evaluated"] == pytest.approx(z3["run"][1][0], rel=1e-6), z3
         for calls in z3["calls"]:
-            assert calls.get("all_gather", 0) == 2 * z3["groups"], (calls, z3["groups"])
+            assert calls.get("all_gather", 0) == z3["groups"] + 1, (calls, z3["groups"])
             assert calls.get("reduce_scatter", 0) == z3["buckets"], (calls, z3["buckets"])
     whole = {n: p for r in per_rank for n, p in r["zero3"]["run"][0].items()}
     saved = per_rank[0]["zero3"]["saved"]
@@ -147,7 +150,9 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None):
     if inf_at is not None and eng.stage_id == 1:  # only the second stage's hidden layer sees it
         layer = next(m for n, m in pm.named_children() if n.isdigit() and isinstance(m, torch.nn.Linear))
         layer.weight.register_hook(lambda g: g * float("inf") if poison else g)
-    losses, norms, calls, between = [], [], [], []
+    losses, norms, calls, between, at_step = [], [], [], [], []
+    opt_step = zopt.step  # wrapped: the parameter elements this rank holds when the optimizer step starts
+    zopt.step = lambda *a, **k: (at_step.append(sum(p.numel() for p in pm.parameters())), opt_step(*a, **k))[1]
     batches = global_batches(STEPS, MICRO * GAS * dp, True)
     # eval_batch holds and releases the same way: on the first batch, the loss train_batch then reports
     evaluated = float(eng.eval_batch(iter(list(micro_batches(*batches[0], dp_rank, dp, GAS)))))
@@ -164,7 +169,9 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None):
     with tempfile.TemporaryDirectory() as d:  # save_16bit_model: both stages' layers in one file, rank 0's
         assert eng.save_16bit_model(d)
         saved = torch.load(f"{d}/pytorch_model.bin", weights_only=True) if dist.get_rank() == 0 else None
+    zopt.step = opt_step
     return {"run": (params, losses, norms, eng.skipped_steps), "calls": calls, "between": between, "saved": saved,
+            "at_step": at_step,
             "evaluated": evaluated, "after_eval": after_eval,
             "groups": len(zopt.coordinator.groups), "buckets": len(zopt.buckets)}
 

@@ -17,7 +17,10 @@ schedule owns them.
 """
 from __future__ import annotations
 
+import socket
+
 import torch
+import torch.distributed as dist
 from torch.distributed import pipelining as tp
 from torch.utils import _pytree as pytree
 
@@ -28,7 +31,7 @@ from .partitioned_wire import PartitionedWire, partitioned
 from .probe import chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import LoggedStage, schedule_class
-from .stage_clock import StageClock
+from .stage_clock import StageClock, pipeline_idle
 
 _MIXED_BATCH = -1  # the batch key that says the first stage's micro-batches differ in nest or shape
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
@@ -77,6 +80,7 @@ class PipelineEngine(Engine):
         self.is_last_stage = self.stage_id == self.num_stages - 1
         self.schedule_name = config.pipeline.schedule
         self._schedule_cls, self._multi = schedule_class(self.schedule_name, module.virtual_stages)
+        self._pipe_backend = dist.get_backend(groups.pipe_group) if dist.is_initialized() else None
         self.tied = TiedGradients(module, groups, comm)
         self.loss_rider = LossRider()
         # pipeline.pipe_partitioned / grad_partitioned: slices over the model axis (partitioned_wire.py)
@@ -133,7 +137,8 @@ class PipelineEngine(Engine):
             wire = PartitionedWire(self._model_comm, pipe.pipe_partitioned, pipe.grad_partitioned)
             examples = wire.buffer_examples(inputs, outputs, receives=chunk > 0, sends=chunk < chunks - 1)
         return LoggedStage(mod, chunk, chunks, self.device, **examples, group=self.groups.pipe_group,
-                           action_log=self._actions, sent_bytes=self._sent_bytes, clock=self._clock, wire=wire)
+                           action_log=self._actions, sent_bytes=self._sent_bytes, clock=self._clock, wire=wire,
+                           early_receives=not self._multi and self._pipe_backend == "gloo")  # early_receive.py
 
     def _loss(self, flat_output, labels):
         """torch's loss hook on the last stage: the user's loss of the rebuilt output, divided by the
@@ -238,13 +243,20 @@ class PipelineEngine(Engine):
         return dict(enumerate(self.pipe_comm.all_gather_object(list(self._actions))))
 
     def stage_idle_fraction(self) -> float:
-        """This rank's measured idle fraction of the last batch: the wall-clock share of its schedule run
-        spent outside computations (stage_clock.py)."""
+        """This rank's measured idle fraction of the last batch over its own schedule run (no collective;
+        shorter than the pipeline's span on all but the last rank to finish: stage_clock.py's note)."""
         return self._clock.idle_fraction()
 
+    def idle_record(self) -> tuple[str, tuple[float, float], float]:
+        """This rank's (host, (start, end) of its schedule run, seconds computing) of the last batch: what
+        `stage_clock.pipeline_idle` takes from every stage (no collective: gather them when convenient)."""
+        return socket.gethostname(), self._clock.edges(), self._clock.busy_seconds()
+
     def measured_idle(self) -> dict[int, float]:
-        """`stage_idle_fraction` of every stage, {pipe rank: fraction} (collective over the pipe group)."""
-        return dict(enumerate(self.pipe_comm.all_gather_object(self.stage_idle_fraction())))
+        """Every stage's measured idle fraction of the last batch over the pipeline's span (the first
+        start to the last end over the stages: the bubble formula's quantity, stage_clock.py's note),
+        {pipe rank: fraction} (collective over the pipe group; never on the step's path)."""
+        return dict(enumerate(pipeline_idle(self.pipe_comm.all_gather_object(self.idle_record()))))
 
     # -- the public API -------------------------------------------------------------------------
     def train_batch(self, data_iter=None) -> torch.Tensor:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from torch.distributed import pipelining as tp
 
+from .early_receive import EarlyReceives
+
 SCHEDULES = {
     "1f1b": (tp.Schedule1F1B, False),
     "gpipe": (tp.ScheduleGPipe, False),
@@ -77,7 +79,7 @@ class LoggedStage(tp.PipelineStage):
     neighbouring stages (into `sent_bytes`: activations "forward", gradients "backward"). With a `wire`
     (partitioned_wire.py) what it sends and receives in each direction is this tensor rank's slice."""
 
-    def __init__(self, *args, action_log: list, sent_bytes: dict, clock, wire=None, **kwargs):
+    def __init__(self, *args, action_log: list, sent_bytes: dict, clock, wire=None, early_receives=False, **kwargs):
         super().__init__(*args, **kwargs)
         self.action_log = action_log
         self.sent_bytes = sent_bytes
@@ -85,6 +87,22 @@ class LoggedStage(tp.PipelineStage):
         self.wire = wire
         if wire is not None:
             _check_wire_hooks()
+        self.early = EarlyReceives(self) if early_receives else None
+
+    def clear_runtime_states(self) -> None:
+        super().clear_runtime_states()
+        if self.early is not None:
+            self.early.start_step()
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        if self.early is not None and self.early.posted("forward", fwd_chunk_id):
+            return []  # already posted (early_receive.py); forward_one_chunk waits for it
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        if self.early is not None and self.early.posted("backward", bwd_chunk_id):
+            return []
+        return super().get_bwd_recv_ops(bwd_chunk_id)
 
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
@@ -110,12 +128,16 @@ class LoggedStage(tp.PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self.action_log.append(("F", self.stage_index, fwd_chunk_id))
+        if self.early is not None and not self.is_first:
+            self.early.arrived("forward", fwd_chunk_id)  # outside the clock: waiting is not computing
         with self.clock.busy():
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         if self.has_backward:
             self.action_log.append(("B" if full_backward else "I", self.stage_index, bwd_chunk_id))
+            if self.early is not None and not self.is_last:
+                self.early.arrived("backward", bwd_chunk_id)
         with self.clock.busy():
             return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                               last_backward=last_backward)

@@ -9,6 +9,15 @@ forwards and backwards, and released after the last backward (`release`), once t
 gradients were reduce-scattered (once, after the last micro-batch: the ZeRO-1/2 route,
 engine/pipe/reduction.py). Between steps each rank holds its 1/data of the stage's parameters; during
 the schedule the stage's parameters in full, as torchtitan's `reshard_after_forward=False`.
+
+[Note: one id check] An on-demand gather is preceded by a fixed-size all-gather of the group's id
+(zero/prefetch.py's note), so that ranks about to gather different groups — rank-divergent control
+flow, whose data all-gathers would differ in size and hang or mix bytes — fail with both modules named.
+`hold` gathers every group of the stage in the coordinator's fixed order, with no branch between two
+gathers: once the data ranks agree on the first group, the rest follow in lockstep. So only the first
+gather is checked (a rank that entered the step while another gathered some other group, in
+GatheredParameters say, is caught there); the rest skip the id all-gather (`check=False`), their data all-gathers still carrying and
+checking each group's tags. Per step: one id all-gather plus one data all-gather per group.
 """
 from __future__ import annotations
 
@@ -21,7 +30,8 @@ def hold(zero_optimizer) -> None:
     """Gather this stage's parameters for the whole schedule run (module note); not stage 3: nothing."""
     coordinator = _coordinator(zero_optimizer)
     if coordinator is not None and not coordinator.held:
-        coordinator.hold_all()
+        coordinator.gather_now(coordinator.groups[:1])  # with the id check (module note: one id check)
+        coordinator.hold_all(check=False)
 
 
 def release(zero_optimizer) -> None:

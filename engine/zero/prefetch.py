@@ -281,22 +281,24 @@ class ParamCoordinator:
         return self.groups[gid].name if 0 <= gid < len(self.groups) else f"<group {gid}>"
 
     # -- outside passes ----------------------------------------------------------------------------
-    def gather_now(self, groups: list[GatherGroup]) -> list[GatherGroup]:
-        """Gather `groups` on demand (GatheredParameters, saving); returns those this call gathered."""
+    def gather_now(self, groups: list[GatherGroup], check: bool = True) -> list[GatherGroup]:
+        """Gather `groups` on demand (GatheredParameters, saving); returns those this call gathered.
+        `check=False` skips the id all-gather before each (the data all-gather's tags are still checked)."""
         got = []
         for g in groups:
             if not g.gathered and g.gid not in self.pending:
-                self._check_same_group(g)
+                if check:
+                    self._check_same_group(g)
                 self._issue(g)
                 got.append(g)
             if g.gid in self.pending:
                 self._finish(g)
         return got
 
-    def hold_all(self) -> None:
+    def hold_all(self, check: bool = True) -> None:
         """Gather every group now and keep it through any number of passes, the hooks doing nothing,
         until `release_all` (a pipeline schedule's micro-batches: engine/pipe/zero3.py's note)."""
-        self.gather_now(self.groups)
+        self.gather_now(self.groups, check=check)
         self.held = True
 
     def release_all(self) -> None:
