@@ -200,6 +200,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
         out["grad_swap"] = None if swap is None else {"written": swap.bytes_written, "read": swap.bytes_read,
                                                       "host_bytes": zopt.partition.num_bytes()["master_grad"],
                                                       "held": swap.held is not None,
+                                                      "reads_ahead_used": swap.reads_ahead_used,
                                                       "held_files_made": swap.held.files_made if swap.held else 0,
                                                       "held_file_left": swap.held is not None
                                                       and os.path.exists(swap.held.path)}

@@ -56,6 +56,8 @@ def _assert_gradient_swapped(got: dict, stage: int, what: str) -> None:
     assert swap["written"] > 0 and swap["read"] * (2 if stage > 1 else 1) == swap["written"] * (3 if stage > 1 else 2), \
         f"{what}: {swap}"
     assert swap["held"] == (stage > 1), f"{what}: held gradients in a file {swap['held']} (stage 1 keeps .grad)"
+    # the stepper's sub-groups (several per partition here) came from reads started one call ahead
+    assert swap["reads_ahead_used"] > 0, f"{what}: no gradient read-ahead was used ({swap})"
     # the first backward held every gradient in the file; emptied, the file is gone (its disk given back)
     assert (swap["held_files_made"] >= 1) == (stage > 1) and not swap["held_file_left"], f"{what}: {swap}"
 

@@ -17,8 +17,15 @@ no host bytes at all (`PartitionedParams.flat_grad` holds meta tensors: shapes o
   clip coefficient). A skipped step reads and writes nothing here, and the next window's first
   landing overwrites every slot, as the first reduce-scatter overwrites the in-memory partition.
 Host memory for gradients is then the buckets in flight (REDUCE_DEPTH, partitioned.py) plus one
-staging copy per landing in flight (a bucket's segment) and one sub-group or NORM_CHUNK being read,
-whatever the model size. Lamb and Muon (nvme_per_tensor.py, nvme_muon.py) read it the same way, one
+staging copy per landing in flight (a bucket's segment) and two sub-groups or NORM_CHUNKs being read,
+whatever the model size.
+[Note: read-ahead] The norm and the stepper read their ranges in file order, each the length of the
+one before (NORM_CHUNK; sub_group_size) up to the flat's end. So each such read also starts the next
+range's read, and the next call finds it done or in flight instead of waiting for the disk while the
+CPU idles: the gradient read of sub-group k+1 overlaps the step of k, as the state's reads do
+(`pipeline_read`). A call for another range (Lamb's and Muon's passes read some ranges again) waits
+the read-ahead out and drops it, and so do a landing, `zero` and `close` (the file changes), so what
+a read returns is always what the file holds. Lamb and Muon (nvme_per_tensor.py, nvme_muon.py) read it the same way, one
 sub-group at a time (Lamb in its first pass, Muon in its momentum pass and again where a round forms
 its update), through the tier's `grad_reader`; a range read twice is the same bits.
 [Note: held gradients] The first reducing backward of a run holds every full gradient until backward
@@ -100,6 +107,8 @@ class GradientSwap:
         self.unscale, self.clip_coef = 1.0, None  # this step's factors, applied as ranges are read
         self._made = False  # the files are made at the first landing (fast_init writes no file at initialize)
         self.held = None  # HeldGradients, set by attach_grad_swap
+        self._ahead = None  # (key, start, stop, handle, buffer): the read started ahead (module note)
+        self.reads_ahead_used = 0  # read-aheads a later call took (tests count them)
 
     def targets(self, fragments: list) -> SwappedTargets:
         return SwappedTargets(self, fragments)
@@ -110,6 +119,7 @@ class GradientSwap:
         return self.files[key]
 
     def push(self, handle, buffer: torch.Tensor) -> None:
+        self._drop_ahead()  # the file changes under it
         self._pending.append((handle, buffer))  # the buffer lives until its write finished
         while len(self._pending) > DEPTH:
             self._finish_oldest()
@@ -124,6 +134,7 @@ class GradientSwap:
 
     def zero(self) -> None:
         """Every element 0 (a step with no reducing backward; the start): the files become holes."""
+        self._drop_ahead()
         self.flush()
         self._made = True
         for key, path in self.files.items():
@@ -135,12 +146,34 @@ class GradientSwap:
             finally:
                 os.close(fd)
 
-    def read(self, key, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) of flat `key`'s gradient, in a new host tensor."""
+    def read(self, key, start: int, stop: int, ahead: bool = False) -> torch.Tensor:
+        """Elements [start, stop) of flat `key`'s gradient, in a new host tensor. `ahead`: a scan in file
+        order, so the next range of the same length starts reading now (module note: read-ahead)."""
         self.flush()
-        _, out = staged_empty(stop - start, start)
-        self.bytes_read += self.io.read(self.file_of(key), out, start * FP32).wait()
+        if self._ahead is not None and self._ahead[:3] == (key, start, stop):
+            _, _, _, handle, out = self._ahead
+            self._ahead = None
+            self.bytes_read += handle.wait()
+            self.reads_ahead_used += 1
+        else:
+            self._drop_ahead()
+            handle, out = self._start_read(key, start, stop)
+            self.bytes_read += handle.wait()
+        if ahead and stop < self.numel[key]:
+            nxt = min(stop + (stop - start), self.numel[key])
+            self._ahead = (key, stop, nxt, *self._start_read(key, stop, nxt))
         return out
+
+    def _start_read(self, key, start: int, stop: int) -> tuple:
+        """(handle, buffer) of a read of [start, stop) into a buffer at the offset's block phase."""
+        _, out = staged_empty(stop - start, start)
+        return self.io.read(self.file_of(key), out, start * FP32), out
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            handle = self._ahead[3]
+            self._ahead = None
+            self.bytes_read += handle.wait()
 
     def slot(self, frag, unscaled: bool = False) -> torch.Tensor:
         """`frag`'s padded slot as reduced (`unscaled`: divided by the loss scale, as the norm sees it)."""
@@ -158,7 +191,7 @@ class GradientSwap:
         over the in-memory flats)."""
         for key, numel in self.numel.items():
             for s, e in norm_ranges(numel) if numel else ():
-                grad = self._unscale(self.read(key, s, e))
+                grad = self._unscale(self.read(key, s, e, ahead=True))
                 sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square().to(sq.device)
 
     def clip_to(self, norm: float, max_norm: float) -> None:
@@ -166,13 +199,14 @@ class GradientSwap:
 
     def step_slice(self, key, start: int, stop: int) -> torch.Tensor:
         """The gradient the stepper uses for [start, stop): unscaled, then clipped (stage0.clip_'s rule)."""
-        grad = self._unscale(self.read(key, start, stop))
+        grad = self._unscale(self.read(key, start, stop, ahead=True))
         if self.clip_coef is not None:
             grad.mul_(self.clip_coef)
         return grad
 
     def close(self) -> None:
         try:
+            self._drop_ahead()
             self.flush()
         finally:
             if self.held is not None:
