@@ -2,7 +2,9 @@
 the data axis equal single-process SGD; with clipping every rank reports, and clips with, the norm of
 the whole model's gradient (the tied embedding counted once); an Inf produced on one stage makes every
 rank skip that step; ZeRO-3 in each stage (gathered once per step for all micro-batches, reduce-scattered
-once after the last) equals the same reference, also clipped with an Inf on one stage."""
+once after the last) equals the same reference, also clipped with an Inf on one stage, under the
+interleaved and zero-bubble schedules, and with optimizer and parameters offloaded to the host; in bf16
+its update is within 5% of the fp32 reference's, as ZeRO-1's."""
 from __future__ import annotations
 
 import pytest
@@ -42,7 +44,13 @@ def _train_with(zero: int, clip: float = 0.0, inf_at: int | None = None, extra: 
 def _all_cases():
     return {"zero1": _train_with(1), "zero2": _train_with(2), "clip": _train_with(2, clip=CLIP),
             "inf": _train_with(0, inf_at=INF_STEP), "zero3": _zero3(), "zero3_clip_inf": _zero3(CLIP, INF_STEP), "in_init": _built_in_zero_init(),
-            "bf16": _train_with(1, extra={"bf16": {"enabled": True}})}
+            "bf16": _train_with(1, extra={"bf16": {"enabled": True}}),
+            # ZeRO-3 under the multi-chunk schedules, in bf16, and with the optimizer and parameters on the host
+            "zero3_interleaved": _zero3(schedule="interleaved_1f1b", virtual=2),
+            "zero3_zero_bubble": _zero3(schedule="zero_bubble", virtual=2),
+            "zero3_bf16": _zero3(extra={"bf16": {"enabled": True}}),
+            "zero3_offload": _zero3(extra={"zero_optimization": {"offload_optimizer": {"device": "cpu"},
+                                                                 "offload_param": {"device": "cpu"}}})}
 
 
 def test_two_stages_by_two_data_ranks():
@@ -75,6 +83,7 @@ def test_two_stages_by_two_data_ranks():
     # what 5 steps drift; a gradient off by 2x (a missing 1/m, a tied gradient counted twice) is 100%.
     ref, _ = reference_sgd(tied_specs(4), global_batches(STEPS, MICRO * GAS * 2, True), lm_loss, LR, STEPS)
     want, init = reference_params(ref), reference_params(Reference(tied_specs(4)))
+    want_update = {name: want[name] - init[name] for name in want}
     for r in per_rank:
         params, _, _, skipped = r["bf16"]
         assert skipped == 0
@@ -100,6 +109,17 @@ def test_two_stages_by_two_data_ranks():
     assert set(saved) == set(whole) and all(s["zero3"]["saved"] is None for s in per_rank[1:]), sorted(saved)
     for name, p in whole.items():
         torch.testing.assert_close(saved[name], p, rtol=0, atol=0, msg=f"save_16bit_model: {name}")
+    # the same reference under interleaved 1F1B and zero-bubble (two chunks per rank: the held groups
+    # serve both chunks) and with CPU offload of optimizer and parameters; bf16 as the ZeRO-1 bf16 run
+    for case in ("zero3_interleaved", "zero3_zero_bubble", "zero3_offload"):
+        _check_against_reference([r[case]["run"][:3] for r in per_rank], tied=True, gas=GAS, dp=2, n_layers=6)
+        assert all(r[case]["between"] == [0] * STEPS and r[case]["at_step"] == [0] * STEPS for r in per_rank), case
+    assert all(r["zero3_offload"]["staged"] and not r["zero3"]["staged"] for r in per_rank), "no staged host tier"
+    for r in per_rank:
+        params, _, _, skipped = r["zero3_bf16"]["run"]
+        assert skipped == 0
+        for name, p in params.items():
+            torch.testing.assert_close(p, want_update[name], rtol=5e-2, atol=2e-4, msg=f"ZeRO-3 bf16 update of {name}")
     for r in per_rank:
         assert r["in_init"] is not None and "PipelineModule inside engine.zero.Init is not supported" in r["in_init"]
     # ZeRO-3 clipped, with an Inf on stage 1 at INF_STEP: the reference's clipped run without that step, its
@@ -129,22 +149,37 @@ def _built_in_zero_init() -> str | None:
     return None
 
 
-def _zero3(clip: float = 0.0, inf_at: int | None = None):
+def _zero3(clip: float = 0.0, inf_at: int | None = None, schedule: str = "1f1b", virtual: int = 1,
+           extra: dict | None = None):
     """ZeRO-3 on 2 pipe × 2 data, every parameter partitioned (persistence threshold 0): the trained
     parameters (gathered), losses, norms, skips, and per step the collectives' calls on this rank (the
     stage-3 gather group shares the reduction group's counters) and the stage's gather groups and
-    gradient buckets, to count them against. `clip`, `inf_at`: as `_train_with`'s."""
+    gradient buckets, to count them against. `clip`, `inf_at`: as `_train_with`'s; `schedule` with
+    `virtual` stages per rank; `extra` config (bf16, offload): then the parameters are the fp32 master
+    weights' total update, as `_train_with`'s low-precision runs."""
     import tempfile
 
     import torch.distributed as dist
 
     import engine
     from engine.pipe import PipelineModule
-    pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
-    cfg = _config("1f1b", GAS, 3, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                                         "stage3_gather_16bit_weights_on_model_save": True},
-                                  "gradient_clipping": clip})
-    eng, *_ = engine.initialize(model=pm, config=cfg)
+    from engine.utils import safe_get_full_fp32_param
+    pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform",
+                        virtual_stages=virtual)
+    extra = extra or {}
+    cfg = _config(schedule, GAS, 3, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                           "stage3_gather_16bit_weights_on_model_save": True,
+                                                           **extra.get("zero_optimization", {})},
+                                     "gradient_clipping": clip,
+                                     **{k: v for k, v in extra.items() if k != "zero_optimization"}})
+    import os
+    offload = "offload_optimizer" in extra.get("zero_optimization", {})
+    # offload: the accelerator's copy path (staged host flats), which a CPU-only machine skips unless asked
+    os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "1" if offload else "0"
+    try:
+        eng, *_ = engine.initialize(model=pm, config=cfg)
+    finally:
+        os.environ.pop("DSTRAIN_OFFLOAD_STAGE_COPIES")
     zopt, dp, dp_rank = eng.zero_optimizer, eng.comm.world_size, eng.comm.rank
     poison = []
     if inf_at is not None and eng.stage_id == 1:  # only the second stage's hidden layer sees it
@@ -154,6 +189,7 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None):
     opt_step = zopt.step  # wrapped: the parameter elements this rank holds when the optimizer step starts
     zopt.step = lambda *a, **k: (at_step.append(sum(p.numel() for p in pm.parameters())), opt_step(*a, **k))[1]
     batches = global_batches(STEPS, MICRO * GAS * dp, True)
+    start = {n: safe_get_full_fp32_param(p) for n, p in pm.named_parameters()} if "bf16" in extra else None
     # eval_batch holds and releases the same way: on the first batch, the loss train_batch then reports
     evaluated = float(eng.eval_batch(iter(list(micro_batches(*batches[0], dp_rank, dp, GAS)))))
     after_eval = sum(p.numel() for p in pm.parameters())
@@ -164,8 +200,11 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None):
         calls.append(dict(eng.comm.stats.calls))
         norms.append(eng.get_global_grad_norm())
         between.append(sum(p.numel() for p in pm.parameters()))  # placeholders between steps: 0
-    with engine.zero.GatheredParameters(list(pm.parameters())):
-        params = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    if start is not None:
+        params = {n: safe_get_full_fp32_param(p) - start[n] for n, p in pm.named_parameters()}
+    else:
+        with engine.zero.GatheredParameters(list(pm.parameters())):
+            params = {n: p.detach().clone() for n, p in pm.named_parameters()}
     with tempfile.TemporaryDirectory() as d:  # save_16bit_model: both stages' layers in one file, rank 0's
         assert eng.save_16bit_model(d)
         saved = torch.load(f"{d}/pytorch_model.bin", weights_only=True) if dist.get_rank() == 0 else None
@@ -173,6 +212,6 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None):
     return {"run": (params, losses, norms, eng.skipped_steps), "calls": calls, "between": between, "saved": saved,
             "at_step": at_step,
             "evaluated": evaluated, "after_eval": after_eval,
-            "groups": len(zopt.coordinator.groups), "buckets": len(zopt.buckets)}
+            "groups": len(zopt.coordinator.groups), "buckets": len(zopt.buckets), "staged": zopt.tier.staged}
 
 

@@ -65,7 +65,11 @@ class _ChunkModule(torch.nn.Module):
             raise ValueError(f"pipeline chunk {self.chunk} returned a different nest or constants than it did for "
                              f"the same input shapes ({structure.to_wire()} vs {self.out_structure.to_wire()}); "
                              "what a stage passes on may depend on the input's shapes, not on its values")
-        return flat
+        # An output that is a view (nn.Linear on a 3-d activation returns one) cannot be detached in place,
+        # which torch's zero-bubble input-gradient backward does to every stage output: re-aliased without
+        # the view relation (no copy; the gradient flows through as through the view).
+        return type(flat)(torch.ops.aten._unsafe_view(t, t.shape) if isinstance(t, torch.Tensor) and t._is_view()
+                          and t.requires_grad else t for t in flat)
 
 
 class PipelineEngine(Engine):
