@@ -15,7 +15,7 @@ its peers run with the python of a separate venv. `ensure(path)` makes one when 
   op where libaio's headers are installed (the NVMe peers; without them those rows report the error);
 - numpy, and transformers at our version when we have it (bench_tensor_parallel.py's HF Llama peer).
 
-A `.ready` file marks a finished venv; the default path is under the user's cache directory
+A `.ready` file marks a finished venv (`.creating` one being made: an interrupted one is an error); the default path is under the user's cache directory
 (`$XDG_CACHE_HOME` or ~/.cache), `dstrain/deepspeed-<pin>-torch<version>`, so a different torch gets
 a venv of its own. A venv made by hand (deepspeed importable, no `.ready`) is used as it is.
 """
@@ -31,7 +31,7 @@ import torch
 
 DEEPSPEED_PIN = "deepspeed>=0.19,<0.20"
 TORCH_INDEX = "https://download.pytorch.org/whl/{tag}"
-READY = ".ready"
+READY, CREATING = ".ready", ".creating"
 OPS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}  # op -> DeepSpeed's builder class
 
 
@@ -50,6 +50,8 @@ def ensure(venv: Path, log=print) -> Path:
     python = venv / "bin" / "python"
     if (venv / READY).exists():
         return python
+    if (venv / CREATING).exists():
+        raise VenvError(f"{venv}: an earlier creation did not finish (no {READY}); remove the folder and run again")
     if python.exists():
         if _run([str(python), "-c", "import deepspeed"]).returncode == 0:
             return python  # made by hand
@@ -60,17 +62,18 @@ def ensure(venv: Path, log=print) -> Path:
     started = time.monotonic()
     log(f"[deepspeed venv] creating {venv} ({DEEPSPEED_PIN}, torch=={torch.__version__}); this downloads")
     _step(venv, "create the venv", [sys.executable, "-m", "venv", str(venv)])
+    (venv / CREATING).write_text("")  # until .ready: a half-made venv is never taken for a hand-made one
     pip = [str(python), "-m", "pip", "install", "-q"]
     _install_torch(venv, pip)
     extras = ["numpy", "ninja"] + _our_version("transformers")
     _step(venv, f"install {DEEPSPEED_PIN}", pip + [DEEPSPEED_PIN, *extras], env={**os.environ, "DS_BUILD_OPS": "0"})
     for op, builder in OPS.items():
-        done = _run([str(python), "-c", f"from deepspeed.ops.op_builder import {builder}; {builder}().load()"],
-                    check=False)
+        done = _run([str(python), "-c", f"from deepspeed.ops.op_builder import {builder}; {builder}().load()"])
         if done.returncode and op == "cpu_adam":
             raise VenvError(f"{venv}: building DeepSpeed's {op} op failed: {_tail(done)}")
         log(f"[deepspeed venv] {op} op: {'built' if done.returncode == 0 else 'not built: ' + _tail(done)}")
     (venv / READY).write_text(f"{DEEPSPEED_PIN}, torch=={torch.__version__}\n")
+    (venv / CREATING).unlink()
     log(f"[deepspeed venv] ready in {time.monotonic() - started:.0f} s")
     return python
 

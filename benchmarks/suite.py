@@ -1,9 +1,13 @@
 """The side-by-side benchmark suite: every built dstrain strategy against torch DDP, torch FSDP2 and
 DeepSpeed with the same config, on the benchmark GPT and 2 ranks, in one run on this machine.
 
-    python -m benchmarks.suite --deepspeed-venv /tmp/ds-venv            # full: 0.7M GPT, 2 rounds, < 15 min
+    python -m benchmarks.suite                                          # full: 0.7M GPT, 2 rounds, < 15 min
     python -m benchmarks.suite --model bench --rounds 3 --steps 20 ...  # the 25M benchmark GPT (hours on 2 cores)
-    python -m benchmarks.suite --quick                                  # tiny GPT, few steps (a test runs it)
+    python -m benchmarks.suite --quick --no-deepspeed                   # tiny GPT, few steps (a test runs it)
+
+DeepSpeed runs from its own virtual environment, `--deepspeed-venv PATH` or by default one under the
+user's cache directory, which the suite makes when it is missing (benchmarks/deepspeed_venv.py:
+DeepSpeed 0.19.x, exactly our torch build, its CPU Adam op built); `--no-deepspeed` leaves it out.
 
 Writes `benchmarks/results/<date>-<machine>.md` (or `--out-dir`) and PNG plots next to it. Every system
 runs with the same model, data, seeds and threads (1 per rank) and 16 sequences per optimizer step;
@@ -17,8 +21,10 @@ all systems alike. Columns:
   compares with DeepSpeed running the same config.
 - vs bound: the ratio to the no-communication bound: one rank's forward, backward and AdamW step on
   its own micro-batch, alone (world size 1), with the same threads.
-- peak RSS/rank; the ZeRO paper's model-state memory (fp32 AdamW: params 4Ψ + grads 4Ψ + moments 8Ψ,
-  partitioned by stage) next to the measured RSS.
+- peak RSS/rank; the ZeRO paper's model-state memory (fp32 AdamW: params 4Ψ + grads 4Ψ + moments 8Ψ;
+  bf16/fp16: 2Ψ + 2Ψ + 12Ψ of fp32 master weights and moments; partitioned by stage over the data
+  axis) next to the measured RSS; for a pipeline or tensor-parallel row Ψ is the largest share one
+  rank holds of the model (its stage, its shards), as dstrain's ranks report it.
 - bytes/step/rank: one convention for every system, the bytes one rank sends per optimizer step,
   computed from each collective's payload and its group's size n with the ring/tree formula
   (benchmarks/comm_bytes.py's table): all-reduce of S bytes 2(n−1)/n·S, reduce-scatter of a full S
@@ -40,8 +46,9 @@ earlier systems left on the heap. `--quick` is one round of a 0.02M GPT: it chec
 
 A peer or strategy that cannot run is reported "not run: why" (the error's last line), never faked.
 A strategy is one row of STRATEGIES: a name and the config it runs; DeepSpeed gets the same config.
-A strategy that needs another world size (pipe 2 x tensor 2: 4 ranks, STRATEGY_WORLD) runs in that
-world's spawn, with the same 16 sequences per step, and its label says how many ranks it ran on.
+A strategy that needs another world size (pipe 2 x tensor 2, pipe 2 x data 2: 4 ranks, STRATEGY_WORLD)
+runs in that world's spawn and DeepSpeed peer call, with the same 16 sequences per step, and its label
+says how many ranks it ran on.
 """
 from __future__ import annotations
 
