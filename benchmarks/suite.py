@@ -259,7 +259,7 @@ def _round(per_rank: list[dict], load: float) -> Round:
 def measure_deepspeed(systems: list[str], results: dict, world: int, steps: int, model: GPTConfig, micro: int,
                       ds_python: Path | None, ds_missing: str) -> dict[str, Round]:
     """The "deepspeed:<strategy>" rows, {system: Round}: the runnable ones in one DeepSpeed peer call per
-    world size (a strategy of STRATEGY_WORLD runs on its own ranks there too)."""
+    world size (a strategy of STRATEGY_WORLD runs on its own ranks there too), the AutoTP rows in another."""
     load = os.getloadavg()[0]
     out, items = {}, {}
     for system in systems:
@@ -271,9 +271,13 @@ def measure_deepspeed(systems: list[str], results: dict, world: int, steps: int,
         elif ds_python is None:
             out[system] = Round(load_before=load, error=ds_missing)
         else:
-            items.setdefault(world_of(base, world), []).append(
-                (system, {"model": asdict(model), "config": deepspeed_config(strategy_config(base, micro))}))
-    for ranks, batch in sorted(items.items()):
+            cfg = deepspeed_config(strategy_config(base, micro))
+            # AutoTP rows in a call of their own: DeepSpeed's AutoTP leaves its model-parallel groups set in
+            # the process, and a later engine there fails (seen: ZeRO-3 CPU offload, bf16 and fp16 after the
+            # tp2 rows raised "'NoneType' object has no attribute 'get_model_parallel_rank'")
+            items.setdefault((world_of(base, world), "tensor_parallel" in cfg), []).append(
+                (system, {"model": asdict(model), "config": cfg}))
+    for (ranks, _), batch in sorted(items.items()):
         out.update(_deepspeed_peer_call(batch, ranks, steps, ds_python, load))
     return out
 
