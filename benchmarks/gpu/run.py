@@ -321,7 +321,7 @@ def run_throughput(models: list[tuple[str, GPTConfig, int, int]], dev, peak_tflo
             formula = zero_formula_mb(n, stage, dist.get_world_size(), mixed) / 1024
             rows.append((label, system, *step_cells(ms, min(times), max(times), len(times), "step", load > threshold),
                          ratio_cell(ms, torch_ms, f"{TORCH_SYSTEM} did not run"), f"{tokens:,.0f}", mfu,
-                         f"{formula:.4f}" if formula < 0.01 else f"{formula:.2f}", f"{peak:.2f}"))
+                         f"{formula:.3g}" if formula < 0.01 else f"{formula:.2f}", f"{peak:.2f}"))
     return rows, loaded
 
 
