@@ -460,7 +460,7 @@ def main(argv=None) -> int:
     micro = bt.MICRO
     load_before = os.getloadavg()
     ds_python, ds_missing = None, "--no-deepspeed given"
-    if not args.no_deepspeed:
+    if not args.no_deepspeed and any(s in STRATEGIES for s in args.systems):  # a DeepSpeed row to run
         try:
             ds_python = deepspeed_venv.ensure(args.deepspeed_venv or deepspeed_venv.default_path(),
                                               log=lambda line: print(line, flush=True))
