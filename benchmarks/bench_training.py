@@ -9,8 +9,8 @@ gloo over loopback. Reports the median step time of steps 2..N-1 and peak RSS pe
 ratio of each system to the first one listed. These machines are noisy: read the ratios.
 
 `deepspeed-z1`/`deepspeed-z2` run DeepSpeed itself (benchmarks/deepspeed_peer.py) with the python of
-a separate virtual environment, `--deepspeed-venv PATH`. If PATH has no python yet and lies under /tmp,
-the venv is created there (torch of this version, then `DS_BUILD_OPS=0 pip install deepspeed`); a venv
+a separate virtual environment, `--deepspeed-venv PATH`. If PATH has no venv yet it is made there
+(benchmarks/deepspeed_venv.py: DeepSpeed 0.19.x, the same torch as ours, its CPU Adam op built); a venv
 never goes into the repository.
 """
 from __future__ import annotations
@@ -144,18 +144,12 @@ PEER = Path(__file__).resolve().parent / "deepspeed_peer.py"
 
 
 def _deepspeed_python(venv: Path) -> Path:
-    """The venv's python, creating the venv first when it is missing and under /tmp."""
-    python = venv / "bin" / "python"
-    if python.exists():
-        return python
-    if not str(venv.resolve()).startswith("/tmp/"):
-        raise SystemExit(f"--deepspeed-venv {venv}: no bin/python there; give an existing venv or a path under /tmp "
-                         "to create one")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q"]
-    subprocess.run(pip + [f"torch=={torch.__version__.split('+')[0]}", "numpy"], check=True)
-    subprocess.run(pip + ["deepspeed"], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
-    return python
+    """The venv's python, making the venv first when it has none (benchmarks/deepspeed_venv.py)."""
+    from benchmarks.deepspeed_venv import VenvError, ensure
+    try:
+        return ensure(venv)
+    except VenvError as e:
+        raise SystemExit(f"--deepspeed-venv: {e}") from None
 
 
 def _run_deepspeed(python: Path, stage: int, steps: int, world: int, extra: dict | None = None,
@@ -191,7 +185,7 @@ def main(argv=None) -> int:
                    help="run the systems this many times, interleaved, and keep each one's best round")
     p.add_argument("--foreach", action="store_true", help="AdamW foreach instead of fused (baselines.md used foreach)")
     p.add_argument("--deepspeed-venv", type=Path, default=None,
-                   help="virtual environment with deepspeed for the deepspeed-z* systems (created if under /tmp)")
+                   help="virtual environment with deepspeed for the deepspeed-z* systems (made if missing)")
     args = p.parse_args(argv)
     os.environ[MODEL_ENV] = args.model  # read by the spawned ranks at import and by the DeepSpeed peer
     systems = args.systems.split(",")

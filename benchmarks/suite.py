@@ -1,9 +1,13 @@
 """The side-by-side benchmark suite: every built dstrain strategy against torch DDP, torch FSDP2 and
 DeepSpeed with the same config, on the benchmark GPT and 2 ranks, in one run on this machine.
 
-    python -m benchmarks.suite --deepspeed-venv /tmp/ds-venv            # full: 0.7M GPT, 2 rounds, < 15 min
+    python -m benchmarks.suite                                          # full: 0.7M GPT, 2 rounds, < 15 min
     python -m benchmarks.suite --model bench --rounds 3 --steps 20 ...  # the 25M benchmark GPT (hours on 2 cores)
-    python -m benchmarks.suite --quick                                  # tiny GPT, few steps (a test runs it)
+    python -m benchmarks.suite --quick --no-deepspeed                   # tiny GPT, few steps (a test runs it)
+
+DeepSpeed runs from its own virtual environment, `--deepspeed-venv PATH` or by default one under the
+user's cache directory, which the suite makes when it is missing (benchmarks/deepspeed_venv.py:
+DeepSpeed 0.19.x, exactly our torch build, its CPU Adam op built); `--no-deepspeed` leaves it out.
 
 Writes `benchmarks/results/<date>-<machine>.md` (or `--out-dir`) and PNG plots next to it. Every system
 runs with the same model, data, seeds and threads (1 per rank) and 16 sequences per optimizer step;
@@ -17,8 +21,10 @@ all systems alike. Columns:
   compares with DeepSpeed running the same config.
 - vs bound: the ratio to the no-communication bound: one rank's forward, backward and AdamW step on
   its own micro-batch, alone (world size 1), with the same threads.
-- peak RSS/rank; the ZeRO paper's model-state memory (fp32 AdamW: params 4Ψ + grads 4Ψ + moments 8Ψ,
-  partitioned by stage) next to the measured RSS.
+- peak RSS/rank; the ZeRO paper's model-state memory (fp32 AdamW: params 4Ψ + grads 4Ψ + moments 8Ψ;
+  bf16/fp16: 2Ψ + 2Ψ + 12Ψ of fp32 master weights and moments; partitioned by stage over the data
+  axis) next to the measured RSS; for a pipeline or tensor-parallel row Ψ is the largest share one
+  rank holds of the model (its stage, its shards), as dstrain's ranks report it.
 - bytes/step/rank: one convention for every system, the bytes one rank sends per optimizer step,
   computed from each collective's payload and its group's size n with the ring/tree formula
   (benchmarks/comm_bytes.py's table): all-reduce of S bytes 2(n−1)/n·S, reduce-scatter of a full S
@@ -40,8 +46,9 @@ earlier systems left on the heap. `--quick` is one round of a 0.02M GPT: it chec
 
 A peer or strategy that cannot run is reported "not run: why" (the error's last line), never faked.
 A strategy is one row of STRATEGIES: a name and the config it runs; DeepSpeed gets the same config.
-A strategy that needs another world size (pipe 2 x tensor 2: 4 ranks, STRATEGY_WORLD) runs in that
-world's spawn, with the same 16 sequences per step, and its label says how many ranks it ran on.
+A strategy that needs another world size (pipe 2 x tensor 2, pipe 2 x data 2: 4 ranks, STRATEGY_WORLD)
+runs in that world's spawn and DeepSpeed peer call, with the same 16 sequences per step, and its label
+says how many ranks it ran on.
 """
 from __future__ import annotations
 
@@ -62,8 +69,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import bench_training as bt  # noqa: E402
+from benchmarks import deepspeed_venv  # noqa: E402
 from benchmarks.report import command_line, header_lines, load_note, md_table, ratio_cell, step_cells  # noqa: E402
 from benchmarks.suite_runners import COUNTED_BY, nvme_dir, rank_batch  # noqa: E402
+from benchmarks.deepspeed_gpt_autotp import GPT_AUTOTP_LAYERS  # noqa: E402
 from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, count_parameters  # noqa: E402
 from tests.harness import RankFailed, run_distributed  # noqa: E402
 
@@ -97,21 +106,44 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
         "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 2}}, 3),
     "dstrain-pipe2-tp2": ({"pipeline": {"stages": 2, "schedule": "1f1b"}, "tensor_parallel": {"autotp_size": 2},
                            "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}, 0),
+    # ZeRO-3 under model parallelism: on 2 ranks the data axis has one rank (stage 3's hooks and gathers
+    # without their memory saving); pipe 2 x data 2 on 4 ranks partitions each stage over 2 ranks.
+    "dstrain-tp2-z3": ({"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 3, **_ZERO},
+                        "gradient_accumulation_steps": 2}, 3),
+    "dstrain-pipe2-z3": ({"pipeline": {"stages": 2, "schedule": "1f1b"}, "zero_optimization": {"stage": 3, **_ZERO},
+                          "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}, 3),
+    "dstrain-pipe2-dp2-z3": ({"pipeline": {"stages": 2, "schedule": "1f1b"}, "zero_optimization": {"stage": 3, **_ZERO},
+                              "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 3),
+    # sample_configs/zero3_offload.json's tiers (in fp32 here): optimizer and parameters in host memory
+    "dstrain-z3-offload-cpu": ({"zero_optimization": {"stage": 3, **_ZERO, "offload_optimizer": {"device": "cpu"},
+                                                      "offload_param": {"device": "cpu"}}}, 3),
+    # sample_configs/bf16.json's and fp16.json's precision at their stages (fp32 master weights)
+    "dstrain-z2-bf16": ({"zero_optimization": {"stage": 2, **_ZERO}, "bf16": {"enabled": True}}, 2),
+    "dstrain-z1-fp16": ({"zero_optimization": {"stage": 1, **_ZERO}, "fp16": {"enabled": True,
+                                                                              "initial_scale_power": 12}}, 1),
+    "dstrain-1bit-lamb": ({"optimizer": {"type": "OneBitLamb", "params": {"lr": bt.LR, "freeze_step": 2}}}, 0),
 }
-# Strategies on another world size than --world (the label says so): pipe 2 x model 2 needs 4 ranks.
-STRATEGY_WORLD = {"dstrain-pipe2-tp2": 4}
+# Strategies on another world size than --world (the label says so): pipe 2 x model 2 and pipe 2 x data 2
+# need 4 ranks.
+STRATEGY_WORLD = {"dstrain-pipe2-tp2": 4, "dstrain-pipe2-dp2-z3": 4}
 # Strategies DeepSpeed has no counterpart for (it ignores unknown top-level keys: it would run plain Adam).
 NO_DEEPSPEED = {"dstrain-powersgd": "DeepSpeed has no PowerSGD",
                 "dstrain-pipe2-tp2": "no same-model peer: DeepSpeed's PipelineEngine takes tensor parallelism from "
                                      "a Megatron-style mpu (layers written tensor-parallel); PipelineModule with "
                                      "AutoTP (tensor_parallel.autotp_size) is not a documented DeepSpeed path"}
 # Strategies DeepSpeed runs, but not as the same thing: said next to the table.
-DEEPSPEED_CAVEATS = {"dstrain-z2-offload-nvme": "DeepSpeed 0.19.8's ZeRO-2 takes offload_optimizer.device \"nvme\" "
+_AUTOTP_CAVEAT = ("DeepSpeed's AutoTP has no policy for this GPT, so its config adds tensor_parallel.partition_config "
+                  "naming the projections dstrain's AutoTP shards (benchmarks/deepspeed_gpt_autotp.py, whose check "
+                  "compares DeepSpeed's AutoTP losses with the dense GPT's)")
+DEEPSPEED_CAVEATS = {"dstrain-tp2": _AUTOTP_CAVEAT, "dstrain-tp2-z3": _AUTOTP_CAVEAT,
+                     "dstrain-z2-offload-nvme": "DeepSpeed 0.19.8's ZeRO-2 takes offload_optimizer.device \"nvme\" "
                      "as CPU offload (stage_1_and_2.py: any device but none sets cpu_offload; only ZeRO-3 swaps to "
                      "NVMe), so its row is CPU offload"}
 # Peers without the strategy's kind of parallelism: their ratio column says so instead of a figure.
 NO_TORCH_EQUIVALENT = {"dstrain-pipe2": "pipeline stages", "dstrain-tp2": "tensor parallelism",
-                       "dstrain-pipe2-tp2": "pipeline stages x tensor parallelism"}
+                       "dstrain-pipe2-tp2": "pipeline stages x tensor parallelism",
+                       "dstrain-tp2-z3": "tensor parallelism", "dstrain-pipe2-z3": "pipeline stages",
+                       "dstrain-pipe2-dp2-z3": "pipeline stages"}
 TORCH_PEERS = {"ddp": 0, "fsdp2": 3}  # name -> the stage whose memory formula it follows
 QUICK_MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model=32)
 # The default round: ~30 measurements, each in fresh processes whose start-up (torch, gloo, and DeepSpeed's
@@ -130,6 +162,8 @@ class Round:
     load_before: float = 0.0
     error: str | None = None
     uncounted_ops: tuple = ()  # a peer's ops its record has no conversion rule for (comm_bytes.py)
+    model_share: int | None = None  # dstrain: Ψ of the largest model-parallel share (suite_runners.py)
+    data_world: int | None = None  # dstrain: the data axis ZeRO partitions that share over
 
 
 @dataclass
@@ -169,13 +203,17 @@ def deepspeed_config(cfg: dict) -> dict:
     offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
     if cfg["optimizer"]["type"] == "AdamW" and not offload:
         params["torch_adam"] = True
+    if "tensor_parallel" in cfg and "pipeline" not in cfg:
+        cfg["tensor_parallel"]["partition_config"] = GPT_AUTOTP_LAYERS
     cfg["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True}
     return cfg
 
 
-def zero_formula_mb(n_params: int, stage: int, world: int) -> float:
-    """Model states per rank, fp32 AdamW (ZeRO paper §5: K = 12 bytes of optimizer state per parameter)."""
-    p, g, o = 4.0 * n_params, 4.0 * n_params, 8.0 * n_params
+def zero_formula_mb(n_params: int, stage: int, world: int, mixed: bool = False) -> float:
+    """Model states per rank with AdamW: fp32 params 4Ψ + grads 4Ψ + moments 8Ψ; mixed precision (ZeRO paper
+    §3.1): 16-bit params 2Ψ + grads 2Ψ + K = 12 bytes of fp32 master weights and moments per parameter."""
+    p, g, o = (2.0 * n_params, 2.0 * n_params, 12.0 * n_params) if mixed else \
+        (4.0 * n_params, 4.0 * n_params, 8.0 * n_params)
     shares = {0: p + g + o, 1: p + g + o / world, 2: p + (g + o) / world, 3: (p + g + o) / world}
     return shares[stage] / 2**20
 
@@ -212,15 +250,18 @@ def _round(per_rank: list[dict], load: float) -> Round:
     if errors:
         return Round(load_before=load, error=_last_line(errors[0]))
     sent = [r["bytes"] for r in per_rank if r["bytes"] is not None]
+    share = [r["model_share"] for r in per_rank if r.get("model_share") is not None]
     return Round(max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank),
-                 max(sent) if sent else None, load)
+                 max(sent) if sent else None, load, model_share=max(share) if share else None,
+                 data_world=per_rank[0].get("data_world"))
 
 
 def measure_deepspeed(systems: list[str], results: dict, world: int, steps: int, model: GPTConfig, micro: int,
                       ds_python: Path | None, ds_missing: str) -> dict[str, Round]:
-    """The "deepspeed:<strategy>" rows, {system: Round}: the runnable ones in one DeepSpeed peer call."""
+    """The "deepspeed:<strategy>" rows, {system: Round}: the runnable ones in one DeepSpeed peer call per
+    world size (a strategy of STRATEGY_WORLD runs on its own ranks there too), the AutoTP rows in another."""
     load = os.getloadavg()[0]
-    out, items = {}, []
+    out, items = {}, {}
     for system in systems:
         base = system.split(":", 1)[1]
         if results[base].error:
@@ -230,31 +271,39 @@ def measure_deepspeed(systems: list[str], results: dict, world: int, steps: int,
         elif ds_python is None:
             out[system] = Round(load_before=load, error=ds_missing)
         else:
-            items.append((system, {"model": asdict(model), "config": deepspeed_config(strategy_config(base, micro))}))
+            cfg = deepspeed_config(strategy_config(base, micro))
+            # AutoTP rows in a call of their own: DeepSpeed's AutoTP leaves its model-parallel groups set in
+            # the process, and a later engine there fails (seen: ZeRO-3 CPU offload, bf16 and fp16 after the
+            # tp2 rows raised "'NoneType' object has no attribute 'get_model_parallel_rank'")
+            items.setdefault((world_of(base, world), "tensor_parallel" in cfg), []).append(
+                (system, {"model": asdict(model), "config": cfg}))
+    for (ranks, _), batch in sorted(items.items()):
+        out.update(_deepspeed_peer_call(batch, ranks, steps, ds_python, load))
+    return out
+
+
+def _deepspeed_peer_call(items: list[tuple[str, dict]], world: int, steps: int, ds_python: Path,
+                         load: float) -> dict[str, Round]:
+    """One benchmarks/deepspeed_peer.py --batch-json call on `world` ranks: {system: Round}."""
     # Pipeline rows last: a DeepSpeed PipelineModule leaves its model-parallel groups in deepspeed.utils.groups,
     # and a later engine of the same process then fails (seen: ZeRO-3 + NVMe after the pipe2 row raised
     # "'NoneType' object has no attribute 'get_model_parallel_rank'").
-    items.sort(key=lambda item: "pipeline" in item[1]["config"])
-    if items:
-        cmd = [str(ds_python), str(bt.PEER), "--stage", "0", "--steps", str(steps), "--world", str(world),
-               "--batch-json", json.dumps([item for _, item in items])]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=DEEPSPEED_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            why = (f"DeepSpeed peer did not finish in {DEEPSPEED_TIMEOUT_S} s (a JIT op build waiting on a "
-                   "stale lock in its torch_extensions cache hangs this way)")
-            out.update({system: Round(load_before=load, error=why) for system, _ in items})
-            return out
-        if done.returncode:
-            why = _last_line(f"DeepSpeed peer failed (exit {done.returncode}): {done.stderr[-2000:]}")
-            out.update({system: Round(load_before=load, error=why) for system, _ in items})
-        else:
-            rows = json.loads(done.stdout.strip().splitlines()[-1])
-            out.update({system: Round(load_before=load, error=_last_line(row["error"])) if "error" in row else
-                        Round(row["step_ms"], row["rss_mb"], row.get("bytes"), load,
-                              uncounted_ops=tuple(row.get("uncounted_ops", ())))
-                        for (system, _), row in zip(items, rows)})
-    return out
+    items = sorted(items, key=lambda item: "pipeline" in item[1]["config"])
+    cmd = [str(ds_python), str(bt.PEER), "--stage", "0", "--steps", str(steps), "--world", str(world),
+           "--batch-json", json.dumps([item for _, item in items])]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=DEEPSPEED_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        why = (f"DeepSpeed peer did not finish in {DEEPSPEED_TIMEOUT_S} s (a JIT op build waiting on a "
+               "stale lock in its torch_extensions cache hangs this way)")
+        return {system: Round(load_before=load, error=why) for system, _ in items}
+    if done.returncode:
+        why = _last_line(f"DeepSpeed peer failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        return {system: Round(load_before=load, error=why) for system, _ in items}
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    return {system: Round(load_before=load, error=_last_line(row["error"])) if "error" in row else
+            Round(row["step_ms"], row["rss_mb"], row.get("bytes"), load, uncounted_ops=tuple(row.get("uncounted_ops", ())))
+            for (system, _), row in zip(items, rows)}
 
 
 # -- the report -------------------------------------------------------------------------------------
@@ -274,6 +323,18 @@ def _ratio(a: Result, b: Result | None, label: str) -> str:
     return ratio_cell(a.step_ms(), b.step_ms(), error)
 
 
+def _formula_cell(n_params: int, stage: int, world: int, model_parallel: Result | None, mixed: bool) -> str:
+    """The ZeRO formula's MB; for a model-parallel row (`model_parallel`: dstrain's row of that config) the
+    formula of its largest model-parallel share Ψ_mp (a pipeline stage, a tensor shard) over its data axis."""
+    if model_parallel is not None:
+        shares = [(r.model_share, r.data_world) for r in model_parallel.ok() if r.model_share is not None]
+        if not shares:
+            return "not run: dstrain's row reported no model-parallel share"
+        n_params, world = shares[0]
+    mb = zero_formula_mb(n_params, stage, world, mixed)
+    return f"{mb:.0f}" if mb >= 10 else f"{mb:.2f}"
+
+
 def main_table(results: dict[str, Result], n_params: int, world: int, threshold: float) -> str:
     rows = []
     bound = results["bound"]
@@ -290,15 +351,15 @@ def main_table(results: dict[str, Result], n_params: int, world: int, threshold:
         uncounted = sorted({op for r in ok for op in r.uncounted_ops})
         sent = f"{max(sent) / 2**20:.3f} MiB" if sent else ("not run" if not ok else "not counted: " + (
             f"no conversion rule for {', '.join(uncounted)}" if uncounted else "no counter reported"))
-        formula = zero_formula_mb(n_params, stage, world)
-        formula = f"{formula:.0f}" if formula >= 10 else f"{formula:.2f}"
+        mixed = base in STRATEGIES and any(key in STRATEGIES[base][0] for key in ("bf16", "fp16"))
+        formula = _formula_cell(n_params, stage, world, results.get(base) if base in NO_TORCH_EQUIVALENT else None,
+                                mixed)
         label = f"deepspeed ({base}'s config)" if name.startswith("deepspeed:") else name
         if world_of(base, world) != world:
             label += f" ({world_of(base, world)} ranks)"
         torch_cells = [_ratio(result, results.get(p), p) for p in ("ddp", "fsdp2")]
         if base in NO_TORCH_EQUIVALENT:
             torch_cells = [f"n/a: {p} has no {NO_TORCH_EQUIVALENT[base]}" for p in ("DDP", "FSDP2")]
-            formula = "n/a: a data-parallel formula"
         rows.append((label, ms, spread, *torch_cells, _ratio(result, ds, "is a peer" if ds is None else "DeepSpeed"),
                      _ratio(result, bound, "bound"), rss, formula, sent))
     return md_table(("system", "step ms", "spread (rounds)", "vs DDP", "vs FSDP2", "vs DeepSpeed (same config)",
@@ -347,11 +408,15 @@ def _scaling_rows(scaling: dict, system: str) -> str:
 
 
 def deepspeed_version(python: Path) -> str:
-    out = subprocess.run([str(python), "-c", "import deepspeed; print(deepspeed.__version__)"],
+    """DeepSpeed's version in its venv, and that venv's torch (the same build as ours: deepspeed_venv.py)."""
+    out = subprocess.run([str(python), "-c", "import deepspeed, torch; print(deepspeed.__version__, torch.__version__)"],
                          capture_output=True, text=True, timeout=300)
     # DeepSpeed prints an accelerator warning on stdout before the version: keep the last line.
     lines = out.stdout.strip().splitlines()
-    return lines[-1].strip() if lines else f"unknown ({_last_line(out.stderr)})"
+    if not lines:
+        return f"unknown ({_last_line(out.stderr)})"
+    version, _, its_torch = lines[-1].strip().partition(" ")
+    return f"{version} (its own venv {python.parent.parent}, torch {its_torch})"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -362,7 +427,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(MODELS), default="suite",
                    help="suite: a 0.7M GPT (default); bench: the 25M benchmark GPT (--quick: a 0.02M one)")
     p.add_argument("--steps", type=int, default=None, help="steps per measurement (default 8; quick 4)")
-    p.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 2; quick 1)")
+    p.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 2: the byte count's step, the "
+                   "second, is past the first step's one-time traffic)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2; quick 1)")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--worlds", default="1,2,4", help="world sizes of the scaling table")
@@ -370,11 +436,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load-threshold", type=float, default=float(os.cpu_count() or 1),
                    help="mark a round whose 1-minute load average before it was above this (default: CPUs)")
     p.add_argument("--deepspeed-venv", type=Path, default=None,
-                   help="virtual environment with deepspeed (created when missing and under /tmp)")
+                   help="DeepSpeed's own virtual environment, made when missing (benchmarks/deepspeed_venv.py; "
+                        f"default {deepspeed_venv.default_path()})")
+    p.add_argument("--no-deepspeed", action="store_true", help="no DeepSpeed rows: each says \"not run\" and why")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args(argv)
     args.steps = args.steps or (4 if args.quick else 8)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.warmup = args.warmup if args.warmup is not None else 2
     args.rounds = args.rounds or (1 if args.quick else 2)
     known = ["ddp", "fsdp2", *STRATEGIES]
     args.systems = args.systems.split(",") if args.systems else known
@@ -391,11 +459,12 @@ def main(argv=None) -> int:
     model = QUICK_MODEL if args.quick else MODELS[args.model]
     micro = bt.MICRO
     load_before = os.getloadavg()
-    ds_python, ds_missing = None, "no --deepspeed-venv given"
-    if args.deepspeed_venv is not None:
+    ds_python, ds_missing = None, "--no-deepspeed given"
+    if not args.no_deepspeed and any(s in STRATEGIES for s in args.systems):  # a DeepSpeed row to run
         try:
-            ds_python = bt._deepspeed_python(args.deepspeed_venv)
-        except (SystemExit, subprocess.CalledProcessError) as e:
+            ds_python = deepspeed_venv.ensure(args.deepspeed_venv or deepspeed_venv.default_path(),
+                                              log=lambda line: print(line, flush=True))
+        except deepspeed_venv.VenvError as e:
             ds_missing = f"DeepSpeed venv unusable: {_last_line(e)}"
     systems = ["bound", *args.systems]
     systems += [f"deepspeed:{s}" for s in args.systems if s in STRATEGIES]
@@ -461,8 +530,11 @@ def write_report(args, model, results, scaling, load_before, load_after, ds_pyth
              f"{args.steps} steps per measurement, median after {args.warmup} warm-up steps, {args.rounds} "
              f"interleaved round(s); {load_note(args.load_threshold, marked, total)}"]
     notes += [f"bytes/step/rank of {who}: {how}" for who, how in COUNTED_BY.items()]
-    notes += [f"deepspeed ({name}'s config): {why}" for name, why in DEEPSPEED_CAVEATS.items()
-              if results.get(f"deepspeed:{name}") and results[f"deepspeed:{name}"].ok()]
+    caveats = {}  # one line per caveat, naming every row it applies to
+    for name, why in DEEPSPEED_CAVEATS.items():
+        if results.get(f"deepspeed:{name}") and results[f"deepspeed:{name}"].ok():
+            caveats.setdefault(why, []).append(f"{name}'s")
+    notes += [f"deepspeed ({' and '.join(names)} config): {why}" for why, names in caveats.items()]
     plots = _plots(base, results, scaling)
     lines = header_lines("dstrain benchmark suite", command_line(), load_before, load_after, versions, notes)
     lines += ["## Strategies and peers", "", main_table(results, n_params, args.world, args.load_threshold), "",

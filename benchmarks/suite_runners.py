@@ -25,17 +25,17 @@ from examples.gpt import GPT, GPTConfig
 # (n-1)/n of the full tensor, send the tensor).
 COUNTED_BY = {
     "dstrain": "dstrain's communicator counter (engine/comm.py: every data-parallel collective's payload), "
-               "converted to bytes sent",
-    "dstrain-pipe2, dstrain-tp2 and dstrain-pipe2-tp2": "a dispatch mode over every torch.distributed op called "
-                        "from Python (benchmarks/comm_bytes.py), converted to bytes sent with each op's group size: "
-                        "pipeline sends and tensor-parallel layers have communicators of their own (these rows, and "
-                        "DeepSpeed's pipeline row, are timed under the mode, which intercepts every tensor op)",
+               "converted to bytes sent, over every step",
+    "dstrain's pipeline and tensor-parallel rows": "a dispatch mode over every torch.distributed op called from "
+                        "Python (benchmarks/comm_bytes.py), converted to bytes sent with each op's group size "
+                        "(pipeline sends, tensor-parallel layers and ZeRO-3 inside a stage use groups of their own), "
+                        "in the last warm-up step only: it intercepts every tensor op, so no measured step runs under it",
     "ddp": "a comm hook around torch's default all-reduce hook (each gradient bucket), converted to bytes sent",
-    "fsdp2": "the dispatch mode of benchmarks/comm_bytes.py (FSDP2's all-gathers and reduce-scatters; timed "
-             "under it), converted to bytes sent",
+    "fsdp2": "the dispatch mode of benchmarks/comm_bytes.py (FSDP2's all-gathers and reduce-scatters), in the "
+             "last warm-up step, converted to bytes sent",
     "deepspeed": "DeepSpeed's own comms_logger (config section comms_logger, prof_all), converted to bytes sent "
-                 "(it logs an all-gather's input shard, 1/n of the gathered tensor); its pipeline row: the "
-                 "dispatch mode, as dstrain's",
+                 "(it logs an all-gather's input shard, 1/n of the gathered tensor); its pipeline and AutoTP rows: "
+                 "the dispatch mode in one step its median leaves out, as dstrain's",
 }
 
 
@@ -64,7 +64,9 @@ def rank_entry(system: str, steps: int, model: dict, micro: int, warmup: int, co
     elif system == "bound":
         times, sent = _bound(steps, cfg, micro), None
     else:
-        times, sent = _dstrain(steps, cfg, config, warmup)
+        times, sent, (share, data_world) = _dstrain(steps, cfg, config, warmup)
+        return {"step_ms": statistics.median(times[warmup:]), "rss_mb": bt._peak_rss_mb(), "bytes": sent,
+                "model_share": share, "data_world": data_world}
     return {"step_ms": statistics.median(times[warmup:]), "rss_mb": bt._peak_rss_mb(), "bytes": sent}
 
 
@@ -99,8 +101,10 @@ def _dstrain(steps: int, cfg: GPTConfig, config: dict, warmup: int) -> tuple[lis
         model = GPT(cfg)
     one_copy = pipe or "tensor_parallel" in config
     eng, _, _, _ = engine.initialize(model=model, config=config)
+    from engine.topology import current
     gas = config["gradient_accumulation_steps"]
-    batches = bt._batches(steps * gas, 0 if one_copy else dist.get_rank(), cfg, config["train_micro_batch_size_per_gpu"])
+    # each data-parallel rank its own data; ranks of one model copy (pipe, tensor) the same
+    batches = bt._batches(steps * gas, current().coord.data, cfg, config["train_micro_batch_size_per_gpu"])
     groups = [batches[i * gas:(i + 1) * gas] for i in range(steps)]
 
     def step(group):
@@ -118,8 +122,16 @@ def _dstrain(steps: int, cfg: GPTConfig, config: dict, warmup: int) -> tuple[lis
             times.append((time.perf_counter() - t0) * 1e3)
     sent = seen.bytes if one_copy else bytes_sent(communicator_payloads(eng.comm.stats.bytes,
                                                                          eng.comm.world_size)) / steps
+    share = model_parallel_share(eng.module), eng.comm.world_size
     eng.destroy()
-    return times, sent
+    return times, sent, share
+
+
+def model_parallel_share(module: torch.nn.Module) -> int:
+    """Ψ of this rank's model-parallel share: the parameters its pipeline stage holds, each at its
+    tensor-parallel shard's size, before ZeRO partitions them over the data axis (a stage-3 parameter
+    keeps that size in `ds_shape` while its data is a placeholder: engine/zero/stage3_params.py)."""
+    return sum(torch.Size(getattr(p, "ds_shape", p.shape)).numel() for p in module.parameters())
 
 
 # -- several measurements in one spawn --------------------------------------------------------------------

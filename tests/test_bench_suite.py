@@ -25,14 +25,16 @@ from tests.harness import run_distributed
 from tests.report_format import is_figure_or_reason, missing_header_lines, ratio_matches, tables
 
 REPO = Path(__file__).resolve().parent.parent
+SYSTEMS = ("ddp", "dstrain-z1", "dstrain-tp2-z3", "dstrain-pipe2-z3", "dstrain-pipe2-dp2-z3", "dstrain-z2-bf16")
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("suite")
-    # The smallest run that still fills every column: one torch peer, one strategy, no DeepSpeed venv.
-    done = subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--systems", "ddp,dstrain-z1",
-                           "--worlds", "2", "--scaling-system", "dstrain-z1", "--out-dir", str(out)],
+    # The smallest run that still fills every column: one torch peer, ZeRO-1, the model-parallel ZeRO-3
+    # rows (pipe 2 x data 2 on 4 ranks: a spawn of its own), the mixed-precision ZeRO-2; no DeepSpeed.
+    done = subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--systems", ",".join(SYSTEMS),
+                           "--worlds", "2", "--scaling-system", "dstrain-z1", "--no-deepspeed", "--out-dir", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = out.glob("*-quick.md")
@@ -43,14 +45,19 @@ def test_every_cell_is_a_figure_or_says_why_not(report):
     _, text = report
     main, scaling = tables(text)
     header, *rows = main
-    assert [r[0] for r in rows] == ["ddp", "dstrain-z1", "deepspeed (dstrain-z1's config)"]
+    strategies = [s for s in SYSTEMS if s != "ddp"]
+    labels = [f"{s} (4 ranks)" if s == "dstrain-pipe2-dp2-z3" else s for s in SYSTEMS]
+    assert [r[0] for r in rows] == labels + [f"deepspeed ({s}'s config){' (4 ranks)' if '-dp2-' in s else ''}"
+                                             for s in strategies]
     for row in rows + scaling[1:]:
         assert len(row) == len(header) if row in rows else len(row) == 3
         for cell in row[1:]:
             assert cell and (is_figure_or_reason(cell) or cell.startswith(("parameters (M) = ", "world size = "))), \
                 (row[0], cell)
-    deepspeed = rows[2]
-    assert deepspeed[1] == "not run: no --deepspeed-venv given"
+    for row in rows[:len(SYSTEMS)]:  # every dstrain and torch row ran (only its DeepSpeed ratio is "not run")
+        assert [c for c in row if c.startswith("not run")] in ([], ["not run: DeepSpeed: --no-deepspeed given"]), row
+    for deepspeed in rows[len(SYSTEMS):]:
+        assert deepspeed[1] == "not run: --no-deepspeed given", deepspeed
     assert [r[0] for r in scaling[1:]] == ["parameters (M) = 0.01", "parameters (M) = 0.02", "parameters (M) = 0.07",
                                           "world size = 2"]
 
@@ -60,14 +67,14 @@ def test_header_says_command_versions_machine_load_and_how_bytes_are_counted(rep
     assert missing_header_lines(text) == []
     assert "- command: `python -m benchmarks.suite --quick --systems ddp,dstrain-z1" in text
     assert re.search(r"- versions: .*, deepspeed not installed", text)
-    for who in ("dstrain", "dstrain-pipe2, dstrain-tp2 and dstrain-pipe2-tp2", "ddp", "fsdp2", "deepspeed"):
+    for who in ("dstrain", "dstrain's pipeline and tensor-parallel rows", "ddp", "fsdp2", "deepspeed"):
         assert f"- bytes/step/rank of {who}: " in text
 
 
 def test_ratios_and_bytes_follow_from_their_definitions(report):
     from benchmarks.suite import QUICK_MODEL
     _, text = report
-    _, ddp, z1, _ = tables(text)[0]
+    _, ddp, z1, *_ = tables(text)[0]
     step = {row[0]: float(row[1].split()[0]) for row in (ddp, z1)}
     assert ratio_matches(z1[3], step["dstrain-z1"], step["ddp"]), (z1[3], step)
     psi = count_parameters(GPT(QUICK_MODEL))
@@ -76,6 +83,43 @@ def test_ratios_and_bytes_follow_from_their_definitions(report):
     assert float(z1[9].split()[0]) == pytest.approx(4 * psi / 2**20, rel=0.05)  # + padding and the norm's scalars
     assert float(ddp[9].split()[0]) == pytest.approx(4 * psi / 2**20, abs=0.0006)  # every gradient once
     assert float(z1[8]) == pytest.approx((8 * psi + 8 * psi / 2) / 2**20, abs=0.01)  # ZeRO-1 formula, 2 ranks
+
+
+def test_model_parallel_and_mixed_precision_rows_follow_from_their_definitions(report):
+    """The new rows' bytes and ZeRO-formula memory against counts from the model's shapes: on 2 ranks
+    ZeRO-3 under tensor or pipeline parallelism has a data axis of one rank, so it sends exactly what
+    the model parallelism does, and its formula is the whole 16 bytes of its share per parameter."""
+    from benchmarks.bench_training import MICRO
+    from benchmarks.suite import QUICK_MODEL as m, STRATEGIES
+    _, text = report
+    rows = {r[0]: r for r in tables(text)[0]}
+    psi = count_parameters(GPT(m))
+    mib = 2**20
+
+    def cells(name):
+        return float(rows[name][8]), float(rows[name][9].split()[0])
+    # AutoTP halves qkv (weight and bias, column), fc (column), proj and out (row: weight only)
+    d = m.d_model
+    tp_share = psi - m.n_layer * (3 * d * d + 3 * d + d * d + 4 * d * d + 4 * d + 4 * d * d) // 2
+    tp = STRATEGIES["dstrain-tp2-z3"][0]
+    # each micro-batch: 2 all-reduces of the activations forward, 2 of their gradients backward; on 2
+    # ranks a ring all-reduce of S sends S; plus the clipping norm's one float
+    tp_bytes = tp["gradient_accumulation_steps"] * 4 * m.n_layer * MICRO * m.seq_len * d * 4 + 4
+    assert cells("dstrain-tp2-z3") == (pytest.approx(16 * tp_share / mib, abs=0.005),
+                                       pytest.approx(tp_bytes / mib, abs=0.0005))
+    # stage 0 holds everything but the final norm (the last stage: the norm and the tied embeddings)
+    pipe, stage0 = STRATEGIES["dstrain-pipe2-z3"][0], psi - 2 * d
+    sends = pipe["gradient_accumulation_steps"] * pipe["train_micro_batch_size_per_gpu"] * m.seq_len * d * 4
+    tied = m.vocab_size * d * 4  # the tied embedding's gradient, all-reduced over the 2 stages
+    assert cells("dstrain-pipe2-z3") == (pytest.approx(16 * stage0 / mib, abs=0.005),
+                                         pytest.approx((sends + tied) / mib, abs=0.0005))
+    # pipe 2 x data 2: the same stage share partitioned over 2 ranks
+    formula, sent = cells("dstrain-pipe2-dp2-z3 (4 ranks)")
+    assert formula == pytest.approx(16 * stage0 / 2 / mib, abs=0.005) and sent > 0
+    # mixed precision (the ZeRO paper's 2Ψ + 2Ψ + 12Ψ, ZeRO-2 partitions the last two): bf16 gradients
+    # reduce-scattered and bf16 parameters all-gathered, half of ZeRO-1's fp32 bytes
+    assert cells("dstrain-z2-bf16") == (pytest.approx((2 * psi + 14 * psi / 2) / mib, abs=0.005),
+                                        pytest.approx(2 * psi / mib, rel=0.05))
 
 
 def test_plots_are_written(report):

@@ -43,6 +43,10 @@ def test_gpu_report_is_in_the_suite_format(report):
         assert len(row) == len(header) and all(c and is_figure_or_reason(c) for c in row[2:]), row
         assert not row[2].startswith("not run"), row  # on CPU every system runs the tiny GPT
     ms = {r[1]: float(r[2].split()[0]) for r in rows}
+    # the suite's ZeRO-formula column: on one rank every system holds all 16 bytes per parameter
+    # (fp32 4 + 4 + 8 for autocast and FSDP2; bf16 2 + 2 and 12 of fp32 master weights and moments)
+    from benchmarks.gpu.run import TINY, _n_params
+    assert {r[7] for r in rows} == {f"{16 * _n_params(TINY) / 2**30:.3g}"}, rows
     for row in rows:
         assert ratio_matches(row[4], ms[row[1]], ms[TORCH_SYSTEM]), row
         low, high = (float(v) for v in row[3].split()[0].split("–"))

@@ -43,6 +43,7 @@ from benchmarks.report import command_line, header_lines, load_note, md_table, r
 from engine.profiling.mfu import transformer_train_flops_per_token  # noqa: E402
 from engine.profiling.peaks import gpu_peak_tflops  # noqa: E402
 from benchmarks.bench_training import _torch_step  # noqa: E402  (plain torch's step, as the CPU benchmark's)
+from benchmarks.suite import zero_formula_mb  # noqa: E402
 from engine.comm import Communicator  # noqa: E402
 from engine.dist import init_distributed  # noqa: E402
 from engine.utils import safe_get_full_fp32_param  # noqa: E402
@@ -278,9 +279,14 @@ def _dstrain(stage: int):
 TORCH_SYSTEM = "torch (autocast bf16)"  # the peer of the "vs torch" column: first, so its row is there
 SYSTEMS = {TORCH_SYSTEM: _plain, "FSDP2 (bf16)": _fsdp2, "dstrain ZeRO-0 bf16": _dstrain(0),
            "dstrain ZeRO-3 bf16": _dstrain(3)}
+# The suite's ZeRO-formula column (benchmarks/suite.py zero_formula_mb): (stage, mixed precision) per system.
+# Autocast and FSDP2's policy keep fp32 parameters (4Ψ + 4Ψ + 8Ψ); dstrain's bf16 is 2Ψ + 2Ψ + 12Ψ.
+FORMULA = {TORCH_SYSTEM: (0, False), "FSDP2 (bf16)": (3, False), "dstrain ZeRO-0 bf16": (0, True),
+           "dstrain ZeRO-3 bf16": (3, True)}
 
 
-THROUGHPUT_HEADER = ("model", "system", "step ms", "spread (steps)", "vs torch", "tokens/s", "MFU", "peak GiB")
+THROUGHPUT_HEADER = ("model", "system", "step ms", "spread (steps)", "vs torch", "tokens/s", "MFU",
+                     "ZeRO formula GiB (model states)", "peak GiB")
 
 
 def run_throughput(models: list[tuple[str, GPTConfig, int, int]], dev, peak_tflops: float | None,
@@ -300,7 +306,7 @@ def run_throughput(models: list[tuple[str, GPTConfig, int, int]], dev, peak_tflo
                 del step
             except Exception as e:  # noqa: BLE001 - one system's failure is a row, not the end of the run
                 why = f"not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                rows.append((label, system, why, "not run", "not run", "not run", "not run", "not run"))
+                rows.append((label, system, why, *["not run"] * (len(THROUGHPUT_HEADER) - 3)))
                 continue
             finally:
                 if dev.type == "cuda":
@@ -311,8 +317,11 @@ def run_throughput(models: list[tuple[str, GPTConfig, int, int]], dev, peak_tflo
             tokens = micro * cfg.seq_len / (ms / 1e3)
             mfu = (f"{100 * tokens * _flops_per_token(cfg, n) / (peak_tflops * 1e12):.1f}%"
                    if peak_tflops else "n/a: no peak for this device")
+            stage, mixed = FORMULA[system]
+            formula = zero_formula_mb(n, stage, dist.get_world_size(), mixed) / 1024
             rows.append((label, system, *step_cells(ms, min(times), max(times), len(times), "step", load > threshold),
-                         ratio_cell(ms, torch_ms, f"{TORCH_SYSTEM} did not run"), f"{tokens:,.0f}", mfu, f"{peak:.2f}"))
+                         ratio_cell(ms, torch_ms, f"{TORCH_SYSTEM} did not run"), f"{tokens:,.0f}", mfu,
+                         f"{formula:.3g}" if formula < 0.01 else f"{formula:.2f}", f"{peak:.2f}"))
     return rows, loaded
 
 
