@@ -12,6 +12,7 @@ Recompute: `RecomputeProbe` counts the ops each policy's recomputes really execu
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import weakref
@@ -19,6 +20,8 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import engine
 import schemas
@@ -220,6 +223,49 @@ def test_each_policy_recomputes_what_its_rule_says_and_the_gpt_stays_exact(dropo
         assert ran["aten.native_layer_norm.default"] == 2 * GPT_LAYERS and ran["aten.gelu.default"] == GPT_LAYERS
         if dropout:
             assert ran["aten.bernoulli_.float"] == GPT_LAYERS, ran  # the dropout mask is drawn again
+
+
+class _EveryOp(TorchDispatchMode):
+    """Counts every aten op that runs (forward, recompute and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _every_op_of_a_gpt_step(wrap) -> collections.Counter:
+    from examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=GPT_LAYERS, n_head=2, d_model=32, dropout=0.1))
+    wrap(model)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with _EveryOp() as ops:
+        model(idx, idx).backward()
+    return ops.counts
+
+
+def test_full_runs_exactly_the_ops_of_torchs_own_checkpoint():
+    """Issue 19's floor for full checkpointing: torch's `checkpoint(use_reentrant=False)` wrapped around
+    each block directly. dstrain's `checkpoint_blocks` (policy full) runs the same aten ops, the same
+    number of times, in forward, recompute and backward: no extra copy, detach or kernel of its own
+    (the step-time comparison is benchmarks/bench_long_sequence.py's `torch_full` row)."""
+    def plain(model):
+        pass
+
+    def torchs(model):
+        for block in model.blocks:
+            block.forward = functools.partial(torch_checkpoint, block.forward, use_reentrant=False)
+
+    def dstrains(model):
+        ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="full"))
+
+    ours, floor, none = (_every_op_of_a_gpt_step(wrap) for wrap in (dstrains, torchs, plain))
+    assert ours == floor, {op: (ours[op], floor[op]) for op in ours.keys() | floor.keys() if ours[op] != floor[op]}
+    assert ours != none  # the oracle sees a recompute: full runs more than the plain model
 
 
 # -- config and configure() ---------------------------------------------------------------------------
