@@ -97,6 +97,12 @@ def _all_matmuls(fn, *args):
     return ckpt.non_reentrant_checkpoint(fn, *args, context_fn=ckpt.all_matmuls_context)
 
 
+def _unpacked(fn, *args):
+    from engine.activation_checkpointing.unpack_recompute import recompute_on_unpack
+    with recompute_on_unpack():
+        return fn(*args)
+
+
 def _tracked(block, h):
     """The checkpointed function draws dropout on the tracked model-parallel stream."""
     def run(t):
@@ -107,6 +113,7 @@ def _tracked(block, h):
 
 VARIANTS = {"reentrant": (ckpt.checkpoint, {}), "non_reentrant": (ckpt.non_reentrant_checkpoint, {}),
             "selective": (_selective, {}), "selective_all_matmuls": (_all_matmuls, {}),
+            "selective_unpack": (_unpacked, {}),
             "reentrant-cpu": (ckpt.checkpoint, {"checkpoint_in_cpu": True}),
             "non_reentrant-cpu": (ckpt.non_reentrant_checkpoint, {"checkpoint_in_cpu": True}),
             "rng-tracker": (_tracked, {})}
@@ -164,15 +171,37 @@ def test_full_checkpointing_holds_at_most_a_quarter_of_the_activations():
     full_config = _peak_bytes("full")
     full_reentrant = _peak_bytes("none", api=ckpt.checkpoint)  # the recompute runs under the probe
     selective, all_matmuls = _peak_bytes("selective"), _peak_bytes("selective_all_matmuls")
+    unpack = _peak_bytes("selective_unpack")
     assert none > 0
     assert full_config <= none / 4, (full_config, none)
     assert full_reentrant <= none / 4, (full_reentrant, none)
     # the selective rules keep matmul outputs: between full and none; the default one at most half of none
     assert full_config < selective <= none / 2, (full_config, selective, none)
     assert selective < all_matmuls <= 0.75 * none, (selective, all_matmuls, none)
+    # "selective_unpack" holds what the backward of the up projection, dropout and norm read (their
+    # inputs and the mask) and remakes the up projection's and GELU's outputs: under half of none
+    assert full_config < unpack <= none / 2, (full_config, unpack, none)
     # what "selective" recomputes and "selective_all_matmuls" keeps: the 4x-wide up projection's
     # output, 64 x 4D fp32 per block (policy.py); both keep the down projection's
     assert all_matmuls - selective == 24 * 64 * 4 * D * 4, (all_matmuls, selective)
+
+
+class _ChangesASavedTensor(nn.Module):
+    def forward(self, h):
+        y = torch.sigmoid(h)  # autograd saves sigmoid's output for its backward
+        out = y.sum()
+        y.add_(1)  # ... and it is changed before that backward
+        return out
+
+
+def test_selective_unpack_refuses_a_saved_tensor_changed_in_place_and_cpu_checkpointing():
+    model = nn.Sequential(_ChangesASavedTensor(), _ChangesASavedTensor())
+    ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
+    with pytest.raises(RuntimeError, match="policy 'selective_unpack'.*changed in place"):
+        model(torch.randn(4, requires_grad=True)).backward()
+    with pytest.raises(ValueError, match="activation_checkpointing.policy: 'selective_unpack'.*cpu_checkpointing"):
+        ckpt.checkpoint_blocks(BlockNet(), ActivationCheckpointingConfig(checkpoint_blocks=True, cpu_checkpointing=True,
+                                                                         policy="selective_unpack"))
 
 
 def test_cpu_checkpointing_bytes_are_reported_to_the_probe():
@@ -205,24 +234,25 @@ def test_each_policy_recomputes_what_its_rule_says_and_the_gpt_stays_exact(dropo
     """The recompute, seen below torch's selective-checkpoint cache: full runs every matmul of a block
     again but its last (the down projection: the recompute stops at the last saved tensor, its input);
     "selective" only the up projection (the one matmul 4x wider than its input) besides the cheap ops;
-    "selective_all_matmuls" no matmul or attention kernel. Loss and gradients are bit-identical to the
+    "selective_all_matmuls" no matmul or attention kernel; "selective_unpack" (no checkpoint region:
+    each dropped output remade once when backward unpacks it) the up projection and the cheap ops. Loss and gradients are bit-identical to the
     plain model's, dropout (SDPA's, on the tracked CPU generator) included."""
     want_loss, want, nothing = _gpt_step("none", dropout)
     assert not nothing
     attention = 2 if dropout else 1  # with dropout, CPU SDPA is the math kernel: two bmm per block
-    matmuls = {"full": 3 + attention, "selective": 1, "selective_all_matmuls": 0}
+    matmuls = {"full": 3 + attention, "selective": 1, "selective_all_matmuls": 0, "selective_unpack": 1}
     for policy, expensive in matmuls.items():
         loss, grads, ran = _gpt_step(policy, dropout)
         assert torch.equal(loss, want_loss), policy
         assert all(torch.equal(grads[n], g) for n, g in want.items()), policy
         assert sum(n for op, n in ran.items() if op.rsplit(".", 1)[0] in EXPENSIVE) == expensive * GPT_LAYERS, \
             (policy, ran)
-        if policy == "selective":
+        if policy in ("selective", "selective_unpack"):
             assert ran["aten.addmm.default"] == GPT_LAYERS, ran  # the up projection, nothing else
         # the cheap rest runs again under every policy: both layer norms and the activation of each block
         assert ran["aten.native_layer_norm.default"] == 2 * GPT_LAYERS and ran["aten.gelu.default"] == GPT_LAYERS
-        if dropout:
-            assert ran["aten.bernoulli_.float"] == GPT_LAYERS, ran  # the dropout mask is drawn again
+        if dropout:  # the dropout mask is drawn again; "selective_unpack" holds it and replays nothing
+            assert ran["aten.bernoulli_.float"] == (0 if policy == "selective_unpack" else GPT_LAYERS), ran
 
 
 class _EveryOp(TorchDispatchMode):
@@ -410,6 +440,7 @@ SECTIONS = {"full": {"checkpoint_blocks": True}, "selective": {"checkpoint_block
             # no mpu from a config alone: a group of one, whose slices are the whole inputs, in the buffer
             "full-contiguous": {"checkpoint_blocks": True, "partition_activations": True,
                                 "contiguous_memory_optimization": True, "number_checkpoints": 3},
+            "selective_unpack": {"checkpoint_blocks": True, "policy": "selective_unpack"},
             "api-shared": {}}
 
 
