@@ -194,6 +194,32 @@ class _ChangesASavedTensor(nn.Module):
         return out
 
 
+class _ReusesMemory(nn.Module):
+    """A GELU output nobody keeps, then a tensor of the same shape that autograd saves: the allocator
+    hands the second the first's memory unless the policy holds what it recorded until the forward ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, h):
+        torch.nn.functional.gelu(h).sum().detach()
+        u = h * 3
+        return h + u * self.p  # mul saves u
+
+
+def test_selective_unpack_remakes_only_what_it_recorded_when_memory_is_reused():
+    torch.manual_seed(0)
+    plain = nn.Sequential(_ReusesMemory(), _ReusesMemory())
+    model = copy.deepcopy(plain)
+    ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
+    x = torch.randn(64, 64, requires_grad=True)
+    for m in (plain, model):
+        m(x).sum().backward()
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_selective_unpack_refuses_a_saved_tensor_changed_in_place_and_cpu_checkpointing():
     model = nn.Sequential(_ChangesASavedTensor(), _ChangesASavedTensor())
     ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
