@@ -9,8 +9,8 @@ layouts, causal mask inside the blocks) next to SDPA given the same layout as a 
 causal (the dense lower bound); medians of `--repeats` runs, CPU time of this process on CPU. Memory: on CUDA the peak allocated
 during the step; on CPU, which has no allocator statistics, the bytes autograd holds for backward
 (`engine.checkpointing.SavedActivationProbe`), which is where attention's memory goes.
-Checkpointing: the example GPT's forward+backward with none / full / selective / selective_all_matmuls
-checkpointing of its blocks (`checkpoint_blocks`), `torch_full` (torch's own
+Checkpointing: the example GPT's forward+backward with none / full / selective / selective_all_matmuls /
+selective_unpack checkpointing of its blocks (`checkpoint_blocks`), `torch_full` (torch's own
 `checkpoint(use_reentrant=False)` wrapped around each block directly: the floor dstrain's full must not
 exceed), and a selective policy that saves every op's output (nothing recomputed: the cost of torch's
 selective-checkpoint machinery, the recompute's Python forward and autograd graph alone); step time and the peak
@@ -202,7 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bench-gpt", action="store_true", help="the 25M-parameter benchmark GPT (slow on CPU)")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--policies", default="none,full,torch_full,selective,selective_all_matmuls,save_every_op",
+    p.add_argument("--policies",
+                   default="none,full,torch_full,selective,selective_all_matmuls,selective_unpack,save_every_op",
                    help="checkpointing rows, comma-separated (none and full are always measured: the ratios need them)")
     args = p.parse_args(argv)
     args.seqs = [int(s) for s in args.seqs.split(",")]
