@@ -98,8 +98,7 @@ def _all_matmuls(fn, *args):
 
 
 def _unpacked(fn, *args):
-    from engine.activation_checkpointing.unpack_recompute import recompute_on_unpack
-    with recompute_on_unpack():
+    with ckpt.recompute_on_unpack():
         return fn(*args)
 
 
@@ -261,8 +260,9 @@ def test_each_policy_recomputes_what_its_rule_says_and_the_gpt_stays_exact(dropo
     again but its last (the down projection: the recompute stops at the last saved tensor, its input);
     "selective" only the up projection (the one matmul 4x wider than its input) besides the cheap ops;
     "selective_all_matmuls" no matmul or attention kernel; "selective_unpack" (no checkpoint region:
-    each dropped output remade once when backward unpacks it) the up projection and the cheap ops. Loss and gradients are bit-identical to the
-    plain model's, dropout (SDPA's, on the tracked CPU generator) included."""
+    each dropped output remade once when backward unpacks it) the up projection and the cheap ops.
+    Loss and gradients are bit-identical to the plain model's, dropout (SDPA's, on the tracked CPU
+    generator) included."""
     want_loss, want, nothing = _gpt_step("none", dropout)
     assert not nothing
     attention = 2 if dropout else 1  # with dropout, CPU SDPA is the math kernel: two bmm per block

@@ -5,9 +5,9 @@
 the original forward inside `non_reentrant_checkpoint`. The module stays where it was, so parameter
 names, state dicts, checkpoints and ZeRO-3's units (whose hooks sit on the module's `__call__`, outside
 the patched forward, and gather again before the module's backward, i.e. before the recompute) are
-unchanged. `policy: "selective_unpack"` runs the original forward under saved-tensor hooks instead
-(`unpack_recompute.py`): no checkpoint region. The non-reentrant checkpoint takes keyword arguments and inputs that need no gradient,
-which a block's forward may have; the selective policy needs it too.
+unchanged. The non-reentrant checkpoint takes keyword arguments and inputs that need no gradient,
+which a block's forward may have; the selective policy needs it too. `policy: "selective_unpack"`
+runs the original forward under saved-tensor hooks instead (`unpack_recompute.py`): no region.
 """
 from __future__ import annotations
 
