@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import probe as probes
-from .policy import _widening
+from .policy import _MATMULS, _widening
 from .recompute_probe import recomputing
 
 _aten = torch.ops.aten
@@ -40,8 +40,16 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-def _recomputable(func, args) -> bool:
-    return func.is_view or func.overloadpacket in CHEAP or _widening(func, args)
+_NEVER, _ALWAYS, _IF_WIDENING = 0, 1, 2
+_KINDS: dict = {}  # op -> which of the three: the forward asks for every op it runs
+
+
+def _kind(func) -> int:
+    kind = _KINDS.get(func)
+    if kind is None:
+        kind = _KINDS[func] = (_ALWAYS if func.is_view or func.overloadpacket in CHEAP else
+                               _IF_WIDENING if func.overloadpacket in _MATMULS else _NEVER)
+    return kind
 
 
 class _Recorder(TorchDispatchMode):
@@ -55,16 +63,20 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _recomputable(func, args):
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            inputs = {_key(a) for a in args if isinstance(a, torch.Tensor)}
-            call = (func, args, kwargs, tuple(a._version if isinstance(a, torch.Tensor) else None for a in args))
-            for index, t in enumerate(outs):
-                # an alias of an input with the same geometry is that input: keep its maker. The entry
-                # holds the output until the block's forward ends, so that no later tensor is given
-                # its memory (and with it its key)
-                if isinstance(t, torch.Tensor) and _key(t) not in inputs:
-                    self.made.setdefault(_key(t), (call, index if outs is out else None, t._version, t))
+        kind = _kind(func)
+        if kind == _NEVER or (kind == _IF_WIDENING and not _widening(func, args)):
+            return out
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        call = (func, args, kwargs, tuple(a._version if isinstance(a, torch.Tensor) else None for a in args))
+        # a view with an input's own geometry is that input: keep the input's maker
+        inputs = {_key(a) for a in args if isinstance(a, torch.Tensor)} if func.is_view else ()
+        for index, t in enumerate(outs):
+            if isinstance(t, torch.Tensor):
+                key = _key(t)
+                # the entry holds the output until the block's forward ends, so that no later
+                # tensor is given its memory (and with it its key)
+                if key not in inputs and key not in self.made:
+                    self.made[key] = (call, index if outs is out else None, t._version, t)
         return out
 
 
