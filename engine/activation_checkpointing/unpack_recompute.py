@@ -5,10 +5,11 @@ it when it unpacks it.
 
 [Note: why not a checkpoint region] A checkpointed block runs its whole Python forward again in
 backward (modules, autograd graph, the checkpoint's hooks on every saved tensor) even where a selective
-policy answers every op from its cache: on the benchmark GPT on one CPU thread that alone was about a
-quarter of full checkpointing's overhead (bench_long_sequence's `save_every_op` row), so no rule could
-reach half of full's overhead with the up projection recomputed (issue 19). Here only the dropped ops
-run again, each once, from the exact arguments the forward gave them.
+policy answers every op from its cache: on the example GPT on one CPU thread that alone was a quarter
+to a half of full checkpointing's overhead (bench_long_sequence's `save_every_op` row), which with the
+up projection recomputed (0.4 of full's recomputed work) keeps a region's selective rule above half of
+full's overhead (issue 19). Here only the dropped ops run again, each once, from the exact arguments
+the forward gave them; the forward pays a Python dispatch mode on every op and a hook per saved tensor.
 
 [Note: how] While the block's forward runs, a dispatch mode records the op and arguments that made
 each output of a recomputable op, by its storage and view geometry; saved-tensor hooks then pack a
