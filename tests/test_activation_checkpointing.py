@@ -237,6 +237,34 @@ def test_selective_unpack_remakes_only_what_it_recorded(module):
         assert torch.equal(a.grad, b.grad)
 
 
+class _SavesItsOutput(nn.Module):
+    def forward(self, h):
+        self.out = torch.sigmoid(h)
+        return self.out * 2
+
+
+def test_selective_unpack_forward_without_backward_frees_everything():
+    """Evaluation with grad on (no backward): what the policy recorded and packed dies with the graph."""
+    import gc
+    from examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))
+    ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
+    seen = []
+    model.blocks[0].fc.register_forward_hook(lambda m, i, out: seen.append(weakref.ref(out)))
+    loss = model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    # an output its own node saves (sigmoid's), held as it is: no cycle through that node
+    sigmoids = nn.Sequential(_SavesItsOutput(), _SavesItsOutput())
+    ckpt.checkpoint_blocks(sigmoids, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
+    out = sigmoids(torch.randn(4, 4, requires_grad=True))
+    seen += [weakref.ref(m.out) for m in sigmoids]
+    del loss, out
+    for m in sigmoids:
+        del m.out
+    gc.collect()
+    assert len(seen) == 3 and all(ref() is None for ref in seen), "a tensor outlived its graph"
+
+
 def test_selective_unpack_refuses_a_saved_tensor_changed_in_place_and_cpu_checkpointing():
     model = nn.Sequential(_ChangesASavedTensor(), _ChangesASavedTensor())
     ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))

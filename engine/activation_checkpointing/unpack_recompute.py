@@ -24,6 +24,7 @@ so the RNG needs no replay; the recomputed kernels are the forward's, on the sam
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -87,8 +88,13 @@ class _Held:
     __slots__ = ("tensor", "version", "tokens")
 
     def __init__(self, t: torch.Tensor):
-        self.tensor, self.version = t, t._version
-        self.tokens = [p._pack(t) for p in probes._ACTIVE]  # each probe counts the storage once
+        # a computed tensor is held detached (autograd gives the unpacked one its graph place back):
+        # holding an output its own node saves would make a cycle through that node, and a forward
+        # without a backward would leak it. A leaf (a parameter) is held itself, as autograd does,
+        # so that a parameter whose data is swapped (ZeRO-3's gather) is read as it is in backward.
+        self.tensor = t.detach() if t.grad_fn is not None else t
+        self.version = t._version
+        self.tokens = [p._pack(self.tensor) for p in probes._ACTIVE]  # each probe counts the storage once
 
     def value(self) -> torch.Tensor:
         if self.tensor._version != self.version:
@@ -154,5 +160,9 @@ def recompute_on_unpack():
     remade in backward (module note)."""
     recorder = _Recorder()
     packer = _Packer(recorder)
-    with torch.autograd.graph.saved_tensors_hooks(packer.pack, _unpack), recorder:
+    # autograd keeps the pack hook with every tensor it saved: a hook holding the packer (and through
+    # it the recorded outputs and their nodes) would make a cycle through those nodes, leaked by a
+    # forward without a backward. The hook reaches the packer weakly; this frame keeps it alive.
+    ref = weakref.ref(packer)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: ref().pack(t), _unpack), recorder:
         yield
