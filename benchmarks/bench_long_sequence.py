@@ -9,12 +9,16 @@ layouts, causal mask inside the blocks) next to SDPA given the same layout as a 
 causal (the dense lower bound); medians of `--repeats` runs, CPU time of this process on CPU. Memory: on CUDA the peak allocated
 during the step; on CPU, which has no allocator statistics, the bytes autograd holds for backward
 (`engine.checkpointing.SavedActivationProbe`), which is where attention's memory goes.
-Checkpointing: the example GPT's forward+backward with none / full / selective / selective_all_matmuls
-checkpointing of its blocks (`checkpoint_blocks`), and a selective policy that saves every op's output
-(nothing recomputed: the cost of torch's selective-checkpoint machinery alone); step time and the peak
+Checkpointing: the example GPT's forward+backward with none / full / selective / selective_all_matmuls /
+selective_unpack checkpointing of its blocks (`checkpoint_blocks`), `torch_full` (torch's own
+`checkpoint(use_reentrant=False)` wrapped around each block directly: the floor dstrain's full must not
+exceed), and a selective policy that saves every op's output (nothing recomputed: the cost of torch's
+selective-checkpoint machinery, the recompute's Python forward and autograd graph alone); step time and the peak
 saved-activation bytes; ratios against none; each policy's step-time overhead as a fraction of full's;
 and the CPU time of the ops the recomputes run again (`RecomputeProbe`: below torch's selective cache,
-so only what really runs again), against full's.
+so only what really runs again; it sees dstrain's checkpoints only, so `torch_full` shows none), against
+full's. Below the table: one forward of the blocks alone, with grad, as a share of none's step — what
+recomputing every block once costs at the least (full stops before each block's last matmul).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -127,6 +131,9 @@ def checkpointing_table(args, device) -> None:
         if policy == "save_every_op":  # selective checkpointing that recomputes nothing: its machinery's cost
             for block in model.blocks:
                 block.forward = functools.partial(non_reentrant_checkpoint, block.forward, context_fn=_SAVE_EVERY_OP)
+        elif policy == "torch_full":  # torch's checkpoint itself, without engine.checkpointing around it
+            for block in model.blocks:
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
         elif policy != "none":
             checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy=policy))
         idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=device)
@@ -148,10 +155,29 @@ def checkpointing_table(args, device) -> None:
     for policy, (ms, b, (recompute, top)) in rows.items():
         # what torch keeps for a policy of its own is not reported to the probe (policy.py reports its rules')
         memory = "— | —" if policy == "save_every_op" else f"{b / 2**20:.1f} | {b / base_b:.2f}"
+        recomputed = "— | — | —" if policy == "torch_full" else \
+            f"{recompute:.1f} | {recompute / full_recompute:.2f} | {top}"
         print(f"| {policy} | {ms:.1f} | {ms / base_ms - 1:+.0%} | {(ms - base_ms) / full_overhead:.2f} | {memory} | "
-              f"{recompute:.1f} | {recompute / full_recompute:.2f} | {top} |")
+              f"{recomputed} |")
     print(f"\nstep times: medians of {args.repeats} interleaved rounds; all rounds (ms): "
           + "; ".join(f"{p} {', '.join(f'{t:.0f}' for t in ts)}" for p, ts in times.items()))
+    blocks_ms = blocks_forward_ms(cfg, args.batch, device, args.repeats)
+    print(f"one forward of the {cfg.n_layer} blocks alone, with grad: {blocks_ms:.1f} ms, {blocks_ms / base_ms:.0%} "
+          "of none's step (a full recompute's floor, less each block's last matmul)")
+
+
+def blocks_forward_ms(cfg, batch: int, device, repeats: int) -> float:
+    """Median ms of the example GPT's blocks' forward alone (grad on, the graph dropped)."""
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    x = torch.randn(batch, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
+
+    def forward():
+        h = x
+        for block in model.blocks:
+            h = block(h)
+        del h
+    return measure(forward, device, repeats)[0]
 
 
 def recompute_ms(step) -> tuple[float, str]:
@@ -176,7 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bench-gpt", action="store_true", help="the 25M-parameter benchmark GPT (slow on CPU)")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--policies", default="none,full,selective,selective_all_matmuls,save_every_op",
+    p.add_argument("--policies",
+                   default="none,full,torch_full,selective,selective_all_matmuls,selective_unpack,save_every_op",
                    help="checkpointing rows, comma-separated (none and full are always measured: the ratios need them)")
     args = p.parse_args(argv)
     args.seqs = [int(s) for s in args.seqs.split(",")]

@@ -54,10 +54,12 @@ class ActivationCheckpointingConfig(StrictModel):
     Sequential of two or more modules of one class) without editing it."""
     checkpoint_module_classes: list[str] = []
     """dstrain: also checkpoint every module whose class has one of these names."""
-    policy: Literal["full", "selective", "selective_all_matmuls"] = "full"
+    policy: Literal["full", "selective", "selective_all_matmuls", "selective_unpack"] = "full"
     """dstrain: for the blocks above, "full" recomputes everything; "selective" keeps the outputs of
     matrix products (but not of those that widen 4x or more, an MLP's up projection), attention and
-    collectives and recomputes the rest; "selective_all_matmuls" keeps every matrix product's output."""
+    collectives and recomputes the rest; "selective_all_matmuls" keeps every matrix product's output;
+    "selective_unpack" runs the block once, drops the saved outputs of views, layer norms, GELU, copies
+    and widening matrix products, and remakes each when backward unpacks it (no region re-run)."""
 
 
 class SparseAttentionConfig(StrictModel):

@@ -12,6 +12,7 @@ Recompute: `RecomputeProbe` counts the ops each policy's recomputes really execu
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import weakref
@@ -19,6 +20,8 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import engine
 import schemas
@@ -94,6 +97,11 @@ def _all_matmuls(fn, *args):
     return ckpt.non_reentrant_checkpoint(fn, *args, context_fn=ckpt.all_matmuls_context)
 
 
+def _unpacked(fn, *args):
+    with ckpt.recompute_on_unpack():
+        return fn(*args)
+
+
 def _tracked(block, h):
     """The checkpointed function draws dropout on the tracked model-parallel stream."""
     def run(t):
@@ -104,6 +112,7 @@ def _tracked(block, h):
 
 VARIANTS = {"reentrant": (ckpt.checkpoint, {}), "non_reentrant": (ckpt.non_reentrant_checkpoint, {}),
             "selective": (_selective, {}), "selective_all_matmuls": (_all_matmuls, {}),
+            "selective_unpack": (_unpacked, {}),
             "reentrant-cpu": (ckpt.checkpoint, {"checkpoint_in_cpu": True}),
             "non_reentrant-cpu": (ckpt.non_reentrant_checkpoint, {"checkpoint_in_cpu": True}),
             "rng-tracker": (_tracked, {})}
@@ -161,15 +170,109 @@ def test_full_checkpointing_holds_at_most_a_quarter_of_the_activations():
     full_config = _peak_bytes("full")
     full_reentrant = _peak_bytes("none", api=ckpt.checkpoint)  # the recompute runs under the probe
     selective, all_matmuls = _peak_bytes("selective"), _peak_bytes("selective_all_matmuls")
+    unpack = _peak_bytes("selective_unpack")
     assert none > 0
     assert full_config <= none / 4, (full_config, none)
     assert full_reentrant <= none / 4, (full_reentrant, none)
     # the selective rules keep matmul outputs: between full and none; the default one at most half of none
     assert full_config < selective <= none / 2, (full_config, selective, none)
     assert selective < all_matmuls <= 0.75 * none, (selective, all_matmuls, none)
+    # "selective_unpack" holds what the backward of the up projection, dropout and norm read (their
+    # inputs and the mask) and remakes the up projection's and GELU's outputs: under half of none
+    assert full_config < unpack <= none / 2, (full_config, unpack, none)
     # what "selective" recomputes and "selective_all_matmuls" keeps: the 4x-wide up projection's
     # output, 64 x 4D fp32 per block (policy.py); both keep the down projection's
     assert all_matmuls - selective == 24 * 64 * 4 * D * 4, (all_matmuls, selective)
+
+
+class _ChangesASavedTensor(nn.Module):
+    def forward(self, h):
+        y = torch.sigmoid(h)  # autograd saves sigmoid's output for its backward
+        out = y.sum()
+        y.add_(1)  # ... and it is changed before that backward
+        return out
+
+
+class _ReusesMemory(nn.Module):
+    """A GELU output nobody keeps, then a tensor of the same shape that autograd saves: the allocator
+    hands the second the first's memory unless the policy holds what it recorded until the forward ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, h):
+        torch.nn.functional.gelu(h).sum().detach()
+        u = h * 3
+        return h + u * self.p  # mul saves u
+
+
+class _ChangesACopysSource(nn.Module):
+    """A copy (recomputable, its backward saves nothing) whose source is then changed in place: the
+    copy autograd saves cannot be made again from the source, so it must be held."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, h):
+        a = h * 1
+        y = a.clone()
+        a.mul_(2)
+        return a + y * self.p  # mul saves y
+
+
+@pytest.mark.parametrize("module", [_ReusesMemory, _ChangesACopysSource])
+def test_selective_unpack_remakes_only_what_it_recorded(module):
+    """Gradients equal the plain model's when the allocator reuses a freed output's memory, and when an
+    in-place change made a recorded call stale (then the output is held, not remade)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(module(), module())
+    model = copy.deepcopy(plain)
+    ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
+    x = torch.randn(*plain[0].p.shape, requires_grad=True)
+    for m in (plain, model):
+        m(x).sum().backward()
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+class _SavesItsOutput(nn.Module):
+    def forward(self, h):
+        self.out = torch.sigmoid(h)
+        return self.out * 2
+
+
+def test_selective_unpack_forward_without_backward_frees_everything():
+    """Evaluation with grad on (no backward): what the policy recorded and packed dies with the graph."""
+    import gc
+    from examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))
+    ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
+    seen = []
+    model.blocks[0].fc.register_forward_hook(lambda m, i, out: seen.append(weakref.ref(out)))
+    loss = model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    # an output its own node saves (sigmoid's), held as it is: no cycle through that node
+    sigmoids = nn.Sequential(_SavesItsOutput(), _SavesItsOutput())
+    ckpt.checkpoint_blocks(sigmoids, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
+    out = sigmoids(torch.randn(4, 4, requires_grad=True))
+    seen += [weakref.ref(m.out) for m in sigmoids]
+    del loss, out
+    for m in sigmoids:
+        del m.out
+    gc.collect()
+    assert len(seen) == 3 and all(ref() is None for ref in seen), "a tensor outlived its graph"
+
+
+def test_selective_unpack_refuses_a_saved_tensor_changed_in_place_and_cpu_checkpointing():
+    model = nn.Sequential(_ChangesASavedTensor(), _ChangesASavedTensor())
+    ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
+    with pytest.raises(RuntimeError, match="policy 'selective_unpack'.*changed in place"):
+        model(torch.randn(4, requires_grad=True)).backward()
+    with pytest.raises(ValueError, match="activation_checkpointing.policy: 'selective_unpack'.*cpu_checkpointing"):
+        ckpt.checkpoint_blocks(BlockNet(), ActivationCheckpointingConfig(checkpoint_blocks=True, cpu_checkpointing=True,
+                                                                         policy="selective_unpack"))
 
 
 def test_cpu_checkpointing_bytes_are_reported_to_the_probe():
@@ -202,24 +305,69 @@ def test_each_policy_recomputes_what_its_rule_says_and_the_gpt_stays_exact(dropo
     """The recompute, seen below torch's selective-checkpoint cache: full runs every matmul of a block
     again but its last (the down projection: the recompute stops at the last saved tensor, its input);
     "selective" only the up projection (the one matmul 4x wider than its input) besides the cheap ops;
-    "selective_all_matmuls" no matmul or attention kernel. Loss and gradients are bit-identical to the
-    plain model's, dropout (SDPA's, on the tracked CPU generator) included."""
+    "selective_all_matmuls" no matmul or attention kernel; "selective_unpack" (no checkpoint region:
+    each dropped output remade once when backward unpacks it) the up projection and the cheap ops.
+    Loss and gradients are bit-identical to the plain model's, dropout (SDPA's, on the tracked CPU
+    generator) included."""
     want_loss, want, nothing = _gpt_step("none", dropout)
     assert not nothing
     attention = 2 if dropout else 1  # with dropout, CPU SDPA is the math kernel: two bmm per block
-    matmuls = {"full": 3 + attention, "selective": 1, "selective_all_matmuls": 0}
+    matmuls = {"full": 3 + attention, "selective": 1, "selective_all_matmuls": 0, "selective_unpack": 1}
     for policy, expensive in matmuls.items():
         loss, grads, ran = _gpt_step(policy, dropout)
         assert torch.equal(loss, want_loss), policy
         assert all(torch.equal(grads[n], g) for n, g in want.items()), policy
         assert sum(n for op, n in ran.items() if op.rsplit(".", 1)[0] in EXPENSIVE) == expensive * GPT_LAYERS, \
             (policy, ran)
-        if policy == "selective":
+        if policy in ("selective", "selective_unpack"):
             assert ran["aten.addmm.default"] == GPT_LAYERS, ran  # the up projection, nothing else
         # the cheap rest runs again under every policy: both layer norms and the activation of each block
         assert ran["aten.native_layer_norm.default"] == 2 * GPT_LAYERS and ran["aten.gelu.default"] == GPT_LAYERS
-        if dropout:
-            assert ran["aten.bernoulli_.float"] == GPT_LAYERS, ran  # the dropout mask is drawn again
+        if dropout:  # the dropout mask is drawn again; "selective_unpack" holds it and replays nothing
+            assert ran["aten.bernoulli_.float"] == (0 if policy == "selective_unpack" else GPT_LAYERS), ran
+
+
+class _EveryOp(TorchDispatchMode):
+    """Counts every aten op that runs (forward, recompute and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _every_op_of_a_gpt_step(wrap) -> collections.Counter:
+    from examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=GPT_LAYERS, n_head=2, d_model=32, dropout=0.1))
+    wrap(model)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with _EveryOp() as ops:
+        model(idx, idx).backward()
+    return ops.counts
+
+
+def test_full_runs_exactly_the_ops_of_torchs_own_checkpoint():
+    """Issue 19's floor for full checkpointing: torch's `checkpoint(use_reentrant=False)` wrapped around
+    each block directly. dstrain's `checkpoint_blocks` (policy full) runs the same aten ops, the same
+    number of times, in forward, recompute and backward: no extra copy, detach or kernel of its own
+    (the step-time comparison is benchmarks/bench_long_sequence.py's `torch_full` row)."""
+    def plain(model):
+        pass
+
+    def torchs(model):
+        for block in model.blocks:
+            block.forward = functools.partial(torch_checkpoint, block.forward, use_reentrant=False)
+
+    def dstrains(model):
+        ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="full"))
+
+    ours, floor, none = (_every_op_of_a_gpt_step(wrap) for wrap in (dstrains, torchs, plain))
+    assert ours == floor, {op: (ours[op], floor[op]) for op in ours.keys() | floor.keys() if ours[op] != floor[op]}
+    assert ours != none  # the oracle sees a recompute: full runs more than the plain model
 
 
 # -- config and configure() ---------------------------------------------------------------------------
@@ -364,6 +512,7 @@ SECTIONS = {"full": {"checkpoint_blocks": True}, "selective": {"checkpoint_block
             # no mpu from a config alone: a group of one, whose slices are the whole inputs, in the buffer
             "full-contiguous": {"checkpoint_blocks": True, "partition_activations": True,
                                 "contiguous_memory_optimization": True, "number_checkpoints": 3},
+            "selective_unpack": {"checkpoint_blocks": True, "policy": "selective_unpack"},
             "api-shared": {}}
 
 

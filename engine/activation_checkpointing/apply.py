@@ -6,7 +6,8 @@ the original forward inside `non_reentrant_checkpoint`. The module stays where i
 names, state dicts, checkpoints and ZeRO-3's units (whose hooks sit on the module's `__call__`, outside
 the patched forward, and gather again before the module's backward, i.e. before the recompute) are
 unchanged. The non-reentrant checkpoint takes keyword arguments and inputs that need no gradient,
-which a block's forward may have; the selective policy needs it too.
+which a block's forward may have; the selective policy needs it too. `policy: "selective_unpack"`
+runs the original forward under saved-tensor hooks instead (`unpack_recompute.py`): no region.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn as nn
 
 from .checkpoint import non_reentrant_checkpoint
 from .policy import CONTEXTS
+from .unpack_recompute import recompute_on_unpack
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -45,6 +47,10 @@ def checkpoint_blocks(model: nn.Module, section) -> list[nn.Module]:
     """Patch the chosen modules' forward to run checkpointed (see the module note); returns them.
     Calling it again on a patched module leaves it as it is."""
     context = CONTEXTS.get(section.policy)  # None: "full"
+    if section.policy == "selective_unpack" and (section.cpu_checkpointing or section.partition_activations):
+        raise ValueError("activation_checkpointing.policy: 'selective_unpack' keeps no checkpoint inputs for "
+                         "cpu_checkpointing or partition_activations to move or split; use policy 'full' or "
+                         "'selective' with them")
     blocks = _chosen(model, section)
     for block in blocks:
         if "forward" in vars(block):  # patched already (or by the user)
@@ -54,5 +60,9 @@ def checkpoint_blocks(model: nn.Module, section) -> list[nn.Module]:
         def forward(*args, _original=original, **kwargs):
             return non_reentrant_checkpoint(_original, *args, context_fn=context, **kwargs)
 
-        block.forward = forward
+        def forward_unpacked(*args, _original=original, **kwargs):
+            with recompute_on_unpack():  # no checkpoint region: unpack_recompute.py
+                return _original(*args, **kwargs)
+
+        block.forward = forward_unpacked if section.policy == "selective_unpack" else forward
     return blocks

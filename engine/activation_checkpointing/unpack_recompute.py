@@ -1,0 +1,168 @@
+"""`policy: "selective_unpack"` (dstrain): no checkpoint region at all. The block runs once, as the plain
+model; what autograd would save of a cheap op's output (views, layer norms, GELU, copies) and of a
+widening matmul's (an MLP's up projection) is replaced by how to make it again, and backward remakes
+it when it unpacks it.
+
+[Note: why not a checkpoint region] A checkpointed block runs its whole Python forward again in
+backward (modules, autograd graph, the checkpoint's hooks on every saved tensor) even where a selective
+policy answers every op from its cache: on the example GPT on one CPU thread that alone was a quarter
+to a half of full checkpointing's overhead (bench_long_sequence's `save_every_op` row), which with the
+up projection recomputed (0.4 of full's recomputed work) keeps a region's selective rule above half of
+full's overhead (issue 19). Here only the dropped ops run again, each once, from the exact arguments
+the forward gave them; the forward pays a Python dispatch mode on every op and a hook per saved tensor.
+
+[Note: how] While the block's forward runs, a dispatch mode records the op and arguments that made
+each output of a recomputable op, by its storage and view geometry; saved-tensor hooks then pack a
+saved tensor so made as a `_Remade` (the op, its arguments packed the same way) and anything else as
+it is (`_Held`, with its version: an in-place change before backward is an error, as autograd's own).
+A `_Remade` keeps its result until autograd drops it, so the up projection that both GELU's and the
+down projection's backward need runs once. Arguments a recipe holds are what autograd saves anyway
+(the layer norm's input, the up projection's input, parameters), so the dropped outputs are freed.
+Ops that draw random numbers are never recomputed (dropout is held as the plain model holds it),
+so the RNG needs no replay; the recomputed kernels are the forward's, on the same inputs: exact.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import probe as probes
+from .policy import _MATMULS, _widening
+from .recompute_probe import recomputing
+
+_aten = torch.ops.aten
+CHEAP = frozenset(getattr(_aten, name) for name in ("gelu", "native_layer_norm", "clone", "_unsafe_view", "contiguous")
+                  if hasattr(_aten, name))
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+_NEVER, _ALWAYS, _IF_WIDENING = 0, 1, 2
+_KINDS: dict = {}  # op -> which of the three: the forward asks for every op it runs
+
+
+def _kind(func) -> int:
+    kind = _KINDS.get(func)
+    if kind is None:
+        kind = _KINDS[func] = (_ALWAYS if func.is_view or func.overloadpacket in CHEAP else
+                               _IF_WIDENING if func.overloadpacket in _MATMULS else _NEVER)
+    return kind
+
+
+class _Recorder(TorchDispatchMode):
+    """Records, by `_key`, the call (op, arguments and their versions) that made each output of a
+    recomputable op, and which of its outputs it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kind = _kind(func)
+        if kind == _NEVER or (kind == _IF_WIDENING and not _widening(func, args)):
+            return out
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        call = (func, args, kwargs, tuple(a._version if isinstance(a, torch.Tensor) else None for a in args))
+        # a view with an input's own geometry is that input: keep the input's maker
+        inputs = {_key(a) for a in args if isinstance(a, torch.Tensor)} if func.is_view else ()
+        for index, t in enumerate(outs):
+            if isinstance(t, torch.Tensor):
+                key = _key(t)
+                # the entry holds the output until the block's forward ends, so that no later
+                # tensor is given its memory (and with it its key)
+                if key not in inputs and key not in self.made:
+                    self.made[key] = (call, index if outs is out else None, t._version, t)
+        return out
+
+
+class _Held:
+    """A saved tensor kept as it is, with what the active probes count for it."""
+
+    __slots__ = ("tensor", "version", "tokens")
+
+    def __init__(self, t: torch.Tensor):
+        # a computed tensor is held detached (autograd gives the unpacked one its graph place back):
+        # holding an output its own node saves would make a cycle through that node, and a forward
+        # without a backward would leak it. A leaf (a parameter) is held itself, as autograd does,
+        # so that a parameter whose data is swapped (ZeRO-3's gather) is read as it is in backward.
+        self.tensor = t.detach() if t.grad_fn is not None else t
+        self.version = t._version
+        self.tokens = [p._pack(self.tensor) for p in probes._ACTIVE]  # each probe counts the storage once
+
+    def value(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError("activation_checkpointing.policy 'selective_unpack': a tensor backward needs was "
+                               "changed in place after the forward; use policy 'full' or 'selective' for this module")
+        return self.tensor
+
+
+class _Call:
+    """A recomputable op's call, made again (once) when backward first needs one of its outputs."""
+
+    __slots__ = ("func", "args", "kwargs", "out")
+
+    def __init__(self, func, args, kwargs):
+        self.func, self.args, self.kwargs, self.out = func, args, kwargs, None
+
+    def result(self):
+        if self.out is None:
+            args = [_unpack(a) for a in self.args]
+            with torch.no_grad(), recomputing():  # RecomputeProbe counts what runs again
+                self.out = self.func(*args, **self.kwargs)
+        return self.out
+
+
+class _Remade:
+    """A saved tensor dropped in forward: output `index` of a `_Call` (None: its only output)."""
+
+    __slots__ = ("call", "index")
+
+    def __init__(self, call: _Call, index):
+        self.call, self.index = call, index
+
+    def value(self) -> torch.Tensor:
+        out = self.call.result()
+        return out if self.index is None else out[self.index]
+
+
+class _Packer:
+    def __init__(self, recorder: _Recorder):
+        self.made, self.calls = recorder.made, {}  # id of a recorded call -> its _Call, shared
+
+    def pack(self, t: torch.Tensor):
+        entry = self.made.get(_key(t))
+        if entry is None or entry[2] != t._version:  # not made by a recomputable op, or changed since
+            return _Held(t)
+        (func, args, kwargs, versions), index, _, _ = entry
+        if any(isinstance(a, torch.Tensor) and a._version != v for a, v in zip(args, versions)):
+            return _Held(t)  # an input changed in place since: the op would not make t again
+        call = self.calls.get(id(entry[0]))
+        if call is None:
+            call = self.calls[id(entry[0])] = _Call(
+                func, [self.pack(a) if isinstance(a, torch.Tensor) else a for a in args], kwargs)
+        return _Remade(call, index)
+
+
+def _unpack(packed):
+    return packed.value() if isinstance(packed, (_Held, _Remade)) else packed
+
+
+@contextlib.contextmanager
+def recompute_on_unpack():
+    """Run a module's forward under this: its cheap and widening ops' saved outputs are dropped and
+    remade in backward (module note)."""
+    recorder = _Recorder()
+    packer = _Packer(recorder)
+    # autograd keeps the pack hook with every tensor it saved: a hook holding the packer (and through
+    # it the recorded outputs and their nodes) would make a cycle through those nodes, leaked by a
+    # forward without a backward. The hook reaches the packer weakly; this frame keeps it alive.
+    ref = weakref.ref(packer)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: ref().pack(t), _unpack), recorder:
+        yield
