@@ -201,6 +201,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
                                                       "host_bytes": zopt.partition.num_bytes()["master_grad"],
                                                       "held": swap.held is not None,
                                                       "reads_ahead_used": swap.reads_ahead_used,
+                                                      "read_ahead": swap.read_ahead,
                                                       "held_files_made": swap.held.files_made if swap.held else 0,
                                                       "held_file_left": swap.held is not None
                                                       and os.path.exists(swap.held.path)}

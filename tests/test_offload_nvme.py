@@ -42,6 +42,7 @@ def test_nvme_offload_equals_no_offload_bit_for_bit(runs, stage, opt):
         assert got["state_in_memory"] == 0, f"rank {rank}: optimizer state was built in memory"
         assert got["swap_files"] > 0 and got["skipped"] == 0
         _assert_gradient_swapped(got, stage, f"rank {rank} stage {stage} {opt}")
+        assert got["grad_swap"]["read_ahead"] == (opt == "adamw")  # offload_runs: AdamW's runs pipeline_read
         _assert_same(got, result[(stage, opt, "none")], f"rank {rank} stage {stage} {opt}")
 
 
@@ -56,8 +57,9 @@ def _assert_gradient_swapped(got: dict, stage: int, what: str) -> None:
     assert swap["written"] > 0 and swap["read"] * (2 if stage > 1 else 1) == swap["written"] * (3 if stage > 1 else 2), \
         f"{what}: {swap}"
     assert swap["held"] == (stage > 1), f"{what}: held gradients in a file {swap['held']} (stage 1 keeps .grad)"
-    # the stepper's sub-groups (several per partition here) came from reads started one call ahead
-    assert swap["reads_ahead_used"] > 0, f"{what}: no gradient read-ahead was used ({swap})"
+    # with pipeline_read the stepper's sub-groups (several per partition here) came from reads started
+    # one call ahead, without it none did
+    assert (swap["reads_ahead_used"] > 0) == swap["read_ahead"], f"{what}: gradient read-ahead ({swap})"
     # the first backward held every gradient in the file; emptied, the file is gone (its disk given back)
     assert (swap["held_files_made"] >= 1) == (stage > 1) and not swap["held_file_left"], f"{what}: {swap}"
 

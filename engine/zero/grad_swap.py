@@ -17,13 +17,15 @@ no host bytes at all (`PartitionedParams.flat_grad` holds meta tensors: shapes o
   clip coefficient). A skipped step reads and writes nothing here, and the next window's first
   landing overwrites every slot, as the first reduce-scatter overwrites the in-memory partition.
 Host memory for gradients is then the buckets in flight (REDUCE_DEPTH, partitioned.py) plus one
-staging copy per landing in flight (a bucket's segment) and two sub-groups or NORM_CHUNKs being read,
+staging copy per landing in flight (a bucket's segment), one NORM_CHUNK or two sub-groups being read,
 whatever the model size.
-[Note: read-ahead] The norm and the stepper read their ranges in file order, each the length of the
-one before (NORM_CHUNK; sub_group_size) up to the flat's end. So each such read also starts the next
-range's read, and the next call finds it done or in flight instead of waiting for the disk while the
-CPU idles: the gradient read of sub-group k+1 overlaps the step of k, as the state's reads do
-(`pipeline_read`). A call for another range (Lamb's and Muon's passes read some ranges again) waits
+[Note: read-ahead] The stepper reads its sub-groups in file order, each the length of the one before
+up to the flat's end. So with `offload_optimizer.pipeline_read` (the user's budget for a sub-group
+read in flight) each such read also starts the next sub-group's read, and the next call finds it
+done or in flight instead of waiting for the disk while the CPU idles: the gradient read of sub-group
+k+1 overlaps the step of k, as the state's reads do. The norm's scan
+does not read ahead: its squares cost next to nothing against the read, so a second NORM_CHUNK in
+flight would buy no overlap and cost 4 MiB of host memory (tests/test_offload_memory.py's bound). A call for another range (Lamb's and Muon's passes read some ranges again) waits
 the read-ahead out and drops it, and so do a landing, `zero` and `close` (the file changes), so what
 a read returns is always what the file holds. Lamb and Muon (nvme_per_tensor.py, nvme_muon.py) read it the same way, one
 sub-group at a time (Lamb in its first pass, Muon in its momentum pass and again where a round forms
@@ -98,7 +100,7 @@ class SwappedTargets:
 class GradientSwap:
     """One rank's partition gradient in swap files (module note)."""
 
-    def __init__(self, partition, swap_dir, io, name: str):
+    def __init__(self, partition, swap_dir, io, name: str, read_ahead: bool = False):
         self.partition, self.io = partition, io
         self.numel = {key: flat.numel() for key, flat in partition.flat.items()}
         self.files = {key: swap_dir.file(f"{name}.{i}.grad.swp") for i, key in enumerate(partition.flat)}
@@ -107,6 +109,7 @@ class GradientSwap:
         self.unscale, self.clip_coef = 1.0, None  # this step's factors, applied as ranges are read
         self._made = False  # the files are made at the first landing (fast_init writes no file at initialize)
         self.held = None  # HeldGradients, set by attach_grad_swap
+        self.read_ahead = read_ahead  # offload_optimizer.pipeline_read, as the stepper has it (module note)
         self._ahead = None  # (key, start, stop, handle, buffer): the read started ahead (module note)
         self.reads_ahead_used = 0  # read-aheads a later call took (tests count them)
 
@@ -191,7 +194,7 @@ class GradientSwap:
         over the in-memory flats)."""
         for key, numel in self.numel.items():
             for s, e in norm_ranges(numel) if numel else ():
-                grad = self._unscale(self.read(key, s, e, ahead=True))
+                grad = self._unscale(self.read(key, s, e))  # no read-ahead: the module note says why
                 sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square().to(sq.device)
 
     def clip_to(self, norm: float, max_norm: float) -> None:
@@ -199,7 +202,7 @@ class GradientSwap:
 
     def step_slice(self, key, start: int, stop: int) -> torch.Tensor:
         """The gradient the stepper uses for [start, stop): unscaled, then clipped (stage0.clip_'s rule)."""
-        grad = self._unscale(self.read(key, start, stop, ahead=True))
+        grad = self._unscale(self.read(key, start, stop, ahead=self.read_ahead))
         if self.clip_coef is not None:
             grad.mul_(self.clip_coef)
         return grad
@@ -285,7 +288,8 @@ def attach_grad_swap(zopt) -> None:
     gradient bucket's targets in them."""
     if not zopt.partition.grads_swapped:
         return
-    swap = GradientSwap(zopt.partition, zopt.nvme.swap, zopt.nvme.io, name=f"rank{zopt.comm.rank}")
+    read_ahead = any(part.pipeline_read for part in zopt.nvme.parts.values())  # the pool has room for it
+    swap = GradientSwap(zopt.partition, zopt.nvme.swap, zopt.nvme.io, f"rank{zopt.comm.rank}", read_ahead)
     zopt.grad_swap = zopt.nvme.grad_swap = swap
     if zopt.reduce_every_micro_step:  # stages 2 and 3 (module note: held gradients)
         zopt._accum = swap.held = HeldGradients(zopt.params, zopt.nvme.swap, zopt.nvme.io, name=f"rank{zopt.comm.rank}")
