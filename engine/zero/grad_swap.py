@@ -18,18 +18,18 @@ no host bytes at all (`PartitionedParams.flat_grad` holds meta tensors: shapes o
   landing overwrites every slot, as the first reduce-scatter overwrites the in-memory partition.
 Host memory for gradients is then the buckets in flight (REDUCE_DEPTH, partitioned.py) plus one
 staging copy per landing in flight (a bucket's segment), one NORM_CHUNK or two sub-groups being read,
-whatever the model size.
-[Note: read-ahead] The stepper reads its sub-groups in file order, each the length of the one before
-up to the flat's end. So with `offload_optimizer.pipeline_read` (the user's budget for a sub-group
-read in flight) each such read also starts the next sub-group's read, and the next call finds it
-done or in flight instead of waiting for the disk while the CPU idles: the gradient read of sub-group
-k+1 overlaps the step of k, as the state's reads do. The norm's scan
-does not read ahead: its squares cost next to nothing against the read, so a second NORM_CHUNK in
-flight would buy no overlap and cost 4 MiB of host memory (tests/test_offload_memory.py's bound). A call for another range (Lamb's and Muon's passes read some ranges again) waits
-the read-ahead out and drops it, and so do a landing, `zero` and `close` (the file changes), so what
-a read returns is always what the file holds. Lamb and Muon (nvme_per_tensor.py, nvme_muon.py) read it the same way, one
+whatever the model size. Lamb and Muon (nvme_per_tensor.py, nvme_muon.py) read it the same way, one
 sub-group at a time (Lamb in its first pass, Muon in its momentum pass and again where a round forms
 its update), through the tier's `grad_reader`; a range read twice is the same bits.
+[Note: read-ahead] The stepper reads its sub-groups in file order, each the length of the one before
+up to the flat's end. So with `offload_optimizer.pipeline_read` (the user's budget for a sub-group
+read in flight) each such read also starts the next sub-group's read, and the next call finds it done
+or in flight instead of waiting for the disk while the CPU idles: the gradient read of sub-group k+1
+overlaps the step of k, as the state's reads do. A call for another range (Lamb's and Muon's passes
+read some ranges again) waits the read-ahead out and drops it, and so do a landing, `zero` and
+`close` (the file changes), so what a read returns is always what the file holds. The norm's scan
+does not read ahead: its squares cost next to nothing against the read, so a second NORM_CHUNK in
+flight would buy no overlap and cost 4 MiB of host memory (tests/test_offload_memory.py's bound).
 [Note: held gradients] The first reducing backward of a run holds every full gradient until backward
 ends (arrivals.py's note: it finds parameters whose gradient arrives in pieces), and a deferred
 bucket holds its parameters' gradients too: in memory that is the whole model's gradient, 4 bytes
@@ -154,14 +154,13 @@ class GradientSwap:
         order, so the next range of the same length starts reading now (module note: read-ahead)."""
         self.flush()
         if self._ahead is not None and self._ahead[:3] == (key, start, stop):
-            _, _, _, handle, out = self._ahead
+            handle, out = self._ahead[3:]
             self._ahead = None
-            self.bytes_read += handle.wait()
             self.reads_ahead_used += 1
         else:
             self._drop_ahead()
             handle, out = self._start_read(key, start, stop)
-            self.bytes_read += handle.wait()
+        self.bytes_read += handle.wait()
         if ahead and stop < self.numel[key]:
             nxt = min(stop + (stop - start), self.numel[key])
             self._ahead = (key, stop, nxt, *self._start_read(key, stop, nxt))
