@@ -41,6 +41,13 @@ def _io() -> dict:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
+def _progress(rank: int, t0: float, what: str) -> None:
+    """A line on stderr per phase: a large run that is killed (memory, time) still says how far it got."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"[deepspeed rank {rank}] {time.perf_counter() - t0:.0f} s: {what} (peak RSS {rss:.2f} GiB)",
+          file=sys.stderr, flush=True)
+
+
 def _train(deepspeed, model_cfg: GPTConfig, cfg: dict, steps: int, rank: int, dump: str | None = None) -> dict:
     import psutil
     rss_start = psutil.Process().memory_info().rss
@@ -50,11 +57,13 @@ def _train(deepspeed, model_cfg: GPTConfig, cfg: dict, steps: int, rank: int, du
     remote = cfg["zero_optimization"].get("offload_param", {}).get("device")
     with deepspeed.zero.Init(remote_device=remote, config_dict_or_path=cfg):
         model = GPT(model_cfg)
+    _progress(rank, t0, "zero.Init built the model")
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     built_s = time.perf_counter() - t0
+    _progress(rank, t0, "deepspeed.initialize returned")
     rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     x, y = RandomTokens(cfg["train_micro_batch_size_per_gpu"], model_cfg.seq_len, model_cfg.vocab_size, seed=rank)[:]
-    losses, times, norms = fixed_batch_steps(eng, x, y, steps)
+    losses, times, norms = fixed_batch_steps(eng, x, y, steps, on_step=lambda k: _progress(rank, t0, f"step {k} done"))
     io1 = _io()
     out = {"losses": losses, "step_s": times, "norms": norms, "build_s": built_s, "rss_start": rss_start,
            "rss_after_build": rss_built, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

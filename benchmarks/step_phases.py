@@ -39,18 +39,20 @@ class StepPhases:
         return {name: statistics.median(kept(ms)) for name, ms in self.ms.items() if ms}
 
 
-def fixed_batch_steps(eng, x, y, steps: int,
-                      phases: StepPhases | None = None) -> tuple[list[float], list[float], list[float | None]]:
+def fixed_batch_steps(eng, x, y, steps: int, phases: StepPhases | None = None,
+                      on_step=None) -> tuple[list[float], list[float], list[float | None]]:
     """`steps` steps of `eng` on one batch (bench_infinity and its DeepSpeed peer): each step's loss,
     wall time in seconds and global gradient norm before clipping (`get_global_grad_norm()`, which both
     engines have), each phase's time into `phases` if given. A loss that falls says the updates reach
-    the weights."""
+    the weights. `on_step(k)`, if given, is called after step k (a long run's progress)."""
     losses, times, norms, phases = [], [], [], phases or StepPhases()
-    for _ in range(steps):
+    for k in range(steps):
         t = time.perf_counter()
         loss = phases.train_step(eng, x, y)
         times.append(time.perf_counter() - t)
         losses.append(float(loss.detach()))
         norm = eng.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
+        if on_step is not None:
+            on_step(k)
     return losses, times, norms

@@ -10,6 +10,8 @@ heap once its mmap threshold has risen, and RSS would show the allocator's cache
 rank fixes the threshold with `mallopt(M_MMAP_THRESHOLD)` first (what MALLOC_MMAP_THRESHOLD_ does, but
 the environment variable is read only at process start, and a rank forked from the harness's
 forkserver started long before: measured, the variable then had no effect and the test saw 9 MiB).
+offload/host_heap.py now does the same (at the same 256 KiB) in every process that swaps to NVMe;
+the ranks here also build CPU-offload engines, which do not swap, so they still fix it themselves.
 """
 from __future__ import annotations
 

@@ -1,0 +1,67 @@
+"""A process that swaps to NVMe hands freed large blocks back to the system (offload/host_heap.py's
+note: glibc's dynamic mmap threshold otherwise keeps them in the heap). Each case runs in a fresh
+interpreter: the thresholds are process-wide."""
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A freed 16 MiB block raises glibc's dynamic threshold to 16 MiB; the 8 MiB blocks after it then come
+# from the heap, unless the thresholds are fixed. Creating a SwapDir is what fixes them (the wiring).
+PROBE = r"""
+import ctypes, json, sys, tempfile
+import psutil, torch
+sys.path.insert(0, sys.argv[1])
+from offload import SwapDir
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+with tempfile.TemporaryDirectory() as root:
+    swap = SwapDir.create(root, path_key="zero_optimization.offload_optimizer.nvme_path")
+    proc = psutil.Process()
+    rss0, mapped0 = proc.memory_info().rss, libc.mallinfo2().hblkhd
+    big = torch.ones(4 << 20)
+    del big
+    blocks, small = [], []
+    for _ in range(8):
+        blocks.append(torch.ones(2 << 20))
+        small.append(torch.ones(64))  # outlives its block: a heap block below it could not be trimmed
+    mapped = libc.mallinfo2().hblkhd - mapped0
+    del blocks
+    print(json.dumps({"mapped_mib": mapped / 2**20, "kept_mib": (proc.memory_info().rss - rss0) / 2**20}))
+    swap.close()
+"""
+
+
+def _probe(env_extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(env_extra)
+    out = subprocess.run([sys.executable, "-c", PROBE, str(ROOT)], capture_output=True, text=True, env=env,
+                         timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+needs_glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                 reason="glibc's malloc is what the module tunes")
+
+
+@needs_glibc
+def test_a_swap_dir_makes_large_blocks_mapped_and_returned_on_free():
+    got = _probe({})
+    assert got["mapped_mib"] >= 64, got  # the eight 8 MiB blocks were mmapped, not carved from the heap
+    assert got["kept_mib"] < 8, got      # and freeing them gave the memory back
+
+
+@needs_glibc
+def test_the_users_own_malloc_setting_is_left_alone():
+    # MALLOC_MMAP_THRESHOLD_ at 64 MiB: the user's choice; the blocks then stay in the heap
+    got = _probe({"MALLOC_MMAP_THRESHOLD_": str(64 << 20)})
+    assert got["mapped_mib"] < 8, got
