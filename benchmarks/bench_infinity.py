@@ -31,8 +31,10 @@ the gradient partition in swap files (as it runs) and once in host memory (grad_
 False in the ranks: a benchmark switch, not a config key), each with its median backward and step
 time after the first step (benchmarks/step_phases.py) and rank 0's gradient bytes written and read
 per step against the raw O_DIRECT disk bandwidth measured first under the same directory
-(bench_offload_io.disk_bandwidth, `--disk-mb`). The torch comparison and the parameter files are the
-first kind's run.
+(bench_offload_io.disk_bandwidth, `--disk-mb`). Kind `sync-writes`: the gradient swap as in `swap`,
+but the parameter store's write-behind off (`NvmeParamStore.write_behind` is its synchronous `write`
+in the ranks: a benchmark switch), so `--gradients swap,sync-writes` is write-behind's before/after
+(offload/param_swap.py's note). The torch comparison and the parameter files are the first kind's run.
 """
 from __future__ import annotations
 
@@ -133,7 +135,10 @@ def _rank(model_cfg: GPTConfig, cfg: dict, steps: int, dump: str | None = None, 
     import engine
     from engine.utils import safe_get_full_fp32_param
     from engine.zero import grad_swap
-    grad_swap.SWAP_GRADIENTS = gradients == "swap"  # this rank only (module docstring: --gradients)
+    grad_swap.SWAP_GRADIENTS = gradients != "memory"  # this rank only (module docstring: --gradients)
+    if gradients == "sync-writes":
+        from offload.param_swap import NvmeParamStore
+        NvmeParamStore.write_behind = NvmeParamStore.write
     torch.set_num_threads(1)
     rank = dist.get_rank()
     import psutil
@@ -210,6 +215,10 @@ def print_dstrain(per_rank: list[dict], est, prefix: str = "") -> None:
               f"{out['disk_read'] / mib:.0f} MiB, written {out['disk_written'] / mib:.0f} MiB (parameter store "
               f"{out['store_read'] / mib:.0f} / {out['store_written'] / mib:.0f} MiB); host flat "
               f"{out['partition_host_bytes']} bytes")
+
+
+KIND_LABEL = {"swap": "", "memory": "[gradient partition in memory] ",
+              "sync-writes": "[parameter writes synchronous, no write-behind] "}
 
 
 def _print_gradient_costs(runs: dict, disk: tuple[float, float], steps: int) -> None:
@@ -322,7 +331,7 @@ def run_and_report(args, model_cfg: GPTConfig, cfg: dict, est, dumps: str | None
     disk = None
     used = DiskUse(nvme_path)
     try:
-        if "memory" in kinds:  # the bandwidth the gradient bytes are set against, where the swap files go
+        if len(kinds) > 1:  # the bandwidth the gradient bytes are set against, where the swap files go
             from benchmarks.bench_offload_io import disk_bandwidth
             with tempfile.TemporaryDirectory(dir=nvme_path) as d:
                 disk = disk_bandwidth(d, args.disk_mb * 2**20, repeats=2)
@@ -341,7 +350,7 @@ def run_and_report(args, model_cfg: GPTConfig, cfg: dict, est, dumps: str | None
     print(f"peak disk use under {nvme_path}: {used.peak / 1e9:.1f} GB above the start "
           "(the file system's used bytes, sampled every 0.5 s: other writers on it count too)")
     for kind, ranks in runs.items():
-        print_dstrain(ranks, est, "" if kind == "swap" else "[gradient partition in memory] ")
+        print_dstrain(ranks, est, KIND_LABEL[kind])
     if disk is not None:
         _print_gradient_costs(runs, disk, args.steps)
     if peer is not None:
@@ -389,7 +398,7 @@ def _parser() -> argparse.ArgumentParser:
     for tier in ("param", "optimizer"):
         p.add_argument(f"--offload-{tier}", choices=("nvme", "cpu", "none"), default="nvme",
                        help=f"offload_{tier}.device (default nvme: ZeRO-Infinity)")
-    p.add_argument("--gradients", default="swap", help="comma list of swap, memory: where dstrain's gradient "
+    p.add_argument("--gradients", default="swap", help="comma list of swap, memory, sync-writes: where dstrain's gradient "
                    "partition lives, one run each (module docstring)")
     p.add_argument("--disk-mb", type=int, default=256, help="file size of the raw O_DIRECT bandwidth measurement")
     return p
@@ -399,8 +408,8 @@ def main(argv=None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     kinds = args.gradients.split(",")
-    if not kinds or set(kinds) - {"swap", "memory"}:
-        p.error(f"--gradients {args.gradients!r}: expected a comma list of swap, memory")
+    if not kinds or set(kinds) - set(KIND_LABEL):
+        p.error(f"--gradients {args.gradients!r}: expected a comma list of {', '.join(KIND_LABEL)}")
     group = limit_memory(args.memory_limit_gib) if args.memory_limit_gib else None
     made = args.nvme_path is None
     nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="bench-infinity-")
