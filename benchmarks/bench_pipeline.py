@@ -22,9 +22,10 @@ Interleaved and zero-bubble rows use 2 chunks per rank. These machines are share
 ratios, and the load printed with them.
 `--timeline` prints, per rank, every action, wait and post of two dstrain-1f1b steps after `--steps`
 warm-up ones (benchmarks/pipe_timeline.py; docs/parallelism.md reads one).
-`--paired` steps dstrain's 1f1b and torch's bare schedule alternately in the same processes and
-reports the median ratio of the step pairs and each rank's median CPU time per step (process CPU time,
-gloo's threads included: less distorted by a shared machine than wall time).
+`--paired` steps dstrain's 1f1b and torch's bare schedule alternately in the same processes, each step
+from aligned ranks (an untimed barrier), and reports the median ratio of the step pairs and each rank's
+median CPU time per step (process CPU time, gloo's threads included: less distorted by a shared machine
+than wall time; and the main thread's alone, the Python and kernels in and around the schedule).
 `--tensor-parallel T` adds pipeline × tensor parallelism rows instead: examples/gpt_pipe.py's GPT
 (d_model 256, 4 blocks, seq 64) in 1F1B on `stages` × T ranks with AutoTP (`autotp_size: T`), with
 `pipeline.pipe_partitioned`/`grad_partitioned` true (the default: slices cross the boundary) and false
@@ -107,11 +108,13 @@ def _timed(step, i: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _timed_cpu(step, i: int) -> tuple[float, float]:
-    """(wall ms, this process's CPU ms, all its threads: gloo's transport included) of one step."""
-    c0, t0 = time.process_time(), time.perf_counter()
+def _timed_cpu(step, i: int) -> tuple[float, float, float]:
+    """(wall ms, this process's CPU ms, all its threads: gloo's transport included, and the calling
+    thread's CPU ms: the Python and kernels around and inside the schedule, without gloo's threads) of
+    one step."""
+    c0, m0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
     step(i)
-    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3, (time.thread_time() - m0) * 1e3
 
 
 def _dstrain(schedule: str, m: int, steps: int) -> dict:
@@ -143,25 +146,37 @@ def _torch_native(m: int, steps: int) -> dict:
 
 def _paired(m: int, steps: int) -> dict:
     """dstrain's 1f1b and torch's bare schedule stepped alternately in the same processes: each pair of
-    steps sees the same load, so their ratio is steadier than that of separate runs."""
+    steps sees the same load, so their ratio is steadier than that of separate runs. Each timed step
+    starts from aligned ranks (an untimed barrier): torch's step ends on each rank when that rank is
+    done (the last stage one backward before the first), dstrain's on the norm's all-reduce, so without
+    it the skew torch's step leaves was timed in the next dstrain step (m = 1, 256 rows, one run on the
+    shared machine: 1.30 without, 1.04 with the barrier, at equal CPU per step)."""
+    import torch.distributed as dist
     eng, _, ours = _dstrain_stepper("1f1b", m, steps)
     theirs = _torch_stepper(m, steps)
-    pairs = [(_timed_cpu(ours, i), _timed_cpu(theirs, i)) for i in range(steps)]
+
+    def aligned(step, i: int):
+        dist.barrier()
+        return _timed_cpu(step, i)
+    pairs = [(aligned(ours, i), aligned(theirs, i)) for i in range(steps)]
     eng.destroy()
     return {"dstrain": [a[0] for a, _ in pairs], "torch": [b[0] for _, b in pairs],
-            "dstrain_cpu": measured([a[1] for a, _ in pairs]), "torch_cpu": measured([b[1] for _, b in pairs])}
+            "dstrain_cpu": measured([a[1] for a, _ in pairs]), "torch_cpu": measured([b[1] for _, b in pairs]),
+            "dstrain_main": measured([a[2] for a, _ in pairs]), "torch_main": measured([b[2] for _, b in pairs])}
 
 
 def _paired_rows(stages: int, ms: list[int], steps: int) -> None:
     print(f"{'p':>2} {'m':>2} {'dstrain-1f1b ms':>15} {'torch ms':>9} {'median pair ratio':>17} "
-          f"{'CPU ms/step per rank, dstrain':>29} {'torch':>13}")
+          f"{'CPU ms/step per rank, dstrain':>29} {'torch':>13} {'main thread, dstrain':>20} {'torch':>13}")
     for m in ms:
         ranks = run_distributed(_paired, world_size=stages, args=(m, steps), timeout=1800)
         slowest = {k: [max(r[k][i] for r in ranks) for i in range(steps)] for k in ("dstrain", "torch")}
         ratios = [a / b for a, b in zip(slowest["dstrain"], slowest["torch"])]
-        cpu = {k: "/".join(f"{r[k + '_cpu']:.1f}" for r in ranks) for k in ("dstrain", "torch")}
+        cpu = {k: "/".join(f"{r[k]:.1f}" for r in ranks)
+               for k in ("dstrain_cpu", "torch_cpu", "dstrain_main", "torch_main")}
         print(f"{stages:>2} {m:>2} {measured(slowest['dstrain']):>15.1f} {measured(slowest['torch']):>9.1f} "
-              f"{measured(ratios):>17.2f} {cpu['dstrain']:>29} {cpu['torch']:>13}", flush=True)
+              f"{measured(ratios):>17.2f} {cpu['dstrain_cpu']:>29} {cpu['torch_cpu']:>13} "
+              f"{cpu['dstrain_main']:>20} {cpu['torch_main']:>13}", flush=True)
 
 
 def _timeline(m: int, steps: int, record: int) -> dict:

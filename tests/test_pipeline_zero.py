@@ -4,7 +4,10 @@ the whole model's gradient (the tied embedding counted once); an Inf produced on
 rank skip that step; ZeRO-3 in each stage (gathered once per step for all micro-batches, reduce-scattered
 once after the last) equals the same reference, also clipped with an Inf on one stage, under the
 interleaved and zero-bubble schedules, and with optimizer and parameters offloaded to the host; in bf16
-its update is within 5% of the fp32 reference's, as ZeRO-1's."""
+its update is within 5% of the fp32 reference's, as ZeRO-1's. In fp16 an overflow on one stage skips the
+step on every rank with the loss scale halved everywhere and nothing stepped, ZeRO-3 bit for bit as
+ZeRO-1; the NVMe tiers (optimizer at ZeRO-2; optimizer and parameters at ZeRO-3) train bit for bit as
+the same runs in memory. All in one 4-rank spawn."""
 from __future__ import annotations
 
 import pytest
@@ -16,6 +19,17 @@ from tests.pipe_models import Reference, global_batches, lm_loss, reference_para
 from tests.test_pipeline import LR, MICRO, STEPS, _check_against_reference, _config, _train
 
 GAS, INF_STEP, CLIP = 2, 2, 0.05
+FP16, MOMENTUM = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, 0.9
+
+
+def _poison_stage_one(eng, pm, inf_at: int | None) -> list:
+    """A hook on the second stage's hidden layer that makes its gradient Inf while the returned list is
+    non-empty (the caller fills it at step `inf_at`); no hook elsewhere or without `inf_at`."""
+    poison: list = []
+    if inf_at is not None and eng.stage_id == 1:
+        layer = next(m for n, m in pm.named_children() if n.isdigit() and isinstance(m, torch.nn.Linear))
+        layer.weight.register_hook(lambda g: g * float("inf") if poison else g)
+    return poison
 
 
 def _train_with(zero: int, clip: float = 0.0, inf_at: int | None = None, extra: dict | None = None):
@@ -25,17 +39,15 @@ def _train_with(zero: int, clip: float = 0.0, inf_at: int | None = None, extra: 
     pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
     eng, *_ = engine.initialize(model=pm, config=_config("1f1b", GAS, zero, {"gradient_clipping": clip, **(extra or {})}))
     dp, dp_rank = eng.comm.world_size, eng.comm.rank
-    poison = []
-    if inf_at is not None and eng.stage_id == 1:  # only the second stage's hidden layer sees it
-        layer = next(m for n, m in pm.named_children() if n.isdigit() and isinstance(m, torch.nn.Linear))
-        layer.weight.register_hook(lambda g: g * float("inf") if poison else g)
-    start = {n: safe_get_full_fp32_param(p) for n, p in pm.named_parameters()} if extra else None
+    poison = _poison_stage_one(eng, pm, inf_at)
+    low = extra is not None and "bf16" in extra
+    start = {n: safe_get_full_fp32_param(p) for n, p in pm.named_parameters()} if low else None
     losses, norms = [], []
     for step, (x, y) in enumerate(global_batches(STEPS, MICRO * GAS * dp, True)):
         poison[:] = [True] if step == inf_at else []
         losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))))
         norms.append(eng.get_global_grad_norm())
-    if extra:  # low precision: the fp32 master weights' total update (they start from the rounded weights)
+    if low:  # the fp32 master weights' total update (they start from the rounded weights)
         return ({n: safe_get_full_fp32_param(p) - start[n] for n, p in pm.named_parameters()}, losses, norms,
                 eng.skipped_steps)
     return ({n: p.detach().clone() for n, p in pm.named_parameters()}, losses, norms, eng.skipped_steps)
@@ -50,11 +62,18 @@ def _all_cases():
             "zero3_zero_bubble": _zero3(schedule="zero_bubble", virtual=2),
             "zero3_bf16": _zero3(extra={"bf16": {"enabled": True}}),
             "zero3_offload": _zero3(extra={"zero_optimization": {"offload_optimizer": {"device": "cpu"},
-                                                                 "offload_param": {"device": "cpu"}}})}
+                                                                 "offload_param": {"device": "cpu"}}}),
+            # fp16 with an overflow on one stage, with and without ZeRO-3; the NVMe tiers at stages 2 and 3
+            "fp16_zero1": _fp16(1), "fp16_zero3": _fp16(3),
+            "zero2_nvme": _offloaded_to_nvme(2), "zero3_nvme": _offloaded_to_nvme(3)}
 
 
-def test_two_stages_by_two_data_ranks():
-    per_rank = run_distributed(_all_cases, world_size=4, timeout=300)
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_distributed(_all_cases, world_size=4, timeout=300)
+
+
+def test_two_stages_by_two_data_ranks(per_rank):
     for zero in ("zero1", "zero2"):
         _check_against_reference([r[zero][:3] for r in per_rank], tied=True, gas=GAS, dp=2, n_layers=6)
     # clipping: the world's norm, identical on all 4 ranks, and the reference's clipped trajectory
@@ -137,6 +156,47 @@ def test_two_stages_by_two_data_ranks():
             torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=f"ZeRO-3 clipped, {name}")
 
 
+def test_fp16_overflow_on_one_stage_skips_everywhere_with_and_without_zero3(per_rank):
+    """An Inf on stage 1 only: with ZeRO-1 and with ZeRO-3 every rank skips that one step, halves the loss
+    scale (hysteresis 1), and leaves every master weight and momentum buffer as it was; the updates are
+    the fp32 reference's (which skips the same step) within 5% or 1e-4 (fp16 rounds to ~0.05%; they differ
+    by at most 3e-5 on updates up to 3.5e-2, a gradient off by 2x or unscaled by 256 by far more), and
+    ZeRO-3's equal ZeRO-1's bit for bit: both run the same fp16 forward and backward and, on 2 data ranks,
+    add the same two gradients (an all-reduce against a reduce-scatter: a + b either way)."""
+    ref, _ = reference_sgd(tied_specs(4), global_batches(STEPS, MICRO * GAS * 2, True), lm_loss, LR, STEPS,
+                           skip={INF_STEP}, momentum=MOMENTUM)
+    want, init = reference_params(ref), reference_params(Reference(tied_specs(4)))
+    scale = 2.0 ** FP16["initial_scale_power"]
+    for rank, r in enumerate(per_rank):
+        for case in ("fp16_zero1", "fp16_zero3"):
+            got = r[case]
+            assert got["skipped"] == 1, (rank, case, got["skipped"])
+            assert got["scales"] == [scale] * INF_STEP + [scale / 2] * (STEPS - INF_STEP), (rank, case, got["scales"])
+            before, after = got["around"]
+            for name, (master, momentum) in before.items():
+                assert torch.equal(master, after[name][0]) and torch.equal(momentum, after[name][1]), (rank, case, name)
+            for name, update in got["update"].items():
+                torch.testing.assert_close(update, want[name] - init[name], rtol=5e-2, atol=1e-4,
+                                           msg=f"rank {rank} {case}: update of {name}")
+        for name, update in r["fp16_zero3"]["update"].items():
+            assert torch.equal(update, r["fp16_zero1"]["update"][name]), f"rank {rank}: ZeRO-3 against ZeRO-1, {name}"
+
+
+def test_nvme_tiers_in_a_pipeline_equal_the_runs_in_memory_bit_for_bit(per_rank):
+    """The optimizer on NVMe at ZeRO-2, and optimizer and parameters on NVMe at ZeRO-3 (every gather of
+    the held step reading the files): weights, losses and norms equal to the same run in memory."""
+    for rank, r in enumerate(per_rank):
+        for nvme, memory in (("zero2_nvme", r["zero2"]), ("zero3_nvme", r["zero3"]["run"])):
+            got = r[nvme]
+            assert got["swap_files"] > 0, (rank, nvme)
+            run = got["run"] if nvme == "zero2_nvme" else got["run"]["run"]
+            params, losses, norms, skipped = run
+            assert skipped == 0 and losses == memory[1] and norms == memory[2], (rank, nvme, losses, memory[1])
+            for name, p in params.items():
+                assert torch.equal(p, memory[0][name]), f"rank {rank} {nvme}: {name} differs from the run in memory"
+        assert r["zero3_nvme"]["run"]["param_read"] > 0, f"rank {rank}: no parameter read from the files"
+
+
 def _built_in_zero_init() -> str | None:
     """A PipelineModule built inside engine.zero.Init: refused before any layer is built."""
     import engine
@@ -181,10 +241,7 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None, schedule: str = "1f1b",
     finally:
         os.environ.pop("DSTRAIN_OFFLOAD_STAGE_COPIES")
     zopt, dp, dp_rank = eng.zero_optimizer, eng.comm.world_size, eng.comm.rank
-    poison = []
-    if inf_at is not None and eng.stage_id == 1:  # only the second stage's hidden layer sees it
-        layer = next(m for n, m in pm.named_children() if n.isdigit() and isinstance(m, torch.nn.Linear))
-        layer.weight.register_hook(lambda g: g * float("inf") if poison else g)
+    poison = _poison_stage_one(eng, pm, inf_at)
     losses, norms, calls, between, at_step = [], [], [], [], []
     opt_step = zopt.step  # wrapped: the parameter elements this rank holds when the optimizer step starts
     zopt.step = lambda *a, **k: (at_step.append(sum(p.numel() for p in pm.parameters())), opt_step(*a, **k))[1]
@@ -212,6 +269,53 @@ def _zero3(clip: float = 0.0, inf_at: int | None = None, schedule: str = "1f1b",
     return {"run": (params, losses, norms, eng.skipped_steps), "calls": calls, "between": between, "saved": saved,
             "at_step": at_step,
             "evaluated": evaluated, "after_eval": after_eval,
-            "groups": len(zopt.coordinator.groups), "buckets": len(zopt.buckets), "staged": zopt.tier.staged}
+            "groups": len(zopt.coordinator.groups), "buckets": len(zopt.buckets), "staged": zopt.tier.staged,
+            "param_read": zopt.partition.store.bytes_read if zopt.partition.store.swapped else 0}
 
 
+def _fp16(zero: int) -> dict:
+    """fp16 weights (dynamic loss scale from 2**8, hysteresis 1: an overflow halves it at once), SGD with
+    momentum and no clipping, an Inf on stage 1 at INF_STEP; `zero` 1 or 3 (every parameter partitioned).
+    Returns the fp32 master weights' total update, the skips, the loss scale after each step, and the
+    master weights and momentum around the skipped step (each as every parameter's full tensor)."""
+    import engine
+    from engine.pipe import PipelineModule
+    from engine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
+    sgd = {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}}
+    cfg = _config("1f1b", GAS, zero, {"fp16": FP16, "optimizer": sgd,
+                                      "zero_optimization": {"stage": zero, "stage3_param_persistence_threshold": 0}})
+    eng, *_ = engine.initialize(model=pm, config=cfg)
+    dp, dp_rank = eng.comm.world_size, eng.comm.rank
+    poison = _poison_stage_one(eng, pm, INF_STEP)
+
+    def state() -> dict:
+        return {n: (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "momentum_buffer"))
+                for n, p in pm.named_parameters()}
+    start, scales, around = state(), [], []
+    for step, (x, y) in enumerate(global_batches(STEPS, MICRO * GAS * dp, True)):
+        poison[:] = [True] if step == INF_STEP else []
+        if step == INF_STEP:
+            around.append(state())
+        eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))
+        scales.append(eng.zero_optimizer.guard.scaler.loss_scale)
+        if step == INF_STEP:
+            around.append(state())
+    update = {n: master - start[n][0] for n, (master, _) in state().items()}
+    return {"update": update, "skipped": eng.skipped_steps, "scales": scales, "around": around}
+
+
+def _offloaded_to_nvme(zero: int) -> dict:
+    """fp32 SGD with the optimizer on NVMe (`zero` 2: its state and master; 3: and the parameters, none
+    kept in host memory: every gather reads the files) under a fresh directory: `_zero3`'s or
+    `_train_with`'s result, to compare bit for bit with the same run in memory."""
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        tiers = {"offload_optimizer": {"device": "nvme", "nvme_path": d}}
+        if zero == 2:
+            run = _train_with(2, extra={"zero_optimization": {"stage": 2, **tiers}})
+        else:
+            tiers["offload_param"] = {"device": "nvme", "nvme_path": d, "max_in_cpu": 0, "buffer_count": 1}
+            run = _zero3(extra={"zero_optimization": tiers})
+        return {"run": run, "swap_files": sum(len(files) for _, _, files in os.walk(d))}
