@@ -43,16 +43,27 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-_NEVER, _ALWAYS, _IF_WIDENING = 0, 1, 2
-_KINDS: dict = {}  # op -> which of the three: the forward asks for every op it runs
+_NEVER, _ALWAYS, _IF_WIDENING, _VIEW = 0, 1, 2, 3
+_KINDS: dict = {}  # op -> which of the four: the forward asks for every op it runs
 
 
 def _kind(func) -> int:
     kind = _KINDS.get(func)
     if kind is None:
-        kind = _KINDS[func] = (_ALWAYS if func.is_view or func.overloadpacket in CHEAP else
+        # detach: its output is its input's geometry, never recorded (the pack hooks' own detaches, too)
+        kind = _KINDS[func] = (_NEVER if func.overloadpacket is _aten.detach else
+                               _VIEW if func.is_view or func.overloadpacket is _aten._unsafe_view else
+                               _ALWAYS if func.overloadpacket in CHEAP else
                                _IF_WIDENING if func.overloadpacket in _MATMULS else _NEVER)
     return kind
+
+
+def _view_worth_recording(made: dict, args) -> bool:
+    """A view is remade only from a tensor that is remade too (recorded here) or from a parameter (read
+    as it is in backward: ZeRO-3 gathers it again); a view of a tensor held anyway costs nothing to
+    hold, and remaking it would be Python work for no memory."""
+    a = args[0] if args else None
+    return isinstance(a, torch.Tensor) and ((a.grad_fn is None and a.requires_grad) or _key(a) in made)
 
 
 class _Region:
@@ -104,7 +115,8 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         kind = _kind(func)
-        if kind == _NEVER or (kind == _IF_WIDENING and not _widening(func, args)):
+        if kind == _NEVER or (kind == _IF_WIDENING and not _widening(func, args)) or \
+                (kind == _VIEW and not _view_worth_recording(self.region.made, args)):
             return out
         self.region.record(func, args, kwargs, out)
         return out
