@@ -7,7 +7,8 @@ names, state dicts, checkpoints and ZeRO-3's units (whose hooks sit on the modul
 the patched forward, and gather again before the module's backward, i.e. before the recompute) are
 unchanged. The non-reentrant checkpoint takes keyword arguments and inputs that need no gradient,
 which a block's forward may have; the selective policy needs it too. `policy: "selective_unpack"`
-runs the original forward under saved-tensor hooks instead (`unpack_recompute.py`): no region.
+runs the original forward under saved-tensor hooks instead (`unpack_recompute.py`): no checkpoint
+region; the model's own forward runs under them too (the note below).
 """
 from __future__ import annotations
 
