@@ -286,6 +286,25 @@ def test_selective_unpack_forward_without_backward_frees_everything():
     assert len(seen) == 3 and all(ref() is None for ref in seen), "a tensor outlived its graph"
 
 
+class _CopiesWithoutGrad(nn.Module):
+    def forward(self, h):
+        with torch.no_grad():
+            scratch = h.clone()  # a recomputable op, but under no_grad: nothing backward could need
+        self.scratch = weakref.ref(scratch)
+        del scratch
+        self.freed_at_once = self.scratch() is None
+        return h * 2
+
+
+def test_selective_unpack_keeps_nothing_made_under_no_grad_alive():
+    """A copy made under no_grad inside a region (as ZeRO-3's gathers in the blocks' hooks, which run in
+    the model's own region) is freed when it is dropped, not held to the region's end."""
+    model = nn.Sequential(_CopiesWithoutGrad(), _CopiesWithoutGrad())
+    ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
+    model(torch.randn(4, requires_grad=True)).sum().backward()
+    assert all(m.freed_at_once for m in model)
+
+
 def test_selective_unpack_refuses_a_saved_tensor_changed_in_place_and_cpu_checkpointing():
     model = nn.Sequential(_ChangesASavedTensor(), _ChangesASavedTensor())
     ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
@@ -328,8 +347,8 @@ def test_each_policy_recomputes_what_its_rule_says_and_the_gpt_stays_exact(dropo
     "selective" only the up projection (the one matmul 4x wider than its input) besides the cheap ops;
     "selective_all_matmuls" no matmul or attention kernel; "selective_unpack" (no checkpoint region:
     each dropped output remade once when backward unpacks it) the up projection and the cheap ops, and
-    the final layer norm (not the head's matmul: its logits are not saved). Loss and gradients are bit-identical to the plain model's, dropout (SDPA's, on the tracked CPU
-    generator) included."""
+    the final layer norm (not the head's matmul: its logits are not saved). Loss and gradients are
+    bit-identical to the plain model's, dropout (SDPA's, on the tracked CPU generator) included."""
     want_loss, want, nothing = _gpt_step("none", dropout)
     assert not nothing
     attention = 2 if dropout else 1  # with dropout, CPU SDPA is the math kernel: two bmm per block

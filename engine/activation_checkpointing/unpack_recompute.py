@@ -115,7 +115,9 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         kind = _kind(func)
-        if kind == _NEVER or (kind == _IF_WIDENING and not _widening(func, args)) or \
+        # nothing made under no_grad (ZeRO-3's gathers in the blocks' hooks, which run inside the model's
+        # region) is recorded: no tensor of it is kept alive to the region's end for a backward
+        if kind == _NEVER or not torch.is_grad_enabled() or (kind == _IF_WIDENING and not _widening(func, args)) or \
                 (kind == _VIEW and not _view_worth_recording(self.region.made, args)):
             return out
         self.region.record(func, args, kwargs, out)
