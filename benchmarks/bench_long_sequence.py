@@ -153,8 +153,9 @@ def checkpointing_table(args, device) -> None:
     base_ms, base_b, _ = rows["none"]
     full_overhead, full_recompute = rows["full"][0] - base_ms, rows["full"][2][0]
     for policy, (ms, b, (recompute, top)) in rows.items():
+        # three decimals: the goal is a bound at 0.5 that the benchmark GPT meets by 0.002
         # what torch keeps for a policy of its own is not reported to the probe (policy.py reports its rules')
-        memory = "— | —" if policy == "save_every_op" else f"{b / 2**20:.1f} | {b / base_b:.2f}"
+        memory = "— | —" if policy == "save_every_op" else f"{b / 2**20:.1f} | {b / base_b:.3f}"
         recomputed = "— | — | —" if policy == "torch_full" else \
             f"{recompute:.1f} | {recompute / full_recompute:.2f} | {top}"
         print(f"| {policy} | {ms:.1f} | {ms / base_ms - 1:+.0%} | {(ms - base_ms) / full_overhead:.2f} | {memory} | "

@@ -59,7 +59,8 @@ class ActivationCheckpointingConfig(StrictModel):
     matrix products (but not of those that widen 4x or more, an MLP's up projection), attention and
     collectives and recomputes the rest; "selective_all_matmuls" keeps every matrix product's output;
     "selective_unpack" runs the block once, drops the saved outputs of views, layer norms, GELU, copies
-    and widening matrix products, and remakes each when backward unpacks it (no region re-run)."""
+    and widening matrix products, and remakes each when backward unpacks it (no region re-run); the
+    model's forward outside the blocks too (a GPT's final layer norm)."""
 
 
 class SparseAttentionConfig(StrictModel):

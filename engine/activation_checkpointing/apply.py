@@ -7,7 +7,8 @@ names, state dicts, checkpoints and ZeRO-3's units (whose hooks sit on the modul
 the patched forward, and gather again before the module's backward, i.e. before the recompute) are
 unchanged. The non-reentrant checkpoint takes keyword arguments and inputs that need no gradient,
 which a block's forward may have; the selective policy needs it too. `policy: "selective_unpack"`
-runs the original forward under saved-tensor hooks instead (`unpack_recompute.py`): no region.
+runs the original forward under saved-tensor hooks instead (`unpack_recompute.py`): no checkpoint
+region; the model's own forward runs under them too (the note below).
 """
 from __future__ import annotations
 
@@ -65,4 +66,22 @@ def checkpoint_blocks(model: nn.Module, section) -> list[nn.Module]:
                 return _original(*args, **kwargs)
 
         block.forward = forward_unpacked if section.policy == "selective_unpack" else forward
+    if section.policy == "selective_unpack" and model not in blocks and "forward" not in vars(model):
+        _unpack_outside_blocks(model)
     return blocks
+
+
+def _unpack_outside_blocks(model: nn.Module) -> None:
+    """[Note: the model's own region] Under "selective_unpack" the model's forward is a region too, the
+    blocks' regions nested in it (one dispatch mode for all: unpack_recompute.py), so the same rule
+    covers what runs outside the blocks: a GPT's final layer norm output, which its head's matmul
+    saves, is remade from that norm's input (the last block's output, held anyway). A head's logits
+    are recorded too (a widening matmul) but a cross-entropy saves only their log-softmax, which no
+    rule drops (it is what its backward reads): nothing of the head is recomputed."""
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        with recompute_on_unpack():
+            return original(*args, **kwargs)
+
+    model.forward = forward

@@ -24,6 +24,7 @@ so the RNG needs no replay; the recomputed kernels are the forward's, on the sam
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 
 import torch
@@ -42,32 +43,41 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-_NEVER, _ALWAYS, _IF_WIDENING = 0, 1, 2
-_KINDS: dict = {}  # op -> which of the three: the forward asks for every op it runs
+_NEVER, _ALWAYS, _IF_WIDENING, _VIEW = 0, 1, 2, 3
+_KINDS: dict = {}  # op -> which of the four: the forward asks for every op it runs
 
 
 def _kind(func) -> int:
     kind = _KINDS.get(func)
     if kind is None:
-        kind = _KINDS[func] = (_ALWAYS if func.is_view or func.overloadpacket in CHEAP else
+        # detach: its output is its input's geometry, never recorded (the pack hooks' own detaches, too)
+        kind = _KINDS[func] = (_NEVER if func.overloadpacket is _aten.detach else
+                               _VIEW if func.is_view or func.overloadpacket is _aten._unsafe_view else
+                               _ALWAYS if func.overloadpacket in CHEAP else
                                _IF_WIDENING if func.overloadpacket in _MATMULS else _NEVER)
     return kind
 
 
-class _Recorder(TorchDispatchMode):
-    """Records, by `_key`, the call (op, arguments and their versions) that made each output of a
-    recomputable op, and which of its outputs it is."""
+def _view_worth_recording(made: dict, args) -> bool:
+    """A view is remade only from a tensor that is remade too (recorded here) or from a parameter (read
+    as it is in backward: ZeRO-3 gathers it again); a view of a tensor held anyway costs nothing to
+    hold, and remaking it would be Python work for no memory."""
+    a = args[0] if args else None
+    return isinstance(a, torch.Tensor) and ((a.grad_fn is None and a.requires_grad) or _key(a) in made)
+
+
+class _Region:
+    """One block's forward (or the model's, outside its blocks): by `_key`, the call (op, arguments
+    and their versions) that made each output of a recomputable op, and which of its outputs it is;
+    and the `_Call`s its packs share."""
+
+    __slots__ = ("made", "calls")
 
     def __init__(self):
-        super().__init__()
         self.made: dict = {}
+        self.calls: dict = {}  # id of a recorded call -> its _Call
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        kind = _kind(func)
-        if kind == _NEVER or (kind == _IF_WIDENING and not _widening(func, args)):
-            return out
+    def record(self, func, args, kwargs, out) -> None:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         call = (func, args, kwargs, tuple(a._version if isinstance(a, torch.Tensor) else None for a in args))
         # a view with an input's own geometry is that input: keep the input's maker
@@ -75,10 +85,42 @@ class _Recorder(TorchDispatchMode):
         for index, t in enumerate(outs):
             if isinstance(t, torch.Tensor):
                 key = _key(t)
-                # the entry holds the output until the block's forward ends, so that no later
+                # the entry holds the output until the region's forward ends, so that no later
                 # tensor is given its memory (and with it its key)
                 if key not in inputs and key not in self.made:
                     self.made[key] = (call, index if outs is out else None, t._version, t)
+
+    def pack(self, t: torch.Tensor):
+        entry = self.made.get(_key(t))
+        if entry is None or entry[2] != t._version:  # not made by a recomputable op, or changed since
+            return _Held(t)
+        (func, args, kwargs, versions), index, _, _ = entry
+        if any(isinstance(a, torch.Tensor) and a._version != v for a, v in zip(args, versions)):
+            return _Held(t)  # an input changed in place since: the op would not make t again
+        call = self.calls.get(id(entry[0]))
+        if call is None:
+            call = self.calls[id(entry[0])] = _Call(
+                func, [self.pack(a) if isinstance(a, torch.Tensor) else a for a in args], kwargs)
+        return _Remade(call, index)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records each recomputable op's call into the region whose forward runs now (`region`)."""
+
+    def __init__(self, region: _Region):
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kind = _kind(func)
+        # nothing made under no_grad (ZeRO-3's gathers in the blocks' hooks, which run inside the model's
+        # region) is recorded: no tensor of it is kept alive to the region's end for a backward
+        if kind == _NEVER or not torch.is_grad_enabled() or (kind == _IF_WIDENING and not _widening(func, args)) or \
+                (kind == _VIEW and not _view_worth_recording(self.region.made, args)):
+            return out
+        self.region.record(func, args, kwargs, out)
         return out
 
 
@@ -132,37 +174,36 @@ class _Remade:
         return out if self.index is None else out[self.index]
 
 
-class _Packer:
-    def __init__(self, recorder: _Recorder):
-        self.made, self.calls = recorder.made, {}  # id of a recorded call -> its _Call, shared
-
-    def pack(self, t: torch.Tensor):
-        entry = self.made.get(_key(t))
-        if entry is None or entry[2] != t._version:  # not made by a recomputable op, or changed since
-            return _Held(t)
-        (func, args, kwargs, versions), index, _, _ = entry
-        if any(isinstance(a, torch.Tensor) and a._version != v for a, v in zip(args, versions)):
-            return _Held(t)  # an input changed in place since: the op would not make t again
-        call = self.calls.get(id(entry[0]))
-        if call is None:
-            call = self.calls[id(entry[0])] = _Call(
-                func, [self.pack(a) if isinstance(a, torch.Tensor) else a for a in args], kwargs)
-        return _Remade(call, index)
-
-
 def _unpack(packed):
     return packed.value() if isinstance(packed, (_Held, _Remade)) else packed
+
+
+_LOCAL = threading.local()  # .recorder: the outermost region's, while a forward runs (modes and hooks are per thread)
 
 
 @contextlib.contextmanager
 def recompute_on_unpack():
     """Run a module's forward under this: its cheap and widening ops' saved outputs are dropped and
-    remade in backward (module note)."""
-    recorder = _Recorder()
-    packer = _Packer(recorder)
-    # autograd keeps the pack hook with every tensor it saved: a hook holding the packer (and through
+    remade in backward (module note). Nested (a block inside a model that runs under it too), the
+    inner forward is a region of its own: what it records is let go when it ends, and the ops around
+    it are the outer region's."""
+    region = _Region()
+    recorder = getattr(_LOCAL, "recorder", None)
+    if recorder is not None:  # one dispatch mode and one pair of hooks for all regions: switch which records
+        outer, recorder.region = recorder.region, region
+        try:
+            yield
+        finally:
+            recorder.region = outer
+        return
+    recorder = _Recorder(region)
+    # autograd keeps the pack hook with every tensor it saved: a hook holding the recorder (and through
     # it the recorded outputs and their nodes) would make a cycle through those nodes, leaked by a
-    # forward without a backward. The hook reaches the packer weakly; this frame keeps it alive.
-    ref = weakref.ref(packer)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: ref().pack(t), _unpack), recorder:
-        yield
+    # forward without a backward. The hook reaches the recorder weakly; this frame keeps it alive.
+    ref = weakref.ref(recorder)
+    _LOCAL.recorder = recorder
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: ref().region.pack(t), _unpack), recorder:
+            yield
+    finally:
+        _LOCAL.recorder = None
