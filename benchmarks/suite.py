@@ -44,7 +44,8 @@ model's steps, and ~30 spawns per round would not fit 15 minutes. Peak RSS per s
 peak mark restarted before it (benchmarks/peak_rss.py), so it includes the interpreter, torch and what
 earlier systems left on the heap. `--quick` is one round of a 0.02M GPT: it checks the code path.
 
-A peer or strategy that cannot run is reported "not run: why" (the error's last line), never faked.
+A peer or strategy that cannot run is reported "not run: why" (the error's last line; for a DeepSpeed failure
+that suite_strategies.DEEPSPEED_KNOWN_ERRORS knows as DeepSpeed's own behaviour, that reason with it), never faked.
 A strategy is one row of STRATEGIES: a name and the config it runs; DeepSpeed gets the same config.
 A strategy that needs another world size (pipe 2 x tensor 2, pipe 2 x data 2: 4 ranks, STRATEGY_WORLD)
 runs in that world's spawn and DeepSpeed peer call, with the same 16 sequences per step, and its label
@@ -76,8 +77,8 @@ from benchmarks.deepspeed_gpt_autotp import GPT_AUTOTP_LAYERS  # noqa: E402
 from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, count_parameters  # noqa: E402
 from tests.harness import RankFailed, run_distributed  # noqa: E402
 
-from benchmarks.suite_strategies import (DEEPSPEED_CAVEATS, NO_DEEPSPEED, NO_TORCH_EQUIVALENT, STRATEGIES,  # noqa: E402
-                                         STRATEGY_WORLD, TORCH_PEERS)
+from benchmarks.suite_strategies import (DEEPSPEED_CAVEATS, DEEPSPEED_KNOWN_ERRORS, NO_DEEPSPEED,  # noqa: E402
+                                         NO_TORCH_EQUIVALENT, STRATEGIES, STRATEGY_WORLD, TORCH_PEERS)
 QUICK_MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model=32)
 # The default round: ~30 measurements, each in fresh processes whose start-up (torch, gloo, and DeepSpeed's
 # import) costs more than a small model's steps, so a 0.7M GPT keeps the whole suite under 15 minutes on a
@@ -234,9 +235,20 @@ def _deepspeed_peer_call(items: list[tuple[str, dict]], world: int, steps: int, 
         why = _last_line(f"DeepSpeed peer failed (exit {done.returncode}): {done.stderr[-2000:]}")
         return {system: Round(load_before=load, error=why) for system, _ in items}
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    return {system: Round(load_before=load, error=_last_line(row["error"])) if "error" in row else
-            Round(row["step_ms"], row["rss_mb"], row.get("bytes"), load, uncounted_ops=tuple(row.get("uncounted_ops", ())))
+    return {system: Round(load_before=load, error=deepspeed_error(system, row["error"])) if "error" in row
+            else Round(row["step_ms"], row["rss_mb"], row.get("bytes"), load,
+                       uncounted_ops=tuple(row.get("uncounted_ops", ())))
             for (system, _), row in zip(items, rows)}
+
+
+def deepspeed_error(system: str, error: str) -> str:
+    """A DeepSpeed row's error as its cell says it: why, where DEEPSPEED_KNOWN_ERRORS knows it as DeepSpeed's own
+    behaviour on the strategy's config (with DeepSpeed's message), else the error's last line."""
+    last = _last_line(error)
+    for text, why in DEEPSPEED_KNOWN_ERRORS.get(system.split(":", 1)[-1], ()):
+        if text in last:
+            return f"{why} ({last})"
+    return last
 
 
 # -- the report -------------------------------------------------------------------------------------

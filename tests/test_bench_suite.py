@@ -7,7 +7,8 @@ sends (benchmarks/comm_bytes.py: ring all-reduce 2(n-1)/n of the buffer, reduce-
 of every gradient, counted in a comm hook) and for ZeRO-1 (reduce-scatter of the gradients + all-gather
 of the parameters, dstrain's communicator counter): the ZeRO paper's equal volume. The dispatch-mode
 counter is checked on real gloo collectives of known sizes, and DeepSpeed's comms_logger conversion
-on the record its ZeRO-2 makes (reduce per owner, all-gather logged by its input shard)."""
+on the record its ZeRO-2 makes (reduce per owner, all-gather logged by its input shard). A DeepSpeed row
+whose error is DeepSpeed's own known behaviour says why (a stand-in for DeepSpeed's python prints it)."""
 from __future__ import annotations
 
 import re
@@ -171,3 +172,23 @@ def test_deepspeed_comms_logger_record_converts_to_the_same_convention():
     assert payloads == {("reduce", 2): 4 * psi, ("all_gather", 2): 4 * psi, ("all_reduce", 2): 4}
     assert bytes_sent(payloads) == 4 * psi + 4
     assert deepspeed_logged_payloads({"batch_isend_irecv": 10}, world=2)[1] == {"batch_isend_irecv"}
+
+
+def test_a_deepspeed_failure_known_as_deepspeeds_own_says_why(tmp_path):
+    # A stand-in for DeepSpeed's python that prints the peer's rows: the ZeRO-Infinity row failed as DeepSpeed
+    # 0.19.8 does on the 25M GPT (its NVMe parameter swapper's buffers), the other with an error nobody knows.
+    from benchmarks import suite
+    from benchmarks.suite_strategies import DEEPSPEED_KNOWN_ERRORS
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho '[{\"error\": \"AssertionError: Not enough buffers 0 for swapping 1\"}, "
+                    "{\"error\": \"RuntimeError: something new\"}]'\n")
+    fake.chmod(0o755)
+    items = [(f"deepspeed:{s}", {"model": {}, "config": {}}) for s in ("dstrain-z3-offload-nvme", "dstrain-z3")]
+    rounds = suite._deepspeed_peer_call(items, 2, 3, fake, load=0.0)
+    (why,) = [w for text, w in DEEPSPEED_KNOWN_ERRORS["dstrain-z3-offload-nvme"] if text == "Not enough buffers"]
+    assert rounds["deepspeed:dstrain-z3-offload-nvme"].error == \
+        f"{why} (AssertionError: Not enough buffers 0 for swapping 1)"
+    assert rounds["deepspeed:dstrain-z3"].error == "RuntimeError: something new"
+    # the same text from another strategy's row is not taken for it
+    assert suite.deepspeed_error("deepspeed:dstrain-z3", "AssertionError: Not enough buffers 0 for swapping 1") == \
+        "AssertionError: Not enough buffers 0 for swapping 1"
