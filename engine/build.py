@@ -24,7 +24,7 @@ from .data import DistributedDataLoader
 from .dist import device, init_distributed
 from .tensor_parallel import from_config as tensor_parallel
 from .engine import Engine
-from .precision import model_dtype
+from .precision import model_dtype, warn_if_slow_cpu_fp16
 from .optimizers import resolve_optimizer, tag_muon_parameters
 from .pipe.build import check_model_axis, check_pipeline_config, pipeline_groups
 from .schedules import resolve_scheduler
@@ -169,6 +169,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     comm = Communicator(groups.data_group if groups is not None else None)
     _seed(cfg.seed + comm.rank)
     model = model.to(device=device(), dtype=model_dtype(cfg))  # fp16/bf16: low-precision weights
+    warn_if_slow_cpu_fp16(cfg, device(), dist.get_rank())
     _broadcast_model(model, comm)
     if degree > 1:  # one copy of what a model group replicates (tensor_parallel/from_config.py's note)
         _broadcast_model(model, Communicator(groups.model_group), skip=tensor_parallel.is_partitioned)

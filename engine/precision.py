@@ -13,6 +13,7 @@ without a separate flag all-reduce and without syncing each tensor to the host.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +153,31 @@ def model_dtype(cfg) -> torch.dtype:
     if cfg.bf16.enabled:
         return torch.bfloat16
     return torch.float32
+
+
+def slow_cpu_fp16_warning(cfg, device: torch.device) -> str | None:
+    """The warning for fp16 weights on a CPU whose oneDNN has no fp16 matmul, else None.
+
+    [Note: fp16 on CPU] Without oneDNN's fp16 kernels (CPUs before AVX512-FP16/AMX-FP16) torch runs an
+    fp16 matmul through its scalar fallback: about 200x slower than fp32 on this project's machines
+    (a 1024x512 @ 512x2048 matmul, one thread: 2.3 s against 11 ms), so a 25M GPT's fp16 step took
+    62 s where fp32 took 2.4 s. DeepSpeed refuses fp16 on CPU; dstrain runs it (the math is the same
+    as on a GPU, which is what the tests need) and says what it will cost."""
+    if not cfg.fp16.enabled or device.type != "cpu":
+        return None
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+    mkldnn = torch.backends.mkldnn
+    if mkldnn.is_available() and mkldnn.enabled and supported is not None and supported():
+        return None
+    return ("fp16.enabled: no oneDNN fp16 matmul here (this CPU lacks it, or torch.backends.mkldnn is "
+            "off), so every fp16 matmul runs torch's scalar fallback (about 200x slower than fp32); "
+            "use bf16.enabled on CPU, or fp16 on a GPU")
+
+
+def warn_if_slow_cpu_fp16(cfg, device: torch.device, rank: int) -> None:
+    message = slow_cpu_fp16_warning(cfg, device)
+    if message is not None and rank == 0:  # one line per job (the global rank), not per rank
+        warnings.warn(message, stacklevel=3)
 
 
 def precision_name(cfg) -> str:

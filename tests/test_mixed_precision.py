@@ -221,3 +221,27 @@ def test_precision_state_round_trips_through_state_dict():
 def test_bad_precision_configs(bad, fragment):
     with pytest.raises(schemas.ConfigError, match=fragment.replace(".", r"\.")):
         schemas.load_config({"train_batch_size": 2, **bad})
+
+
+def test_fp16_on_a_cpu_without_onednn_fp16_warns():
+    from engine.precision import slow_cpu_fp16_warning
+    fp16, bf16 = (schemas.load_config({"train_batch_size": 2, p: {"enabled": True}}) for p in ("fp16", "bf16"))
+    cpu = torch.device("cpu")
+    with torch.backends.mkldnn.flags(enabled=False):  # the scalar fallback, as on a CPU without AVX512-FP16
+        assert "fp16.enabled" in slow_cpu_fp16_warning(fp16, cpu)
+        assert slow_cpu_fp16_warning(bf16, cpu) is None
+        assert slow_cpu_fp16_warning(fp16, torch.device("cuda", 0)) is None
+    fast_here = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert (slow_cpu_fp16_warning(fp16, cpu) is None) == fast_here
+
+
+def _initialize_fp16_without_onednn():
+    import warnings
+    with torch.backends.mkldnn.flags(enabled=False), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.initialize(model=OddMLP(), config=_mlp_config("fp16"))
+    return [str(w.message) for w in caught if "fp16.enabled" in str(w.message)]
+
+
+def test_initialize_says_once_what_fp16_costs_on_such_a_cpu():
+    assert len(run_distributed(_initialize_fp16_without_onednn, 1)[0]) == 1
