@@ -23,13 +23,11 @@ The script exits non-zero when a check fails; the report is written either way.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -47,62 +45,13 @@ from benchmarks.suite import zero_formula_mb  # noqa: E402
 from engine.comm import Communicator  # noqa: E402
 from engine.dist import init_distributed  # noqa: E402
 from engine.utils import safe_get_full_fp32_param  # noqa: E402
-from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, RandomTokens, count_parameters  # noqa: E402
+from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, count_parameters  # noqa: E402
+from benchmarks.gpu.training import MICRO, PRECISIONS, STEPS, TINY, batches, check_config, train  # noqa: E402
 
-TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 ONE_B = GPTConfig(vocab_size=50_304, seq_len=1024, n_layer=20, n_head=16, d_model=2048)
-PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
-MICRO, STEPS = 2, 4
 
 
 # -- 1, 2: checks (each returns a detail string, raises on failure) ------------------------------
-def _config(stage: int, precision: str, extra: dict | None = None) -> dict:
-    zero = {"stage": stage, "reduce_bucket_size": 2000}
-    if stage == 3:
-        zero.update(stage3_param_persistence_threshold=40, stage3_prefetch_bucket_size=3000,
-                    stage3_gather_16bit_weights_on_model_save=True)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero, "steps_per_print": 10**9,
-           **PRECISIONS[precision]}
-    cfg.update(extra or {})
-    return cfg
-
-
-def _batches(n: int, cfg: GPTConfig, micro: int, rank: int = 0):
-    data = RandomTokens(n * micro, cfg.seq_len, cfg.vocab_size, seed=rank)
-    return [data[i * micro:(i + 1) * micro] for i in range(n)]
-
-
-def _train(eng, batches, count_syncs: bool = False) -> tuple[list[float], list[str]]:
-    """Losses (read once, at the end) and the host syncs of every step but the first (GPU only)."""
-    losses, syncs, dev = [], [], eng.device
-    for i, (x, y) in enumerate(batches):
-        x, y = x.to(dev), y.to(dev)
-        watch = count_syncs and i > 0 and dev.type == "cuda"
-        with _sync_watch(syncs) if watch else contextlib.nullcontext():
-            loss = eng(x, y)
-            eng.backward(loss)
-            eng.step()
-        losses.append(loss.detach())
-    return [float(v) for v in losses], syncs
-
-
-@contextlib.contextmanager
-def _sync_watch(out: list[str]):
-    """Record where the host waited for the GPU (torch's sync debug mode warns at each such op)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for w in caught:  # a warning from C++ carries the innermost Python caller's file and line
-        if "synchroniz" in str(w.message):
-            path = Path(w.filename)
-            out.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{w.lineno}")
-
-
 def _on_device(eng) -> None:
     dev = eng.device
     where = {p.device for p in eng.module.parameters()}
@@ -115,9 +64,9 @@ def _on_device(eng) -> None:
 
 def check_stage(stage: int, precision: str, world: int = 1, rank: int = 0, syncs: dict | None = None) -> str:
     torch.manual_seed(0)
-    eng, _, _, _ = engine.initialize(model=GPT(TINY), config=_config(stage, precision))
+    eng, _, _, _ = engine.initialize(model=GPT(TINY), config=check_config(stage, precision))
     _on_device(eng)
-    losses, found = _train(eng, _batches(STEPS, TINY, MICRO, rank), count_syncs=syncs is not None)
+    losses, found = train(eng, batches(STEPS, TINY, MICRO, rank), count_syncs=syncs is not None)
     if not all(v == v and abs(v) < 1e4 for v in losses):
         raise AssertionError(f"losses {losses}")
     if syncs is not None:
@@ -139,18 +88,18 @@ check_stage.fp32 = {}
 
 def check_resume(stage: int, root: str, async_save: bool, rank: int = 0) -> str:
     torch.manual_seed(0)
-    cfg = _config(stage, "fp32", {"checkpoint": {"async_save": async_save}})
-    batches = _batches(4, TINY, MICRO, rank)
+    cfg = check_config(stage, "fp32", {"checkpoint": {"async_save": async_save}})
+    steps = batches(4, TINY, MICRO, rank)
     eng, _, _, _ = engine.initialize(model=GPT(TINY), config=cfg)
-    _train(eng, batches[:2])
+    train(eng, steps[:2])
     eng.save_checkpoint(root, tag="t")
-    straight, _ = _train(eng, batches[2:])
+    straight, _ = train(eng, steps[2:])
     eng.wait_for_checkpoint()
     torch.manual_seed(1)  # a different start: everything must come from the checkpoint
     fresh, _, _, _ = engine.initialize(model=GPT(TINY), config=cfg)
     fresh.load_checkpoint(root, tag="t")
     _on_device(fresh)
-    resumed, _ = _train(fresh, batches[2:])
+    resumed, _ = train(fresh, steps[2:])
     if max(abs(a - b) for a, b in zip(straight, resumed)) > 1e-6:
         raise AssertionError(f"resumed losses {resumed} != {straight}")
     return f"losses after resume {[round(v, 5) for v in resumed]} (same as without)"
@@ -158,7 +107,7 @@ def check_resume(stage: int, root: str, async_save: bool, rank: int = 0) -> str:
 
 def check_zero_init(root: str, rank: int = 0) -> str:
     torch.manual_seed(0)
-    cfg = _config(3, "bf16")
+    cfg = check_config(3, "bf16")
     with engine.zero.Init(config=cfg):
         model = GPT(TINY)
     chunks = {p._z3_chunk.device for p in model.parameters() if hasattr(p, "_z3_chunk")}
@@ -171,7 +120,7 @@ def check_zero_init(root: str, rank: int = 0) -> str:
             model.ln_f.weight.fill_(2.0)
     if not torch.all(safe_get_full_fp32_param(model.ln_f.weight) == 2.0):
         raise AssertionError("GatheredParameters(modifier_rank=0): the edit did not reach the partition")
-    _train(eng, _batches(2, TINY, MICRO, rank))
+    train(eng, batches(2, TINY, MICRO, rank))
     eng.save_16bit_model(root)
     if rank == 0:
         state = torch.load(Path(root) / "pytorch_model.bin", weights_only=True)
@@ -302,7 +251,7 @@ def run_throughput(models: list[tuple[str, GPTConfig, int, int]], dev, peak_tflo
             try:
                 step = build(cfg, dev)
                 n = _n_params(cfg)
-                times, peak = _timed(step, _batches(steps, cfg, micro), dev)
+                times, peak = _timed(step, batches(steps, cfg, micro), dev)
                 del step
             except Exception as e:  # noqa: BLE001 - one system's failure is a row, not the end of the run
                 why = f"not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
