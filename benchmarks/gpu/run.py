@@ -7,7 +7,11 @@
    tensor's device, engine/comm.py's note): ZeRO stages 0-3 x fp32/bf16/fp16 train a small GPT; every
    parameter and fp32 partition must sit on the device; fp32 stages 1-3 must agree with stage 0. On a
    GPU each step after the first runs under `torch.cuda.set_sync_debug_mode("warn")`, and the report
-   counts the host syncs per step and where they come from.
+   counts the host syncs per step and where they come from. Offload (benchmarks/gpu/offload_checks.py):
+   optimizer offload to "cpu" and "nvme" at stages 1-3 and parameter offload (under
+   `zero.Init(remote_device=...)`) at stage 3, fp32 and bf16, each equal bit for bit to the same stage
+   without offload; the model on the device, the partition on the host, its flats and swap pools pinned
+   on a GPU; host syncs counted as above.
 2. Checkpoints: save (sync and async) -> load into a fresh engine -> resume gives the same losses as
    training on; `zero.Init`, `GatheredParameters` (a modifier edit) and `save_16bit_model` at stage 3.
 3. The same checks on 2 ranks over gloo (CUDA tensors on a GPU, `DSTRAIN_DEVICE=cuda`, as far as
@@ -46,6 +50,7 @@ from engine.comm import Communicator  # noqa: E402
 from engine.dist import init_distributed  # noqa: E402
 from engine.utils import safe_get_full_fp32_param  # noqa: E402
 from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, count_parameters  # noqa: E402
+from benchmarks.gpu.offload_checks import offload_cases  # noqa: E402
 from benchmarks.gpu.training import MICRO, PRECISIONS, STEPS, TINY, batches, check_config, train  # noqa: E402
 
 ONE_B = GPTConfig(vocab_size=50_304, seq_len=1024, n_layer=20, n_head=16, d_model=2048)
@@ -70,7 +75,7 @@ def check_stage(stage: int, precision: str, world: int = 1, rank: int = 0, syncs
     if not all(v == v and abs(v) < 1e4 for v in losses):
         raise AssertionError(f"losses {losses}")
     if syncs is not None:
-        syncs[(stage, precision)] = found
+        syncs[f"ZeRO-{stage} {precision}"] = found
     if precision == "fp32":
         full = {n: safe_get_full_fp32_param(p).cpu() for n, p in eng.module.named_parameters()}
         check_stage.fp32[stage] = full
@@ -142,6 +147,7 @@ def run_checks(world: int = 1, syncs: dict | None = None) -> list[tuple[str, str
             cases.append((f"resume ZeRO-{s} {'async' if async_save else 'sync'} save", check_resume,
                           (s, f"{tmp}/ck{s}{async_save}", async_save, rank)))
     cases.append(("zero.Init + GatheredParameters + save_16bit_model", check_zero_init, (f"{tmp}/16bit", rank)))
+    cases += offload_cases(rank, syncs)
     rows = []
     for name, fn, args in cases:
         try:
@@ -286,12 +292,12 @@ def _table(header: tuple, rows: list) -> str:
 
 def _syncs_table(syncs: dict) -> str:
     rows = []
-    for (stage, precision), found in syncs.items():
+    for case, found in syncs.items():
         where = {}
         for site in found:
             where[site] = where.get(site, 0) + 1
         per_step = len(found) / (STEPS - 1)
-        rows.append((f"ZeRO-{stage} {precision}", f"{per_step:g}",
+        rows.append((case, f"{per_step:g}",
                      ", ".join(f"{s} ({n // (STEPS - 1)}/step)" for s, n in sorted(where.items())) or "-"))
     return _table(("case", "host syncs per step", "where"), rows)
 
