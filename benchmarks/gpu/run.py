@@ -17,7 +17,9 @@
 3. The same checks on 2 ranks over gloo (CUDA tensors on a GPU, `DSTRAIN_DEVICE=cuda`, as far as
    gloo supports CUDA collectives; the report says which failed and why).
 4. Throughput in bf16: the 25M benchmark GPT and a ~1B GPT, plain torch (autocast), FSDP2 and dstrain
-   stages 0 and 3 on the same device in the same run: step time (median after warm-up, with its spread
+   stages 0 and 3 on the same device in the same run, and for the 25M GPT dstrain ZeRO-2 with the
+   optimizer on the host and ZeRO-3 with optimizer and parameters on NVMe (the benchmark suite's tiers,
+   swapping under the system temp dir): step time (median after warm-up, with its spread
    over the steps, † when the machine's load was above `--load-threshold`), the ratio to plain torch,
    tokens/s, MFU against the GPU's bf16 dense peak (6N + attention FLOPs per token), peak memory; a
    system that fails is "not run: why". `--cpu` runs a tiny GPT only (the code path, not a measurement).
@@ -27,6 +29,7 @@ The script exits non-zero when a check fails; the report is written either way.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -46,6 +49,7 @@ from engine.profiling.mfu import transformer_train_flops_per_token  # noqa: E402
 from engine.profiling.peaks import gpu_peak_tflops  # noqa: E402
 from benchmarks.bench_training import _torch_step  # noqa: E402  (plain torch's step, as the CPU benchmark's)
 from benchmarks.suite import zero_formula_mb  # noqa: E402
+from benchmarks.suite_strategies import STRATEGIES  # noqa: E402
 from engine.comm import Communicator  # noqa: E402
 from engine.dist import init_distributed  # noqa: E402
 from engine.utils import safe_get_full_fp32_param  # noqa: E402
@@ -214,56 +218,90 @@ def _fsdp2(cfg, dev):
     return _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda"))
 
 
-def _dstrain(stage: int):
+def _dstrain(stage: int, strategy: str | None = None):
+    """dstrain's bf16 step at `stage`; with `strategy`, the offload tiers of that benchmark-suite strategy."""
     def build(cfg, dev):
+        zero = {"stage": stage, "overlap_comm": True}
         config = {"train_micro_batch_size_per_gpu": _dstrain.micro, "gradient_accumulation_steps": 1,
                   "gradient_clipping": 1.0, "bf16": {"enabled": True}, "steps_per_print": 10**9,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "fused": dev.type == "cuda"}},
-                  "zero_optimization": {"stage": stage, "overlap_comm": True}}
-        with torch.device(dev):
-            model = GPT(cfg)
-        eng, _, _, _ = engine.initialize(model=model, config=config)
+                  "zero_optimization": zero}
+        swap = tempfile.TemporaryDirectory(prefix="dstrain-gpu-nvme-") if strategy else None
+        try:
+            if strategy:
+                tiers, aio = _suite_tiers(strategy, swap.name)
+                zero.update(tiers)
+                config.update(aio)
+            with torch.device(dev):
+                model = GPT(cfg)
+            eng, _, _, _ = engine.initialize(model=model, config=config)
+        except BaseException:
+            if swap is not None:
+                swap.cleanup()
+            raise
 
         def step(x, y):
             eng.backward(eng(x, y))
             eng.step()
+
+        def close():  # the engine's swap files (if any), then the temporary directory they were in
+            eng.destroy()
+            swap.cleanup()
+        if swap is not None:
+            step.close = close
         return step
     return build
+
+
+def _suite_tiers(strategy: str, nvme_path: str) -> tuple[dict, dict]:
+    """The offload keys of a benchmark-suite strategy (benchmarks/suite_strategies.py), swapping under
+    `nvme_path`: its zero_optimization offload sections and sub_group_size, and its aio section."""
+    overrides = json.loads(json.dumps(STRATEGIES[strategy][0]).replace("NVME_DIR", nvme_path))
+    zero = {k: v for k, v in overrides["zero_optimization"].items() if k.startswith("offload_") or k == "sub_group_size"}
+    return zero, {k: v for k, v in overrides.items() if k == "aio"}
 
 
 TORCH_SYSTEM = "torch (autocast bf16)"  # the peer of the "vs torch" column: first, so its row is there
 SYSTEMS = {TORCH_SYSTEM: _plain, "FSDP2 (bf16)": _fsdp2, "dstrain ZeRO-0 bf16": _dstrain(0),
            "dstrain ZeRO-3 bf16": _dstrain(3)}
+# GPU only, the 25M GPT only: the suite's tiers; pinned buffers and overlapped copies are what is measured.
+OFFLOAD_SYSTEMS = {"dstrain ZeRO-2 bf16, optimizer on CPU": _dstrain(2, "dstrain-z2-offload-cpu"),
+                   "dstrain ZeRO-3 bf16, optimizer and parameters on NVMe": _dstrain(3, "dstrain-z3-offload-nvme")}
 # The suite's ZeRO-formula column (benchmarks/suite.py zero_formula_mb): (stage, mixed precision) per system.
-# Autocast and FSDP2's policy keep fp32 parameters (4Ψ + 4Ψ + 8Ψ); dstrain's bf16 is 2Ψ + 2Ψ + 12Ψ.
+# Autocast and FSDP2's policy keep fp32 parameters (4Ψ + 4Ψ + 8Ψ); dstrain's bf16 is 2Ψ + 2Ψ + 12Ψ. As in the
+# suite, an offloaded row has its stage's formula: model states per rank, wherever the tier keeps them.
 FORMULA = {TORCH_SYSTEM: (0, False), "FSDP2 (bf16)": (3, False), "dstrain ZeRO-0 bf16": (0, True),
-           "dstrain ZeRO-3 bf16": (3, True)}
+           "dstrain ZeRO-3 bf16": (3, True), "dstrain ZeRO-2 bf16, optimizer on CPU": (2, True),
+           "dstrain ZeRO-3 bf16, optimizer and parameters on NVMe": (3, True)}
 
 
 THROUGHPUT_HEADER = ("model", "system", "step ms", "spread (steps)", "vs torch", "tokens/s", "MFU",
                      "ZeRO formula GiB (model states)", "peak GiB")
 
 
-def run_throughput(models: list[tuple[str, GPTConfig, int, int]], dev, peak_tflops: float | None,
+def run_throughput(models: list[tuple[str, GPTConfig, int, int, dict]], dev, peak_tflops: float | None,
                    threshold: float) -> tuple[list[tuple], int]:
-    """The suite's cells (benchmarks/report.py) for each model x system; and how many were measured under load."""
+    """The suite's cells (benchmarks/report.py) for each model x its systems; and how many were measured under load."""
     rows, loaded = [], 0
-    for label, cfg, micro, steps in models:
+    for label, cfg, micro, steps, systems in models:
         _dstrain.micro = micro
         torch_ms = None
-        for system, build in SYSTEMS.items():
+        for system, build in systems.items():
             torch.manual_seed(0)
             load = os.getloadavg()[0]
+            step = None
             try:
                 step = build(cfg, dev)
                 n = _n_params(cfg)
                 times, peak = _timed(step, batches(steps, cfg, micro), dev)
-                del step
             except Exception as e:  # noqa: BLE001 - one system's failure is a row, not the end of the run
                 why = f"not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 rows.append((label, system, why, *["not run"] * (len(THROUGHPUT_HEADER) - 3)))
                 continue
             finally:
+                if hasattr(step, "close"):  # an offload row: its swap files and their directory
+                    step.close()
+                step = None  # the model and its optimizer go before the cache is emptied
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
             ms = statistics.median(times)
@@ -323,8 +361,8 @@ def main(argv=None) -> int:
     bench, loaded = [], 0
     if not args.skip_throughput:
         peak = gpu_peak_tflops(name) if gpu else None  # engine/profiling/peaks.py: dense bf16 table
-        models = ([("25M GPT", BENCH_CONFIG, 8, 12), ("1B GPT", ONE_B, 8, 10)] if gpu
-                  else [("tiny GPT (code path only)", TINY, 2, 4)])
+        models = ([("25M GPT", BENCH_CONFIG, 8, 12, {**SYSTEMS, **OFFLOAD_SYSTEMS}), ("1B GPT", ONE_B, 8, 10, SYSTEMS)]
+                  if gpu else [("tiny GPT (code path only)", TINY, 2, 4, SYSTEMS)])
         bench, loaded = run_throughput(models, dev, peak, args.load_threshold)
     failed = [c for c in checks if c[1] != "PASS"] + [b for b in bench if b[2].startswith("not run")]
     # The suite's header and cells (benchmarks/report.py): command, versions, machine, load, † marks.
