@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -144,8 +145,9 @@ def run_checks(world: int = 1, syncs: dict | None = None) -> list[tuple[str, str
     rank = dist.get_rank() if dist.is_initialized() else 0
     check_stage.fp32 = {}
     cases = [(f"ZeRO-{s} {p}", check_stage, (s, p, world, rank, syncs)) for p in PRECISIONS for s in range(4)]
+    host = Communicator(device="cpu") if world > 1 else None
     tmp = tempfile.mkdtemp(prefix="dstrain-gpu-") if rank == 0 else None
-    tmp = Communicator(device="cpu").all_gather_object(tmp)[0] if world > 1 else tmp
+    tmp = host.all_gather_object(tmp)[0] if world > 1 else tmp
     for s in (0, 1, 3):
         for async_save in (False, True):
             cases.append((f"resume ZeRO-{s} {'async' if async_save else 'sync'} save", check_resume,
@@ -158,6 +160,10 @@ def run_checks(world: int = 1, syncs: dict | None = None) -> list[tuple[str, str
             rows.append((name, "PASS", fn(*args)))
         except Exception as e:  # noqa: BLE001 - the report names every failure; the exit code says it
             rows.append((name, "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+    if world > 1:
+        host.all_gather_object(None)  # every rank is done with the checkpoints before rank 0 removes them
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
