@@ -42,6 +42,11 @@ class SwapBufferPool:
         return len(self._buffers)
 
     @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer, free or not (read-only view for checks of where and how they were allocated)."""
+        return tuple(self._buffers)
+
+    @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers)
 

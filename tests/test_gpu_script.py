@@ -1,6 +1,7 @@
 """benchmarks/gpu/run.py's `--cpu` mode: the GPU script's checks, on CPU with gloo, so it cannot rot
-between the runs on a GPU machine (issue 15); and its report in the suite's format (benchmarks/report.py:
-the same header, cells that are a figure or say why not, ratios that follow from the step times)."""
+between the runs on a GPU machine (issue 15), its offload checks included (issue 17:
+benchmarks/gpu/offload_checks.py); and its report in the suite's format (benchmarks/report.py: the same
+header, cells that are a figure or say why not, ratios that follow from the step times)."""
 from __future__ import annotations
 
 import subprocess
@@ -12,6 +13,11 @@ import pytest
 from tests.report_format import is_figure_or_reason, missing_header_lines, ratio_matches, tables
 
 ROOT = Path(__file__).resolve().parent.parent
+# Offload cases (issue 17): optimizer offload at stages 1-3, parameter offload (with the optimizer's) at 3.
+OFFLOAD_CHECKS = [f"offload {tiers} ZeRO-{stage} {precision}"
+                  for tiers, stages in (("optimizer cpu", (1, 2, 3)), ("optimizer nvme", (1, 2, 3)),
+                                        ("parameters+optimizer cpu", (3,)), ("parameters+optimizer nvme", (3,)))
+                  for stage in stages for precision in ("fp32", "bf16")]
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +33,15 @@ def report(tmp_path_factory) -> str:
 def test_gpu_script_cpu_mode_passes_its_checks(report):
     rows = [line for line in report.splitlines() if line.startswith("| ")]
     checks = [r for r in rows if "| PASS |" in r or "| FAIL |" in r]
-    # 12 stage x precision cases, 6 resumes, zero.Init: on one rank and again on two.
-    assert len(checks) == 2 * 19 and all("| PASS |" in r for r in checks), report
+    # 12 stage x precision cases, 6 resumes, zero.Init, 16 offload cases: on one rank and again on two.
+    assert len(checks) == 2 * (19 + len(OFFLOAD_CHECKS)) and all("| PASS |" in r for r in checks), report
     assert any("ZeRO-3 fp16" in r for r in checks) and any("2 ranks: resume ZeRO-3 async save" in r for r in checks)
+    detail = {r.split(" | ")[0].removeprefix("| "): r.split(" | ")[2] for r in checks}
+    for name in OFFLOAD_CHECKS:
+        for row in (name, f"2 ranks: {name}"):
+            assert detail[row].startswith("fp32 masters equal to"), (row, detail.get(row))
+            # where the check found the offloaded state: a host flat and optimizer state, or swap buffers
+            assert ("swap_buffers" if "nvme" in name else "optimizer_state") in detail[row], (row, detail[row])
 
 
 def test_gpu_report_is_in_the_suite_format(report):

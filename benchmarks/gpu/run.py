@@ -7,13 +7,19 @@
    tensor's device, engine/comm.py's note): ZeRO stages 0-3 x fp32/bf16/fp16 train a small GPT; every
    parameter and fp32 partition must sit on the device; fp32 stages 1-3 must agree with stage 0. On a
    GPU each step after the first runs under `torch.cuda.set_sync_debug_mode("warn")`, and the report
-   counts the host syncs per step and where they come from.
+   counts the host syncs per step and where they come from. Offload (benchmarks/gpu/offload_checks.py):
+   optimizer offload to "cpu" and "nvme" at stages 1-3 and parameter offload (under
+   `zero.Init(remote_device=...)`) at stage 3, fp32 and bf16, each equal bit for bit to the same stage
+   without offload; the model on the device, the partition on the host, its flats and swap pools pinned
+   on a GPU; host syncs counted as above.
 2. Checkpoints: save (sync and async) -> load into a fresh engine -> resume gives the same losses as
    training on; `zero.Init`, `GatheredParameters` (a modifier edit) and `save_16bit_model` at stage 3.
 3. The same checks on 2 ranks over gloo (CUDA tensors on a GPU, `DSTRAIN_DEVICE=cuda`, as far as
    gloo supports CUDA collectives; the report says which failed and why).
 4. Throughput in bf16: the 25M benchmark GPT and a ~1B GPT, plain torch (autocast), FSDP2 and dstrain
-   stages 0 and 3 on the same device in the same run: step time (median after warm-up, with its spread
+   stages 0 and 3 on the same device in the same run, and for the 25M GPT dstrain ZeRO-2 with the
+   optimizer on the host and ZeRO-3 with optimizer and parameters on NVMe (the benchmark suite's tiers,
+   swapping under the system temp dir): step time (median after warm-up, with its spread
    over the steps, † when the machine's load was above `--load-threshold`), the ratio to plain torch,
    tokens/s, MFU against the GPU's bf16 dense peak (6N + attention FLOPs per token), peak memory; a
    system that fails is "not run: why". `--cpu` runs a tiny GPT only (the code path, not a measurement).
@@ -23,13 +29,13 @@ The script exits non-zero when a check fails; the report is written either way.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -44,65 +50,18 @@ from engine.profiling.mfu import transformer_train_flops_per_token  # noqa: E402
 from engine.profiling.peaks import gpu_peak_tflops  # noqa: E402
 from benchmarks.bench_training import _torch_step  # noqa: E402  (plain torch's step, as the CPU benchmark's)
 from benchmarks.suite import zero_formula_mb  # noqa: E402
+from benchmarks.suite_strategies import STRATEGIES  # noqa: E402
 from engine.comm import Communicator  # noqa: E402
 from engine.dist import init_distributed  # noqa: E402
 from engine.utils import safe_get_full_fp32_param  # noqa: E402
-from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, RandomTokens, count_parameters  # noqa: E402
+from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, count_parameters  # noqa: E402
+from benchmarks.gpu.offload_checks import offload_cases  # noqa: E402
+from benchmarks.gpu.training import MICRO, PRECISIONS, STEPS, TINY, batches, check_config, train  # noqa: E402
 
-TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 ONE_B = GPTConfig(vocab_size=50_304, seq_len=1024, n_layer=20, n_head=16, d_model=2048)
-PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
-MICRO, STEPS = 2, 4
 
 
 # -- 1, 2: checks (each returns a detail string, raises on failure) ------------------------------
-def _config(stage: int, precision: str, extra: dict | None = None) -> dict:
-    zero = {"stage": stage, "reduce_bucket_size": 2000}
-    if stage == 3:
-        zero.update(stage3_param_persistence_threshold=40, stage3_prefetch_bucket_size=3000,
-                    stage3_gather_16bit_weights_on_model_save=True)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero, "steps_per_print": 10**9,
-           **PRECISIONS[precision]}
-    cfg.update(extra or {})
-    return cfg
-
-
-def _batches(n: int, cfg: GPTConfig, micro: int, rank: int = 0):
-    data = RandomTokens(n * micro, cfg.seq_len, cfg.vocab_size, seed=rank)
-    return [data[i * micro:(i + 1) * micro] for i in range(n)]
-
-
-def _train(eng, batches, count_syncs: bool = False) -> tuple[list[float], list[str]]:
-    """Losses (read once, at the end) and the host syncs of every step but the first (GPU only)."""
-    losses, syncs, dev = [], [], eng.device
-    for i, (x, y) in enumerate(batches):
-        x, y = x.to(dev), y.to(dev)
-        watch = count_syncs and i > 0 and dev.type == "cuda"
-        with _sync_watch(syncs) if watch else contextlib.nullcontext():
-            loss = eng(x, y)
-            eng.backward(loss)
-            eng.step()
-        losses.append(loss.detach())
-    return [float(v) for v in losses], syncs
-
-
-@contextlib.contextmanager
-def _sync_watch(out: list[str]):
-    """Record where the host waited for the GPU (torch's sync debug mode warns at each such op)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for w in caught:  # a warning from C++ carries the innermost Python caller's file and line
-        if "synchroniz" in str(w.message):
-            path = Path(w.filename)
-            out.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{w.lineno}")
-
-
 def _on_device(eng) -> None:
     dev = eng.device
     where = {p.device for p in eng.module.parameters()}
@@ -115,13 +74,13 @@ def _on_device(eng) -> None:
 
 def check_stage(stage: int, precision: str, world: int = 1, rank: int = 0, syncs: dict | None = None) -> str:
     torch.manual_seed(0)
-    eng, _, _, _ = engine.initialize(model=GPT(TINY), config=_config(stage, precision))
+    eng, _, _, _ = engine.initialize(model=GPT(TINY), config=check_config(stage, precision))
     _on_device(eng)
-    losses, found = _train(eng, _batches(STEPS, TINY, MICRO, rank), count_syncs=syncs is not None)
+    losses, found = train(eng, batches(STEPS, TINY, MICRO, rank), count_syncs=syncs is not None)
     if not all(v == v and abs(v) < 1e4 for v in losses):
         raise AssertionError(f"losses {losses}")
     if syncs is not None:
-        syncs[(stage, precision)] = found
+        syncs[f"ZeRO-{stage} {precision}"] = found
     if precision == "fp32":
         full = {n: safe_get_full_fp32_param(p).cpu() for n, p in eng.module.named_parameters()}
         check_stage.fp32[stage] = full
@@ -139,18 +98,18 @@ check_stage.fp32 = {}
 
 def check_resume(stage: int, root: str, async_save: bool, rank: int = 0) -> str:
     torch.manual_seed(0)
-    cfg = _config(stage, "fp32", {"checkpoint": {"async_save": async_save}})
-    batches = _batches(4, TINY, MICRO, rank)
+    cfg = check_config(stage, "fp32", {"checkpoint": {"async_save": async_save}})
+    steps = batches(4, TINY, MICRO, rank)
     eng, _, _, _ = engine.initialize(model=GPT(TINY), config=cfg)
-    _train(eng, batches[:2])
+    train(eng, steps[:2])
     eng.save_checkpoint(root, tag="t")
-    straight, _ = _train(eng, batches[2:])
+    straight, _ = train(eng, steps[2:])
     eng.wait_for_checkpoint()
     torch.manual_seed(1)  # a different start: everything must come from the checkpoint
     fresh, _, _, _ = engine.initialize(model=GPT(TINY), config=cfg)
     fresh.load_checkpoint(root, tag="t")
     _on_device(fresh)
-    resumed, _ = _train(fresh, batches[2:])
+    resumed, _ = train(fresh, steps[2:])
     if max(abs(a - b) for a, b in zip(straight, resumed)) > 1e-6:
         raise AssertionError(f"resumed losses {resumed} != {straight}")
     return f"losses after resume {[round(v, 5) for v in resumed]} (same as without)"
@@ -158,7 +117,7 @@ def check_resume(stage: int, root: str, async_save: bool, rank: int = 0) -> str:
 
 def check_zero_init(root: str, rank: int = 0) -> str:
     torch.manual_seed(0)
-    cfg = _config(3, "bf16")
+    cfg = check_config(3, "bf16")
     with engine.zero.Init(config=cfg):
         model = GPT(TINY)
     chunks = {p._z3_chunk.device for p in model.parameters() if hasattr(p, "_z3_chunk")}
@@ -171,7 +130,7 @@ def check_zero_init(root: str, rank: int = 0) -> str:
             model.ln_f.weight.fill_(2.0)
     if not torch.all(safe_get_full_fp32_param(model.ln_f.weight) == 2.0):
         raise AssertionError("GatheredParameters(modifier_rank=0): the edit did not reach the partition")
-    _train(eng, _batches(2, TINY, MICRO, rank))
+    train(eng, batches(2, TINY, MICRO, rank))
     eng.save_16bit_model(root)
     if rank == 0:
         state = torch.load(Path(root) / "pytorch_model.bin", weights_only=True)
@@ -186,19 +145,25 @@ def run_checks(world: int = 1, syncs: dict | None = None) -> list[tuple[str, str
     rank = dist.get_rank() if dist.is_initialized() else 0
     check_stage.fp32 = {}
     cases = [(f"ZeRO-{s} {p}", check_stage, (s, p, world, rank, syncs)) for p in PRECISIONS for s in range(4)]
+    host = Communicator(device="cpu") if world > 1 else None
     tmp = tempfile.mkdtemp(prefix="dstrain-gpu-") if rank == 0 else None
-    tmp = Communicator(device="cpu").all_gather_object(tmp)[0] if world > 1 else tmp
+    tmp = host.all_gather_object(tmp)[0] if world > 1 else tmp
     for s in (0, 1, 3):
         for async_save in (False, True):
             cases.append((f"resume ZeRO-{s} {'async' if async_save else 'sync'} save", check_resume,
                           (s, f"{tmp}/ck{s}{async_save}", async_save, rank)))
     cases.append(("zero.Init + GatheredParameters + save_16bit_model", check_zero_init, (f"{tmp}/16bit", rank)))
+    cases += offload_cases(rank, syncs)
     rows = []
     for name, fn, args in cases:
         try:
             rows.append((name, "PASS", fn(*args)))
         except Exception as e:  # noqa: BLE001 - the report names every failure; the exit code says it
             rows.append((name, "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+    if world > 1:
+        host.all_gather_object(None)  # every rank is done with the checkpoints before rank 0 removes them
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
@@ -259,56 +224,90 @@ def _fsdp2(cfg, dev):
     return _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda"))
 
 
-def _dstrain(stage: int):
+def _dstrain(stage: int, strategy: str | None = None):
+    """dstrain's bf16 step at `stage`; with `strategy`, the offload tiers of that benchmark-suite strategy."""
     def build(cfg, dev):
+        zero = {"stage": stage, "overlap_comm": True}
         config = {"train_micro_batch_size_per_gpu": _dstrain.micro, "gradient_accumulation_steps": 1,
                   "gradient_clipping": 1.0, "bf16": {"enabled": True}, "steps_per_print": 10**9,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "fused": dev.type == "cuda"}},
-                  "zero_optimization": {"stage": stage, "overlap_comm": True}}
-        with torch.device(dev):
-            model = GPT(cfg)
-        eng, _, _, _ = engine.initialize(model=model, config=config)
+                  "zero_optimization": zero}
+        swap = tempfile.TemporaryDirectory(prefix="dstrain-gpu-nvme-") if strategy else None
+        try:
+            if strategy:
+                tiers, aio = _suite_tiers(strategy, swap.name)
+                zero.update(tiers)
+                config.update(aio)
+            with torch.device(dev):
+                model = GPT(cfg)
+            eng, _, _, _ = engine.initialize(model=model, config=config)
+        except BaseException:
+            if swap is not None:
+                swap.cleanup()
+            raise
 
         def step(x, y):
             eng.backward(eng(x, y))
             eng.step()
+
+        def close():  # the engine's swap files (if any), then the temporary directory they were in
+            eng.destroy()
+            swap.cleanup()
+        if swap is not None:
+            step.close = close
         return step
     return build
+
+
+def _suite_tiers(strategy: str, nvme_path: str) -> tuple[dict, dict]:
+    """The offload keys of a benchmark-suite strategy (benchmarks/suite_strategies.py), swapping under
+    `nvme_path`: its zero_optimization offload sections and sub_group_size, and its aio section."""
+    overrides = json.loads(json.dumps(STRATEGIES[strategy][0]).replace("NVME_DIR", nvme_path))
+    zero = {k: v for k, v in overrides["zero_optimization"].items() if k.startswith("offload_") or k == "sub_group_size"}
+    return zero, {k: v for k, v in overrides.items() if k == "aio"}
 
 
 TORCH_SYSTEM = "torch (autocast bf16)"  # the peer of the "vs torch" column: first, so its row is there
 SYSTEMS = {TORCH_SYSTEM: _plain, "FSDP2 (bf16)": _fsdp2, "dstrain ZeRO-0 bf16": _dstrain(0),
            "dstrain ZeRO-3 bf16": _dstrain(3)}
+# GPU only, the 25M GPT only: the suite's tiers; pinned buffers and overlapped copies are what is measured.
+OFFLOAD_SYSTEMS = {"dstrain ZeRO-2 bf16, optimizer on CPU": _dstrain(2, "dstrain-z2-offload-cpu"),
+                   "dstrain ZeRO-3 bf16, optimizer and parameters on NVMe": _dstrain(3, "dstrain-z3-offload-nvme")}
 # The suite's ZeRO-formula column (benchmarks/suite.py zero_formula_mb): (stage, mixed precision) per system.
-# Autocast and FSDP2's policy keep fp32 parameters (4Ψ + 4Ψ + 8Ψ); dstrain's bf16 is 2Ψ + 2Ψ + 12Ψ.
+# Autocast and FSDP2's policy keep fp32 parameters (4Ψ + 4Ψ + 8Ψ); dstrain's bf16 is 2Ψ + 2Ψ + 12Ψ. As in the
+# suite, an offloaded row has its stage's formula: model states per rank, wherever the tier keeps them.
 FORMULA = {TORCH_SYSTEM: (0, False), "FSDP2 (bf16)": (3, False), "dstrain ZeRO-0 bf16": (0, True),
-           "dstrain ZeRO-3 bf16": (3, True)}
+           "dstrain ZeRO-3 bf16": (3, True), "dstrain ZeRO-2 bf16, optimizer on CPU": (2, True),
+           "dstrain ZeRO-3 bf16, optimizer and parameters on NVMe": (3, True)}
 
 
 THROUGHPUT_HEADER = ("model", "system", "step ms", "spread (steps)", "vs torch", "tokens/s", "MFU",
                      "ZeRO formula GiB (model states)", "peak GiB")
 
 
-def run_throughput(models: list[tuple[str, GPTConfig, int, int]], dev, peak_tflops: float | None,
+def run_throughput(models: list[tuple[str, GPTConfig, int, int, dict]], dev, peak_tflops: float | None,
                    threshold: float) -> tuple[list[tuple], int]:
-    """The suite's cells (benchmarks/report.py) for each model x system; and how many were measured under load."""
+    """The suite's cells (benchmarks/report.py) for each model x its systems; and how many were measured under load."""
     rows, loaded = [], 0
-    for label, cfg, micro, steps in models:
+    for label, cfg, micro, steps, systems in models:
         _dstrain.micro = micro
         torch_ms = None
-        for system, build in SYSTEMS.items():
+        for system, build in systems.items():
             torch.manual_seed(0)
             load = os.getloadavg()[0]
+            step = None
             try:
                 step = build(cfg, dev)
                 n = _n_params(cfg)
-                times, peak = _timed(step, _batches(steps, cfg, micro), dev)
-                del step
+                times, peak = _timed(step, batches(steps, cfg, micro), dev)
             except Exception as e:  # noqa: BLE001 - one system's failure is a row, not the end of the run
                 why = f"not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 rows.append((label, system, why, *["not run"] * (len(THROUGHPUT_HEADER) - 3)))
                 continue
             finally:
+                if hasattr(step, "close"):  # an offload row: its swap files and their directory
+                    step.close()
+                step = None  # the model and its optimizer go before the cache is emptied
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
             ms = statistics.median(times)
@@ -337,12 +336,12 @@ def _table(header: tuple, rows: list) -> str:
 
 def _syncs_table(syncs: dict) -> str:
     rows = []
-    for (stage, precision), found in syncs.items():
+    for case, found in syncs.items():
         where = {}
         for site in found:
             where[site] = where.get(site, 0) + 1
         per_step = len(found) / (STEPS - 1)
-        rows.append((f"ZeRO-{stage} {precision}", f"{per_step:g}",
+        rows.append((case, f"{per_step:g}",
                      ", ".join(f"{s} ({n // (STEPS - 1)}/step)" for s, n in sorted(where.items())) or "-"))
     return _table(("case", "host syncs per step", "where"), rows)
 
@@ -368,8 +367,8 @@ def main(argv=None) -> int:
     bench, loaded = [], 0
     if not args.skip_throughput:
         peak = gpu_peak_tflops(name) if gpu else None  # engine/profiling/peaks.py: dense bf16 table
-        models = ([("25M GPT", BENCH_CONFIG, 8, 12), ("1B GPT", ONE_B, 8, 10)] if gpu
-                  else [("tiny GPT (code path only)", TINY, 2, 4)])
+        models = ([("25M GPT", BENCH_CONFIG, 8, 12, {**SYSTEMS, **OFFLOAD_SYSTEMS}), ("1B GPT", ONE_B, 8, 10, SYSTEMS)]
+                  if gpu else [("tiny GPT (code path only)", TINY, 2, 4, SYSTEMS)])
         bench, loaded = run_throughput(models, dev, peak, args.load_threshold)
     failed = [c for c in checks if c[1] != "PASS"] + [b for b in bench if b[2].startswith("not run")]
     # The suite's header and cells (benchmarks/report.py): command, versions, machine, load, † marks.
