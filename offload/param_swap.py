@@ -177,7 +177,10 @@ class NvmeParamStore:
             for h in self._start_reads(slots, buf):
                 self.bytes_read += h.wait()
         if self._cached + slots.numel <= self.max_in_cpu:  # keep it (module note: bounded host memory)
-            self._cache[group] = buf[:slots.numel].clone()
+            # Pinned like the pool it leaves (a clone of pinned memory is pageable): the gathers copy
+            # resident groups to the device for the whole run, asynchronously only from pinned memory.
+            resident = torch.empty(slots.numel, dtype=buf.dtype, device=buf.device, pin_memory=self.pool.pinned)
+            self._cache[group] = resident.copy_(buf[:slots.numel])
             self._cached += slots.numel
             self._release(buf)
             self._note_peak()
