@@ -28,6 +28,7 @@ from ops.sparse_attention import (
     VariableSparsityConfig,
     sparsity_config_from,
 )
+from ops.sparse_attention.reference import masked_dense_attention
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -198,19 +199,6 @@ def test_invalid_combinations_raise_deepspeeds_errors(make, words):
 
 
 # -- the attention ---------------------------------------------------------------------------------------------
-def dense_reference(q, k, v, layout, block, key_add=None, square_add=()):
-    """Softmax over the layout expanded to tokens, in fp64."""
-    q, k, v = q.double(), k.double(), v.double()
-    allowed = torch.kron(layout.double(), torch.ones(block, block, dtype=torch.float64)).bool()
-    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    for m in square_add:
-        scores = scores + m.double()
-    if key_add is not None:
-        scores = scores + key_add.double()[:, None, None, :]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, -1) @ v
-
-
 CONFIGS = {
     "dense": lambda h: DenseSparsityConfig(h, block=4),
     "fixed": lambda h: FixedSparsityConfig(h, block=4, num_local_blocks=2, different_layout_per_head=True,
@@ -241,7 +229,7 @@ def test_each_layout_equals_dense_attention_masked_by_it(name):
     q, k, v = _qkv()
     layout = attn.get_layout(32)
     out = attn(q, k, v)
-    want = dense_reference(q, k, v, layout, 4)
+    want = masked_dense_attention(q, k, v, layout, 4)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     for got, ref in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v))):
         torch.testing.assert_close(got.double(), ref.double(), rtol=1e-5, atol=1e-5)
@@ -270,7 +258,7 @@ def test_key_padding_causal_masks_and_rpe(kp_mode, attn_mode):
     rpe = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(4))
     out = attn(q, k, v, rpe=rpe, key_padding_mask=keep if kp_mode == "mul" else key_add,
                attn_mask=causal if attn_mode == "mul" else causal_add)
-    want = dense_reference(q, k, v, attn.get_layout(32), 4, key_add, (rpe, causal_add))
+    want = masked_dense_attention(q, k, v, attn.get_layout(32), 4, key_add, (rpe, causal_add))
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     for got, ref in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v))):
         torch.testing.assert_close(got.double(), ref.double(), rtol=1e-5, atol=1e-5)
@@ -278,9 +266,10 @@ def test_key_padding_causal_masks_and_rpe(kp_mode, attn_mode):
 
 @pytest.mark.parametrize("backend", ["default", "math"])
 def test_a_row_with_nothing_to_attend_to_gives_zeros(backend):
-    """Query rows 0-5 may attend to no key: zeros out, zero gradients, the other rows as the dense
-    reference; with torch's default CPU kernel (flash) and its math kernel, on whose safe softmax for
-    such rows block_sparse relies."""
+    """Query rows 0-5 may attend to no key: zeros out, zero gradients, and everything (those rows
+    included: the reference's contract is the same) as the dense reference, forward and backward;
+    with torch's default CPU kernel (flash) and its math kernel, on whose safe softmax for such rows
+    block_sparse relies."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     attn = SparseSelfAttention(FixedSparsityConfig(3, block=4, num_local_blocks=2), max_seq_length=32)
     q, k, v = _qkv()
@@ -294,8 +283,10 @@ def test_a_row_with_nothing_to_attend_to_gives_zeros(backend):
     assert torch.equal(out[:, :, :6], torch.zeros_like(out[:, :, :6]))
     assert all(torch.isfinite(g).all() for g in grads) and torch.equal(grads[0][:, :, :6], torch.zeros(2, 3, 6, 8))
     causal_add = torch.zeros(32, 32).masked_fill(allowed == 0, float("-inf"))
-    want = dense_reference(q, k, v, attn.get_layout(32), 4, None, (rpe, causal_add))
-    torch.testing.assert_close(out[:, :, 6:].double(), want[:, :, 6:], rtol=1e-5, atol=1e-5)
+    want = masked_dense_attention(q, k, v, attn.get_layout(32), 4, None, (rpe, causal_add))
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(grads, _grads(want, (q, k, v))):
+        torch.testing.assert_close(got.double(), ref.double(), rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_matches_fp32_within_bf16_rounding():
