@@ -1,7 +1,9 @@
 """benchmarks/gpu/run.py's `--cpu` mode: the GPU script's checks, on CPU with gloo, so it cannot rot
 between the runs on a GPU machine (issue 15), its offload checks included (issue 17:
-benchmarks/gpu/offload_checks.py); and its report in the suite's format (benchmarks/report.py: the same
-header, cells that are a figure or say why not, ratios that follow from the step times)."""
+benchmarks/gpu/offload_checks.py) and its long-sequence checks (issue 19: sparse attention and activation
+checkpointing, benchmarks/gpu/long_sequence_checks.py, one rank only); and its report in the suite's
+format (benchmarks/report.py: the same header, cells that are a figure or say why not, ratios that
+follow from the step times)."""
 from __future__ import annotations
 
 import subprocess
@@ -18,6 +20,11 @@ OFFLOAD_CHECKS = [f"offload {tiers} ZeRO-{stage} {precision}"
                   for tiers, stages in (("optimizer cpu", (1, 2, 3)), ("optimizer nvme", (1, 2, 3)),
                                         ("parameters+optimizer cpu", (3,)), ("parameters+optimizer nvme", (3,)))
                   for stage in stages for precision in ("fp32", "bf16")]
+# Long sequences (issue 19), on one rank: two layouts in fp32 and bf16, three checkpointing sections in fp32.
+LONG_SEQUENCE_CHECKS = ([f"sparse attention {layout} {precision}"
+                         for layout in ("Fixed, key padding + causal", "BigBird") for precision in ("fp32", "bf16")]
+                        + [f"activation checkpointing {section} fp32"
+                           for section in ("full", "selective_unpack", "full + cpu_checkpointing")])
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +40,10 @@ def report(tmp_path_factory) -> str:
 def test_gpu_script_cpu_mode_passes_its_checks(report):
     rows = [line for line in report.splitlines() if line.startswith("| ")]
     checks = [r for r in rows if "| PASS |" in r or "| FAIL |" in r]
-    # 12 stage x precision cases, 6 resumes, zero.Init, 16 offload cases: on one rank and again on two.
-    assert len(checks) == 2 * (19 + len(OFFLOAD_CHECKS)) and all("| PASS |" in r for r in checks), report
+    # 12 stage x precision cases, 6 resumes, zero.Init, 16 offload cases: on one rank and again on two;
+    # the long-sequence cases on one rank only.
+    assert len(checks) == 2 * (19 + len(OFFLOAD_CHECKS)) + len(LONG_SEQUENCE_CHECKS), report
+    assert all("| PASS |" in r for r in checks), report
     assert any("ZeRO-3 fp16" in r for r in checks) and any("2 ranks: resume ZeRO-3 async save" in r for r in checks)
     detail = {r.split(" | ")[0].removeprefix("| "): r.split(" | ")[2] for r in checks}
     for name in OFFLOAD_CHECKS:
@@ -42,6 +51,10 @@ def test_gpu_script_cpu_mode_passes_its_checks(report):
             assert detail[row].startswith("fp32 masters equal to"), (row, detail.get(row))
             # where the check found the offloaded state: a host flat and optimizer state, or swap buffers
             assert ("swap_buffers" if "nvme" in name else "optimizer_state") in detail[row], (row, detail[row])
+    for name in LONG_SEQUENCE_CHECKS:  # what each compared: the masked dense reference, or no checkpointing
+        want = "largest difference: output" if "sparse" in name else "equal to the model without checkpointing"
+        assert want in detail[name] and f"2 ranks: {name}" not in detail, (name, detail.get(name))
+    assert "rows with nothing to attend to: zeros" in detail["sparse attention Fixed, key padding + causal bf16"]
 
 
 def test_gpu_report_is_in_the_suite_format(report):

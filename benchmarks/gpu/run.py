@@ -11,7 +11,11 @@
    optimizer offload to "cpu" and "nvme" at stages 1-3 and parameter offload (under
    `zero.Init(remote_device=...)`) at stage 3, fp32 and bf16, each equal bit for bit to the same stage
    without offload; the model on the device, the partition on the host, its flats and swap pools pinned
-   on a GPU; host syncs counted as above.
+   on a GPU; host syncs counted as above. Long sequences (benchmarks/gpu/long_sequence_checks.py, one
+   rank only): `SparseSelfAttention` (Fixed with key-padding and causal masks, BigBird; fp32, bf16)
+   equal to dense attention masked by the layout, forward and backward, on the device; activation
+   checkpointing (full, "selective_unpack", full with cpu_checkpointing; dropout on) equal bit for bit
+   to no checkpointing, the saved block inputs pinned on the host with cpu_checkpointing on a GPU.
 2. Checkpoints: save (sync and async) -> load into a fresh engine -> resume gives the same losses as
    training on; `zero.Init`, `GatheredParameters` (a modifier edit) and `save_16bit_model` at stage 3.
 3. The same checks on 2 ranks over gloo (CUDA tensors on a GPU, `DSTRAIN_DEVICE=cuda`, as far as
@@ -56,6 +60,7 @@ from engine.dist import init_distributed  # noqa: E402
 from engine.utils import safe_get_full_fp32_param  # noqa: E402
 from examples.gpt import BENCH_CONFIG, GPT, GPTConfig, count_parameters  # noqa: E402
 from benchmarks.gpu.offload_checks import offload_cases  # noqa: E402
+from benchmarks.gpu.long_sequence_checks import long_sequence_cases  # noqa: E402
 from benchmarks.gpu.training import MICRO, PRECISIONS, STEPS, TINY, batches, check_config, train  # noqa: E402
 
 ONE_B = GPTConfig(vocab_size=50_304, seq_len=1024, n_layer=20, n_head=16, d_model=2048)
@@ -154,6 +159,7 @@ def run_checks(world: int = 1, syncs: dict | None = None) -> list[tuple[str, str
                           (s, f"{tmp}/ck{s}{async_save}", async_save, rank)))
     cases.append(("zero.Init + GatheredParameters + save_16bit_model", check_zero_init, (f"{tmp}/16bit", rank)))
     cases += offload_cases(rank, syncs)
+    cases += long_sequence_cases() if world == 1 else []  # nothing collective in them to repeat on 2 ranks
     rows = []
     for name, fn, args in cases:
         try:
