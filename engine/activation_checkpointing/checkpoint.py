@@ -27,7 +27,7 @@ from .contiguous import SLOTS
 from .partition import Gather, Layout, Partition, Scatter, ToHost, to_host
 from .probe import report_held
 from .recompute_probe import recomputing
-from .rng import get_cuda_rng_tracker
+from .rng import device_rng_states, get_cuda_rng_tracker, set_device_rng_states
 from .settings import STATE, model_parallel_info, synchronize_boundary
 
 
@@ -76,13 +76,14 @@ def _packing_hooks():
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def _instrumented(function):
-    """`function`, with the tracked RNG streams replayed in its recompute and, with `profile`, each
-    run timed; the first call is the forward, later ones are recomputes."""
+def _instrumented(function, devices=()):
+    """`function`, with the tracked RNG streams (and the default generators of the accelerator
+    `devices`) replayed in its recompute and, with `profile`, each run timed; the first call is the
+    forward, later ones are recomputes."""
     index, runs = STATE.calls, [0]
     STATE.calls += 1
     tracker = get_cuda_rng_tracker()
-    forward_states = tracker.get_states()
+    forward_states, forward_device_states = tracker.get_states(), device_rng_states(devices)
     profile = STATE.settings.profile
 
     @functools.wraps(function)
@@ -91,6 +92,8 @@ def _instrumented(function):
         outer_states = tracker.get_states()
         if recompute:
             tracker.set_states(forward_states)
+            outer_device_states = device_rng_states(devices)
+            set_device_rng_states(devices, forward_device_states)
             SLOTS.release()  # backward has begun: the next forward fills fresh buffers (contiguous.py)
         start = time.perf_counter() if profile else 0.0
         try:
@@ -102,6 +105,7 @@ def _instrumented(function):
                 STATE.timings.append((index, "recompute" if recompute else "forward", time.perf_counter() - start))
             if recompute:
                 tracker.set_states(outer_states)
+                set_device_rng_states(devices, outer_device_states)
 
     return run
 
@@ -149,11 +153,16 @@ def non_reentrant_checkpoint(function, *args, context_fn=None, **kwargs):
     `context_fn` for a selective policy) with `partition_activations` (its tensor arguments; keyword
     arguments are held whole), `cpu_checkpointing`, the RNG streams and `profile`."""
     synchronize_boundary()
-    run = _instrumented(function)
     extra = {k: kwargs.pop(k) for k in _TORCH_OPTIONS if k in kwargs}
     if context_fn is not None:
         extra["context_fn"] = context_fn
     held, rebuild = _held_inputs(args)
+    # [Note: replaying an accelerator's generator] torch's checkpoint saves and replays the RNG state
+    # of its inputs' devices only; handed host copies (cpu_checkpointing), it would replay the CPU's
+    # alone and a recompute's dropout on the accelerator would draw new masks, so the region does it
+    moved = {a.device for a, h in zip(args, held)
+             if isinstance(a, torch.Tensor) and a.device.type != "cpu" and h.device != a.device}
+    run = _instrumented(function, sorted(moved, key=str))
 
     def region(*inputs):
         return run(*[r(h) if r is not None else h for h, r in zip(inputs, rebuild)], **kwargs)

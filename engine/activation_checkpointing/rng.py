@@ -67,6 +67,16 @@ class RNGStatesTracker:
             _set_state(saved)
 
 
+def device_rng_states(devices) -> list[torch.Tensor]:
+    """The default generator's state on each accelerator device of `devices` (host-side: no sync)."""
+    return [torch.get_device_module(d).get_rng_state(d) for d in devices]
+
+
+def set_device_rng_states(devices, states) -> None:
+    for device, state in zip(devices, states):
+        torch.get_device_module(device).set_rng_state(state, device)
+
+
 _TRACKER = RNGStatesTracker()
 
 
