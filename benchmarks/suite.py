@@ -1,8 +1,8 @@
 """The side-by-side benchmark suite: every built dstrain strategy against torch DDP, torch FSDP2 and
 DeepSpeed with the same config, on the benchmark GPT and 2 ranks, in one run on this machine.
 
-    python -m benchmarks.suite                                          # full: 0.7M GPT, 2 rounds, < 15 min
-    python -m benchmarks.suite --model bench --rounds 3 --steps 20 ...  # the 25M benchmark GPT (hours on 2 cores)
+    python -m benchmarks.suite                          # full: the 25M benchmark GPT, 2 rounds (~21 min idle)
+    python -m benchmarks.suite --model suite            # the same rows on a 0.7M GPT (~5 min): per-step costs
     python -m benchmarks.suite --quick --no-deepspeed                   # tiny GPT, few steps (a test runs it)
 
 DeepSpeed runs from its own virtual environment, `--deepspeed-venv PATH` or by default one under the
@@ -80,9 +80,9 @@ from tests.harness import RankFailed, run_distributed  # noqa: E402
 from benchmarks.suite_strategies import (DEEPSPEED_CAVEATS, DEEPSPEED_KNOWN_ERRORS, NO_DEEPSPEED,  # noqa: E402
                                          NO_TORCH_EQUIVALENT, STRATEGIES, STRATEGY_WORLD, TORCH_PEERS)
 QUICK_MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model=32)
-# The default round: ~30 measurements, each in fresh processes whose start-up (torch, gloo, and DeepSpeed's
-# import) costs more than a small model's steps, so a 0.7M GPT keeps the whole suite under 15 minutes on a
-# shared 2-core machine; `--model bench` runs the 25M benchmark GPT of the earlier measurements.
+# The benchmark GPT (25M, the peers' baselines in shared/reference/baselines.md) is the default: the whole
+# suite, 2 rounds of every row, took 21 minutes on the idle 2-core machine (2026-12-06). `--model suite`,
+# a 0.7M GPT, runs the same rows in ~5 minutes, where fixed per-step costs dominate the step.
 SUITE_MODEL = GPTConfig(vocab_size=2048, seq_len=64, n_layer=2, n_head=4, d_model=128)
 MODELS = {"suite": SUITE_MODEL, "bench": BENCH_CONFIG}
 DEEPSPEED_TIMEOUT_S = 1800  # one round's DeepSpeed peer call, every row of it
@@ -369,8 +369,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny GPT, 4 steps, 1 round: checks the suite runs")
     p.add_argument("--systems", default=None,
                    help=f"comma-separated subset of {', '.join(['ddp', 'fsdp2', *STRATEGIES])} (default: all)")
-    p.add_argument("--model", choices=sorted(MODELS), default="suite",
-                   help="suite: a 0.7M GPT (default); bench: the 25M benchmark GPT (--quick: a 0.02M one)")
+    p.add_argument("--model", choices=sorted(MODELS), default="bench",
+                   help="bench: the 25M benchmark GPT (default); suite: a 0.7M GPT (--quick: a 0.02M one)")
     p.add_argument("--steps", type=int, default=None, help="steps per measurement (default 8; quick 4)")
     p.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 2: the byte count's step, the "
                    "second, is past the first step's one-time traffic)")
