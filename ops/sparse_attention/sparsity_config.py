@@ -109,7 +109,10 @@ class SparsityConfig:
         layout = self.check_and_propagate_first_head_layout(layout)
         if self.draws_random_blocks() and dist.is_available() and dist.is_initialized():
             # module note: every rank uses rank 0's random blocks (NCCL broadcasts device tensors only)
-            wire = layout.cuda() if dist.get_backend() == "nccl" else layout
+            # NCCL's device is the one the process bound (the engine's init_distributed sets it; ops/ imports
+            # only torch, so it is read from torch, named here rather than left to .cuda()'s default)
+            nccl = dist.get_backend() == "nccl"
+            wire = layout.to(torch.device("cuda", torch.cuda.current_device())) if nccl else layout
             dist.broadcast(wire, src=0)
             layout = wire.cpu()
         return layout
