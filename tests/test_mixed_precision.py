@@ -7,6 +7,7 @@ forward pass, with no drift because the master weights are fp32.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 
 import pytest
@@ -223,11 +224,23 @@ def test_bad_precision_configs(bad, fragment):
         schemas.load_config({"train_batch_size": 2, **bad})
 
 
+@contextlib.contextmanager
+def _onednn_off():
+    """The scalar fallback, as on a CPU without AVX512-FP16 (only `enabled`: mkldnn.flags() also sets
+    oneDNN's TF32 switch, which warns on a CPU build)."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
+
+
 def test_fp16_on_a_cpu_without_onednn_fp16_warns():
     from engine.precision import slow_cpu_fp16_warning
     fp16, bf16 = (schemas.load_config({"train_batch_size": 2, p: {"enabled": True}}) for p in ("fp16", "bf16"))
     cpu = torch.device("cpu")
-    with torch.backends.mkldnn.flags(enabled=False):  # the scalar fallback, as on a CPU without AVX512-FP16
+    with _onednn_off():
         assert "fp16.enabled" in slow_cpu_fp16_warning(fp16, cpu)
         assert slow_cpu_fp16_warning(bf16, cpu) is None
         assert slow_cpu_fp16_warning(fp16, torch.device("cuda", 0)) is None
@@ -237,7 +250,7 @@ def test_fp16_on_a_cpu_without_onednn_fp16_warns():
 
 def _initialize_fp16_without_onednn():
     import warnings
-    with torch.backends.mkldnn.flags(enabled=False), warnings.catch_warnings(record=True) as caught:
+    with _onednn_off(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine.initialize(model=OddMLP(), config=_mlp_config("fp16"))
     return [str(w.message) for w in caught if "fp16.enabled" in str(w.message)]
