@@ -483,6 +483,9 @@ def write_report(args, model, results, scaling, load_before, load_after, ds_pyth
              f"fp32, AdamW (torch's, fused), gradient_clipping 1.0, {args.world} ranks x 1 thread, gloo",
              f"{args.steps} steps per measurement, median after {args.warmup} warm-up steps, {args.rounds} "
              f"interleaved round(s); {load_note(args.load_threshold, marked, total)}"]
+    bound_ms, bound_spread = _ms(results["bound"], args.load_threshold)
+    notes.append(f"no-communication bound (the denominator of \"vs no-comm bound\"): one rank's forward, backward "
+                 f"and step on its own micro-batch, alone, 1 thread: {bound_ms} ms ({bound_spread})")
     notes += [f"bytes/step/rank of {who}: {how}" for who, how in COUNTED_BY.items()]
     caveats = {}  # one line per caveat, naming every row it applies to
     for name, why in DEEPSPEED_CAVEATS.items():

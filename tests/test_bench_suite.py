@@ -78,6 +78,8 @@ def test_ratios_and_bytes_follow_from_their_definitions(report):
     _, ddp, z1, *_ = tables(text)[0]
     step = {row[0]: float(row[1].split()[0]) for row in (ddp, z1)}
     assert ratio_matches(z1[3], step["dstrain-z1"], step["ddp"]), (z1[3], step)
+    bound = float(re.search(r"- no-communication bound .*: ([\d.]+)", text).group(1))  # the header's figure
+    assert ratio_matches(z1[6], step["dstrain-z1"], bound), (z1[6], step, bound)
     psi = count_parameters(GPT(QUICK_MODEL))
     # bytes one rank sends on 2 ranks: ZeRO-1 reduce-scatters 4Ψ and all-gathers 4Ψ, half of each leaves
     # the rank; DDP's ring all-reduce of 4Ψ sends 2(n-1)/n = 1 x 4Ψ. Equal, as the ZeRO paper says.
