@@ -109,12 +109,12 @@ def check_sparse_attention(layout: str, precision: str) -> str:
         raise AssertionError(f"output or gradients on {away}, output {out.dtype}: expected {dev}, {dtype}")
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]  # fp64 leaves: unrounded gradients
     squares = () if causal_add is None else (causal_add,)
-    want = masked_dense_attention(*exact, attn.get_layout(SEQ), BLOCK, key_add, squares)
+    layout_blocks = attn.get_layout(SEQ)
+    want = masked_dense_attention(*exact, layout_blocks, BLOCK, key_add, squares)
     want_grads = torch.autograd.grad(want, exact, up.double())
     tol_out, tol_grad = TOLERANCE[precision]
     worst_out = _beyond(f"{precision} output", out, want, tol_out)
     worst_grad = max(_beyond(f"{precision} d{n}", got, ref, tol_grad) for n, got, ref in zip("qkv", grads, want_grads))
-    layout_blocks = attn.get_layout(SEQ)
     detail = (f"{int(layout_blocks.sum())} of {layout_blocks.numel()} blocks; largest difference: output "
               f"{worst_out:.1e}, gradients {worst_grad:.1e} (tolerance {tol_out:g} / {tol_grad:g}); on {dev}")
     if masked:  # the contract, exactly: zeros, and no gradient for the rows' queries
