@@ -3,16 +3,21 @@
     python benchmarks/bench_cpu_adam.py [--millions 100] [--steps 3] [--rounds 2] [--threads 2,1]
         [--deepspeed-venv /tmp/ds-venv]
 
-Side by side in one run, in `--rounds` interleaved rounds (fused, foreach, DeepSpeed, fused, ...) of
-`--steps` steps after one warm-up step each; each figure is the best step over all rounds (other load
-on a shared machine only ever adds time; the median is reported too):
-- `torch.optim.AdamW(fused=True)`: the kernel the offloaded step uses (offload/swapped_partition.py);
+Side by side in one run, in `--rounds` interleaved rounds (each kind below in turn) of `--steps` steps
+after one warm-up step each; each figure is the best step over all rounds (other load on a shared
+machine only ever adds time; the median is reported too):
+- `fused`: what dstrain's step runs: torch's `AdamW(fused=True)` over master weights and gradient on
+  transparent huge pages and its state moved onto them after the first step, as the engine does
+  (offload/huge_pages.py; the move is in the timed step, a no-op once done);
+- `fused_4k`: the same kernel on tensors from torch's allocator (4 KiB pages where THP is "madvise");
 - `torch.optim.AdamW(foreach=True)`;
 - DeepSpeed's `DeepSpeedCPUAdam` (AdamW mode), run in DeepSpeed's own venv (`--deepspeed-venv`; its op
-  JIT-builds with g++/ninja the first time), or "not run: why";
+  JIT-builds with g++/ninja the first time), or "not run: why"; and `deepspeed_thp`, the same with
+  torch's `THP_MEM_ALLOC_ENABLE=1` (not DeepSpeed's default: what it would gain if its user set it);
 - the memory-bandwidth bound: an Adam step reads param, grad, exp_avg, exp_avg_sq and writes three
   of them, 28 bytes per parameter, at the bandwidth of `a.add_(b)` (12 bytes per element) measured in
-  this run with the same threads, the best of `--steps` calls in each round (load only slows it).
+  this run with the same threads, on 4 KiB and on huge pages, the best of `--steps` calls in each round
+  (load only slows it); the bound takes the faster of the two.
 Each of `--threads` (default: torch's count, then 1, the thread count of an offloading rank in the
 benchmarks and tests, 2 ranks on 2 cores) is its own set of rows; DeepSpeed's OpenMP kernel gets
 OMP_NUM_THREADS and torch.set_num_threads of the same count.
@@ -36,24 +41,35 @@ import json, statistics, sys, time, torch
 n, steps, kind, threads = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 torch.set_num_threads(threads)
 torch.manual_seed(0)
-p = torch.nn.Parameter(torch.randn(n, device="cpu")); p.grad = torch.randn(n, device="cpu")
-if kind == "deepspeed":
+after_step = lambda: None
+if kind == "fused":  # the engine's tensors (offload/huge_pages.py)
+    from offload import huge_pages
+    p = torch.nn.Parameter(huge_pages.host_zeros(n).normal_()); p.grad = huge_pages.host_zeros(n).normal_()
+else:
+    p = torch.nn.Parameter(torch.randn(n, device="cpu")); p.grad = torch.randn(n, device="cpu")
+if kind.startswith("deepspeed"):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     opt = DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.01, adamw_mode=True)
-elif kind == "fused":
+elif kind.startswith("fused"):
     opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, fused=True)
+    if kind == "fused":
+        after_step = lambda: huge_pages.adopt_state(opt)
 else:
     opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, foreach=True)
 times = []
 for i in range(steps + 1):
-    t = time.perf_counter(); opt.step(); times.append(time.perf_counter() - t)
+    t = time.perf_counter(); opt.step(); after_step(); times.append(time.perf_counter() - t)
 print(json.dumps({"best_s": min(times[1:]), "median_s": statistics.median(times[1:]), "threads": torch.get_num_threads()}))
 """
 
 
-def add_bandwidth(n: int, repeats: int, threads: int) -> float:
+def add_bandwidth(n: int, repeats: int, threads: int, huge: bool) -> float:
+    from offload import huge_pages
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, device="cpu"), torch.randn(n, device="cpu")
+    if huge:
+        a, b = huge_pages.host_empty(n).normal_(), huge_pages.host_empty(n).normal_()
+    else:
+        a, b = torch.randn(n, device="cpu"), torch.randn(n, device="cpu")
     times = []
     for _ in range(repeats + 1):
         t = time.perf_counter()
@@ -63,8 +79,11 @@ def add_bandwidth(n: int, repeats: int, threads: int) -> float:
 
 
 def run_step(python: str, n: int, steps: int, kind: str, threads: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if kind == "deepspeed_thp":
+        env["THP_MEM_ALLOC_ENABLE"] = "1"  # torch's allocator advises huge pages (read at its first allocation)
     result = subprocess.run([python, "-c", STEP_CODE, str(n), str(steps), kind, str(threads)], capture_output=True,
-                            text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                            text=True, timeout=1800, env=env)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         return {"not_run": last[:300]}
@@ -93,12 +112,14 @@ def main() -> None:
     threads = sorted({int(t) for t in args.threads.split(",")}, reverse=True)
     out = {"params": n, "load_before": os.getloadavg()}
     ds_python = os.path.join(args.deepspeed_venv, "bin", "python") if args.deepspeed_venv else None
-    pythons = {"fused": sys.executable, "foreach": sys.executable, "deepspeed": ds_python}
+    pythons = {"fused": sys.executable, "fused_4k": sys.executable, "foreach": sys.executable,
+               "deepspeed": ds_python, "deepspeed_thp": ds_python}
     runs: dict[tuple, list] = {(kind, t): [] for t in threads for kind in pythons}
-    bandwidth = {t: 0.0 for t in threads}
+    bandwidth = {(t, huge): 0.0 for t in threads for huge in (False, True)}
     for _ in range(args.rounds):
         for t in threads:
-            bandwidth[t] = max(bandwidth[t], add_bandwidth(n, args.steps, t))
+            for huge in (False, True):
+                bandwidth[t, huge] = max(bandwidth[t, huge], add_bandwidth(n, args.steps, t, huge))
             for kind, python in pythons.items():
                 if python is None:
                     runs[kind, t].append({"not_run": "no --deepspeed-venv given"})
@@ -107,8 +128,9 @@ def main() -> None:
                 else:
                     runs[kind, t].append(run_step(python, n, args.steps, kind, t))
     for t in threads:
-        bound_s = 28 * n / bandwidth[t]
-        row = {"add_bandwidth_GBps": bandwidth[t] / 1e9, "bound_step_s": bound_s}
+        bound_s = 28 * n / max(bandwidth[t, False], bandwidth[t, True])
+        row = {"add_bandwidth_GBps": bandwidth[t, False] / 1e9, "add_bandwidth_huge_pages_GBps": bandwidth[t, True] / 1e9,
+               "bound_step_s": bound_s}
         row.update({kind: summary(runs[kind, t], bound_s) for kind in pythons})
         if "step_s" in row["deepspeed"]:
             row["fused_speedup_vs_deepspeed"] = row["deepspeed"]["step_s"] / row["fused"]["step_s"]

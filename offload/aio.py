@@ -38,6 +38,8 @@ from typing import Optional
 
 import torch
 
+from offload import huge_pages
+
 ALIGNMENT = 4096
 AIO_KEYS = "aio.block_size / aio.queue_depth / aio.intra_op_parallelism"
 
@@ -323,6 +325,8 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> t
     """A host tensor of `numel` elements whose first byte is `ALIGNMENT`-aligned (O_DIRECT's rule)."""
     itemsize = torch.empty(0, dtype=dtype, device="cpu").element_size()
     nbytes = numel * itemsize
+    if huge_pages.eligible(nbytes, pin_memory):
+        return huge_pages.host_empty(numel, dtype)  # 2 MiB-aligned (offload/huge_pages.py)
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device="cpu", pin_memory=pin_memory)
     skip = (-raw.data_ptr()) % ALIGNMENT
     return raw[skip:skip + nbytes].view(dtype)

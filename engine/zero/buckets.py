@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from offload.huge_pages import flat_zeros
+
 from .arrivals import ArrivalLog, dense_view
 
 
@@ -66,7 +68,7 @@ class GradientBuckets:
             by_dtype[grad_dtype or p.dtype].append(p)
         for dtype, plist in by_dtype.items():
             device = plist[0].device
-            flat = torch.zeros(sum(p.numel() for p in plist), dtype=dtype, device=device)
+            flat = flat_zeros(sum(p.numel() for p in plist), dtype, device)  # huge pages on a host
             self.flat[dtype] = flat
             self.members[dtype] = plist
             offset, start, members = 0, 0, []

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from offload.huge_pages import flat_empty, flat_zeros
+
 from .arrivals import dense_view
 from .buckets import GradientBuckets
 
@@ -26,9 +28,9 @@ class MasterWeights:
         master_of: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         for dtype, members in buckets.members.items():
             grads_in_fp32 = buckets.flat[dtype].dtype == torch.float32
-            flat = torch.empty(buckets.flat[dtype].numel(), dtype=torch.float32, device=buckets.flat[dtype].device)
+            flat = flat_empty(buckets.flat[dtype].numel(), torch.float32, buckets.flat[dtype].device)
             # With fp32 accumulation the bucket buffer already is the fp32 gradient: alias it.
-            flat_grad = buckets.flat[dtype] if grads_in_fp32 else torch.zeros_like(flat)
+            flat_grad = buckets.flat[dtype] if grads_in_fp32 else flat_zeros(flat.numel(), torch.float32, flat.device)
             offset = 0
             for p in members:
                 n = p.numel()

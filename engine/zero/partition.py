@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.huge_pages import flat_zeros
+
 from .partition_store import HostPartitionStore
 
 
@@ -196,7 +198,7 @@ class PartitionedParams:
             shape = (stop - start,) + tuple(p.shape[1:]) if p.dim() > 0 else (stop - start,)
             self.fragments[p] = Fragment(key, offset, spec.numel_of(self.rank), spec.padded, shape, spec)
             offset += spec.padded
-        flat = torch.zeros(offset, dtype=torch.float32, device=self.members[key][0].device)
+        flat = flat_zeros(offset, torch.float32, self.members[key][0].device)  # huge pages on a host
         with torch.no_grad():
             for p in self.members[key]:
                 frag = self.fragments[p]
@@ -212,8 +214,7 @@ class PartitionedParams:
         if self.grads_swapped:  # shapes only: the values are in swap files (grad_swap.py's note)
             self.flat_grad[key] = torch.empty(flat.shape, dtype=flat.dtype, device="meta")
             return
-        self.flat_grad[key] = torch.zeros(flat.shape, dtype=flat.dtype, device=flat.device,
-                                          pin_memory=flat.is_pinned())
+        self.flat_grad[key] = flat_zeros(flat.numel(), flat.dtype, flat.device, pin_memory=flat.is_pinned())
         self.flat[key].grad = self.flat_grad[key]
 
     def params(self) -> list[torch.nn.Parameter]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ops import PowerSGD
+from offload.huge_pages import adopt_state
 
 from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
@@ -66,6 +67,8 @@ def checked_step(zopt, buffers: list[torch.Tensor], norm: float, step_number: in
             clip_(buffers, norm, zopt.clip)
         nvme = getattr(zopt, "nvme", None)  # offload_optimizer.device "nvme": the swapped step (nvme_tier.py)
         (nvme or zopt.optimizer).step()
+        if nvme is None:
+            adopt_state(zopt.optimizer)  # state made by this (first) step onto huge pages (huge_pages.py)
     return applied
 
 

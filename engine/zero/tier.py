@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.huge_pages import flat_empty
+
 from .partition import land_slots
 
 CPU = torch.device("cpu")
@@ -64,7 +66,7 @@ class PartitionTier:
         """`flat` on the home tier (pinned when the tier pins); the same tensor when it is there already."""
         if flat.device == self.home and (not self.pin or flat.is_pinned()):
             return flat
-        out = torch.empty(flat.shape, dtype=flat.dtype, device=self.home, pin_memory=self.pin)
+        out = flat_empty(flat.numel(), flat.dtype, self.home, pin_memory=self.pin).view(flat.shape)
         out.copy_(flat)
         return out
 

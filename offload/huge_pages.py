@@ -1,0 +1,168 @@
+"""Host tensors on transparent huge pages (2 MiB) for what the optimizer step streams through the CPU.
+
+[Note: why huge pages] A step over a host partition (the offloaded step, and every ZeRO step on a
+CPU-only machine) streams four arrays of the partition's size — master weights, gradient and two Adam
+moments, 28 bytes per parameter — at a rate set by memory, not arithmetic. On 4 KiB pages each of
+those streams crosses a page every 1,024 floats, and the TLB holds a few thousand of them: the walks
+cost a tenth of the step. Measured on this project's 2-core machine (torch's fused AdamW, 100M fp32
+parameters, best of 7 steps): 0.129 s on 4 KiB pages, 0.102 s on huge pages at 1 thread; 0.064 against
+0.057 s at 2 (benchmarks/bench_cpu_adam.py prints both rows). Most Linux distributions ship THP in
+"madvise" mode, where only memory advised `MADV_HUGEPAGE` gets huge pages, and torch's allocator
+advises only when `THP_MEM_ALLOC_ENABLE=1` is set before its first allocation — which a library cannot
+arrange after `import torch`. So dstrain maps the large flats it allocates itself (`host_zeros`,
+`host_empty`) and moves the optimizer state torch creates lazily on the first step (`adopt_state`).
+
+Only host memory that is not pinned: page-locked memory belongs to the accelerator's allocator. Only
+tensors of at least `MIN_BYTES`; only the whole 2 MiB pages inside the tensor are advised, so a tensor
+holds no more resident memory than on 4 KiB pages (its tail stays on small pages). Where the kernel has
+no THP (not Linux, or THP "never") these are plain torch tensors: the same values, the old speed.
+Nothing here changes a value: a moved tensor is an exact copy. `DSTRAIN_HUGE_PAGES=0` turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KiB base pages) PMD size
+MIN_BYTES = 8 << 20  # below four huge pages the gain is small and the tail is most of the tensor
+_THP_SWITCH = "/sys/kernel/mm/transparent_hugepage/enabled"
+_available: bool | None = None
+_libc = None
+
+
+def available() -> bool:
+    """Whether this kernel gives advised anonymous memory huge pages (Linux, THP not "never"), and the
+    user has not switched them off (`DSTRAIN_HUGE_PAGES=0`: for a kernel whose compaction stalls, or to
+    measure their effect; read at each allocation)."""
+    global _available
+    if os.environ.get("DSTRAIN_HUGE_PAGES") == "0":
+        return False
+    if _available is None:
+        _available = False
+        if sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                with open(_THP_SWITCH) as f:
+                    _available = "[never]" not in f.read()
+            except OSError:
+                pass
+    return _available
+
+
+def eligible(nbytes: int, pin_memory: bool = False) -> bool:
+    """Whether a host tensor of `nbytes` would be put on huge pages (module note)."""
+    return not pin_memory and nbytes >= MIN_BYTES and available()
+
+
+def host_empty(numel: int, dtype: torch.dtype = torch.float32, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised host tensor of `numel` elements; on huge pages when eligible (module note), else
+    `torch.empty` (pinned when asked). On huge pages its first byte is 2 MiB-aligned, which also meets
+    O_DIRECT's alignment."""
+    itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
+    nbytes = numel * itemsize
+    if not eligible(nbytes, pin_memory):
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin_memory)
+    # torch's allocator, so the storage behaves as any other (resize_(0) frees it: param_swap.py).
+    # An allocation this large is a fresh mapping from glibc (above its mmap threshold, at most 32
+    # MiB), untouched: advice given before the first write decides the page size at fault time. The
+    # extra huge page leaves room to start on a 2 MiB boundary; its untouched bytes are never resident.
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8, device="cpu")
+    skip = (-raw.data_ptr()) % HUGE_PAGE
+    _advise(raw.data_ptr() + skip, nbytes // HUGE_PAGE * HUGE_PAGE)
+    return raw[skip:skip + nbytes].view(dtype)
+
+
+def _advise(address: int, length: int) -> None:
+    """madvise(MADV_HUGEPAGE) on whole huge pages; a refusal (an old kernel) leaves small pages."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if length:
+        _libc.madvise(address, length, mmap.MADV_HUGEPAGE)
+
+
+def on_huge_pages(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is (a view from the start of) what `host_empty` advised: 2 MiB-aligned, in a
+    storage exactly one huge page longer than its bytes. A plain allocation of that shape would only
+    be skipped by `adopt`: slower, never wrong."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return (tensor.device.type == "cpu" and tensor.data_ptr() % HUGE_PAGE == 0
+            and tensor.untyped_storage().nbytes() == nbytes + HUGE_PAGE)
+
+
+def host_zeros(numel: int, dtype: torch.dtype = torch.float32, pin_memory: bool = False) -> torch.Tensor:
+    """`host_empty`, zero-filled (the fill is the first touch: it faults the huge pages in)."""
+    if not eligible(numel * torch.empty((), dtype=dtype).element_size(), pin_memory):
+        return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin_memory)
+    return host_empty(numel, dtype).zero_()
+
+
+def adopt(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` itself, or an exact copy on huge pages when it is an eligible contiguous host tensor that
+    is not on them already (one copy at memory bandwidth; the old storage is freed by the caller)."""
+    if (tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_pinned()
+            or not eligible(tensor.numel() * tensor.element_size(), False) or on_huge_pages(tensor)):
+        return tensor
+    out = host_empty(tensor.numel(), tensor.dtype).view(tensor.shape)
+    out.copy_(tensor)
+    return out
+
+
+def adopt_state(optimizer: torch.optim.Optimizer) -> int:
+    """Move the large host tensors of `optimizer.state` onto huge pages, in place in the state dict; the
+    number moved. For torch's own optimizers only, whose state dict is the only place that holds
+    them (an optimizer of ours may keep a second reference, which a move would leave behind). Cheap
+    once done: tensors already moved are recognised by their storage."""
+    if not type(optimizer).__module__.startswith("torch.optim"):
+        return 0
+    moved = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                new = adopt(value)
+                if new is not value:
+                    state[key] = new
+                    moved += 1
+    return moved
+
+
+def flat_zeros(numel: int, dtype: torch.dtype, device: torch.device | str,
+               pin_memory: bool = False) -> torch.Tensor:
+    """A zeroed 1-d flat on `device`: on a host, `host_zeros`; elsewhere `torch.zeros` there."""
+    if torch.device(device).type == "cpu":
+        return host_zeros(numel, dtype, pin_memory=pin_memory)
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def flat_empty(numel: int, dtype: torch.dtype, device: torch.device | str,
+               pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised 1-d flat on `device`: on a host, `host_empty`; elsewhere `torch.empty` there."""
+    if torch.device(device).type == "cpu":
+        return host_empty(numel, dtype, pin_memory=pin_memory)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def resident_huge_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of huge pages the kernel has mapped under `tensor`'s address range (/proc/self/smaps'
+    AnonHugePages of the mappings it overlaps, clipped to the range): what the benchmark and the tests
+    read to see the advice taken; 0 where there is no smaps."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    total, span = 0, None
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):  # a mapping's header line: "lo-hi perms ..."
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    span = (max(lo, start), min(hi, end)) if lo < end and hi > start else None
+                elif head == "AnonHugePages:" and span is not None:
+                    # a mapping's huge pages, at most the part of it inside the tensor
+                    total += min(int(line.split()[1]) * 1024, span[1] - span[0])
+    except OSError:
+        return 0
+    return total
