@@ -28,7 +28,10 @@ import sys
 import torch
 
 HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KiB base pages) PMD size
-MIN_BYTES = 8 << 20  # below four huge pages the gain is small and the tail is most of the tensor
+# glibc serves every request above 32 MiB (the ceiling of its dynamic mmap threshold) from a fresh,
+# untouched mapping, where advice given before the first write decides the page size. A smaller
+# request may reuse heap memory already written (4 KiB pages that stay so): not worth advising.
+MIN_BYTES = 32 << 20
 _THP_SWITCH = "/sys/kernel/mm/transparent_hugepage/enabled"
 _available: bool | None = None
 _libc = None
@@ -65,10 +68,9 @@ def host_empty(numel: int, dtype: torch.dtype = torch.float32, pin_memory: bool 
     nbytes = numel * itemsize
     if not eligible(nbytes, pin_memory):
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin_memory)
-    # torch's allocator, so the storage behaves as any other (resize_(0) frees it: param_swap.py).
-    # An allocation this large is a fresh mapping from glibc (above its mmap threshold, at most 32
-    # MiB), untouched: advice given before the first write decides the page size at fault time. The
-    # extra huge page leaves room to start on a 2 MiB boundary; its untouched bytes are never resident.
+    # torch's allocator, so the storage behaves as any other (resize_(0) frees it: param_swap.py);
+    # at this size a fresh mapping (MIN_BYTES). The extra huge page leaves room to start on a 2 MiB
+    # boundary; its untouched bytes are never resident.
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8, device="cpu")
     skip = (-raw.data_ptr()) % HUGE_PAGE
     _advise(raw.data_ptr() + skip, nbytes // HUGE_PAGE * HUGE_PAGE)
@@ -148,21 +150,35 @@ def flat_empty(numel: int, dtype: torch.dtype, device: torch.device | str,
 
 def resident_huge_bytes(tensor: torch.Tensor) -> int:
     """Bytes of huge pages the kernel has mapped under `tensor`'s address range (/proc/self/smaps'
-    AnonHugePages of the mappings it overlaps, clipped to the range): what the benchmark and the tests
-    read to see the advice taken; 0 where there is no smaps."""
+    AnonHugePages of the mappings it overlaps, at most their part inside it); 0 where there is no
+    smaps. Whether advised memory gets huge pages at fault time is the kernel's call (free 2 MiB
+    blocks, compaction): the benchmark reports this, the tests check `advised_bytes`."""
+    return _smaps_bytes(tensor)[1]
+
+
+def advised_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor`'s address range in mappings advised for huge pages (smaps' VmFlags "hg")."""
+    return _smaps_bytes(tensor)[0]
+
+
+def _smaps_bytes(tensor: torch.Tensor) -> tuple[int, int]:
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    total, span = 0, None
+    advised = huge = 0
+    span = None  # the current mapping's part inside the tensor's range
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
                 head = line.split(maxsplit=1)[0]
-                if "-" in head and not head.endswith(":"):  # a mapping's header line: "lo-hi perms ..."
+                if "-" in head and not head.endswith(":"):  # a mapping's header: "lo-hi perms offset ..."
                     lo, hi = (int(x, 16) for x in head.split("-"))
                     span = (max(lo, start), min(hi, end)) if lo < end and hi > start else None
-                elif head == "AnonHugePages:" and span is not None:
-                    # a mapping's huge pages, at most the part of it inside the tensor
-                    total += min(int(line.split()[1]) * 1024, span[1] - span[0])
+                elif span is None:
+                    continue
+                elif head == "AnonHugePages:":
+                    huge += min(int(line.split()[1]) * 1024, span[1] - span[0])
+                elif head == "VmFlags:" and "hg" in line.split()[1:]:
+                    advised += span[1] - span[0]
     except OSError:
-        return 0
-    return total
+        return 0, 0
+    return advised, huge

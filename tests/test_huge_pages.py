@@ -1,6 +1,8 @@
 """Host flats and optimizer state on transparent huge pages (offload/huge_pages.py): what the optimizer
-step streams is advised MADV_HUGEPAGE before its first touch, and the kernel maps huge pages under it
-(read back from /proc/self/smaps, not assumed); nothing changes a value.
+step streams is advised MADV_HUGEPAGE before its first touch (read back from /proc/self/smaps: its
+range lies in mappings with the "hg" flag); nothing changes a value. Whether the kernel then finds free
+2 MiB blocks is its own call, so the huge pages actually mapped are what the benchmark reports
+(bench_cpu_adam.py), not what a test asserts.
 
 The cases that need the kernel's THP skip, saying so, where it has none (not Linux, or THP "never").
 """
@@ -23,31 +25,31 @@ def _whole_pages(t: torch.Tensor) -> int:
 
 
 @needs_thp
-def test_host_zeros_is_zero_aligned_and_mapped_on_huge_pages():
-    t = hp.host_zeros(5 * MIB + 123)  # 20 MiB and a tail that stays on small pages
+def test_host_zeros_is_zero_aligned_and_advised_for_huge_pages():
+    t = hp.host_zeros(9 * MIB + 123)  # 36 MiB and a tail that stays on small pages
     assert t.data_ptr() % hp.HUGE_PAGE == 0 and hp.on_huge_pages(t)
-    assert t.shape == (5 * MIB + 123,) and t.dtype == torch.float32 and not t.any()
-    assert hp.resident_huge_bytes(t) == _whole_pages(t)
-    plain = torch.zeros(5 * MIB + 123)
-    assert hp.resident_huge_bytes(plain) == 0 and not hp.on_huge_pages(plain)
+    assert t.shape == (9 * MIB + 123,) and t.dtype == torch.float32 and not t.any()
+    assert hp.advised_bytes(t) == _whole_pages(t)
+    plain = torch.zeros(9 * MIB + 123)
+    assert hp.advised_bytes(plain) == 0 and not hp.on_huge_pages(plain)
 
 
 def test_small_pinned_and_switched_off_requests_are_plain_tensors(monkeypatch):
     small = hp.host_zeros(hp.MIN_BYTES // 4 - 1)
     assert not hp.on_huge_pages(small) and not small.any()
-    pinned_asked = hp.host_empty(4 * MIB, pin_memory=torch.cuda.is_available())
+    pinned_asked = hp.host_empty(9 * MIB, pin_memory=torch.cuda.is_available())
     assert hp.on_huge_pages(pinned_asked) == (hp.available() and not torch.cuda.is_available())
     monkeypatch.setenv("DSTRAIN_HUGE_PAGES", "0")
-    off = hp.host_zeros(4 * MIB)
-    assert not hp.on_huge_pages(off) and hp.resident_huge_bytes(off) == 0 and not off.any()
-    ones = torch.ones(4 * MIB)
+    off = hp.host_zeros(9 * MIB)
+    assert not hp.on_huge_pages(off) and hp.advised_bytes(off) == 0 and not off.any()
+    ones = torch.ones(9 * MIB)
     assert hp.adopt(ones) is ones
 
 
 @needs_thp
 def test_adopt_state_moves_torch_optimizer_state_and_changes_no_value():
     torch.manual_seed(0)
-    p = torch.nn.Parameter(hp.host_zeros(3 * MIB).normal_())
+    p = torch.nn.Parameter(hp.host_zeros(9 * MIB).normal_())
     q = torch.nn.Parameter(p.detach().clone())
     moved, kept = torch.optim.AdamW([p], lr=1e-2, fused=True), torch.optim.AdamW([q], lr=1e-2, fused=True)
     counts = []
@@ -60,19 +62,19 @@ def test_adopt_state_moves_torch_optimizer_state_and_changes_no_value():
     assert counts == [2, 0, 0]  # exp_avg and exp_avg_sq once, after the step that made them
     for key in ("exp_avg", "exp_avg_sq"):
         assert hp.on_huge_pages(moved.state[p][key]) and not hp.on_huge_pages(kept.state[q][key])
-        assert hp.resident_huge_bytes(moved.state[p][key]) == _whole_pages(p)
+        assert hp.advised_bytes(moved.state[p][key]) == _whole_pages(p)
         assert torch.equal(moved.state[p][key], kept.state[q][key])
     assert torch.equal(p, q)
 
 
 def _train(stage: int, device: str, nvme_path: str, huge: bool) -> dict:
-    """3 AdamW steps of a 2 × Linear(2048, 2048) model (8.4M parameters: 16 MiB partitions per rank) with
+    """3 AdamW steps of a 2 × Linear(4096, 4096) model (33.6M parameters: 64 MiB partitions per rank) with
     the optimizer offloaded; where each partition tensor lives, and the weights and norms after."""
     import engine
     from engine.zero.tier import tier_tensors
     os.environ["DSTRAIN_HUGE_PAGES"] = "1" if huge else "0"
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 2048))
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 4096))
     offload = {"device": device, "nvme_path": nvme_path} if device == "nvme" else {"device": device}
     cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": stage, "offload_optimizer": offload}, "steps_per_print": 10**9}
@@ -80,11 +82,11 @@ def _train(stage: int, device: str, nvme_path: str, huge: bool) -> dict:
     gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     norms = []
     for _ in range(3):
-        x = torch.randn(4, 2048, generator=gen)
+        x = torch.randn(4, 4096, generator=gen)
         eng.backward(eng(x).square().mean())
         eng.step()
         norms.append(eng.get_global_grad_norm())
-    placed = {role: [(hp.resident_huge_bytes(t), _whole_pages(t)) for t in ts]
+    placed = {role: [(hp.advised_bytes(t), _whole_pages(t)) for t in ts]
               for role, ts in tier_tensors(eng.zero_optimizer).items()}
     weights = [p.detach().clone() for p in model.parameters()]
     eng.destroy()
@@ -102,7 +104,7 @@ def test_offloaded_partition_is_on_huge_pages_and_trains_as_on_small_pages(tmp_p
             large = [(got, whole) for got, whole in h["placed"][role] if whole >= hp.MIN_BYTES]  # not "step"
             assert large, f"rank {rank}: no large {role} tensor"
             for got, whole in large:
-                assert got == whole, f"rank {rank} {role}: {got} of {whole} bytes on huge pages"
-            assert all(got == 0 for got, _ in s["placed"][role]), f"rank {rank} {role}: huge pages when off"
+                assert got == whole, f"rank {rank} {role}: {got} of {whole} bytes advised for huge pages"
+            assert all(got == 0 for got, _ in s["placed"][role]), f"rank {rank} {role}: advised when off"
         assert h["norms"] == s["norms"], f"rank {rank}"
         assert all(torch.equal(a, b) for a, b in zip(h["weights"], s["weights"])), f"rank {rank}"
