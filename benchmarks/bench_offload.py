@@ -33,7 +33,13 @@ are the NVMe systems with the gradient partition in host memory instead (grad_sw
 False in their ranks: a benchmark switch, not a config key). When an NVMe system runs, the raw O_DIRECT
 disk bandwidth is measured first in the same directory (bench_offload_io.disk_bandwidth, `--disk-mb`),
 and a third table gives rank 0's gradient bytes written and read per step after the first (the first
-also writes the held gradients: grad_swap.py's note) and the seconds they take at that bandwidth.
+also writes the held gradients: grad_swap.py's note) and the seconds they take at that bandwidth. A
+fourth sets each NVMe system's extra time over the same stage without offload against all the bytes
+its ranks read from and wrote to storage per step (/proc/self/io, every swap file: parameters, master
+weights, optimizer state, gradients; both ranks share the disk) at that bandwidth.
+DeepSpeed's swappers need more buffers than the shared NVMe sections give at this size (it refuses
+them: "Not enough buffers", "ran out of swap buffers"); `--deepspeed-param-buffers` /
+`--deepspeed-optimizer-buffers` raise its `buffer_count`s only (as bench_infinity.py's do).
 """
 from __future__ import annotations
 
@@ -93,6 +99,14 @@ def _grad_bytes(zopt) -> dict:
             "held_written": held.bytes_written if held else 0, "held_read": held.bytes_read if held else 0}
 
 
+def _storage_bytes() -> int:
+    """Bytes this process read from and wrote to storage so far (/proc/self/io; O_DIRECT swap I/O
+    always reaches the device)."""
+    with open("/proc/self/io") as f:
+        io = dict(line.split(": ") for line in f)
+    return int(io["read_bytes"]) + int(io["write_bytes"])
+
+
 def _entry(offload: dict, steps: int, stage: int = 2, grad_in_memory: bool = False):
     import torch.distributed as dist
 
@@ -103,17 +117,20 @@ def _entry(offload: dict, steps: int, stage: int = 2, grad_in_memory: bool = Fal
     zero = {**ZERO2, "stage": stage, **offload}
     eng, _, _, _ = engine.initialize(model=bt.GPT(bt.BENCH_CONFIG),
                                      config=bt._dstrain_config(stage, True, {"zero_optimization": zero}))
-    phases, times, after_first = StepPhases(), [], {}
+    phases, times, after_first, io_first = StepPhases(), [], {}, None
     for x, y in bt._batches(steps, dist.get_rank()):
         t0 = time.perf_counter()
         phases.train_step(eng, x, y)
         times.append((time.perf_counter() - t0) * 1e3)
         after_first = after_first or _grad_bytes(eng.zero_optimizer)
+        io_first = _storage_bytes() if io_first is None else io_first
+    storage_per_step = (_storage_bytes() - io_first) / max(1, steps - 1)
     end = _grad_bytes(eng.zero_optimizer)
     per_step = {k: (end[k] - after_first[k]) / max(1, steps - 1) for k in end}
     eng.destroy()
     return {"step_ms": statistics.median(kept(times)), "rss_mb": bt._peak_rss_mb(), "phases_ms": phases.medians(),
-            "grad_bytes_per_step": per_step, "grad_bytes_first_step": after_first}
+            "grad_bytes_per_step": per_step, "grad_bytes_first_step": after_first,
+            "storage_bytes_per_step": storage_per_step}
 
 
 def _load() -> str:
@@ -128,7 +145,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deepspeed-venv", type=Path, default=None, help="virtual environment with deepspeed")
     p.add_argument("--nvme-path", default=None, help="directory for the NVMe systems' swap files (default: a temp dir)")
     p.add_argument("--disk-mb", type=int, default=256, help="file size of the raw O_DIRECT bandwidth measurement")
+    p.add_argument("--deepspeed-param-buffers", type=int, default=None,
+                   help="DeepSpeed's offload_param.buffer_count (default: the shared section's 5)")
+    p.add_argument("--deepspeed-optimizer-buffers", type=int, default=None,
+                   help="DeepSpeed's offload_optimizer.buffer_count (default: the shared section's 9; its "
+                        "pipelined swapper needs 12)")
     return p
+
+
+def _deepspeed_buffers(section: dict, param: int | None, optimizer: int | None) -> dict:
+    """The shared NVMe section with DeepSpeed's buffer counts raised where asked (module docstring)."""
+    out = dict(section)
+    for key, count in (("offload_param", param), ("offload_optimizer", optimizer)):
+        if count and key in out:
+            out[key] = {**out[key], "buffer_count": count}
+    return out
 
 
 def main(argv=None) -> int:
@@ -146,7 +177,7 @@ def main(argv=None) -> int:
             disk = disk_bandwidth(d, args.disk_mb * 2**20, repeats=2)
         print(f"disk (O_DIRECT, {args.disk_mb} MiB, best of 2): write {disk[0]:.2f} GB/s, read {disk[1]:.2f} GB/s",
               flush=True)
-    rows, phases, grads = [], {}, {}  # phases: rank 0's median forward / backward / step ms (step_phases.py)
+    rows, phases, grads, storage = [], {}, {}, {}  # phases: rank 0's median forward / backward / step ms (step_phases.py)
     for name in systems:
         if name in DEEPSPEED:
             if args.deepspeed_venv is None:
@@ -154,7 +185,9 @@ def main(argv=None) -> int:
                 continue
             stage, extra, nvme = DEEPSPEED[name]
             if nvme:
-                extra = {**extra, "zero_optimization": _nvme_offload(nvme_dir(), params=nvme == NVME_BOTH)}
+                section = _nvme_offload(nvme_dir(), params=nvme == NVME_BOTH)
+                extra = {**extra, "zero_optimization": _deepspeed_buffers(
+                    section, args.deepspeed_param_buffers, args.deepspeed_optimizer_buffers)}
             try:
                 row = bt._run_deepspeed(bt._deepspeed_python(args.deepspeed_venv), stage, args.steps,
                                         args.world, extra, full=True)
@@ -172,6 +205,8 @@ def main(argv=None) -> int:
             phases[name] = per_rank[0]["phases_ms"]
             if per_rank[0]["grad_bytes_per_step"]:
                 grads[name] = per_rank[0]
+            if offload.get("offload_optimizer", {}).get("device") == "nvme":
+                storage[name] = (stage, sum(r["storage_bytes_per_step"] for r in per_rank))
 
         print(f"{name:>22}: {rows[-1][1] or 0:8.1f} ms/step  {rows[-1][3]}", flush=True)
     print(f"after: {_load()}")
@@ -187,7 +222,21 @@ def main(argv=None) -> int:
         print(f"| {name} | " + " | ".join(f"{parts[k]:.0f}" for k in PHASES) + " |")
     if grads and disk:
         _print_gradient_io(grads, disk)
+    if storage and disk:
+        _print_storage_time(storage, {name: step for name, step, _, _ in rows if step}, disk)
     return 0
+
+
+def _print_storage_time(storage: dict, steps: dict, disk: tuple[float, float]) -> None:
+    """Each NVMe system's extra ms over its stage without offload against its ranks' storage bytes per
+    step at the disk bandwidth measured in this run (the slower direction's: reads and writes mix)."""
+    print(f"\n| system | storage MiB per step (both ranks) | at disk bandwidth ({min(disk):.2f} GB/s), ms | "
+          f"extra ms over the same stage without offload |")
+    print("|---|---|---|---|")
+    for name, (stage, nbytes) in storage.items():
+        base = steps.get(f"dstrain-z{stage}")
+        extra = f"{steps[name] - base:.0f}" if base and name in steps else "- (run dstrain-z%d too)" % stage
+        print(f"| {name} | {nbytes / 2**20:.0f} | {nbytes / min(disk) / 1e6:.0f} | {extra} |")
 
 
 def _print_gradient_io(grads: dict, disk: tuple[float, float]) -> None:
