@@ -38,8 +38,9 @@ fourth sets each NVMe system's extra time over the same stage without offload ag
 its ranks read from and wrote to storage per step (/proc/self/io, every swap file: parameters, master
 weights, optimizer state, gradients; both ranks share the disk) at that bandwidth.
 DeepSpeed's swappers need more buffers than the shared NVMe sections give at this size (it refuses
-them: "Not enough buffers", "ran out of swap buffers"); `--deepspeed-param-buffers` /
-`--deepspeed-optimizer-buffers` raise its `buffer_count`s only (as bench_infinity.py's do).
+them: "Not enough buffers", "ran out of swap buffers"); `--optimizer-buffers` / `--param-buffers` set
+the shared sections' `buffer_count`s (both systems), `--deepspeed-param-buffers` /
+`--deepspeed-optimizer-buffers` raise DeepSpeed's only (as bench_infinity.py's do).
 """
 from __future__ import annotations
 
@@ -78,13 +79,17 @@ DEEPSPEED = {"deepspeed-z2-cpu": (2, {"zero_optimization": CPU_OFFLOAD, "optimiz
              "deepspeed-z3-nvme": (3, {"optimizer": ADAMW}, NVME_BOTH)}
 
 
+BUFFERS = {"offload_optimizer": 9, "offload_param": 5}  # the shared sections' buffer_count (--*-buffers)
+
+
 def _nvme_offload(nvme_path: str, params: bool = False) -> dict:
     # Adam swaps 3 tensors per sub-group: 9 buffers hold one sub-group read ahead, one stepped, one written
     section = {"sub_group_size": 1_000_000,
-               "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 9,
+               "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path,
+                                     "buffer_count": BUFFERS["offload_optimizer"],
                                      "pipeline_read": True, "pipeline_write": True}}
     if params:  # a block's weights per buffer (the 25M GPT's largest gather group is under 1e7 elements)
-        section["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 5,
+        section["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": BUFFERS["offload_param"],
                                     "buffer_size": 10_000_000, "max_in_cpu": 0}
     return section
 
@@ -145,6 +150,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deepspeed-venv", type=Path, default=None, help="virtual environment with deepspeed")
     p.add_argument("--nvme-path", default=None, help="directory for the NVMe systems' swap files (default: a temp dir)")
     p.add_argument("--disk-mb", type=int, default=256, help="file size of the raw O_DIRECT bandwidth measurement")
+    p.add_argument("--optimizer-buffers", type=int, default=BUFFERS["offload_optimizer"],
+                   help="offload_optimizer.buffer_count of the shared NVMe section (both systems)")
+    p.add_argument("--param-buffers", type=int, default=BUFFERS["offload_param"],
+                   help="offload_param.buffer_count of the shared NVMe section (both systems)")
     p.add_argument("--deepspeed-param-buffers", type=int, default=None,
                    help="DeepSpeed's offload_param.buffer_count (default: the shared section's 5)")
     p.add_argument("--deepspeed-optimizer-buffers", type=int, default=None,
@@ -166,6 +175,7 @@ def main(argv=None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     systems = args.systems.split(",")
+    BUFFERS.update(offload_optimizer=args.optimizer_buffers, offload_param=args.param_buffers)
 
     def nvme_dir() -> str:
         return args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-")

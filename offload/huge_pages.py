@@ -106,8 +106,9 @@ def host_zeros(numel: int, dtype: torch.dtype = torch.float32, pin_memory: bool 
 def adopt(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` itself, or an exact copy on huge pages when it is an eligible contiguous host tensor that
     is not on them already (one copy at memory bandwidth; the old storage is freed by the caller)."""
-    if (tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_pinned()
-            or not eligible(tensor.numel() * tensor.element_size(), False) or on_huge_pages(tensor)):
+    # the size first: it rules out almost every tensor of a many-parameter stage-0 optimizer, per step
+    if (tensor.numel() * tensor.element_size() < MIN_BYTES or tensor.device.type != "cpu"
+            or not tensor.is_contiguous() or tensor.is_pinned() or not available() or on_huge_pages(tensor)):
         return tensor
     out = host_empty(tensor.numel(), tensor.dtype).view(tensor.shape)
     out.copy_(tensor)
