@@ -3,10 +3,11 @@
 [Note: why huge pages] A step over a host partition (the offloaded step, and every ZeRO step on a
 CPU-only machine) streams four arrays of the partition's size — master weights, gradient and two Adam
 moments, 28 bytes per parameter — at a rate set by memory, not arithmetic. On 4 KiB pages each of
-those streams crosses a page every 1,024 floats, and the TLB holds a few thousand of them: the walks
-cost a tenth of the step. Measured on this project's 2-core machine (torch's fused AdamW, 100M fp32
-parameters, best of 7 steps): 0.129 s on 4 KiB pages, 0.102 s on huge pages at 1 thread; 0.064 against
-0.057 s at 2 (benchmarks/bench_cpu_adam.py prints both rows). Most Linux distributions ship THP in
+those streams crosses a page every 1,024 floats, 512 times as often as on 2 MiB pages; the TLB misses
+and page walks that follow are the likely cost (read, not measured with counters). Measured on this
+project's 2-core machine (torch's fused AdamW, 100M fp32 parameters, best step; README's CPU Adam
+table): 0.118 s on 4 KiB pages, 0.104 s on huge pages at 1 thread; 0.062 against 0.053 s at 2
+(benchmarks/bench_cpu_adam.py prints both rows). Most Linux distributions ship THP in
 "madvise" mode, where only memory advised `MADV_HUGEPAGE` gets huge pages, and torch's allocator
 advises only when `THP_MEM_ALLOC_ENABLE=1` is set before its first allocation — which a library cannot
 arrange after `import torch`. So dstrain maps the large flats it allocates itself (`host_zeros`,

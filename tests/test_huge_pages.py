@@ -94,7 +94,7 @@ def _train(stage: int, device: str, nvme_path: str, huge: bool) -> dict:
 
 
 @needs_thp
-@pytest.mark.parametrize("stage,device", [(2, "cpu"), (2, "nvme")])
+@pytest.mark.parametrize("stage,device", [(2, "cpu"), (3, "cpu"), (2, "nvme")])
 def test_offloaded_partition_is_on_huge_pages_and_trains_as_on_small_pages(tmp_path, stage, device):
     huge = run_distributed(_train, world_size=2, args=(stage, device, str(tmp_path), True), timeout=180)
     small = run_distributed(_train, world_size=2, args=(stage, device, str(tmp_path), False), timeout=180)

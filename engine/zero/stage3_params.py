@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from offload.huge_pages import flat_empty
 from offload.param_swap import SwappedChunk
 from .partition import ChunkSpec, Fragment, PartitionedParams, RankMajorLayout
 from .tier import copy_chunks
@@ -105,7 +106,9 @@ class Stage3Partition(PartitionedParams):
             self.swapped_init[key] = chunks
             self._set_flat(key, torch.empty(offset, dtype=torch.float32, device=self.members[key][0].device))
             return
-        self._set_flat(key, torch.cat([c.float() for _, c in chunks]))  # a key exists only with a member
+        parts = [c.float() for _, c in chunks]  # a key exists only with a member
+        flat = flat_empty(sum(t.numel() for t in parts), torch.float32, parts[0].device)  # huge pages on a host
+        self._set_flat(key, torch.cat(parts, out=flat))
 
 
 class CutChunk:
