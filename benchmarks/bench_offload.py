@@ -28,8 +28,8 @@ A second table splits rank 0's median step into forward, backward (with the redu
 it) and step (norm, clipping, the optimizer, the all-gather), timed the same way in both systems
 (benchmarks/step_phases.py).
 What the gradient swap costs (engine/zero/grad_swap.py: with the optimizer on NVMe the gradient
-partition lives in swap files): `dstrain-z2-nvme-grad-in-memory` and `dstrain-z3-nvme-opt-grad-in-memory`
-are the NVMe systems with the gradient partition in host memory instead (grad_swap.SWAP_GRADIENTS set
+partition lives in swap files): `dstrain-z2-nvme-grad-in-memory`, `dstrain-z3-nvme-opt-grad-in-memory` and
+`dstrain-z3-nvme-grad-in-memory` are the NVMe systems with the gradient partition in host memory instead (grad_swap.SWAP_GRADIENTS set
 False in their ranks: a benchmark switch, not a config key). When an NVMe system runs, the raw O_DIRECT
 disk bandwidth is measured first in the same directory (bench_offload_io.disk_bandwidth, `--disk-mb`),
 and a third table gives rank 0's gradient bytes written and read per step after the first (the first
@@ -70,7 +70,8 @@ DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
            "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}, 2),
            "dstrain-z2-nvme": (NVME, {}, 2), "dstrain-z2-nvme" + GRAD_IN_MEMORY: (NVME, {}, 2),
            "dstrain-z3": ({}, {}, 3), "dstrain-z3-nvme-opt": (NVME, {}, 3),
-           "dstrain-z3-nvme-opt" + GRAD_IN_MEMORY: (NVME, {}, 3), "dstrain-z3-nvme": (NVME_BOTH, {}, 3)}
+           "dstrain-z3-nvme-opt" + GRAD_IN_MEMORY: (NVME, {}, 3), "dstrain-z3-nvme": (NVME_BOTH, {}, 3),
+           "dstrain-z3-nvme" + GRAD_IN_MEMORY: (NVME_BOTH, {}, 3)}
 # DeepSpeed's offload path: without torch_adam, its AdamW with offload is DeepSpeedCPUAdam.
 ADAMW = {"type": "AdamW", "params": {"lr": bt.LR}}
 # name: (ZeRO stage, config merged in, NVMe optimizer offload under --nvme-path)
