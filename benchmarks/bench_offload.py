@@ -22,7 +22,9 @@ AdamW, fp32, gradient_clipping 1.0, 2 ranks x 1 thread, gloo). Systems:
 Goals (issue 17): dstrain-z2-cpu ≤ 1.10x dstrain-z2 and faster than deepspeed-z2-cpu. On a CPU-only
 machine the offloaded partition already is where the step runs, so dstrain stages nothing
 (engine/zero/tier.py) and the ratio measures that this costs nothing; `dstrain-z2-cpu-staged` runs the
-accelerator's copy path anyway (DSTRAIN_OFFLOAD_STAGE_COPIES=1) to show what those copies cost here.
+accelerator's copy path anyway (DSTRAIN_OFFLOAD_STAGE_COPIES=1) to show what those copies cost here,
+and `dstrain-z2-cpu-4k` runs with DSTRAIN_HUGE_PAGES=0 (offload/huge_pages.py: the partition and the
+optimizer state on 4 KiB pages) to show what huge pages buy in a training step.
 These machines are shared and noisy: read the ratios, and the load printed before and after.
 A second table splits rank 0's median step into forward, backward (with the reductions that overlap
 it) and step (norm, clipping, the optimizer, the all-gather), timed the same way in both systems
@@ -68,6 +70,7 @@ GRAD_IN_MEMORY = "-grad-in-memory"  # a system name's suffix: grad_swap.SWAP_GRA
 # name: (offload sections, environment, ZeRO stage)
 DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
            "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}, 2),
+           "dstrain-z2-cpu-4k": (CPU_OFFLOAD, {"DSTRAIN_HUGE_PAGES": "0"}, 2),
            "dstrain-z2-nvme": (NVME, {}, 2), "dstrain-z2-nvme" + GRAD_IN_MEMORY: (NVME, {}, 2),
            "dstrain-z3": ({}, {}, 3), "dstrain-z3-nvme-opt": (NVME, {}, 3),
            "dstrain-z3-nvme-opt" + GRAD_IN_MEMORY: (NVME, {}, 3), "dstrain-z3-nvme": (NVME_BOTH, {}, 3),
