@@ -119,9 +119,13 @@ def adopt(tensor: torch.Tensor) -> torch.Tensor:
 def adopt_state(optimizer: torch.optim.Optimizer) -> int:
     """Move the large host tensors of `optimizer.state` onto huge pages, in place in the state dict; the
     number moved. For torch's own optimizers only, whose state dict is the only place that holds
-    them (an optimizer of ours may keep a second reference, which a move would leave behind). Cheap
-    once done: tensors already moved are recognised by their storage."""
+    them (an optimizer of ours may keep a second reference, which a move would leave behind). Called
+    after every step: it scans only when the state dict is new (load_state_dict replaces it) or has
+    gained entries (lazy state), since torch's optimizers update their state tensors in place."""
     if not type(optimizer).__module__.startswith("torch.optim"):
+        return 0
+    seen = (id(optimizer.state), len(optimizer.state))
+    if getattr(optimizer, "_dstrain_huge_pages_seen", None) == seen:
         return 0
     moved = 0
     for state in optimizer.state.values():
@@ -131,6 +135,7 @@ def adopt_state(optimizer: torch.optim.Optimizer) -> int:
                 if new is not value:
                     state[key] = new
                     moved += 1
+    optimizer._dstrain_huge_pages_seen = seen
     return moved
 
 

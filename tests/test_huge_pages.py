@@ -65,6 +65,11 @@ def test_adopt_state_moves_torch_optimizer_state_and_changes_no_value():
         assert hp.advised_bytes(moved.state[p][key]) == _whole_pages(p)
         assert torch.equal(moved.state[p][key], kept.state[q][key])
     assert torch.equal(p, q)
+    moved.load_state_dict(kept.state_dict())  # a new state dict (a checkpoint's): moved once more
+    assert not hp.on_huge_pages(moved.state[p]["exp_avg"])
+    assert hp.adopt_state(moved) == 2 and hp.adopt_state(moved) == 0
+    assert all(hp.on_huge_pages(moved.state[p][k]) for k in ("exp_avg", "exp_avg_sq"))
+    assert all(torch.equal(moved.state[p][k], kept.state[q][k]) for k in ("exp_avg", "exp_avg_sq"))
 
 
 def _train(stage: int, device: str, nvme_path: str, huge: bool) -> dict:
