@@ -18,6 +18,17 @@ zeroed mapping per large allocation, small beside the I/O such a process waits o
 nothing where the user chose: glibc's own `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_`
 variables or a `glibc.malloc` tunable set, another allocator preloaded (jemalloc, tcmalloc, mimalloc),
 or not glibc at all.
+[Note: what the bound costs on a CPU-only machine] There the model's activations are host memory too,
+so every activation of 256 KiB or more is a fresh mapping whose pages fault in on first touch. Measured
+on the 25M benchmark GPT at ZeRO-3 with the optimizer on NVMe (2 ranks, rank 0's forward, 2026-12-06):
+545-593 ms of CPU per forward against 405-449 ms with glibc's own threshold, and the same 25% on a run
+without NVMe that fixes the threshold; the whole step 1859 ms against 2254-2491 ms
+(benchmarks/results/2026-12-06-quiet-z3-nvme-mmap-threshold.txt). With an accelerator the activations
+are device memory and only host tensors pay it. Trimming instead (glibc's threshold, `malloc_trim(0)`
+after every step) does not bound the peak, which is inside backward: 2062-2129 MiB above the start on
+the 265M GPT, against 1367-1429 with the fixed threshold and 2308 with neither
+(2026-12-06-infinity-rss-heap-policies.txt). So the bound stays the default, and a user who would
+rather trade host memory for speed sets `MALLOC_MMAP_THRESHOLD_` (say 33554432), which this leaves alone.
 """
 from __future__ import annotations
 
