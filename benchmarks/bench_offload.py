@@ -224,6 +224,16 @@ def main(argv=None) -> int:
 
         print(f"{name:>22}: {rows[-1][1] or 0:8.1f} ms/step  {rows[-1][3]}", flush=True)
     print(f"after: {_load()}")
+    _print_step_tables(rows, phases)
+    if grads and disk:
+        _print_gradient_io(grads, disk)
+    if storage and disk:
+        _print_storage_time(storage, {name: step for name, step, _, _ in rows if step}, disk)
+    return 0
+
+
+def _print_step_tables(rows: list, phases: dict) -> None:
+    """Each run's step time and peak RSS (ratios against dstrain-z2 where it ran), then rank 0's phases."""
     base = next((step for name, step, _, _ in rows if name == "dstrain-z2" and step), None)
     print("\n| system | ms/step | ratio vs dstrain-z2 | peak RSS/rank MB | note |")
     print("|---|---|---|---|---|")
@@ -234,11 +244,6 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(PHASES))
     for name, parts in phases.items():  # a system run twice shows its last round
         print(f"| {name} | " + " | ".join(f"{parts[k]:.0f}" for k in PHASES) + " |")
-    if grads and disk:
-        _print_gradient_io(grads, disk)
-    if storage and disk:
-        _print_storage_time(storage, {name: step for name, step, _, _ in rows if step}, disk)
-    return 0
 
 
 def _print_storage_time(storage: dict, steps: dict, disk: tuple[float, float]) -> None:
