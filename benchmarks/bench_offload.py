@@ -83,17 +83,17 @@ DEEPSPEED = {"deepspeed-z2-cpu": (2, {"zero_optimization": CPU_OFFLOAD, "optimiz
              "deepspeed-z3-nvme": (3, {"optimizer": ADAMW}, NVME_BOTH)}
 
 
-BUFFERS = {"offload_optimizer": 9, "offload_param": 5}  # the shared sections' buffer_count (--*-buffers)
+# Adam swaps 3 tensors per sub-group: 9 buffers hold one sub-group read ahead, one stepped, one written
+OPTIMIZER_BUFFERS, PARAM_BUFFERS = 9, 5  # the shared sections' buffer_count (--optimizer-buffers, --param-buffers)
 
 
-def _nvme_offload(nvme_path: str, params: bool = False) -> dict:
-    # Adam swaps 3 tensors per sub-group: 9 buffers hold one sub-group read ahead, one stepped, one written
+def _nvme_offload(nvme_path: str, params: bool = False, optimizer_buffers: int = OPTIMIZER_BUFFERS,
+                  param_buffers: int = PARAM_BUFFERS) -> dict:
     section = {"sub_group_size": 1_000_000,
-               "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path,
-                                     "buffer_count": BUFFERS["offload_optimizer"],
+               "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": optimizer_buffers,
                                      "pipeline_read": True, "pipeline_write": True}}
     if params:  # a block's weights per buffer (the 25M GPT's largest gather group is under 1e7 elements)
-        section["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": BUFFERS["offload_param"],
+        section["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": param_buffers,
                                     "buffer_size": 10_000_000, "max_in_cpu": 0}
     return section
 
@@ -154,9 +154,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deepspeed-venv", type=Path, default=None, help="virtual environment with deepspeed")
     p.add_argument("--nvme-path", default=None, help="directory for the NVMe systems' swap files (default: a temp dir)")
     p.add_argument("--disk-mb", type=int, default=256, help="file size of the raw O_DIRECT bandwidth measurement")
-    p.add_argument("--optimizer-buffers", type=int, default=BUFFERS["offload_optimizer"],
+    p.add_argument("--optimizer-buffers", type=int, default=OPTIMIZER_BUFFERS,
                    help="offload_optimizer.buffer_count of the shared NVMe section (both systems)")
-    p.add_argument("--param-buffers", type=int, default=BUFFERS["offload_param"],
+    p.add_argument("--param-buffers", type=int, default=PARAM_BUFFERS,
                    help="offload_param.buffer_count of the shared NVMe section (both systems)")
     p.add_argument("--deepspeed-param-buffers", type=int, default=None,
                    help="DeepSpeed's offload_param.buffer_count (default: the shared section's 5)")
@@ -166,20 +166,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _deepspeed_buffers(section: dict, param: int | None, optimizer: int | None) -> dict:
-    """The shared NVMe section with DeepSpeed's buffer counts raised where asked (module docstring)."""
-    out = dict(section)
-    for key, count in (("offload_param", param), ("offload_optimizer", optimizer)):
-        if count and key in out:
-            out[key] = {**out[key], "buffer_count": count}
-    return out
-
-
 def main(argv=None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     systems = args.systems.split(",")
-    BUFFERS.update(offload_optimizer=args.optimizer_buffers, offload_param=args.param_buffers)
+    shared = {"optimizer_buffers": args.optimizer_buffers, "param_buffers": args.param_buffers}
+    peer = {"optimizer_buffers": args.deepspeed_optimizer_buffers or args.optimizer_buffers,
+            "param_buffers": args.deepspeed_param_buffers or args.param_buffers}  # DeepSpeed's own counts
 
     def nvme_dir() -> str:
         return args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-")
@@ -199,9 +192,7 @@ def main(argv=None) -> int:
                 continue
             stage, extra, nvme = DEEPSPEED[name]
             if nvme:
-                section = _nvme_offload(nvme_dir(), params=nvme == NVME_BOTH)
-                extra = {**extra, "zero_optimization": _deepspeed_buffers(
-                    section, args.deepspeed_param_buffers, args.deepspeed_optimizer_buffers)}
+                extra = {**extra, "zero_optimization": _nvme_offload(nvme_dir(), nvme == NVME_BOTH, **peer)}
             try:
                 row = bt._run_deepspeed(bt._deepspeed_python(args.deepspeed_venv), stage, args.steps,
                                         args.world, extra, full=True)
@@ -212,7 +203,7 @@ def main(argv=None) -> int:
         else:
             offload, env, stage = DSTRAIN[name]
             if offload in (NVME, NVME_BOTH):
-                offload = _nvme_offload(nvme_dir(), params=offload == NVME_BOTH)
+                offload = _nvme_offload(nvme_dir(), offload == NVME_BOTH, **shared)
             per_rank = run_distributed(_entry, args.world, args=(offload, args.steps, stage, name.endswith(GRAD_IN_MEMORY)),
                                        timeout=1800, env=env)
             rows.append((name, max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank), ""))
