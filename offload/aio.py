@@ -322,11 +322,6 @@ def staged_empty(numel: int, offset_elements: int) -> tuple[torch.Tensor, torch.
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
-    """A host tensor of `numel` elements whose first byte is `ALIGNMENT`-aligned (O_DIRECT's rule)."""
-    itemsize = torch.empty(0, dtype=dtype, device="cpu").element_size()
-    nbytes = numel * itemsize
-    if huge_pages.eligible(nbytes, pin_memory):
-        return huge_pages.host_empty(numel, dtype)  # 2 MiB-aligned (offload/huge_pages.py)
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device="cpu", pin_memory=pin_memory)
-    skip = (-raw.data_ptr()) % ALIGNMENT
-    return raw[skip:skip + nbytes].view(dtype)
+    """A host tensor of `numel` elements whose first byte is `ALIGNMENT`-aligned (O_DIRECT's rule); on
+    huge pages where large enough (offload/huge_pages.py)."""
+    return huge_pages.host_empty(numel, dtype, pin_memory, alignment=ALIGNMENT)

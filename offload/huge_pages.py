@@ -61,20 +61,28 @@ def eligible(nbytes: int, pin_memory: bool = False) -> bool:
     return not pin_memory and nbytes >= MIN_BYTES and available()
 
 
-def host_empty(numel: int, dtype: torch.dtype = torch.float32, pin_memory: bool = False) -> torch.Tensor:
-    """An uninitialised host tensor of `numel` elements; on huge pages when eligible (module note), else
-    `torch.empty` (pinned when asked). On huge pages its first byte is 2 MiB-aligned, which also meets
-    O_DIRECT's alignment."""
-    itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
-    nbytes = numel * itemsize
-    if not eligible(nbytes, pin_memory):
+def host_empty(numel: int, dtype: torch.dtype = torch.float32, pin_memory: bool = False,
+               alignment: int = 1) -> torch.Tensor:
+    """An uninitialised host tensor of `numel` elements: on huge pages when eligible (module note), its
+    first byte 2 MiB-aligned; else from `torch.empty` (pinned when asked), its first byte `alignment`-
+    aligned (O_DIRECT's 4096: offload/aio.py's `aligned_empty`; 2 MiB covers that too)."""
+    nbytes = numel * dtype.itemsize
+    if eligible(nbytes, pin_memory):
+        # torch's allocator, so the storage behaves as any other (resize_(0) frees it: param_swap.py);
+        # at this size a fresh mapping (MIN_BYTES), advised before anything writes it
+        out = _aligned(nbytes, dtype, HUGE_PAGE, pin_memory=False)
+        _advise(out.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE)
+        return out
+    if alignment <= 1:
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin_memory)
-    # torch's allocator, so the storage behaves as any other (resize_(0) frees it: param_swap.py);
-    # at this size a fresh mapping (MIN_BYTES). The extra huge page leaves room to start on a 2 MiB
-    # boundary; its untouched bytes are never resident.
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8, device="cpu")
-    skip = (-raw.data_ptr()) % HUGE_PAGE
-    _advise(raw.data_ptr() + skip, nbytes // HUGE_PAGE * HUGE_PAGE)
+    return _aligned(nbytes, dtype, alignment, pin_memory)
+
+
+def _aligned(nbytes: int, dtype: torch.dtype, alignment: int, pin_memory: bool) -> torch.Tensor:
+    """`nbytes` of a host allocation one `alignment` longer, from its first aligned byte (the unused
+    head and tail are never written, so never resident)."""
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8, device="cpu", pin_memory=pin_memory)
+    skip = (-raw.data_ptr()) % alignment
     return raw[skip:skip + nbytes].view(dtype)
 
 
@@ -99,9 +107,7 @@ def on_huge_pages(tensor: torch.Tensor) -> bool:
 
 def host_zeros(numel: int, dtype: torch.dtype = torch.float32, pin_memory: bool = False) -> torch.Tensor:
     """`host_empty`, zero-filled (the fill is the first touch: it faults the huge pages in)."""
-    if not eligible(numel * torch.empty((), dtype=dtype).element_size(), pin_memory):
-        return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin_memory)
-    return host_empty(numel, dtype).zero_()
+    return host_empty(numel, dtype, pin_memory).zero_()
 
 
 def adopt(tensor: torch.Tensor) -> torch.Tensor:
