@@ -1,4 +1,4 @@
-"""Host memory handed back to the system when a swap tier frees it (glibc's malloc).
+"""Host memory handed back to the system when the NVMe parameter tier frees it (glibc's malloc).
 
 [Note: heap retention] A process that swaps to NVMe promises host memory bounded by its pools, but
 glibc's malloc keeps what it frees. Its mmap threshold is dynamic: each freed mmapped block raises
@@ -13,8 +13,9 @@ threshold fixed at 256 KiB it was 1429-1435 MiB, against the estimator's 1373 Mi
 `bound_heap_retention()` fixes the threshold with `mallopt(M_MMAP_THRESHOLD)`, which also turns the
 dynamic adjustment (of the trim threshold too) off: blocks of 256 KiB or more get a mapping of their
 own, returned on free (tests/test_offload_memory.py's ranks do the same, for the same reason). Called
-by `SwapDir.create`, which every NVMe swapper passes through, once per process. The cost is a fresh,
-zeroed mapping per large allocation, small beside the I/O such a process waits on. It changes
+once per process by the NVMe parameter tier (engine/zero/param_nvme.py: the store and
+`zero.Init(remote_device="nvme")`'s chunk file), the third note says why only there. The cost is a
+fresh, zeroed mapping per large allocation. It changes
 nothing where the user chose: glibc's own `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_`
 variables or a `glibc.malloc` tunable set, another allocator preloaded (jemalloc, tcmalloc, mimalloc),
 or not glibc at all.
@@ -29,6 +30,14 @@ after every step) does not bound the peak, which is inside backward: 2062-2129 M
 the 265M GPT, against 1367-1429 with the fixed threshold and 2308 with neither
 (2026-12-06-infinity-rss-heap-policies.txt). So the bound stays the default, and a user who would
 rather trade host memory for speed sets `MALLOC_MMAP_THRESHOLD_` (say 33554432), which this leaves alone.
+[Note: why the parameter tier] The churn the bound catches is stage 3's gathered units, their
+gradients and buckets, which with parameters on NVMe pass through the host each step. With only the
+optimizer on NVMe the bound bought little and cost the 25% above: the same 265M GPT with parameters in
+memory (2 ranks, 3 runs each, 2026-12-06-heap-bound-optimizer-only.txt) peaked at 2213-3026 MiB above
+the start with the threshold fixed against 2735-3355 with glibc's own (one run's ranks differ by up to
+800 MiB either way), while with parameters on NVMe too it is 1392-1429 against 2230-2333. The optimizer
+tier's own host memory is its fixed pool either way; a user who wants the heap bound there too sets
+`MALLOC_MMAP_THRESHOLD_=262144`.
 """
 from __future__ import annotations
 

@@ -25,7 +25,6 @@ from typing import Optional
 import psutil
 
 from offload.aio import OffloadIOError, OffloadIOWarning
-from offload.host_heap import bound_heap_retention
 
 PREFIX = "dstrain-swap-"
 OWNER_FILE = "owner.json"
@@ -80,7 +79,6 @@ class SwapDir:
         if not os.access(root, os.W_OK | os.X_OK):
             raise OffloadIOError(f"{root}: swap directory is not writable by this user; fix its permissions "
                                  f"or point {path_key} at a writable directory")
-        bound_heap_retention()  # a swapping process's host memory is its pools, not malloc's leftovers
         for entry in remove_stale(root):
             warnings.warn(f"removed stale swap directory {entry} (its job is no longer running)",
                           OffloadIOWarning, stacklevel=2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import schemas
 from offload import AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir
+from offload.host_heap import bound_heap_retention
 from offload.param_swap import ChunkFile, NvmeParamStore
 
 PATH_KEY = "zero_optimization.offload_param.nvme_path"
@@ -37,6 +38,7 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
                                    f"partition are gathered together); raise it to at least {largest[1]}"])
     if section.buffer_count < 1:
         raise schemas.ConfigError(["zero_optimization.offload_param.buffer_count: must be at least 1"])
+    bound_heap_retention()  # the parameter tier is where the bound pays (offload/host_heap.py's notes)
     try:
         swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
     except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
@@ -61,6 +63,7 @@ def init_chunk_file(cfg, rank: int) -> ChunkFile:
         raise schemas.ConfigError(['engine.zero.Init(remote_device="nvme") needs config_dict_or_path (or config) '
                                    'with zero_optimization.stage 3 and zero_optimization.offload_param.device '
                                    '"nvme" with its nvme_path; pass that config, or use remote_device "cpu"'])
+    bound_heap_retention()
     try:
         swap = SwapDir.create(cfg.zero_optimization.offload_param.nvme_path, path_key=PATH_KEY)
     except OffloadIOError as bad_path:
