@@ -27,8 +27,8 @@ torch's, and how far its final fp32 parameters are from torch's in units of torc
 `--clip 0`, `--offload-param cpu|none`, `--offload-optimizer cpu|none` switch one feature off at a time
 in both systems (the loss-gap diagnosis in README's ZeRO-Infinity paragraph).
 `--gradients swap,memory`: what the gradient swap costs (engine/zero/grad_swap.py): dstrain once with
-the gradient partition in swap files (as it runs) and once in host memory (grad_swap.SWAP_GRADIENTS
-False in the ranks: a benchmark switch, not a config key), each with its median backward and step
+the gradient partition in swap files (as it runs: with the parameters on NVMe that is the default) and
+once in host memory (`offload_optimizer.swap_gradients: false`), each with its median backward and step
 time after the first step (benchmarks/step_phases.py) and rank 0's gradient bytes written and read
 per step against the raw O_DIRECT disk bandwidth measured first under the same directory
 (bench_offload_io.disk_bandwidth, `--disk-mb`). Kind `sync-writes`: the gradient swap as in `swap`,
@@ -124,6 +124,7 @@ def settings(cfg: dict) -> EstimateSettings:
                             sub_group_size=zero.get("sub_group_size", EstimateSettings.sub_group_size),
                             optimizer_buffer_count=opt.get("buffer_count", EstimateSettings.optimizer_buffer_count),
                             swap_slots=opt.get("swap_slots", EstimateSettings.swap_slots),
+                            swap_gradients=opt.get("swap_gradients"),
                             param_buffer_count=param.get("buffer_count", EstimateSettings.param_buffer_count),
                             param_buffer_size=param.get("buffer_size", EstimateSettings.param_buffer_size),
                             max_in_cpu=param.get("max_in_cpu", EstimateSettings.max_in_cpu))
@@ -134,8 +135,9 @@ def _rank(model_cfg: GPTConfig, cfg: dict, steps: int, dump: str | None = None, 
 
     import engine
     from engine.utils import safe_get_full_fp32_param
-    from engine.zero import grad_swap
-    grad_swap.SWAP_GRADIENTS = gradients != "memory"  # this rank only (module docstring: --gradients)
+    if gradients == "memory":  # module docstring: --gradients
+        cfg = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "offload_optimizer": {
+            **cfg["zero_optimization"]["offload_optimizer"], "swap_gradients": False}}}
     if gradients == "sync-writes":
         from offload.param_swap import NvmeParamStore
         NvmeParamStore.write_behind = NvmeParamStore.write

@@ -29,10 +29,10 @@ These machines are shared and noisy: read the ratios, and the load printed befor
 A second table splits rank 0's median step into forward, backward (with the reductions that overlap
 it) and step (norm, clipping, the optimizer, the all-gather), timed the same way in both systems
 (benchmarks/step_phases.py).
-What the gradient swap costs (engine/zero/grad_swap.py: with the optimizer on NVMe the gradient
-partition lives in swap files): `dstrain-z2-nvme-grad-in-memory`, `dstrain-z3-nvme-opt-grad-in-memory` and
-`dstrain-z3-nvme-grad-in-memory` are the NVMe systems with the gradient partition in host memory instead (grad_swap.SWAP_GRADIENTS set
-False in their ranks: a benchmark switch, not a config key). When an NVMe system runs, the raw O_DIRECT
+What the gradient swap costs (engine/zero/grad_swap.py: `offload_optimizer.swap_gradients`, unset: the
+gradient partition in swap files only with the parameters on NVMe too): `dstrain-z2-nvme-grad-swapped`
+and `dstrain-z3-nvme-opt-grad-swapped` set it true, `dstrain-z3-nvme-grad-in-memory` false (a dstrain
+key, so DeepSpeed's rows have no such twin). When an NVMe system runs, the raw O_DIRECT
 disk bandwidth is measured first in the same directory (bench_offload_io.disk_bandwidth, `--disk-mb`),
 and a third table gives rank 0's gradient bytes written and read per step after the first (the first
 also writes the held gradients: grad_swap.py's note) and the seconds they take at that bandwidth. A
@@ -66,15 +66,17 @@ ZERO2 = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}
 CPU_OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 NVME = None  # NVMe optimizer offload under --nvme-path (_nvme_offload)
 NVME_BOTH = "nvme-both"  # and the parameters on NVMe too
-GRAD_IN_MEMORY = "-grad-in-memory"  # a system name's suffix: grad_swap.SWAP_GRADIENTS False in its ranks
+# a system name's suffix: offload_optimizer.swap_gradients set (grad_swap.py's note: when; unset, the
+# gradient is swapped only with the parameters on NVMe too)
+GRAD_SUFFIX = {"-grad-in-memory": False, "-grad-swapped": True}
 # name: (offload sections, environment, ZeRO stage)
 DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
            "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}, 2),
            "dstrain-z2-cpu-4k": (CPU_OFFLOAD, {"DSTRAIN_HUGE_PAGES": "0"}, 2),
-           "dstrain-z2-nvme": (NVME, {}, 2), "dstrain-z2-nvme" + GRAD_IN_MEMORY: (NVME, {}, 2),
+           "dstrain-z2-nvme": (NVME, {}, 2), "dstrain-z2-nvme-grad-swapped": (NVME, {}, 2),
            "dstrain-z3": ({}, {}, 3), "dstrain-z3-nvme-opt": (NVME, {}, 3),
-           "dstrain-z3-nvme-opt" + GRAD_IN_MEMORY: (NVME, {}, 3), "dstrain-z3-nvme": (NVME_BOTH, {}, 3),
-           "dstrain-z3-nvme" + GRAD_IN_MEMORY: (NVME_BOTH, {}, 3)}
+           "dstrain-z3-nvme-opt-grad-swapped": (NVME, {}, 3), "dstrain-z3-nvme": (NVME_BOTH, {}, 3),
+           "dstrain-z3-nvme-grad-in-memory": (NVME_BOTH, {}, 3)}
 # DeepSpeed's offload path: without torch_adam, its AdamW with offload is DeepSpeedCPUAdam.
 ADAMW = {"type": "AdamW", "params": {"lr": bt.LR}}
 # name: (ZeRO stage, config merged in, NVMe optimizer offload under --nvme-path)
@@ -116,12 +118,10 @@ def _storage_bytes() -> int:
     return int(io["read_bytes"]) + int(io["write_bytes"])
 
 
-def _entry(offload: dict, steps: int, stage: int = 2, grad_in_memory: bool = False):
+def _entry(offload: dict, steps: int, stage: int = 2):
     import torch.distributed as dist
 
     import engine
-    from engine.zero import grad_swap
-    grad_swap.SWAP_GRADIENTS = not grad_in_memory  # this rank only (module docstring)
     torch.manual_seed(0)
     zero = {**ZERO2, "stage": stage, **offload}
     eng, _, _, _ = engine.initialize(model=bt.GPT(bt.BENCH_CONFIG),
@@ -204,7 +204,10 @@ def main(argv=None) -> int:
             offload, env, stage = DSTRAIN[name]
             if offload in (NVME, NVME_BOTH):
                 offload = _nvme_offload(nvme_dir(), offload == NVME_BOTH, **shared)
-            per_rank = run_distributed(_entry, args.world, args=(offload, args.steps, stage, name.endswith(GRAD_IN_MEMORY)),
+                for suffix, swap in GRAD_SUFFIX.items():
+                    if name.endswith(suffix):
+                        offload["offload_optimizer"]["swap_gradients"] = swap
+            per_rank = run_distributed(_entry, args.world, args=(offload, args.steps, stage),
                                        timeout=1800, env=env)
             rows.append((name, max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank), ""))
             phases[name] = per_rank[0]["phases_ms"]

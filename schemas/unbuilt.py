@@ -64,7 +64,8 @@ UNBUILT: tuple[Unbuilt, ...] = (
       for key in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
     *(Unbuilt(key, "only that NVMe offload reads it; remove it", when=_not_nvme_optimizer,
               where=_NVME_WHERE) for key in (*(f"zero_optimization.offload_optimizer.{k}" for k in (
-                  "nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "swap_slots")),
+                  "nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "swap_slots",
+                  "swap_gradients")),
                   "zero_optimization.sub_group_size")),
     Unbuilt("aio", "only NVMe offload reads it; remove it",
             when=lambda c: _not_nvme_optimizer(c) and _not_nvme_params(c),

@@ -77,6 +77,12 @@ class OffloadOptimizerConfig(StrictModel):
     (disk full, an I/O error) leaves the previous state bit for bit; twice the disk. 1: in place, as
     DeepSpeed's swapper writes: half the disk, the same training; after a failed step the state is
     refused (an error naming the file) until a checkpoint is loaded."""
+    swap_gradients: Optional[bool] = None
+    """Device "nvme" (a dstrain key): keep the fp32 gradient partition in swap files beside the state
+    (true: host memory for it is the landings in flight, whatever the model size; a write and two reads
+    of 4 bytes per partition element each step) or in host memory (false: 4 bytes per partition element,
+    where DeepSpeed keeps it). Unset: true when `offload_param.device` is "nvme" too (ZeRO-Infinity,
+    where host memory is the limit), false otherwise (engine/zero/grad_swap.py)."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of optimizer state offloaded; below 1 only with ZeRO stage 3 (not built yet: only 1)."""
     super_offload: bool = False

@@ -44,6 +44,10 @@ MAX_IN_CPU = 600
 PARAM_NVME_BUFFERS = 3
 NVME_FAST = "nvme+fast_init"  # NVME with offload_optimizer.fast_init: no swap file written at initialisation
 NVME_ONE_SLOT = "nvme+one_slot"  # NVME with offload_optimizer.swap_slots 1: the state files written in place
+# The NVME runs above set offload_optimizer.swap_gradients true (the gradient partition in swap files);
+# this one leaves it unset, which with the parameters in memory keeps the gradient in host memory
+# (engine/zero/grad_swap.py's note: when). BOTH_NVME leaves it unset too: swapped, the parameters being on NVMe.
+NVME_GRAD_MEMORY = "nvme+grad_memory"
 
 
 def _nvme(optimizer: str, nvme_path: str) -> dict:
@@ -65,9 +69,11 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 6}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "allgather_bucket_size": 900,
                                  "overlap_comm": True, "stage3_param_persistence_threshold": 30}}
-    if offload in (NVME, NVME_PARAM_CPU, NVME_FAST, NVME_ONE_SLOT):
+    if offload in (NVME, NVME_PARAM_CPU, NVME_FAST, NVME_ONE_SLOT, NVME_GRAD_MEMORY):
         cfg["zero_optimization"].update(_nvme(optimizer, nvme_path), **(PARAM_CPU if offload == NVME_PARAM_CPU else {}))
         cfg["zero_optimization"]["offload_optimizer"]["fast_init"] = offload == NVME_FAST
+        if offload != NVME_GRAD_MEMORY:
+            cfg["zero_optimization"]["offload_optimizer"]["swap_gradients"] = True
         if offload == NVME_ONE_SLOT:
             cfg["zero_optimization"]["offload_optimizer"]["swap_slots"] = 1
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
@@ -196,6 +202,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
         out["state_file_bytes"] = sum(os.path.getsize(f) for part in zopt.nvme.parts.values() for f in part.paths
                                       if os.path.exists(f))
         out["swap_files_at_init"] = at_init
+        out["grad_host_bytes"] = zopt.partition.num_bytes()["master_grad"]
         swap = zopt.grad_swap  # the gradient partition in swap files (engine/zero/grad_swap.py)
         out["grad_swap"] = None if swap is None else {"written": swap.bytes_written, "read": swap.bytes_read,
                                                       "host_bytes": zopt.partition.num_bytes()["master_grad"],
@@ -233,6 +240,9 @@ PARAM_NVME_CASES = {(3, opt, name): (3, opt, name) for opt in ("adamw", "sgd") f
 PARAM_NVME_CASES[("inf", "fp32", 3, BOTH_NVME)] = (3, "adamw", BOTH_NVME, "fp32", True)
 FAST_INIT_CASES = {(stage, opt, NVME_FAST): (stage, opt, NVME_FAST) for stage, opt in ((2, "sgd"), (3, "adamw"))}
 ONE_SLOT_CASES = {(stage, opt, NVME_ONE_SLOT): (stage, opt, NVME_ONE_SLOT) for stage, opt in ((2, "adamw"), (3, "sgd"))}
+GRAD_MEMORY_CASES = {(stage, opt, NVME_GRAD_MEMORY): (stage, opt, NVME_GRAD_MEMORY)
+                     for stage, opt in ((1, "adamw"), (2, "adamw"), (2, "sgd"), (3, "adamw"))}
+GRAD_MEMORY_CASES[("inf", "fp32", 2, NVME_GRAD_MEMORY)] = (2, "adamw", NVME_GRAD_MEMORY, "fp32", True)
 
 
 def _refusal(cfg: dict) -> list[str] | None:
@@ -249,7 +259,8 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     gc.freeze()
     os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "1"
     out = {key: train(*args, nvme_path=nvme_path) for key, args in {**FP32_CASES, **MIXED_CASES, **INF_CASES,
-                                                                     **FAST_INIT_CASES, **ONE_SLOT_CASES}.items()}
+                                                                     **FAST_INIT_CASES, **ONE_SLOT_CASES,
+                                                                     **GRAD_MEMORY_CASES}.items()}
     out[("resume", 3, NVME)] = train(3, "adamw", NVME_PARAM_CPU, resume=checkpoint_dir, nvme_path=nvme_path)
     out.update({key: train(*args, nvme_path=nvme_path) for key, args in PARAM_NVME_CASES.items()})
     for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME), (PARAM_NVME, PARAM_NVME)):

@@ -10,8 +10,9 @@ heap once its mmap threshold has risen, and RSS would show the allocator's cache
 rank fixes the threshold with `mallopt(M_MMAP_THRESHOLD)` first (what MALLOC_MMAP_THRESHOLD_ does, but
 the environment variable is read only at process start, and a rank forked from the harness's
 forkserver started long before: measured, the variable then had no effect and the test saw 9 MiB).
-offload/host_heap.py now does the same (at the same 256 KiB) in every process that swaps to NVMe;
-the ranks here also build CPU-offload engines, which do not swap, so they still fix it themselves.
+offload/host_heap.py does the same (at the same 256 KiB) only where parameters are swapped to NVMe
+(its third note), so the ranks here, which swap the optimizer alone or build CPU-offload engines,
+fix it themselves.
 """
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def _stage2_nvme_config(nvme_path: str) -> dict:
             # all-gather buckets of a layer too: the default is GATHER_BUCKET_CAP (16 MiB, 2 in flight)
             "zero_optimization": {"stage": 2, "sub_group_size": SUB_GROUP, "reduce_bucket_size": layer,
                                   "allgather_bucket_size": layer,
-                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3}}}
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3,
+                                                        "swap_gradients": True}}}
 
 
 def _stage2_nvme_peaks(nvme_path: str, depth: int) -> dict:

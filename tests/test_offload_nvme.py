@@ -22,8 +22,8 @@ import math
 
 import pytest
 
-from tests.offload_runs import (FAST_INIT_CASES, INF_STEP, NVME, ONE_SLOT_CASES, RESUME_AT, assert_same as _assert_same,
-                                shared_runs)
+from tests.offload_runs import (FAST_INIT_CASES, GRAD_MEMORY_CASES, INF_STEP, NVME, NVME_GRAD_MEMORY, ONE_SLOT_CASES,
+                                RESUME_AT, assert_same as _assert_same, shared_runs)
 
 CASES = [(stage, opt) for stage in (1, 2, 3) for opt in ("sgd", "adamw")]
 INF_STAGES = (1, 2, 3)
@@ -126,3 +126,24 @@ def test_fast_init_writes_nothing_at_initialisation_and_trains_the_same(runs, ke
         assert fast["swap_files"] == written["swap_files"] > 0 and fast["state_in_memory"] == 0
         _assert_same(fast, written, f"rank {rank} stage {stage} {opt} fast_init vs not")
         _assert_same(fast, result[(stage, opt, "none")], f"rank {rank} stage {stage} {opt} fast_init vs no offload")
+
+
+@pytest.mark.parametrize("key", [k for k in GRAD_MEMORY_CASES if k[0] != "inf"], ids=lambda k: f"stage{k[0]}-{k[1]}")
+def test_the_gradient_in_host_memory_by_default_equals_no_offload_bit_for_bit(runs, key):
+    """`offload_optimizer.swap_gradients` unset with the parameters in memory: the state in swap files,
+    the gradient partition in host memory (engine/zero/grad_swap.py's note: when), where the step
+    unscales and clips it before the stepper reads it."""
+    stage, opt, _ = key
+    for rank, result in enumerate(runs):
+        got = result[key]
+        assert got["grad_swap"] is None and got["grad_host_bytes"] > 0, f"rank {rank}: {got['grad_swap']}"
+        assert got["state_in_memory"] == 0 and got["swap_files"] > 0 and got["skipped"] == 0
+        _assert_same(got, result[(stage, opt, "none")], f"rank {rank} stage {stage} {opt} gradient in memory")
+
+
+def test_an_inf_with_the_gradient_in_host_memory_skips_and_leaves_the_swap_files_unchanged(runs):
+    for rank, result in enumerate(runs):
+        got, want = result[("inf", "fp32", 2, NVME_GRAD_MEMORY)], result[("inf", "fp32", 2, "none")]
+        assert got["grad_swap"] is None and got["skipped"] == want["skipped"] == 1 and got["unchanged"] is True
+        finite = lambda r: {**r, "norms": r["norms"][:INF_STEP] + r["norms"][INF_STEP + 1:]}  # noqa: E731
+        _assert_same(finite(got), finite(want), f"rank {rank} after the skip")

@@ -44,6 +44,8 @@ def test_param_nvme_equals_stage3_without_offload_bit_for_bit(runs, key):
             # each sub-group's write-back overlapped the next one's step, and each step ended with them
             # finished (offload/param_swap.py's note: write-behind)
             assert store["writes_behind"] > 0 and set(store["in_flight_after_step"]) == {0}, f"rank {rank}: {store}"
+            # offload_optimizer.swap_gradients unset: with the parameters on NVMe the gradient is swapped too
+            assert got["grad_swap"] is not None and got["grad_host_bytes"] == 0, f"rank {rank}: {got['grad_swap']}"
         assert not store["dir_left"], f"rank {rank}: the parameter swap directory was left"
         _assert_same(got, result[(3, opt, "none")], f"rank {rank} {key}")
 

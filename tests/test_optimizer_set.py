@@ -2,7 +2,8 @@
 single-process training at every ZeRO stage, with and without gradient accumulation; with the
 optimizer offloaded (`offload_optimizer.device` "cpu" and "nvme" at stages 1-3; Lamb's and Muon's
 whole-tensor rules step in two passes over swapped sub-groups that cut their tensors) each equals its
-own run without offload bit for bit (Lamb and Muon also with `swap_slots` 1, written in place); an Inf on one
+own run without offload bit for bit (Lamb and Muon also with `swap_slots` 1, written in place, and the
+gradient in host memory); an Inf on one
 rank skips Lamb's and Muon's swapped step and leaves their swap files' SHA-256 unchanged.
 
 References: torch's own class where one exists (Adagrad, RMSprop; AdamW for Muon's non-matrix half);
@@ -69,9 +70,13 @@ NVME_SUB_GROUP = 64
 def _offload(offload: str, nvme_path: str | None) -> dict:
     if offload == "cpu":
         return {"offload_optimizer": {"device": "cpu"}}
-    if offload.startswith("nvme"):  # "nvme1": offload_optimizer.swap_slots 1, the state files written in place
+    # "nvme": the gradient partition swapped too (swap_gradients true); "nvme1": offload_optimizer.swap_slots 1,
+    # the state files written in place, and swap_gradients unset, so the gradient stays in host memory
+    # (engine/zero/grad_swap.py's note: when) and the two passes read it there
+    if offload.startswith("nvme"):
         return {"sub_group_size": NVME_SUB_GROUP, "offload_optimizer": {
-            "device": "nvme", "nvme_path": nvme_path, **({"swap_slots": 1} if offload == "nvme1" else {})}}
+            "device": "nvme", "nvme_path": nvme_path,
+            **({"swap_slots": 1} if offload == "nvme1" else {"swap_gradients": True})}}
     return {}
 
 
@@ -397,9 +402,9 @@ def test_offloaded_optimizer_equals_no_offload_bit_for_bit(two_ranks, kind, stag
     for rank, results in enumerate(two_ranks):
         got, want = results[(kind, stage, gas, offload)], results[(kind, stage, gas, "none")]
         assert got["tier"]["home"] == "cpu" and got["tier"]["staged"], f"rank {rank}: {got['tier']}"
-        if offload.startswith("nvme"):  # the state, and the gradient partition, live in the swap files only
+        if offload.startswith("nvme"):  # the state, and with "nvme" the gradient partition, in the swap files only
             assert got["tier"]["nvme"] and got["tier"]["state_in_memory"] == 0, f"rank {rank}: {got['tier']}"
-            assert got["tier"]["grad_swapped"], f"rank {rank}: {got['tier']}"
+            assert got["tier"]["grad_swapped"] == (offload == "nvme"), f"rank {rank}: {got['tier']}"
         for name, w in want["params"].items():
             g = got["params"][name]
             assert torch.equal(g, w), f"rank {rank} {kind} {offload} stage {stage} {name}: {(g - w).abs().max():.2e}"

@@ -2,8 +2,9 @@
 
 [Note: gradient swap] DeepSpeed keeps each rank's fp32 gradient partition in host memory (4 bytes per
 partition element), which is what bounds ZeRO-Infinity by host memory once the optimizer state and
-the parameters are on NVMe. Here, with the optimizer on NVMe at any stage, the partition gradient has
-no host bytes at all (`PartitionedParams.flat_grad` holds meta tensors: shapes only):
+the parameters are on NVMe. Here, with the optimizer on NVMe at any stage and the swap chosen (note:
+when), the partition gradient has no host bytes at all (`PartitionedParams.flat_grad` holds meta
+tensors: shapes only):
 - each gradient bucket's reduced segment, as its reduce-scatter finishes, is written to one swap file
   per flat (param group, model dtype) at the flat's element offsets: `SwappedTargets.land`. A later
   micro-step of the same window reads that range back, adds its segment and writes it (read-add-write:
@@ -41,6 +42,14 @@ would bound nothing there and cost a write of the model's gradient per micro-ste
 `grad_accum_dtype`.
 Writes go through a staging buffer placed at the file offset's phase of the O_DIRECT block, so the
 aligned middle of every transfer bypasses the page cache (offload/aio.py's note).
+[Note: when] The swap costs disk traffic: each step writes the partition gradient once and reads it
+twice (the norm, then the step), 12 bytes per partition element beside the state's 24 (AdamW, read
+and written). `offload_optimizer.swap_gradients` chooses; unset, the gradient is swapped only when the
+parameters are on NVMe too (ZeRO-Infinity, where host memory is the limit: the 2.5B run on a 24 GiB
+machine fits because of it, and the first backward's held gradients would otherwise be 4 bytes per
+parameter of host memory) and otherwise stays in host memory, where DeepSpeed keeps it (the 25M GPT
+at ZeRO-3 with the optimizer on NVMe, bench_offload.py, 2026-12-06, three rounds: 1789-1874 ms per step
+in host memory against 2003-2086 swapped and DeepSpeed's 2061-2073).
 """
 from __future__ import annotations
 
@@ -51,6 +60,7 @@ import torch
 
 from offload.aio import ALIGNMENT, aligned_empty, staged_empty
 
+from .param_nvme import wants_param_nvme
 from .stage0 import clip_coefficient
 from .swappable import swap_problem
 
@@ -58,9 +68,6 @@ FP32 = 4
 NORM_CHUNK = 1 << 20  # elements per squared-norm term, in memory and from the files alike (a 4 MiB read)
 DEPTH = 4  # landings whose writes may be in flight
 CPU = torch.device("cpu")
-# benchmarks/bench_offload.py and bench_infinity.py set this False in their ranks to measure what the swap
-# costs against the gradient in host memory; not a config key (the swap is how NVMe offload works here).
-SWAP_GRADIENTS = True
 
 
 def norm_ranges(numel: int):
@@ -276,10 +283,12 @@ class HeldGradients:
 
 def swaps_gradients(zero, optimizer) -> bool:
     """Whether the gradient partition lives in swap files (module note): the optimizer on NVMe, one the
-    NVMe tier steps (any other is refused there, by name)."""
+    NVMe tier steps (any other is refused there, by name), and `offload_optimizer.swap_gradients` true,
+    or unset with the parameters on NVMe too (note: when)."""
     section = zero.offload_optimizer
-    return (SWAP_GRADIENTS and section is not None and section.device == "nvme"
-            and swap_problem(optimizer) is None)
+    if section is None or section.device != "nvme" or swap_problem(optimizer) is not None:
+        return False
+    return section.swap_gradients if section.swap_gradients is not None else wants_param_nvme(zero)
 
 
 def attach_grad_swap(zopt) -> None:

@@ -146,7 +146,8 @@ class NvmeOptimizerTier:
     def grad_reader(self, key: tuple):
         """(start, stop) -> flat `key`'s unscaled, clipped fp32 gradient there: read from its swap file
         (grad_swap.py; a new tensor on each call, so a range read twice is the same bits) or a view of the
-        host gradient flat (the benchmarks' in-memory switch, grad_swap.SWAP_GRADIENTS)."""
+        host gradient flat (`offload_optimizer.swap_gradients` false: grad_swap.py's note, when), which
+        the step unscaled and clipped in place before the stepper runs."""
         swapped = self.grad_swap
         if swapped is not None:
             return lambda s, e: swapped.step_slice(key, s, e)
