@@ -37,7 +37,11 @@ memory (2 ranks, 3 runs each, 2026-12-06-heap-bound-optimizer-only.txt) peaked a
 the start with the threshold fixed against 2735-3355 with glibc's own (one run's ranks differ by up to
 800 MiB either way), while with parameters on NVMe too it is 1392-1429 against 2230-2333. The optimizer
 tier's own host memory is its fixed pool either way; a user who wants the heap bound there too sets
-`MALLOC_MMAP_THRESHOLD_=262144`.
+`MALLOC_MMAP_THRESHOLD_=262144`. Why not give dstrain's own large host tensors mappings of their own and
+leave glibc's threshold alone: tried with a switch in the ranks (707 `torch.empty`/`zeros` calls per rank
+of engine/, offload/, ops/ on private mmaps), the 265M GPT's peak with parameters on NVMe fell only from
+2362-2364 to 1978-2118 MiB above the start (fixed threshold: 1392-1429), the rest being tensors torch
+allocates inside the ops and autograd (2026-12-06-infinity-rss-private-mappings.txt).
 """
 from __future__ import annotations
 
