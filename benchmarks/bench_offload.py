@@ -90,10 +90,12 @@ OPTIMIZER_BUFFERS, PARAM_BUFFERS = 9, 5  # the shared sections' buffer_count (--
 
 
 def _nvme_offload(nvme_path: str, params: bool = False, optimizer_buffers: int = OPTIMIZER_BUFFERS,
-                  param_buffers: int = PARAM_BUFFERS) -> dict:
+                  param_buffers: int = PARAM_BUFFERS, swap_gradients: bool | None = None) -> dict:
     section = {"sub_group_size": 1_000_000,
                "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": optimizer_buffers,
                                      "pipeline_read": True, "pipeline_write": True}}
+    if swap_gradients is not None:  # a dstrain key: only dstrain's systems pass it
+        section["offload_optimizer"]["swap_gradients"] = swap_gradients
     if params:  # a block's weights per buffer (the 25M GPT's largest gather group is under 1e7 elements)
         section["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": param_buffers,
                                     "buffer_size": 10_000_000, "max_in_cpu": 0}
@@ -203,10 +205,8 @@ def main(argv=None) -> int:
         else:
             offload, env, stage = DSTRAIN[name]
             if offload in (NVME, NVME_BOTH):
-                offload = _nvme_offload(nvme_dir(), offload == NVME_BOTH, **shared)
-                for suffix, swap in GRAD_SUFFIX.items():
-                    if name.endswith(suffix):
-                        offload["offload_optimizer"]["swap_gradients"] = swap
+                swap = next((v for suffix, v in GRAD_SUFFIX.items() if name.endswith(suffix)), None)
+                offload = _nvme_offload(nvme_dir(), offload == NVME_BOTH, swap_gradients=swap, **shared)
             per_rank = run_distributed(_entry, args.world, args=(offload, args.steps, stage),
                                        timeout=1800, env=env)
             rows.append((name, max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank), ""))

@@ -146,6 +146,24 @@ def _build(cfg: dict, zero_init, meta: bool, model: str = "reuse"):
     return engine.initialize(model=model, config=cfg)[0]
 
 
+def _nvme_tier_summary(zopt, swap_dir) -> dict:
+    """Where the NVMe optimizer tier kept what: its sub-groups and files, and the gradient partition (in
+    host memory, or in swap files: engine/zero/grad_swap.py) with what its files moved."""
+    swap = zopt.grad_swap
+    return {"sub_groups": [part.groups for part in zopt.nvme.parts.values()],
+            "state_in_memory": sum(len(s) for s in zopt.optimizer.state.values()),
+            "swap_files": len(list(swap_dir.glob("*.swp"))),
+            "state_file_bytes": sum(os.path.getsize(f) for part in zopt.nvme.parts.values() for f in part.paths
+                                    if os.path.exists(f)),
+            "grad_host_bytes": zopt.partition.num_bytes()["master_grad"],
+            "grad_swap": None if swap is None else {
+                "written": swap.bytes_written, "read": swap.bytes_read,
+                "host_bytes": zopt.partition.num_bytes()["master_grad"], "held": swap.held is not None,
+                "reads_ahead_used": swap.reads_ahead_used, "read_ahead": swap.read_ahead,
+                "held_files_made": swap.held.files_made if swap.held else 0,
+                "held_file_left": swap.held is not None and os.path.exists(swap.held.path)}}
+
+
 def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, nvme_path, resume_into, model) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
@@ -196,22 +214,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
                               "master_in_memory": store.master_in_memory, "dir": store.swap.path}
     swap_dir = zopt.nvme.swap.path if zopt.nvme is not None else None
     if swap_dir is not None:
-        out["sub_groups"] = [part.groups for part in zopt.nvme.parts.values()]
-        out["state_in_memory"] = sum(len(s) for s in zopt.optimizer.state.values())
-        out["swap_files"] = len(list(swap_dir.glob("*.swp")))
-        out["state_file_bytes"] = sum(os.path.getsize(f) for part in zopt.nvme.parts.values() for f in part.paths
-                                      if os.path.exists(f))
-        out["swap_files_at_init"] = at_init
-        out["grad_host_bytes"] = zopt.partition.num_bytes()["master_grad"]
-        swap = zopt.grad_swap  # the gradient partition in swap files (engine/zero/grad_swap.py)
-        out["grad_swap"] = None if swap is None else {"written": swap.bytes_written, "read": swap.bytes_read,
-                                                      "host_bytes": zopt.partition.num_bytes()["master_grad"],
-                                                      "held": swap.held is not None,
-                                                      "reads_ahead_used": swap.reads_ahead_used,
-                                                      "read_ahead": swap.read_ahead,
-                                                      "held_files_made": swap.held.files_made if swap.held else 0,
-                                                      "held_file_left": swap.held is not None
-                                                      and os.path.exists(swap.held.path)}
+        out.update(_nvme_tier_summary(zopt, swap_dir), swap_files_at_init=at_init)
     eng.destroy()  # every run: 45 engines' process groups and gloo threads would pile up in this process
     if swap_dir is not None:
         out["swap_dir_left"] = swap_dir.exists()
