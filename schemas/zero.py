@@ -79,8 +79,8 @@ class OffloadOptimizerConfig(StrictModel):
     refused (an error naming the file) until a checkpoint is loaded."""
     swap_gradients: Optional[bool] = None
     """Device "nvme" (a dstrain key): keep the fp32 gradient partition in swap files beside the state
-    (true: host memory for it is the landings in flight, whatever the model size; a write and two reads
-    of 4 bytes per partition element each step) or in host memory (false: 4 bytes per partition element,
+    (true: host memory for it is the landings in flight, whatever the model size; a write and one or two
+    reads of 4 bytes per partition element each step) or in host memory (false: 4 bytes per partition element,
     where DeepSpeed keeps it). Unset: true when `offload_param.device` is "nvme" too (ZeRO-Infinity,
     where host memory is the limit), false otherwise (engine/zero/grad_swap.py)."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)

@@ -48,6 +48,10 @@ NVME_ONE_SLOT = "nvme+one_slot"  # NVME with offload_optimizer.swap_slots 1: the
 # this one leaves it unset, which with the parameters in memory keeps the gradient in host memory
 # (engine/zero/grad_swap.py's note: when). BOTH_NVME leaves it unset too: swapped, the parameters being on NVMe.
 NVME_GRAD_MEMORY = "nvme+grad_memory"
+# NVME with one gradient bucket per flat (reduce_bucket_size above the model): every landing writes whole
+# norm ranges, so the step's norm takes their squares from the landings (grad_swap.py's note: folded norm)
+NVME_FOLD = "nvme+fold"
+FOLD_BUCKET = 1_000_000
 
 
 def _nvme(optimizer: str, nvme_path: str) -> dict:
@@ -69,13 +73,15 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 6}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "allgather_bucket_size": 900,
                                  "overlap_comm": True, "stage3_param_persistence_threshold": 30}}
-    if offload in (NVME, NVME_PARAM_CPU, NVME_FAST, NVME_ONE_SLOT, NVME_GRAD_MEMORY):
+    if offload in (NVME, NVME_PARAM_CPU, NVME_FAST, NVME_ONE_SLOT, NVME_GRAD_MEMORY, NVME_FOLD):
         cfg["zero_optimization"].update(_nvme(optimizer, nvme_path), **(PARAM_CPU if offload == NVME_PARAM_CPU else {}))
         cfg["zero_optimization"]["offload_optimizer"]["fast_init"] = offload == NVME_FAST
         if offload != NVME_GRAD_MEMORY:
             cfg["zero_optimization"]["offload_optimizer"]["swap_gradients"] = True
         if offload == NVME_ONE_SLOT:
             cfg["zero_optimization"]["offload_optimizer"]["swap_slots"] = 1
+        if offload == NVME_FOLD:
+            cfg["zero_optimization"]["reduce_bucket_size"] = FOLD_BUCKET
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
     elif offload in (PARAM_NVME, BOTH_NVME):
         cfg["zero_optimization"].update(_nvme(optimizer, nvme_path) if offload == BOTH_NVME else OPT_CPU,
@@ -160,6 +166,7 @@ def _nvme_tier_summary(zopt, swap_dir) -> dict:
                 "written": swap.bytes_written, "read": swap.bytes_read,
                 "host_bytes": zopt.partition.num_bytes()["master_grad"], "held": swap.held is not None,
                 "reads_ahead_used": swap.reads_ahead_used, "read_ahead": swap.read_ahead,
+                "norm_ranges_folded": swap.norm_ranges_folded,
                 "held_files_made": swap.held.files_made if swap.held else 0,
                 "held_file_left": swap.held is not None and os.path.exists(swap.held.path)}}
 
@@ -246,6 +253,9 @@ ONE_SLOT_CASES = {(stage, opt, NVME_ONE_SLOT): (stage, opt, NVME_ONE_SLOT) for s
 GRAD_MEMORY_CASES = {(stage, opt, NVME_GRAD_MEMORY): (stage, opt, NVME_GRAD_MEMORY)
                      for stage, opt in ((1, "adamw"), (2, "adamw"), (2, "sgd"), (3, "adamw"))}
 GRAD_MEMORY_CASES[("inf", "fp32", 2, NVME_GRAD_MEMORY)] = (2, "adamw", NVME_GRAD_MEMORY, "fp32", True)
+FOLD_CASES = {(stage, opt, NVME_FOLD): (stage, opt, NVME_FOLD) for stage, opt in ((1, "adamw"), (2, "sgd"), (3, "adamw"))}
+FOLD_CASES[("fp16", 2, NVME_FOLD)] = (2, "adamw", NVME_FOLD, "fp16")
+FOLD_CASES[("inf", "fp32", 3, NVME_FOLD)] = (3, "adamw", NVME_FOLD, "fp32", True)
 
 
 def _refusal(cfg: dict) -> list[str] | None:
@@ -263,7 +273,7 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "1"
     out = {key: train(*args, nvme_path=nvme_path) for key, args in {**FP32_CASES, **MIXED_CASES, **INF_CASES,
                                                                      **FAST_INIT_CASES, **ONE_SLOT_CASES,
-                                                                     **GRAD_MEMORY_CASES}.items()}
+                                                                     **GRAD_MEMORY_CASES, **FOLD_CASES}.items()}
     out[("resume", 3, NVME)] = train(3, "adamw", NVME_PARAM_CPU, resume=checkpoint_dir, nvme_path=nvme_path)
     out.update({key: train(*args, nvme_path=nvme_path) for key, args in PARAM_NVME_CASES.items()})
     for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME), (PARAM_NVME, PARAM_NVME)):

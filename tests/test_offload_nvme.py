@@ -22,8 +22,9 @@ import math
 
 import pytest
 
-from tests.offload_runs import (FAST_INIT_CASES, GRAD_MEMORY_CASES, INF_STEP, NVME, NVME_GRAD_MEMORY, ONE_SLOT_CASES,
-                                RESUME_AT, assert_same as _assert_same, shared_runs)
+from tests.offload_runs import (FAST_INIT_CASES, FOLD_CASES, GRAD_MEMORY_CASES, INF_STEP, NVME, NVME_FOLD,
+                                NVME_GRAD_MEMORY, ONE_SLOT_CASES, RESUME_AT, STEPS, assert_same as _assert_same,
+                                shared_runs)
 
 CASES = [(stage, opt) for stage in (1, 2, 3) for opt in ("sgd", "adamw")]
 INF_STAGES = (1, 2, 3)
@@ -149,4 +150,29 @@ def test_an_inf_with_the_gradient_in_host_memory_skips_and_leaves_the_swap_files
     for rank, result in enumerate(runs):
         got, want = result[("inf", "fp32", 2, NVME_GRAD_MEMORY)], result[("inf", "fp32", 2, "none")]
         assert got["grad_swap"] is None and got["skipped"] == want["skipped"] == 1 and got["unchanged"] is True
+        _assert_same(_finite(got), _finite(want), f"rank {rank} after the skip")
+
+
+@pytest.mark.parametrize("key", [k for k in FOLD_CASES if k[0] != "inf"], ids=lambda k: "-".join(map(str, k[:2])))
+def test_a_norm_folded_into_the_landings_reads_the_gradient_once_per_step_and_trains_the_same(runs, key):
+    """One gradient bucket per flat: every landing writes whole norm ranges, whose squares the step then
+    takes from the landing (grad_swap.py's note: folded norm) instead of reading the file for them; the
+    norms and weights equal the run without offload bit for bit (fp16: with the loss scale's unscale)."""
+    for rank, result in enumerate(runs):
+        got = result[key]
+        stage = got["stage"]
+        want = result[(key[0], 2, "none")] if key[0] == "fp16" else result[(stage, key[1], "none")]
+        swap = got["grad_swap"]
+        assert swap["norm_ranges_folded"] >= STEPS, f"rank {rank}: {swap}"
+        # per step, P the partition's bytes: stage 1 writes P and reads it once (the stepper); stages 2-3
+        # write 2P and read 2P (the second landing's read-add-write, the stepper): no read for the norm
+        assert swap["read"] == swap["written"], f"rank {rank} {key}: {swap}"
+        _assert_same(got, want, f"rank {rank} {key} folded norm")
+
+
+def test_an_inf_with_a_folded_norm_skips_on_every_rank(runs):
+    for rank, result in enumerate(runs):
+        got, want = result[("inf", "fp32", 3, NVME_FOLD)], result[("inf", "fp32", 3, "none")]
+        assert got["grad_swap"]["norm_ranges_folded"] > 0 and got["skipped"] == want["skipped"] == 1
+        assert got["unchanged"] is True and not math.isfinite(got["norms"][INF_STEP])
         _assert_same(_finite(got), _finite(want), f"rank {rank} after the skip")

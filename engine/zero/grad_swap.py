@@ -11,8 +11,9 @@ tensors: shapes only):
   the same fp32 `a + b` as the in-memory accumulation, so the bytes are equal). Stages 2 and 3 land on
   every micro-step (read-add-write after the first), stage 1 once, at the boundary (a write). At most
   `DEPTH` writes are in flight; each reducing backward ends with every write finished (`flush`).
-- at the step, the global norm reads the files in NORM_CHUNK ranges (partitioned.py's `_global_norm`
-  takes its squares over the same ranges of the in-memory flat, so the norm is bit for bit the same),
+- at the step, the global norm takes its squares over NORM_CHUNK ranges (partitioned.py's `_global_norm`
+  takes them over the same ranges of the in-memory flat, so the norm is bit for bit the same): from the
+  landings where it can (note: folded norm), else reading the files,
   and the NVMe stepper reads each sub-group's gradient with its state (nvme_tier.py), unscaled and
   clipped on the way in the same order as the in-memory path (`mul_` by 1/loss scale, then by the
   clip coefficient). A skipped step reads and writes nothing here, and the next window's first
@@ -42,9 +43,20 @@ would bound nothing there and cost a write of the model's gradient per micro-ste
 `grad_accum_dtype`.
 Writes go through a staging buffer placed at the file offset's phase of the O_DIRECT block, so the
 aligned middle of every transfer bypasses the page cache (offload/aio.py's note).
+[Note: folded norm] A landing has the values it writes in hand, and after a window's last landing of a
+range those are the values the norm reads back at the step. So `fold_squares` takes, at every landing,
+the square of each NORM_CHUNK range the landing writes whole: the same `mul` by the unscale factor and
+the same `vector_norm` over a buffer at the same alignment (a range starts at a multiple of NORM_CHUNK)
+as the read-back path, hence the same bits; a later landing of the range replaces it, one that writes
+only part of it drops it. The step's `add_squares` takes a range's folded square if the factor it was
+taken with is the step's (the loss scale changes only after a step), reads the range back otherwise,
+adds them in flat order as before and forgets them all; `zero` forgets them too. With gradient buckets
+at least a few NORM_CHUNKs long, most ranges are folded and the norm's read of the partition is gone:
+the gradient is then written once and read once per step (plus the read-add-writes of accumulation).
+The cost is a `vector_norm` of each landed range at every landing, a few milliseconds per GB.
 [Note: when] The swap costs disk traffic: each step writes the partition gradient once and reads it
-twice (the norm, then the step), 12 bytes per partition element beside the state's 24 (AdamW, read
-and written). `offload_optimizer.swap_gradients` chooses; unset, the gradient is swapped only when the
+once for the step, and once more for the norm where it was not folded, 8-12 bytes per partition
+element beside the state's 24 (AdamW, read and written). `offload_optimizer.swap_gradients` chooses; unset, the gradient is swapped only when the
 parameters are on NVMe too (ZeRO-Infinity, where host memory is the limit: the 2.5B run on a 24 GiB
 machine fits because of it, and the first backward's held gradients would otherwise be 4 bytes per
 parameter of host memory) and otherwise stays in host memory, where DeepSpeed keeps it (the 25M GPT
@@ -101,6 +113,7 @@ class SwappedTargets:
                 self.swap.bytes_read += self.swap.io.read(path, buf, start * FP32).wait()
             for i, at, n in members:
                 (buf[at:at + n].add_ if accumulate else buf[at:at + n].copy_)(slots[i])
+            self.swap.fold_squares(key, start, buf)
             self.swap.push(self.swap.io.write(path, buf, start * FP32), base)
 
 
@@ -119,6 +132,11 @@ class GradientSwap:
         self.read_ahead = read_ahead  # offload_optimizer.pipeline_read, as the stepper has it (module note)
         self._ahead = None  # (key, start, stop, handle, buffer): the read started ahead (module note)
         self.reads_ahead_used = 0  # read-aheads a later call took (tests count them)
+        # (flat key, norm range start) -> (unscale factor, |range|^2) of a range a landing wrote whole (note:
+        # folded norm); `unscale_now` gives the factor the step will apply (set by attach_grad_swap)
+        self._folded: dict[tuple, tuple[float, torch.Tensor]] = {}
+        self.unscale_now = lambda: 1.0
+        self.norm_ranges_folded = 0  # norm ranges the step took from landings, not from a read (tests count them)
 
     def targets(self, fragments: list) -> SwappedTargets:
         return SwappedTargets(self, fragments)
@@ -144,6 +162,7 @@ class GradientSwap:
 
     def zero(self) -> None:
         """Every element 0 (a step with no reducing backward; the start): the files become holes."""
+        self._folded.clear()
         self._drop_ahead()
         self.flush()
         self._made = True
@@ -195,13 +214,36 @@ class GradientSwap:
             grad.mul_(self.unscale)
         return grad
 
+    def fold_squares(self, key, start: int, values: torch.Tensor) -> None:
+        """A landing wrote `values` at [start, start + numel) of flat `key`: the square of every norm range it
+        covers whole, taken now from the values in hand (note: folded norm); a range it covers in part no
+        longer matches what was folded for it."""
+        stop, factor = start + values.numel(), self.unscale_now()
+        for s, e in norm_ranges(self.numel[key]):
+            if e <= start or s >= stop:
+                continue
+            if start <= s and e <= stop:
+                grad = values[s - start:e - start]
+                grad = grad.mul(factor) if factor != 1.0 else grad  # a copy: `values` is what gets written
+                self._folded[(key, s)] = (factor, torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+            else:
+                self._folded.pop((key, s), None)
+
     def add_squares(self, sq: torch.Tensor) -> None:
         """`sq += |range|^2` for every NORM_CHUNK range of every flat, in flat order (as _global_norm does
-        over the in-memory flats)."""
+        over the in-memory flats): folded at its landing where that is this step's (note: folded norm),
+        else read back. Each step takes the folded squares once."""
         for key, numel in self.numel.items():
             for s, e in norm_ranges(numel) if numel else ():
-                grad = self._unscale(self.read(key, s, e))  # no read-ahead: the module note says why
-                sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square().to(sq.device)
+                folded = self._folded.get((key, s))
+                if folded is not None and folded[0] == self.unscale:
+                    term = folded[1]
+                    self.norm_ranges_folded += 1
+                else:
+                    grad = self._unscale(self.read(key, s, e))  # no read-ahead: the module note says why
+                    term = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+                sq += term.to(sq.device)
+        self._folded.clear()
 
     def clip_to(self, norm: float, max_norm: float) -> None:
         self.clip_coef = clip_coefficient(norm, max_norm) if max_norm > 0 else None
@@ -298,6 +340,7 @@ def attach_grad_swap(zopt) -> None:
         return
     read_ahead = any(part.pipeline_read for part in zopt.nvme.parts.values())  # the pool has room for it
     swap = GradientSwap(zopt.partition, zopt.nvme.swap, zopt.nvme.io, f"rank{zopt.comm.rank}", read_ahead)
+    swap.unscale_now = lambda: 1.0 / zopt.guard.scaler.loss_scale  # the step's `inv_scale`, the same float
     zopt.grad_swap = zopt.nvme.grad_swap = swap
     if zopt.reduce_every_micro_step:  # stages 2 and 3 (module note: held gradients)
         zopt._accum = swap.held = HeldGradients(zopt.params, zopt.nvme.swap, zopt.nvme.io, name=f"rank{zopt.comm.rank}")
