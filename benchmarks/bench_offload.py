@@ -18,7 +18,8 @@ AdamW, fp32, gradient_clipping 1.0, 2 ranks x 1 thread, gloo). Systems:
   and in DeepSpeed (its async I/O op, JIT-built with libaio);
 - `dstrain-z3-nvme` / `deepspeed-z3-nvme`: ZeRO-3 with NVMe offload of optimizer and parameters
   (`offload_param: {"device": "nvme", "max_in_cpu": 0}`: every gather reads the swap files, as a model
-  larger than host memory would; engine/zero/param_nvme.py), the same config in both.
+  larger than host memory would; engine/zero/param_nvme.py), the same config in both; `--max-in-cpu N`
+  sets it for both (DeepSpeed's default is 1e9: keep up to that many parameter elements in host memory).
 Goals (issue 17): dstrain-z2-cpu ≤ 1.10x dstrain-z2 and faster than deepspeed-z2-cpu. On a CPU-only
 machine the offloaded partition already is where the step runs, so dstrain stages nothing
 (engine/zero/tier.py) and the ratio measures that this costs nothing; `dstrain-z2-cpu-staged` runs the
@@ -90,7 +91,7 @@ OPTIMIZER_BUFFERS, PARAM_BUFFERS = 9, 5  # the shared sections' buffer_count (--
 
 
 def _nvme_offload(nvme_path: str, params: bool = False, optimizer_buffers: int = OPTIMIZER_BUFFERS,
-                  param_buffers: int = PARAM_BUFFERS, swap_gradients: bool | None = None) -> dict:
+                  param_buffers: int = PARAM_BUFFERS, swap_gradients: bool | None = None, max_in_cpu: int = 0) -> dict:
     section = {"sub_group_size": 1_000_000,
                "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": optimizer_buffers,
                                      "pipeline_read": True, "pipeline_write": True}}
@@ -98,7 +99,7 @@ def _nvme_offload(nvme_path: str, params: bool = False, optimizer_buffers: int =
         section["offload_optimizer"]["swap_gradients"] = swap_gradients
     if params:  # a block's weights per buffer (the 25M GPT's largest gather group is under 1e7 elements)
         section["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": param_buffers,
-                                    "buffer_size": 10_000_000, "max_in_cpu": 0}
+                                    "buffer_size": 10_000_000, "max_in_cpu": max_in_cpu}
     return section
 
 
@@ -160,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="offload_optimizer.buffer_count of the shared NVMe section (both systems)")
     p.add_argument("--param-buffers", type=int, default=PARAM_BUFFERS,
                    help="offload_param.buffer_count of the shared NVMe section (both systems)")
+    p.add_argument("--max-in-cpu", type=int, default=0,
+                   help="offload_param.max_in_cpu of the shared NVMe section (both systems; default 0: every gather "
+                        "reads the files; DeepSpeed's own default is 1e9)")
     p.add_argument("--deepspeed-param-buffers", type=int, default=None,
                    help="DeepSpeed's offload_param.buffer_count (default: the shared section's 5)")
     p.add_argument("--deepspeed-optimizer-buffers", type=int, default=None,
@@ -172,8 +176,9 @@ def main(argv=None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     systems = args.systems.split(",")
-    shared = {"optimizer_buffers": args.optimizer_buffers, "param_buffers": args.param_buffers}
-    peer = {"optimizer_buffers": args.deepspeed_optimizer_buffers or args.optimizer_buffers,
+    shared = {"optimizer_buffers": args.optimizer_buffers, "param_buffers": args.param_buffers,
+              "max_in_cpu": args.max_in_cpu}
+    peer = {**shared, "optimizer_buffers": args.deepspeed_optimizer_buffers or args.optimizer_buffers,
             "param_buffers": args.deepspeed_param_buffers or args.param_buffers}  # DeepSpeed's own counts
 
     def nvme_dir() -> str:
