@@ -218,10 +218,9 @@ class GradientSwap:
         """A landing wrote `values` at [start, start + numel) of flat `key`: the square of every norm range it
         covers whole, taken now from the values in hand (note: folded norm); a range it covers in part no
         longer matches what was folded for it."""
-        stop, factor = start + values.numel(), self.unscale_now()
-        for s, e in norm_ranges(self.numel[key]):
-            if e <= start or s >= stop:
-                continue
+        stop, factor, numel = start + values.numel(), self.unscale_now(), self.numel[key]
+        for s in range(start // NORM_CHUNK * NORM_CHUNK, stop, NORM_CHUNK):  # the ranges [start, stop) meets
+            e = min(s + NORM_CHUNK, numel)
             if start <= s and e <= stop:
                 grad = values[s - start:e - start]
                 grad = grad.mul(factor) if factor != 1.0 else grad  # a copy: `values` is what gets written
