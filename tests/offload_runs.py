@@ -164,7 +164,7 @@ def _nvme_tier_summary(zopt, swap_dir) -> dict:
             "grad_host_bytes": zopt.partition.num_bytes()["master_grad"],
             "grad_swap": None if swap is None else {
                 "written": swap.bytes_written, "read": swap.bytes_read,
-                "host_bytes": zopt.partition.num_bytes()["master_grad"], "held": swap.held is not None,
+                "held": swap.held is not None,
                 "reads_ahead_used": swap.reads_ahead_used, "read_ahead": swap.read_ahead,
                 "norm_ranges_folded": swap.norm_ranges_folded,
                 "held_files_made": swap.held.files_made if swap.held else 0,

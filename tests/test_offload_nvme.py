@@ -57,7 +57,7 @@ def _assert_gradient_swapped(got: dict, stage: int, what: str) -> None:
     10 steps of 2 micro-steps landed there (stages 2-3 every micro-step, read-add-write after the first;
     stage 1 at the boundary) and the norm and the stepper read it back."""
     swap = got["grad_swap"]
-    assert swap is not None and swap["host_bytes"] == 0, f"{what}: gradient partition in host memory ({swap})"
+    assert swap is not None and got["grad_host_bytes"] == 0, f"{what}: gradient partition in host memory ({swap})"
     # per step, P the partition's bytes: stage 1 writes P and reads it twice (the norm, the stepper);
     # stages 2-3 write 2P (each micro-step) and read 3P (the second landing's read-add-write, then both)
     assert swap["written"] > 0 and swap["read"] * (2 if stage > 1 else 1) == swap["written"] * (3 if stage > 1 else 2), \
