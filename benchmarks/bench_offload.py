@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import sys
@@ -181,8 +182,21 @@ def main(argv=None) -> int:
     peer = {**shared, "optimizer_buffers": args.deepspeed_optimizer_buffers or args.optimizer_buffers,
             "param_buffers": args.deepspeed_param_buffers or args.param_buffers}  # DeepSpeed's own counts
 
+    made: list[str] = []  # temp dirs of the swap files, removed at the end (DeepSpeed leaves its files in them)
+
     def nvme_dir() -> str:
-        return args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-")
+        if args.nvme_path:
+            return args.nvme_path
+        made.append(tempfile.mkdtemp(prefix="bench-offload-"))
+        return made[-1]
+    try:
+        return _run_systems(args, systems, shared, peer, nvme_dir)
+    finally:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _run_systems(args, systems: list, shared: dict, peer: dict, nvme_dir) -> int:
     print(f"before: {_load()}", flush=True)
     disk = None  # (write, read) GB/s of the raw O_DIRECT loop where the swap files go
     if any(DSTRAIN.get(name, (0,))[0] in (NVME, NVME_BOTH) for name in systems):
