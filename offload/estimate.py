@@ -11,7 +11,7 @@ gradients, 8Ψ moments, and at stages 1-2 a separate fp32 master partition (4Ψ/
 partition is the parameter. Offload moves the optimizer's share (master, moments and the fp32
 partition gradient, 16Ψ/N) to host memory, or to NVMe where the swap pool stays on the host with the
 partition gradient (4Ψ/N), or only its landings where it is swapped too (`offload_optimizer.swap_gradients`,
-unset: with the parameters on NVMe; `_swapped_gradient_staging`); at stages 1-2 the host also keeps
+unset: with the parameters on NVMe and Ψ/N above `max_in_cpu`; `_swapped_gradient_staging`); at stages 1-2 the host also keeps
 the fp32 send image of the all-gather, 4Ψ/N);
 at stage 3 either offload section also moves the fp32 parameter partition (dstrain keeps no 16-bit
 one) to the host, and parameter offload to NVMe moves it into swap files (`_stage3_partition`). Added on top:
@@ -50,7 +50,7 @@ class EstimateSettings:
     sub_group_size: int = 1_000_000_000
     optimizer_buffer_count: int = 4
     swap_slots: int = 2  # offload_optimizer.swap_slots: copies of the NVMe optimizer-state files
-    swap_gradients: Optional[bool] = None  # offload_optimizer.swap_gradients (unset: with NVMe parameters)
+    swap_gradients: Optional[bool] = None  # offload_optimizer.swap_gradients (unset: NVMe parameters over max_in_cpu)
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
@@ -93,7 +93,8 @@ def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings) -
         host += optimizer_state
     else:  # the stepper swaps its own fp32 master with the moments, in swap_slots copies (swapped_partition.py)
         send_image = 4 * psi // n if stage < 3 else 0  # stages 1-2: the host flat the all-gather sends
-        swapped = s.swap_gradients if s.swap_gradients is not None else offload.startswith("nvme params")
+        swapped = s.swap_gradients if s.swap_gradients is not None else (offload.startswith("nvme params")
+                                                                          and psi // n > s.max_in_cpu)
         host += (_swapped_gradient_staging(psi, n, s) if swapped else partition_grad) + _optimizer_pool(psi // n, s)
         host += send_image
         nvme += s.swap_slots * (4 * psi // shard + moments) + (partition_grad if swapped else 0)

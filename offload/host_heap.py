@@ -13,8 +13,9 @@ threshold fixed at 256 KiB it was 1429-1435 MiB, against the estimator's 1373 Mi
 `bound_heap_retention()` fixes the threshold with `mallopt(M_MMAP_THRESHOLD)`, which also turns the
 dynamic adjustment (of the trim threshold too) off: blocks of 256 KiB or more get a mapping of their
 own, returned on free (tests/test_offload_memory.py's ranks do the same, for the same reason). Called
-once per process by the NVMe parameter tier (engine/zero/param_nvme.py: the store and
-`zero.Init(remote_device="nvme")`'s chunk file), the third note says why only there. The cost is a
+once per process by the NVMe parameter tier (engine/zero/param_nvme.py: the store, where its partition
+is larger than `offload_param.max_in_cpu`, and `zero.Init(remote_device="nvme")`'s chunk file), the
+third note says why only there. The cost is a
 fresh, zeroed mapping per large allocation. It changes
 nothing where the user chose: glibc's own `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_`
 variables or a `glibc.malloc` tunable set, another allocator preloaded (jemalloc, tcmalloc, mimalloc),
@@ -37,7 +38,11 @@ memory (2 ranks, 3 runs each, 2026-12-06-heap-bound-optimizer-only.txt) peaked a
 the start with the threshold fixed against 2735-3355 with glibc's own (one run's ranks differ by up to
 800 MiB either way), while with parameters on NVMe too it is 1392-1429 against 2230-2333. The optimizer
 tier's own host memory is its fixed pool either way; a user who wants the heap bound there too sets
-`MALLOC_MMAP_THRESHOLD_=262144`. Why not give dstrain's own large host tensors mappings of their own and
+`MALLOC_MMAP_THRESHOLD_=262144`. Nor where `max_in_cpu` keeps the whole parameter partition resident:
+the user gave host memory for it, the parameters no longer pass through the pool, and the bound's 25%
+forward is what it would cost (the 25M GPT at ZeRO-3 with both tiers on NVMe and max_in_cpu 1e9, 2 rounds,
+2026-12-06 08:03 UTC: 1742 / 1909 ms per step against 2124 / 1987 with the bound; peak RSS per rank
+1012-1084 against 944-945 MB). Why not give dstrain's own large host tensors mappings of their own and
 leave glibc's threshold alone: tried with a switch in the ranks (707 `torch.empty`/`zeros` calls per rank
 of engine/, offload/, ops/ on private mmaps), the 265M GPT's peak with parameters on NVMe fell only from
 2362-2364 to 1978-2118 MiB above the start (fixed threshold: 1392-1429), the rest being tensors torch

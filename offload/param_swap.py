@@ -16,13 +16,20 @@ sub-group here. Either way the gathers read the files.
 `buffer_size` elements, copy them into the all-gather's send buffer and give the buffer back; the
 coordinator asks for reads of the next groups of its plan ahead of their gathers (`read_ahead`, while
 more than one buffer is free, so an on-demand read always finds one). Up to `max_in_cpu` elements of
-slots read once stay resident (a copy kept per group, updated by every write: the files stay the
-truth), so a model that fits is read from disk once. Resident parameter bytes are therefore at most
-`max_in_cpu * 4` plus the pool; `accounted_bytes()` keeps the count, `measured_bytes()` sums the
-storages that exist. A skipped step writes nothing: the files stay bit for bit as they were.
-[Note: write-behind] The NVMe optimizer tier hands each updated sub-group over with `write_behind`: its
-values are copied into a staging buffer of the store (the caller's buffer goes back to the optimizer's
-pool when the call returns) and the write is started, not waited for, so it overlaps the next
+slots read once stay resident (a copy kept per group), so a model that fits is read from disk once.
+Resident parameter bytes are therefore at most `max_in_cpu * 4` plus the pool; `accounted_bytes()`
+keeps the count, `measured_bytes()` sums the storages that exist. A skipped step writes nothing.
+[Note: write-back] A resident copy is the truth for its elements: a write updates it and goes to the
+files only for the elements no resident copy holds, and every read of the files takes the resident
+elements from the copies. A resident copy is never evicted and the files are per job (removed at
+exit, never read by a restart: checkpoints read through `read`), so the stale bytes under a copy are
+never seen. Where the whole partition is resident (DeepSpeed's default `max_in_cpu` of 1e9 elements
+holds models up to 1e9 parameters per rank) a step writes no parameter byte: the updated parameters
+stay in host memory as DeepSpeed's parameter buffers keep them, without the write-through's
+4 bytes per partition element of disk traffic each step.
+[Note: write-behind] The NVMe optimizer tier hands each updated sub-group over with `write_behind`: the
+values bound for the files are copied into a staging buffer of the store (the caller's buffer goes back
+to the optimizer's pool when the call returns) and the write is started, not waited for, so it overlaps the next
 sub-group's step; at most WRITE_BEHIND writes are in flight (the oldest is finished before another
 starts, so writes land in the order given), and every other operation, `flush()` (the tier's, at the
 end of each step) and `close()` finish them first. The bytes are the synchronous write's. Host memory:
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from bisect import bisect_right, insort
 from collections import deque
 
 from offload.aio import AsyncFileIO, staged_empty
@@ -76,11 +84,12 @@ class NvmeParamStore:
         self.files = {key: swap.file(f"{name}.{i}.param.swp") for i, key in enumerate(partition.flat)}
         self._slots: dict[tuple, _Slots] = {}
         self._cache: dict[tuple, torch.Tensor] = {}  # group -> its slots, resident (max_in_cpu)
+        self._spans: dict = {}  # flat key -> [(start, stop, resident view)], sorted (module note: write-back)
         self._cached = 0  # elements in _cache
         self._ahead: dict[tuple, tuple] = {}  # group -> (buffer, handles) of a read issued ahead
         self._open: dict[tuple, torch.Tensor] = {}  # group -> the pool buffer its slots are in
         self._events: dict[int, object] = {}  # buffer ptr -> event of the device copy still reading it
-        self._behind: deque = deque()  # (handle, staging buffer) of writes in flight (module note: write-behind)
+        self._behind: deque = deque()  # (handles, staging buffer) of writes in flight (module note: write-behind)
         self.bytes_read = self.bytes_written = 0
         self.writes_behind = 0  # writes left in flight when their call returned
         self.reads_ahead = 0  # groups read ahead of their gather (the prefetcher's requests that found a buffer)
@@ -102,9 +111,13 @@ class NvmeParamStore:
     def read(self, key, start: int, stop: int) -> torch.Tensor:
         if self.master_in_memory:
             return self.partition.flat[key].detach()[start:stop]
-        self.flush()
         out = torch.empty(stop - start, dtype=torch.float32, device=CPU)
-        self.bytes_read += self.io.read(self.files[key], out, start * FP32_BYTES).wait()
+        parts = self._resident_parts(key, start, stop)
+        if sum(b - a for a, b, _ in parts) < stop - start:  # some elements are only in the file
+            self.flush()
+            self.bytes_read += self.io.read(self.files[key], out, start * FP32_BYTES).wait()
+        for a, b, view in parts:  # module note: write-back
+            out[a - start:b - start].copy_(view)
         return out
 
     def write(self, key, start: int, values: torch.Tensor) -> None:
@@ -121,9 +134,7 @@ class NvmeParamStore:
         if self.master_in_memory:  # the optimizer tier on NVMe drops the host master: not met there
             self.write(key, start, values)
             return
-        base, staged = staged_empty(values.numel(), start)
-        staged.copy_(values)
-        self._write_file(key, start, staged, base)
+        self._write_file(key, start, values, behind=True)
 
     @property
     def writes_in_flight(self) -> int:
@@ -132,8 +143,7 @@ class NvmeParamStore:
     def flush(self) -> None:
         """Finish every write in flight (module note: write-behind)."""
         while self._behind:
-            handle, _ = self._behind.popleft()
-            self.bytes_written += handle.wait()
+            self._finish_oldest()
 
     def slot(self, param) -> torch.Tensor:
         frag = self.partition.fragments[param]
@@ -153,6 +163,8 @@ class NvmeParamStore:
         self.flush()
         for key, flat in self.partition.flat.items():
             self.bytes_read += self.io.read(self.files[key], flat.detach(), 0).wait()
+            for a, b, view in self._resident_parts(key, 0, flat.numel()):  # module note: write-back
+                flat.detach()[a:b].copy_(view)
         self.master_in_memory = True
 
     def drop_host_master(self) -> None:
@@ -177,16 +189,41 @@ class NvmeParamStore:
             for h in self._start_reads(slots, buf):
                 self.bytes_read += h.wait()
         if self._cached + slots.numel <= self.max_in_cpu:  # keep it (module note: bounded host memory)
-            # Pinned like the pool it leaves (a clone of pinned memory is pageable): the gathers copy
-            # resident groups to the device for the whole run, asynchronously only from pinned memory.
-            resident = torch.empty(slots.numel, dtype=buf.dtype, device=buf.device, pin_memory=self.pool.pinned)
-            self._cache[group] = resident.copy_(buf[:slots.numel])
-            self._cached += slots.numel
+            self._keep(group, slots, buf)
             self._release(buf)
-            self._note_peak()
             return slots.views(self._cache[group])
         self._open[group] = buf
         return slots.views(buf)
+
+    def persistent_slots(self, params: list) -> list[torch.Tensor]:
+        """The slots of parameters read after every step outside the gathers (stage 3's persistent
+        ones): kept resident like a gathered group's where `max_in_cpu` has room (so the step's write
+        of them stays in memory: module note, write-back), else read from the files each time."""
+        group = tuple(params)
+        slots = self._layout(group)
+        if group not in self._cache and self._cached + slots.numel <= self.max_in_cpu:
+            self._keep(group, slots, None)
+        if group in self._cache:
+            return slots.views(self._cache[group])
+        return [self.slot(p) for p in params]
+
+    def _keep(self, group: tuple, slots: _Slots, buf: torch.Tensor | None) -> None:
+        """Make `group`'s slots resident: from `buf` where they were just read into it, else from the files."""
+        # Pinned like the pool (a clone of pinned memory is pageable): the gathers copy resident
+        # groups to the device for the whole run, asynchronously only from pinned memory.
+        resident = torch.empty(slots.numel, dtype=torch.float32, device=CPU, pin_memory=self.pool.pinned)
+        if buf is not None:
+            resident.copy_(buf[:slots.numel])
+        else:
+            self.flush()
+            for h in self._start_reads(slots, resident):
+                self.bytes_read += h.wait()
+        self._cache[group] = resident
+        self._cached += slots.numel
+        for key, start, stop, at in slots.runs:
+            insort(self._spans.setdefault(key, []), (start, stop, resident[at:at + stop - start]),
+                   key=lambda span: span[0])
+        self._note_peak()
 
     def close_slots(self, params: list) -> None:
         buf = self._open.pop(tuple(params), None)
@@ -229,6 +266,7 @@ class NvmeParamStore:
             self.flush()
             self._drain_ahead()
             self._cache.clear()
+            self._spans.clear()
             self.io.close()
         finally:
             self.swap.close()
@@ -264,27 +302,52 @@ class NvmeParamStore:
             self._release(buf)
         self._ahead.clear()
 
-    def _write_file(self, key, start: int, values: torch.Tensor, behind: torch.Tensor | None = None) -> None:
-        """Write `values` at `start` of flat `key`'s file; `behind`: the staging buffer `values` views,
-        kept with the write left in flight (module note: write-behind), else the write is waited for."""
-        self._drain_ahead()
+    def _write_file(self, key, start: int, values: torch.Tensor, behind: bool = False) -> None:
+        """Write `values` at `start` of flat `key`: into the resident copies it meets, and into the file
+        for the rest (module note: write-back); `behind`: that file write staged and left in flight
+        (module note: write-behind), else waited for."""
         if not values.is_contiguous() or values.device != CPU:
             values = values.to(device=CPU).contiguous()
-        if behind is None:
+        stop, gaps, at = start + values.numel(), [], start
+        for a, b, view in self._resident_parts(key, start, stop):
+            view.copy_(values[a - start:b - start])
+            if at < a:
+                gaps.append((at, a))
+            at = b
+        if at < stop:
+            gaps.append((at, stop))
+        if not gaps:
+            return
+        self._drain_ahead()
+        if not behind:
             self.flush()  # writes land in the order given
-            self.bytes_written += self.io.write(self.files[key], values, start * FP32_BYTES).wait()
-        else:
-            while len(self._behind) >= WRITE_BEHIND:
-                old, _ = self._behind.popleft()
-                self.bytes_written += old.wait()
-            self._behind.append((self.io.write(self.files[key], values, start * FP32_BYTES), behind))
-            self.writes_behind += 1
-        stop = start + values.numel()
-        for group, resident in self._cache.items():  # keep resident copies equal to the files
-            for k, s, e, at in self._layout(group).runs:
-                a, b = max(s, start), min(e, stop)
-                if k == key and a < b:
-                    resident[at + a - s:at + b - s].copy_(values[a - start:b - start])
+            for a, b in gaps:
+                self.bytes_written += self.io.write(self.files[key], values[a - start:b - start], a * FP32_BYTES).wait()
+            return
+        base, staged = staged_empty(values.numel(), start)
+        staged.copy_(values)
+        while len(self._behind) >= WRITE_BEHIND:
+            self._finish_oldest()
+        self._behind.append(([self.io.write(self.files[key], staged[a - start:b - start], a * FP32_BYTES)
+                              for a, b in gaps], base))
+        self.writes_behind += 1
+
+    def _finish_oldest(self) -> None:
+        handles, _ = self._behind.popleft()
+        for handle in handles:
+            self.bytes_written += handle.wait()
+
+    def _resident_parts(self, key, start: int, stop: int) -> list[tuple[int, int, torch.Tensor]]:
+        """(a, b, view): the resident elements [a, b) of flat `key` within [start, stop), in order."""
+        spans = self._spans.get(key, ())
+        out = []
+        for s, e, view in spans[max(0, bisect_right(spans, start, key=lambda span: span[0]) - 1):]:
+            if s >= stop:
+                break
+            a, b = max(s, start), min(e, stop)
+            if a < b:
+                out.append((a, b, view[a - s:b - s]))
+        return out
 
     def _copy_chunks(self, key, chunks: list) -> None:
         """The partition's chunks of flat `key` into its file, one parameter at a time: zero.Init's

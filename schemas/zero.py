@@ -81,8 +81,9 @@ class OffloadOptimizerConfig(StrictModel):
     """Device "nvme" (a dstrain key): keep the fp32 gradient partition in swap files beside the state
     (true: host memory for it is the landings in flight, whatever the model size; a write and one or two
     reads of 4 bytes per partition element each step) or in host memory (false: 4 bytes per partition element,
-    where DeepSpeed keeps it). Unset: true when `offload_param.device` is "nvme" too (ZeRO-Infinity,
-    where host memory is the limit), false otherwise (engine/zero/grad_swap.py)."""
+    where DeepSpeed keeps it). Unset: true when `offload_param.device` is "nvme" too and the rank's
+    parameter partition is larger than `offload_param.max_in_cpu` (ZeRO-Infinity, where host memory is
+    the limit), false otherwise (engine/zero/grad_swap.py)."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of optimizer state offloaded; below 1 only with ZeRO stage 3 (not built yet: only 1)."""
     super_offload: bool = False

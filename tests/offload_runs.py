@@ -41,6 +41,10 @@ BOTH_NVME = "both_nvme"  # both on NVMe: sample_configs/zero3_nvme.json's tiers
 # Elements of parameter slots kept resident: StackNet keeps two of its layers' slots (288 each per rank),
 # reads the rest from the files on every gather; ReuseNet's one group (over 600) is read every time.
 MAX_IN_CPU = 600
+# BOTH_NVME at DeepSpeed's default max_in_cpu (1e9): every slot resident after the first gathers, so a
+# step writes no parameter byte (offload/param_swap.py's note: write-back), and the unset
+# swap_gradients keeps the gradient in host memory (grad_swap.py's note: when)
+BOTH_NVME_RESIDENT = "both_nvme+resident"
 PARAM_NVME_BUFFERS = 3
 NVME_FAST = "nvme+fast_init"  # NVME with offload_optimizer.fast_init: no swap file written at initialisation
 NVME_ONE_SLOT = "nvme+one_slot"  # NVME with offload_optimizer.swap_slots 1: the state files written in place
@@ -61,9 +65,9 @@ def _nvme(optimizer: str, nvme_path: str) -> dict:
                                   "pipeline_read": pipelined, "pipeline_write": pipelined}}
 
 
-def _param_nvme(nvme_path: str) -> dict:
+def _param_nvme(nvme_path: str, max_in_cpu: int = MAX_IN_CPU) -> dict:
     return {"offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": PARAM_NVME_BUFFERS,
-                              "buffer_size": 100_000, "max_in_cpu": MAX_IN_CPU}}
+                              "buffer_size": 100_000, "max_in_cpu": max_in_cpu}}
 
 
 def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_path: str | None = None) -> dict:
@@ -83,9 +87,9 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
         if offload == NVME_FOLD:
             cfg["zero_optimization"]["reduce_bucket_size"] = FOLD_BUCKET
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
-    elif offload in (PARAM_NVME, BOTH_NVME):
-        cfg["zero_optimization"].update(_nvme(optimizer, nvme_path) if offload == BOTH_NVME else OPT_CPU,
-                                        **_param_nvme(nvme_path))
+    elif offload in (PARAM_NVME, BOTH_NVME, BOTH_NVME_RESIDENT):
+        cfg["zero_optimization"].update(_nvme(optimizer, nvme_path) if offload != PARAM_NVME else OPT_CPU,
+                                        **_param_nvme(nvme_path, 10**9 if offload == BOTH_NVME_RESIDENT else MAX_IN_CPU))
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
     else:
         cfg["zero_optimization"].update(offload)
@@ -97,10 +101,15 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
 
 
 def _swap_hashes(zopt) -> dict:
-    """SHA-256 of every swap file: the optimizer tier's and the parameter store's."""
+    """SHA-256 of every swap file: the optimizer tier's and the parameter store's, and of the parameter
+    partition read through the store (its resident copies are the truth for their elements)."""
+    store = zopt.partition.store
     paths = [path for part in zopt.nvme.parts.values() for path in part._files.values()] if zopt.nvme else []
-    paths += list(zopt.partition.store.files.values()) if zopt.partition.store.swapped else []
-    return {path: hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in paths}
+    paths += list(store.files.values()) if store.swapped else []
+    out = {path: hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in paths}
+    for key, flat in zopt.partition.flat.items():
+        out[f"partition {key}"] = hashlib.sha256(store.read(key, 0, flat.numel()).numpy().tobytes()).hexdigest()
+    return out
 
 
 def _state_snapshot(zopt):
@@ -177,6 +186,8 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
     cfg = config(stage, optimizer, offload, precision, nvme_path)
     batches = make_batches(STEPS, MICRO * GAS * world)
     eng = _build(cfg, zero_init, meta, model)
+    store = eng.zero_optimizer.partition.store
+    written_at_build = store.bytes_written if store.swapped else 0  # the parameter files' first write
     nvme = eng.zero_optimizer.nvme
     at_init = len(list(nvme.swap.path.glob("*.swp"))) if nvme is not None else None  # fast_init writes none
     dtype = next(eng.module.parameters()).dtype
@@ -190,6 +201,8 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
                 cfg = config(stage, optimizer, resume_into, precision, nvme_path)
             eng = _build(cfg, zero_init, meta, model)
             eng.load_checkpoint(resume)
+            store = eng.zero_optimizer.partition.store
+            written_at_build = store.bytes_written if store.swapped else 0
         poison = inf and step == INF_STEP
         before = _state_snapshot(eng.zero_optimizer) if poison else None
         for k, (xm, ym) in enumerate(micro_batches(x.to(dtype), y.to(dtype), rank, world, GAS)):
@@ -209,12 +222,15 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
            "init_chunks": list(INIT_CHUNKS) if zero_init else None,
            "norms": norms, "skipped": eng.skipped_steps, "unchanged": unchanged, "stage": zopt.stage,
            "home": str(zopt.tier.home), "staged": zopt.tier.staged,
-           "flat_device": {str(f.device) for f in zopt.partition.flat.values()}}
+           "flat_device": {str(f.device) for f in zopt.partition.flat.values()},
+           # the whole fp32 partition read through the store at once (NVMe: its resident copies and files)
+           "partition": [zopt.partition.store.read(k, 0, f.numel()).clone() for k, f in zopt.partition.flat.items()]}
     store = zopt.partition.store
     if store.swapped:
         out["param_store"] = {"accounted_peak": store.peak_accounted, "measured": param_bytes,
                               "bound": store.max_in_cpu * 4 + store.pool.nbytes, "pool": store.pool.nbytes,
                               "read": store.bytes_read, "written": store.bytes_written,
+                              "written_at_build": written_at_build,
                               "reads_ahead": store.reads_ahead, "writes_behind": store.writes_behind,
                               "in_flight_after_step": in_flight,
                               "partition_bytes": zopt.model_state_bytes()["partition"],
@@ -247,7 +263,9 @@ INF_CASES.update({("inf", "fp32", stage, NVME): (stage, "adamw", NVME, "fp32", T
 INF_CASES.update({("inf", "fp32", stage, "none"): (stage, "adamw", {}, "fp32", True) for stage in (1, 2)})
 # offload_param "nvme" (tests/test_offload_param_nvme.py): the references are FP32_CASES' "none" runs.
 PARAM_NVME_CASES = {(3, opt, name): (3, opt, name) for opt in ("adamw", "sgd") for name in (PARAM_NVME, BOTH_NVME)}
+PARAM_NVME_CASES[(3, "adamw", BOTH_NVME_RESIDENT)] = (3, "adamw", BOTH_NVME_RESIDENT)
 PARAM_NVME_CASES[("inf", "fp32", 3, BOTH_NVME)] = (3, "adamw", BOTH_NVME, "fp32", True)
+PARAM_NVME_CASES[("inf", "fp32", 3, BOTH_NVME_RESIDENT)] = (3, "adamw", BOTH_NVME_RESIDENT, "fp32", True)
 FAST_INIT_CASES = {(stage, opt, NVME_FAST): (stage, opt, NVME_FAST) for stage, opt in ((2, "sgd"), (3, "adamw"))}
 ONE_SLOT_CASES = {(stage, opt, NVME_ONE_SLOT): (stage, opt, NVME_ONE_SLOT) for stage, opt in ((2, "adamw"), (3, "sgd"))}
 GRAD_MEMORY_CASES = {(stage, opt, NVME_GRAD_MEMORY): (stage, opt, NVME_GRAD_MEMORY)
@@ -276,12 +294,17 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
                                                                      **GRAD_MEMORY_CASES, **FOLD_CASES}.items()}
     out[("resume", 3, NVME)] = train(3, "adamw", NVME_PARAM_CPU, resume=checkpoint_dir, nvme_path=nvme_path)
     out.update({key: train(*args, nvme_path=nvme_path) for key, args in PARAM_NVME_CASES.items()})
-    for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME), (PARAM_NVME, PARAM_NVME)):
+    for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME), (PARAM_NVME, PARAM_NVME), (BOTH_NVME_RESIDENT, {})):
         name = f"{saved or 'none'}->{loaded or 'none'}"
         out[("resume", 3, name)] = train(3, "adamw", saved, resume=os.path.join(checkpoint_dir, name),
                                          nvme_path=nvme_path, resume_into=loaded)
-    for name in ("none", BOTH_NVME):
+    for name in ("none", BOTH_NVME, BOTH_NVME_RESIDENT):
         out[("stack", name)] = train(3, "sgd", name if name != "none" else {}, nvme_path=nvme_path, model="stack")
+    # some groups resident, the rest in the files: the save's reads and the load's sub-group reads span both
+    for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME)):
+        name = f"{saved or 'none'}->{loaded or 'none'}"
+        out[("resume", "stack", name)] = train(3, "sgd", saved, resume=os.path.join(checkpoint_dir, "stack", name),
+                                               nvme_path=nvme_path, resume_into=loaded, model="stack")
     for name in (PARAM_NVME, BOTH_NVME):  # zero.Init(remote_device="nvme"): straight into swap files
         out[("zero_init_nvme", name)] = train(3, "sgd", name, zero_init="nvme", nvme_path=nvme_path, model="stack")
     out["zero_init_nvme_without_config"] = _init_refusal()

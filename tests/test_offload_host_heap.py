@@ -1,7 +1,7 @@
 """A process that swaps parameters to NVMe hands freed large blocks back to the system
 (offload/host_heap.py's notes: glibc's dynamic mmap threshold otherwise keeps them in the heap); one that
-swaps only optimizer state leaves glibc's threshold as it is. Each case runs in a fresh interpreter: the
-thresholds are process-wide."""
+swaps only optimizer state, or whose parameter partition all stays resident under `max_in_cpu`, leaves
+glibc's threshold as it is. Each case runs in a fresh interpreter: the thresholds are process-wide."""
 import json
 import os
 import platform
@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # A freed 16 MiB block raises glibc's dynamic threshold to 16 MiB; the 8 MiB blocks after it then come
 # from the heap, unless the thresholds are fixed. The parameter tier's swap file (what zero.Init and the
-# store open) is what fixes them (the wiring); the optimizer tier's swap directory alone does not.
+# store open) is what fixes them (the wiring); the optimizer tier's swap directory alone does not, nor
+# the store of a partition that max_in_cpu keeps resident (engine/zero/param_nvme.py).
 PROBE = r"""
 import ctypes, json, sys, tempfile
 import psutil, torch
@@ -33,6 +34,14 @@ with tempfile.TemporaryDirectory() as root:
         cfg = schemas.load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
             "stage": 3, "offload_param": {"device": "nvme", "nvme_path": root}}})
         swap = init_chunk_file(cfg, 0)
+    elif sys.argv[2].startswith("store"):  # an engine's parameter store; max_in_cpu after the colon
+        import engine
+        cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+               "zero_optimization": {"stage": 3, "offload_param": {
+                   "device": "nvme", "nvme_path": root, "max_in_cpu": int(sys.argv[2].split(":")[1])}}}
+        swap = engine.initialize(model=torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
+                                 config=cfg)[0]
+        swap.close = swap.destroy
     else:
         swap = SwapDir.create(root, path_key="zero_optimization.offload_optimizer.nvme_path")
     proc = psutil.Process()
@@ -67,6 +76,13 @@ def test_the_parameter_tier_makes_large_blocks_mapped_and_returned_on_free():
     got = _probe({})
     assert got["mapped_mib"] >= 64, got  # the eight 8 MiB blocks were mmapped, not carved from the heap
     assert got["kept_mib"] < 8, got      # and freeing them gave the memory back
+
+
+@needs_glibc
+@pytest.mark.parametrize("max_in_cpu, bounded", [(0, True), (10**9, False)])
+def test_the_parameter_store_bounds_the_heap_only_where_its_partition_is_not_all_resident(max_in_cpu, bounded):
+    got = _probe({}, tier=f"store:{max_in_cpu}")
+    assert (got["mapped_mib"] >= 64) is bounded, got
 
 
 @needs_glibc

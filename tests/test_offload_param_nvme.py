@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from tests.offload_runs import (BOTH_NVME, INF_STEP, PARAM_NVME, PARAM_NVME_CASES, STEPS, assert_same as _assert_same,
-                                shared_runs)
+from tests.offload_runs import (BOTH_NVME, BOTH_NVME_RESIDENT, INF_STEP, PARAM_NVME, PARAM_NVME_CASES, STEPS,
+                                assert_same as _assert_same, shared_runs)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,10 @@ def test_param_nvme_equals_stage3_without_offload_bit_for_bit(runs, key):
         store = got["param_store"]
         assert got["skipped"] == 0 and store["read"] > 0 and store["written"] > 0, f"rank {rank}: {store}"
         assert store["master_in_memory"] is (name == PARAM_NVME)
+        if name == BOTH_NVME_RESIDENT:
+            _assert_written_back_only(got, f"rank {rank}")
+        else:  # ReuseNet's one group is never resident: every step writes it
+            assert store["written"] > store["written_at_build"], f"rank {rank}: {store}"
         if name == BOTH_NVME:
             assert store["partition_bytes"] == 0, f"rank {rank}: the host flat still holds bytes"
             # each sub-group's write-back overlapped the next one's step, and each step ended with them
@@ -48,6 +53,21 @@ def test_param_nvme_equals_stage3_without_offload_bit_for_bit(runs, key):
             assert got["grad_swap"] is not None and got["grad_host_bytes"] == 0, f"rank {rank}: {got['grad_swap']}"
         assert not store["dir_left"], f"rank {rank}: the parameter swap directory was left"
         _assert_same(got, result[(3, opt, "none")], f"rank {rank} {key}")
+
+
+def _assert_written_back_only(got: dict, what: str) -> None:
+    """Every slot resident (max_in_cpu 1e9): no step wrote a parameter byte to the files (offload/
+    param_swap.py's note: write-back), and the unset swap_gradients kept the gradient in host memory."""
+    store = got["param_store"]
+    assert store["written"] == store["written_at_build"] and store["writes_behind"] == 0, f"{what}: {store}"
+    assert got["grad_swap"] is None and got["grad_host_bytes"] > 0, f"{what}: the gradient was swapped"
+
+
+def test_resident_parameters_train_equal_with_no_parameter_write_after_initialisation(runs):
+    for rank, result in enumerate(runs):
+        got = result[("stack", BOTH_NVME_RESIDENT)]
+        _assert_written_back_only(got, f"rank {rank}")
+        _assert_same(got, result[("stack", "none")], f"rank {rank} StackNet resident")
 
 
 def test_resident_parameter_bytes_stay_within_max_in_cpu_and_the_pool(runs):
@@ -68,11 +88,14 @@ def test_a_prefetched_multi_group_model_trains_equal_with_some_groups_read_from_
         assert store["read"] > 10 * 4 * 288, f"rank {rank}: too few bytes read for per-step reads: {store}"
         assert store["reads_ahead"] >= STEPS, f"rank {rank}: the prefetcher read no group ahead: {store}"
         _assert_same(got, want, f"rank {rank} StackNet")
+        # one read spanning resident and unresident slots (offload/param_swap.py's note: write-back)
+        assert all(torch.equal(g, w) for g, w in zip(got["partition"], want["partition"], strict=True)), f"rank {rank}"
 
 
-def test_inf_on_one_rank_skips_and_leaves_every_swap_file_unchanged(runs):
+@pytest.mark.parametrize("name", [BOTH_NVME, BOTH_NVME_RESIDENT])
+def test_inf_on_one_rank_skips_and_leaves_every_swap_file_unchanged(runs, name):
     for rank, result in enumerate(runs):
-        got, want = result[("inf", "fp32", 3, BOTH_NVME)], result[("inf", "fp32", 3, "none")]
+        got, want = result[("inf", "fp32", 3, name)], result[("inf", "fp32", 3, "none")]
         assert got["skipped"] == want["skipped"] == 1
         assert got["unchanged"] is True, f"rank {rank}: the skipped step changed a swap file"
         assert not math.isfinite(got["norms"][INF_STEP])
@@ -80,10 +103,19 @@ def test_inf_on_one_rank_skips_and_leaves_every_swap_file_unchanged(runs):
         _assert_same(finite(got), finite(want), f"rank {rank} after the skip")
 
 
-@pytest.mark.parametrize("name", [f"{BOTH_NVME}->none", f"none->{BOTH_NVME}", f"{PARAM_NVME}->{PARAM_NVME}"])
+@pytest.mark.parametrize("name", [f"{BOTH_NVME}->none", f"none->{BOTH_NVME}", f"{PARAM_NVME}->{PARAM_NVME}",
+                                  f"{BOTH_NVME_RESIDENT}->none"])
 def test_checkpoints_move_between_param_nvme_and_no_offload(runs, name):
     for rank, result in enumerate(runs):
         _assert_same(result[("resume", 3, name)], result[(3, "adamw", "none")], f"rank {rank} resumed {name}")
+
+
+@pytest.mark.parametrize("name", [f"{BOTH_NVME}->none", f"none->{BOTH_NVME}"])
+def test_checkpoints_of_partly_resident_parameters_move_to_and_from_no_offload(runs, name):
+    # StackNet keeps two layers' slots resident, the rest in the files; the load's sub-group reads span
+    # both (offload/param_swap.py's note: write-back)
+    for rank, result in enumerate(runs):
+        _assert_same(result[("resume", "stack", name)], result[("stack", "none")], f"rank {rank} StackNet {name}")
 
 
 @pytest.mark.parametrize("name", [PARAM_NVME, BOTH_NVME])

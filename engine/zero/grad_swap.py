@@ -57,11 +57,14 @@ The cost is a `vector_norm` of each landed range at every landing, a few millise
 [Note: when] The swap costs disk traffic: each step writes the partition gradient once and reads it
 once for the step, and once more for the norm where it was not folded, 8-12 bytes per partition
 element beside the state's 24 (AdamW, read and written). `offload_optimizer.swap_gradients` chooses; unset, the gradient is swapped only when the
-parameters are on NVMe too (ZeRO-Infinity, where host memory is the limit: the 2.5B run on a 24 GiB
-machine fits because of it, and the first backward's held gradients would otherwise be 4 bytes per
-parameter of host memory) and otherwise stays in host memory, where DeepSpeed keeps it (the 25M GPT
-at ZeRO-3 with the optimizer on NVMe, bench_offload.py, 2026-12-06, three rounds: 1789-1874 ms per step
-in host memory against 2003-2086 swapped and DeepSpeed's 2061-2073).
+parameters are on NVMe too and their partition does not all stay resident (more elements than
+`offload_param.max_in_cpu`): that is ZeRO-Infinity where host memory is the limit (the 2.5B run on a
+24 GiB machine fits because of it, and the first backward's held gradients would otherwise be 4 bytes
+per parameter of host memory). Otherwise it stays in host memory, where DeepSpeed keeps it: with the
+optimizer alone on NVMe (the 25M GPT at ZeRO-3, bench_offload.py, 2026-12-06, three rounds: 1789-1874
+ms per step in host memory against 2003-2086 swapped and DeepSpeed's 2061-2073), and where `max_in_cpu`
+holds the whole parameter partition, whose gradient is the same 4 bytes per element the user allowed
+the resident parameters.
 """
 from __future__ import annotations
 
@@ -72,7 +75,7 @@ import torch
 
 from offload.aio import ALIGNMENT, aligned_empty, staged_empty
 
-from .param_nvme import wants_param_nvme
+from .param_nvme import host_memory_is_the_limit
 from .stage0 import clip_coefficient
 from .swappable import swap_problem
 
@@ -322,14 +325,17 @@ class HeldGradients:
         self.io.delete(self.path)
 
 
-def swaps_gradients(zero, optimizer) -> bool:
+def swaps_gradients(zero, optimizer, param_partition_numel: int = 0) -> bool:
     """Whether the gradient partition lives in swap files (module note): the optimizer on NVMe, one the
     NVMe tier steps (any other is refused there, by name), and `offload_optimizer.swap_gradients` true,
-    or unset with the parameters on NVMe too (note: when)."""
+    or unset with the parameters on NVMe too and more partition elements (`param_partition_numel`, the
+    slots the parameter store would keep resident) than `offload_param.max_in_cpu` (note: when)."""
     section = zero.offload_optimizer
     if section is None or section.device != "nvme" or swap_problem(optimizer) is not None:
         return False
-    return section.swap_gradients if section.swap_gradients is not None else wants_param_nvme(zero)
+    if section.swap_gradients is not None:
+        return section.swap_gradients
+    return host_memory_is_the_limit(zero, param_partition_numel)
 
 
 def attach_grad_swap(zopt) -> None:

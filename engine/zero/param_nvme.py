@@ -6,7 +6,8 @@ into per-rank swap files under a per-job directory of `offload_param.nvme_path`
 (offload/param_swap.py), makes that the partition's store (partition_store.py's note: every reader
 goes through it) and tells the coordinator how many groups to read ahead of their gathers (the pool's
 buffers; each as large as the largest group's slots, at most `buffer_size`, which is refused when
-smaller than that). `finish_param_nvme` runs after the optimizer tier: with the optimizer on NVMe too, the master
+smaller than that); where the partition is larger than `max_in_cpu` (host memory is the limit) it bounds
+the heap (offload/host_heap.py). `finish_param_nvme` runs after the optimizer tier: with the optimizer on NVMe too, the master
 now lives in the optimizer's files and the flats' host bytes are dropped.
 """
 from __future__ import annotations
@@ -24,6 +25,14 @@ def wants_param_nvme(zero) -> bool:
     return zero.stage == 3 and section is not None and section.device == "nvme"
 
 
+def host_memory_is_the_limit(zero, partition_numel: int) -> bool:
+    """Parameters on NVMe whose partition (`partition_numel` elements of slots) does not all stay
+    resident under `offload_param.max_in_cpu`: ZeRO-Infinity where host memory is what runs out. Then
+    the heap is bounded (offload/host_heap.py) and, unless the config says, the gradient partition is
+    swapped too (grad_swap.py's note: when); a partition that fits the resident budget needs neither."""
+    return wants_param_nvme(zero) and partition_numel > zero.offload_param.max_in_cpu
+
+
 def _group_numels(zopt) -> list[tuple[str, int]]:
     fragments = zopt.partition.fragments
     return [(g.name, sum(fragments[p].padded for p in g.params if p in fragments)) for g in zopt.coordinator.groups]
@@ -38,7 +47,8 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
                                    f"partition are gathered together); raise it to at least {largest[1]}"])
     if section.buffer_count < 1:
         raise schemas.ConfigError(["zero_optimization.offload_param.buffer_count: must be at least 1"])
-    bound_heap_retention()  # the parameter tier is where the bound pays (offload/host_heap.py's notes)
+    if host_memory_is_the_limit(zero, sum(f.numel() for f in zopt.partition.flat.values())):
+        bound_heap_retention()  # where the bound pays (offload/host_heap.py's notes)
     try:
         swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
     except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
@@ -53,6 +63,8 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
         raise
     zopt.partition.store = store
     zopt.coordinator.read_ahead_groups = section.buffer_count
+    for params in zopt.persistent_groups():  # resident from the start where max_in_cpu has room for them
+        store.persistent_slots(params)
     return store
 
 

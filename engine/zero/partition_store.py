@@ -13,7 +13,8 @@ after a step, `safe_get_*` (engine/utils.py), the checkpoint adapters, the NVMe 
 that range; a view for the host store, a new tensor for the NVMe one); `write(key, start, values)`
 stores them; `master_updated()` tells the store the optimizer changed the in-memory master (a step, a
 load), which the NVMe store copies to its files. `open_slots` / `close_slots` / `read_ahead` serve the
-gathers: the slots of several parameters at once, through pool buffers for the NVMe store.
+gathers: the slots of several parameters at once, through pool buffers for the NVMe store;
+`persistent_slots` the refresh of the persistent parameters after a step.
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ class HostPartitionStore:
 
     def close_slots(self, params: list) -> None:
         pass
+
+    def persistent_slots(self, params: list) -> list[torch.Tensor]:
+        return [self.slot(p) for p in params]
 
     def read_ahead(self, params: list) -> bool:
         return False  # nothing to read: the slots are in memory

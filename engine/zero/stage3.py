@@ -34,7 +34,7 @@ from .prefetch import ParamCoordinator
 from .stage0 import reduction_settings
 from .stage2 import ZeroStage2Optimizer
 from .stage3_params import (GatherGroup, Stage3Partition, chunk_tensor, full_shape, gather_full, local_chunk,
-                            padded_chunk, spec_of)
+                            padded_chunk, partition_numel, spec_of)
 from .stage3_units import discover_units, install_hooks, user_modules
 from .partition_store import GroupSources
 from .tier import copy_chunks
@@ -109,7 +109,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self.arrivals, self.ignore_unused = ArrivalLog(param_names), ignore_unused_parameters
         self._init_tier(tier)
         self.partition = Stage3Partition(optimizer, comm.world_size, comm.rank, self.tier,
-                                         grads_swapped=swaps_gradients(zero, optimizer),
+                                         grads_swapped=swaps_gradients(zero, optimizer,
+                                                                       partition_numel(optimizer, comm.world_size)),
                                          params_swapped=wants_param_nvme(zero))
         units = discover_units(module)
         self.persistent = self._choose_persistent(units, zero)
@@ -210,7 +211,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self.partition.store.master_updated()  # a step or a load changed the in-memory master (NVMe: to its files)
         for params, layout in self._persistent_layouts:
             send = self.comm.empty(layout.segment, dtype=params[0].dtype)
-            copy_chunks(layout.segment_slots(send), [self.partition.store.read(*self._slot_range(p)) for p in params])
+            copy_chunks(layout.segment_slots(send), self.partition.store.persistent_slots(params))
             out = self.comm.empty(layout.numel, dtype=send.dtype)
             self.comm.all_gather(out, send)
             layout.unpack(out, [p.data for p in params])
@@ -239,6 +240,10 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             self.partition.store.write(key, start, chunk.to(torch.float32))
         else:
             self._frozen_chunk(p).copy_(chunk)
+
+    def persistent_groups(self) -> list[list]:
+        """The persistent parameters refreshed after each step, one list per all-gather."""
+        return [params for params, _ in self._persistent_layouts]
 
     def _slot_range(self, p: torch.nn.Parameter) -> tuple:
         """(flat key, start, stop) of `p`'s padded slot, for `partition.store`."""

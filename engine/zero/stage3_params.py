@@ -37,6 +37,12 @@ def spec_of(shape: tuple[int, ...], world: int) -> ChunkSpec:
     return ChunkSpec(rows, numel // rows if rows else 0, -(-rows // world))
 
 
+def partition_numel(optimizer, world: int) -> int:
+    """Elements of a rank's fp32 partition (its trainable parameters' padded chunks), before it is built."""
+    return sum(spec_of(full_shape(p), world).padded for g in optimizer.param_groups for p in g["params"]
+               if p.requires_grad)
+
+
 def padded_chunk(full: torch.Tensor, spec: ChunkSpec, rank: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """This rank's dim-0 chunk of `full` as a new 1-D tensor of `spec.padded` elements (zero padding)."""
     start, stop = spec.row_range(rank)
