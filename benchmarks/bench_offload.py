@@ -31,9 +31,12 @@ A second table splits rank 0's median step into forward, backward (with the redu
 it) and step (norm, clipping, the optimizer, the all-gather), timed the same way in both systems
 (benchmarks/step_phases.py).
 What the gradient swap costs (engine/zero/grad_swap.py: `offload_optimizer.swap_gradients`, unset: the
-gradient partition in swap files only with the parameters on NVMe too): `dstrain-z2-nvme-grad-swapped`
+gradient partition in swap files only with the parameters on NVMe too and their partition larger than
+`max_in_cpu`): `dstrain-z2-nvme-grad-swapped`
 and `dstrain-z3-nvme-opt-grad-swapped` set it true, `dstrain-z3-nvme-grad-in-memory` false (a dstrain
-key, so DeepSpeed's rows have no such twin). When an NVMe system runs, the raw O_DIRECT
+key, so DeepSpeed's rows have no such twin). `dstrain-z3-nvme-heap-bound` fixes glibc's heap bound
+(offload/host_heap.py) in its ranks, which the parameter store leaves off where `max_in_cpu` holds the
+partition: with `--max-in-cpu 1000000000` it measures what the bound would cost. When an NVMe system runs, the raw O_DIRECT
 disk bandwidth is measured first in the same directory (bench_offload_io.disk_bandwidth, `--disk-mb`),
 and a third table gives rank 0's gradient bytes written and read per step after the first (the first
 also writes the held gradients: grad_swap.py's note) and the seconds they take at that bandwidth. A
@@ -78,7 +81,10 @@ DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
            "dstrain-z2-nvme": (NVME, {}, 2), "dstrain-z2-nvme-grad-swapped": (NVME, {}, 2),
            "dstrain-z3": ({}, {}, 3), "dstrain-z3-nvme-opt": (NVME, {}, 3),
            "dstrain-z3-nvme-opt-grad-swapped": (NVME, {}, 3), "dstrain-z3-nvme": (NVME_BOTH, {}, 3),
-           "dstrain-z3-nvme-grad-in-memory": (NVME_BOTH, {}, 3)}
+           "dstrain-z3-nvme-grad-in-memory": (NVME_BOTH, {}, 3),
+           # the heap bound (offload/host_heap.py) fixed in the ranks whatever max_in_cpu says: with
+           # --max-in-cpu 1e9 the store leaves it off, and this row measures what it would cost
+           "dstrain-z3-nvme-heap-bound": (NVME_BOTH, {"DSTRAIN_BENCH_HEAP_BOUND": "1"}, 3)}
 # DeepSpeed's offload path: without torch_adam, its AdamW with offload is DeepSpeedCPUAdam.
 ADAMW = {"type": "AdamW", "params": {"lr": bt.LR}}
 # name: (ZeRO stage, config merged in, NVMe optimizer offload under --nvme-path)
@@ -126,6 +132,9 @@ def _entry(offload: dict, steps: int, stage: int = 2):
     import torch.distributed as dist
 
     import engine
+    if os.environ.get("DSTRAIN_BENCH_HEAP_BOUND") == "1":  # before the model's allocations (DSTRAIN's note)
+        from offload.host_heap import bound_heap_retention
+        bound_heap_retention()
     torch.manual_seed(0)
     zero = {**ZERO2, "stage": stage, **offload}
     eng, _, _, _ = engine.initialize(model=bt.GPT(bt.BENCH_CONFIG),

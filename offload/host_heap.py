@@ -40,9 +40,10 @@ the start with the threshold fixed against 2735-3355 with glibc's own (one run's
 tier's own host memory is its fixed pool either way; a user who wants the heap bound there too sets
 `MALLOC_MMAP_THRESHOLD_=262144`. Nor where `max_in_cpu` keeps the whole parameter partition resident:
 the user gave host memory for it, the parameters no longer pass through the pool, and the bound's 25%
-forward is what it would cost (the 25M GPT at ZeRO-3 with both tiers on NVMe and max_in_cpu 1e9, 2 rounds,
-2026-12-06 08:03 UTC: 1742 / 1909 ms per step against 2124 / 1987 with the bound; peak RSS per rank
-1012-1084 against 944-945 MB). Why not give dstrain's own large host tensors mappings of their own and
+forward is what it would cost (the 25M GPT at ZeRO-3 with both tiers on NVMe and max_in_cpu 1e9, idle,
+four rounds, 2026-12-06-quiet-z3-nvme-resident.txt: 1637-1781 ms per step against 1915-2078 with the
+bound fixed in the ranks, rank 0's forward 448-479 against 568-597 ms; peak RSS per rank 1027-1108
+against 928-929 MB). Why not give dstrain's own large host tensors mappings of their own and
 leave glibc's threshold alone: tried with a switch in the ranks (707 `torch.empty`/`zeros` calls per rank
 of engine/, offload/, ops/ on private mmaps), the 265M GPT's peak with parameters on NVMe fell only from
 2362-2364 to 1978-2118 MiB above the start (fixed threshold: 1392-1429), the rest being tensors torch
