@@ -18,8 +18,9 @@ one) to the host, and parameter offload to NVMe moves it into swap files (`_stag
 gradient buckets in flight (REDUCE_DEPTH x `reduce_bucket_size`, stages 0-2), the stage-3 gathered
 parameters (`max_live_parameters`, or the whole model when it fits), and the swap pools. Activations
 and the framework's own memory are not model state and are not counted, nor is the first reducing
-backward's hold of every full gradient (arrivals.py's note: 4 bytes per parameter for one backward, in
-memory unless the gradient partition is swapped, then in a file).
+backward's hold of every full gradient where the loss's graph has a Python autograd Function such as
+reentrant checkpointing (arrivals.py's notes: 4 bytes per parameter for one backward, in memory unless
+the gradient partition is swapped, then in a file; graphs of autograd's own nodes hold nothing).
 """
 from __future__ import annotations
 

@@ -263,3 +263,42 @@ def test_reuse_that_starts_later_is_exact_or_a_clear_error(reuse_runs, stage):
         error = result[(stage, 1)]
         assert isinstance(error, str) and f"ZeRO stage {stage}: parameter block." in error
         assert "after its bucket was reduced" in error and "use_reentrant=False" in error
+
+
+def _first_backward_overlaps(stage: int, checkpointing) -> bool:
+    """Whether the first backward launched a bucket's reduction before it ended: read when the input
+    layer's gradient, the last one backward makes, arrives."""
+    torch.manual_seed(0)
+    eng, _, _, _ = engine.initialize(model=ReuseNet(checkpointing), config=_config(stage, 1))
+    zopt = eng.zero_optimizer
+    launched = []
+
+    def note(_param):
+        launched.append((zopt.buckets if stage == 0 else zopt)._next_launch > 0)
+    eng.module.inp.weight.register_post_accumulate_grad_hook(note)
+    x, y = make_batches(1, MICRO * torch.distributed.get_world_size(), d_in=13, d_out=5)[0]
+    xm, ym = next(micro_batches(x, y, torch.distributed.get_rank(), torch.distributed.get_world_size(), 1))
+    eng.backward(eng(xm, ym, aux=True))
+    eng.step()
+    eng.destroy()
+    return launched[0]
+
+
+def _discovery_cases() -> dict:
+    return {(stage, ckpt): _first_backward_overlaps(stage, ckpt) for stage in (0, 1, 2, 3)
+            for ckpt in (None, "non_reentrant", "reentrant")}
+
+
+@pytest.fixture(scope="module")
+def discovery_runs():
+    return run_distributed(_discovery_cases, 2, timeout=120)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_first_backward_holds_gradients_only_where_they_can_arrive_twice(discovery_runs, stage):
+    # arrivals.py's note (when to discover): autograd's own nodes deliver each gradient once, so the
+    # first backward overlaps its reductions; reentrant checkpointing's Python Function may deliver
+    # pieces, so that backward holds them to its end (the parity tests above cover both ways)
+    for rank, result in enumerate(discovery_runs):
+        got = {ckpt: result[(stage, ckpt)] for ckpt in (None, "non_reentrant", "reentrant")}
+        assert got == {None: True, "non_reentrant": True, "reentrant": False}, f"rank {rank}: {got}"

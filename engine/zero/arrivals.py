@@ -12,6 +12,13 @@ changes when a rank issues a bucket's collective, never the order, so the ranks 
 after a deferred one also wait (the fixed launch order), which costs overlap, not exactness. A
 parameter that arrives twice later in a bucket already reduced (the graph changed after the first
 backward) is an error naming it: its gradient can no longer be reduced exactly.
+[Note: when to discover] Only a node that runs a backward of its own can deliver a parameter's gradient
+in pieces, and autograd's C++ nodes never do: it takes a Python autograd Function (reentrant
+checkpointing's CheckpointFunction, a library's custom Function). The discovery holds every full
+gradient until backward ends (the model's whole gradient, on the accelerator, or in a swap file with
+grad_swap.py's held gradients) and gives up the first backward's overlap, so `before_reducing_backward`
+walks the loss's graph once and skips it when no such node is there. A graph that gains one later and
+then delivers a late piece gets the error above, naming the parameter.
 """
 from __future__ import annotations
 
@@ -34,6 +41,11 @@ class ArrivalLog:
             return True
         self._this_pass.add(param)
         return False
+
+    def before_reducing_backward(self, loss: torch.Tensor) -> None:
+        """The first reducing backward: discover only if `loss`'s graph can deliver pieces (module note)."""
+        if self.discovering and not may_arrive_twice(loss):
+            self.discovering = False
 
     def end_pass(self) -> None:
         self._this_pass.clear()
@@ -82,3 +94,18 @@ def is_dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def may_arrive_twice(loss: torch.Tensor) -> bool:
+    """Whether `loss`'s autograd graph has a Python Function node, which may run a backward of its own
+    (module note: when to discover)."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return True
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return False

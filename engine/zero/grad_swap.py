@@ -32,8 +32,9 @@ read some ranges again) waits the read-ahead out and drops it, and so do a landi
 `close` (the file changes), so what a read returns is always what the file holds. The norm's scan
 does not read ahead: its squares cost next to nothing against the read, so a second NORM_CHUNK in
 flight would buy no overlap and cost 4 MiB of host memory (tests/test_offload_memory.py's bound).
-[Note: held gradients] The first reducing backward of a run holds every full gradient until backward
-ends (arrivals.py's note: it finds parameters whose gradient arrives in pieces), and a deferred
+[Note: held gradients] The first reducing backward of a run whose graph has a Python autograd Function
+(reentrant checkpointing) holds every full gradient until backward ends (arrivals.py's notes: it finds
+parameters whose gradient arrives in pieces), and a deferred
 bucket holds its parameters' gradients too: in memory that is the whole model's gradient, 4 bytes
 per parameter on every rank, for one backward. With the gradient swapped, `HeldGradients` keeps them
 in a file instead (one region per parameter; a second piece is read, added with the same `add_` and

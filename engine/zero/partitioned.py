@@ -274,6 +274,8 @@ class PartitionedZeroOptimizer:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backward; in a reducing backward every remaining bucket is then reduced into the partition."""
+        if self._armed:
+            self.arrivals.before_reducing_backward(loss)
         scale = self.guard.scaler.loss_scale
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._micro_steps += 1

@@ -147,6 +147,8 @@ class DataParallelOptimizer:
             self.buckets.attach()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        if self.buckets.armed:
+            self.arrivals.before_reducing_backward(loss)
         scale = self.guard.scaler.loss_scale
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
 
