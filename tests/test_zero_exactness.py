@@ -26,7 +26,7 @@ import torch
 import engine
 from engine.utils import safe_get_full_fp32_param
 from tests.harness import run_distributed
-from tests.models import ReuseNet, make_batches, micro_batches, reference_accumulated
+from tests.models import ReuseNet, StackNet, make_batches, micro_batches, reference_accumulated
 
 STEPS = 4
 MICRO = 2
@@ -267,9 +267,11 @@ def test_reuse_that_starts_later_is_exact_or_a_clear_error(reuse_runs, stage):
 
 def _first_backward_overlaps(stage: int, checkpointing) -> bool:
     """Whether the first backward launched a bucket's reduction before it ended: read when the input
-    layer's gradient, the last one backward makes, arrives."""
+    layer's gradient, the last one backward makes, arrives. "stack": tests.models.StackNet, whose
+    stage-3 units mark their backward with a Function of dstrain's own (stage3_units.py)."""
     torch.manual_seed(0)
-    eng, _, _, _ = engine.initialize(model=ReuseNet(checkpointing), config=_config(stage, 1))
+    model = StackNet() if checkpointing == "stack" else ReuseNet(checkpointing)
+    eng, _, _, _ = engine.initialize(model=model, config=_config(stage, 1))
     zopt = eng.zero_optimizer
     launched = []
 
@@ -286,7 +288,7 @@ def _first_backward_overlaps(stage: int, checkpointing) -> bool:
 
 def _discovery_cases() -> dict:
     return {(stage, ckpt): _first_backward_overlaps(stage, ckpt) for stage in (0, 1, 2, 3)
-            for ckpt in (None, "non_reentrant", "reentrant")}
+            for ckpt in (None, "non_reentrant", "reentrant", "stack")}
 
 
 @pytest.fixture(scope="module")
@@ -297,8 +299,9 @@ def discovery_runs():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_first_backward_holds_gradients_only_where_they_can_arrive_twice(discovery_runs, stage):
     # arrivals.py's note (when to discover): autograd's own nodes deliver each gradient once, so the
-    # first backward overlaps its reductions; reentrant checkpointing's Python Function may deliver
-    # pieces, so that backward holds them to its end (the parity tests above cover both ways)
+    # first backward overlaps its reductions, as with dstrain's own Functions that say they deliver
+    # once; reentrant checkpointing's Python Function may deliver pieces, so that backward holds them
+    # to its end (the parity tests above cover both ways)
     for rank, result in enumerate(discovery_runs):
-        got = {ckpt: result[(stage, ckpt)] for ckpt in (None, "non_reentrant", "reentrant")}
-        assert got == {None: True, "non_reentrant": True, "reentrant": False}, f"rank {rank}: {got}"
+        got = {ckpt: result[(stage, ckpt)] for ckpt in (None, "non_reentrant", "reentrant", "stack")}
+        assert got == {None: True, "non_reentrant": True, "reentrant": False, "stack": True}, f"rank {rank}: {got}"

@@ -86,6 +86,8 @@ class ToHost(torch.autograd.Function):
     device. The copy is ordered on the current stream before any later use of the source's memory,
     and the recompute's copy back is ordered after it, so nothing waits on the host here."""
 
+    delivers_gradients_once = True  # a copy or a collective, no backward of its own (engine/zero/arrivals.py)
+
     @staticmethod
     def forward(ctx, t):
         ctx.device = t.device
@@ -98,6 +100,8 @@ class ToHost(torch.autograd.Function):
 
 class Scatter(torch.autograd.Function):
     """input → the slice a non-reentrant region holds; backward all-gathers the gradient's pieces."""
+
+    delivers_gradients_once = True
 
     @staticmethod
     def forward(ctx, t, layout: Layout, position: int, settings):
@@ -113,6 +117,8 @@ class Scatter(torch.autograd.Function):
 
 class Gather(torch.autograd.Function):
     """The slice → the whole input, inside the region; backward keeps this rank's piece."""
+
+    delivers_gradients_once = True
 
     @staticmethod
     def forward(ctx, kept, layout: Layout):

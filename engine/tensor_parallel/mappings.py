@@ -44,6 +44,8 @@ def all_reduce_sum(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 
 
 class _CopyToRegion(torch.autograd.Function):
+    delivers_gradients_once = True  # a collective, no backward of its own (engine/zero/arrivals.py)
+
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
@@ -55,6 +57,8 @@ class _CopyToRegion(torch.autograd.Function):
 
 
 class _ReduceFromRegion(torch.autograd.Function):
+    delivers_gradients_once = True
+
     @staticmethod
     def forward(ctx, x, comm):
         return all_reduce_sum(x, comm)
@@ -65,6 +69,8 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 
 class _ScatterToRegion(torch.autograd.Function):
+    delivers_gradients_once = True
+
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
@@ -76,6 +82,8 @@ class _ScatterToRegion(torch.autograd.Function):
 
 
 class _GatherFromRegion(torch.autograd.Function):
+    delivers_gradients_once = True
+
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm

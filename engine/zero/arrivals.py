@@ -14,7 +14,10 @@ parameter that arrives twice later in a bucket already reduced (the graph change
 backward) is an error naming it: its gradient can no longer be reduced exactly.
 [Note: when to discover] Only a node that runs a backward of its own can deliver a parameter's gradient
 in pieces, and autograd's C++ nodes never do: it takes a Python autograd Function (reentrant
-checkpointing's CheckpointFunction, a library's custom Function). The discovery holds every full
+checkpointing's CheckpointFunction, a library's custom Function). dstrain's own Functions whose
+backward only computes or communicates (stage 3's post-backward marker, tensor parallelism's region
+mappings, activation partitioning's scatter and gather) say so with `delivers_gradients_once = True`
+and do not count. The discovery holds every full
 gradient until backward ends (the model's whole gradient, on the accelerator, or in a swap file with
 grad_swap.py's held gradients) and gives up the first backward's overlap, so `before_reducing_backward`
 walks the loss's graph once and skips it when no such node is there. A graph that gains one later and
@@ -97,7 +100,7 @@ def is_dense(t: torch.Tensor) -> bool:
 
 
 def may_arrive_twice(loss: torch.Tensor) -> bool:
-    """Whether `loss`'s autograd graph has a Python Function node, which may run a backward of its own
+    """Whether `loss`'s autograd graph has a Python Function node that may run a backward of its own
     (module note: when to discover)."""
     seen, todo = set(), [loss.grad_fn]
     while todo:
@@ -105,7 +108,8 @@ def may_arrive_twice(loss: torch.Tensor) -> bool:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and \
+                not getattr(node._forward_cls, "delivers_gradients_once", False):
             return True
         todo.extend(nxt for nxt, _ in node.next_functions)
     return False

@@ -16,6 +16,7 @@ import schemas
 from offload import AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir
 from offload.host_heap import bound_heap_retention
 from offload.param_swap import ChunkFile, NvmeParamStore
+from .stage3_params import partition_numel
 
 PATH_KEY = "zero_optimization.offload_param.nvme_path"
 
@@ -47,7 +48,7 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
                                    f"partition are gathered together); raise it to at least {largest[1]}"])
     if section.buffer_count < 1:
         raise schemas.ConfigError(["zero_optimization.offload_param.buffer_count: must be at least 1"])
-    if host_memory_is_the_limit(zero, sum(f.numel() for f in zopt.partition.flat.values())):
+    if host_memory_is_the_limit(zero, partition_numel(zopt.optimizer, zopt.comm.world_size)):  # as grads_swapped
         bound_heap_retention()  # where the bound pays (offload/host_heap.py's notes)
     try:
         swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)

@@ -90,6 +90,8 @@ def user_modules(root: nn.Module, units: list[Unit], group_of: dict) -> list[tup
 class _PostBackward(torch.autograd.Function):
     """Identity on a module's inputs whose backward marks the end of that module's backward."""
 
+    delivers_gradients_once = True  # its backward runs a callback, no backward of its own (arrivals.py)
+
     @staticmethod
     def forward(ctx, callback, *tensors):
         ctx.callback = callback
