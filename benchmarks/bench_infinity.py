@@ -15,8 +15,9 @@ not activations or the framework), the bytes the process read from and wrote to 
 Before a large run check `df` under `--nvme-path` (the run prints the estimator's figure and the free
 space first): the swap files take about 4 (parameters) + 2 x 12 (optimizer master and moments, two
 slots; `--swap-slots 1`: one, written in place) + 4 (the gradient partition) bytes per parameter, plus
-the 4 bytes per parameter of zero.Init's file while initialize() copies it, and the first backward's
-held gradients, 4 bytes per parameter per rank, until that backward ends. Swap directories are removed
+the 4 bytes per parameter of zero.Init's file while initialize() copies it (and, for a model whose
+graph has a Python autograd Function such as reentrant checkpointing, the first backward's held
+gradients, 4 bytes per parameter per rank, until that backward ends). Swap directories are removed
 at exit.
 `--deepspeed-venv`: then the same GPT and config under DeepSpeed (deepspeed_infinity_peer.py, its
 zero.Init(remote_device="nvme"), CPU Adam and async_io op), after dstrain's ranks exited, swap files
