@@ -92,10 +92,9 @@ def _zero(offload: str, nvme_path: str) -> dict:
     """`zero_optimization` offload keys of one estimate row (SETTINGS says the same to the estimate)."""
     nvme = {"device": "nvme", "nvme_path": nvme_path}
     return {"none": {}, "cpu optimizer": {"offload_optimizer": {"device": "cpu"}},
-            # the gradient swapped: in host memory, the first backward would hold every full gradient there
-            # (4 bytes per parameter, arrivals.py), a transient the estimate does not count (estimate.py)
-            "nvme optimizer": {"sub_group_size": SUB_GROUP,
-                               "offload_optimizer": {**nvme, "buffer_count": 4, "swap_gradients": True}},
+            # swap_gradients unset: the gradient partition in host memory (a graph of autograd's own
+            # nodes: no first-backward hold of every full gradient, arrivals.py's note)
+            "nvme optimizer": {"sub_group_size": SUB_GROUP, "offload_optimizer": {**nvme, "buffer_count": 4}},
             "nvme params+optimizer": {"sub_group_size": SUB_GROUP,
                                       "offload_optimizer": {**nvme, "buffer_count": 4},
                                       "offload_param": {**nvme, "buffer_count": 2, "buffer_size": GROUP,
@@ -104,7 +103,7 @@ def _zero(offload: str, nvme_path: str) -> dict:
 
 SUB_GROUP, GROUP = 1 << 20, WIDTH * WIDTH // 2  # a layer's weight is one gather group: half per rank
 SETTINGS = EstimateSettings(precision="fp32", reduce_bucket_size=BUCKET, sub_group_size=SUB_GROUP,
-                            optimizer_buffer_count=4, swap_gradients=True, param_buffer_count=2, param_buffer_size=GROUP, max_in_cpu=0)
+                            optimizer_buffer_count=4, param_buffer_count=2, param_buffer_size=GROUP, max_in_cpu=0)
 CASES = ((0, "none"), (2, "none"), (2, "nvme optimizer"), (3, "none"), (3, "cpu optimizer"),
          (3, "nvme params+optimizer"))
 
