@@ -324,11 +324,12 @@ class NvmeParamStore:
             for a, b in gaps:
                 self.bytes_written += self.io.write(self.files[key], values[a - start:b - start], a * FP32_BYTES).wait()
             return
-        base, staged = staged_empty(values.numel(), start)
-        staged.copy_(values)
+        lo, hi = gaps[0][0], gaps[-1][1]  # staged: only the run of elements bound for the file
+        base, staged = staged_empty(hi - lo, lo)
+        staged.copy_(values[lo - start:hi - start])
         while len(self._behind) >= WRITE_BEHIND:
             self._finish_oldest()
-        self._behind.append(([self.io.write(self.files[key], staged[a - start:b - start], a * FP32_BYTES)
+        self._behind.append(([self.io.write(self.files[key], staged[a - lo:b - lo], a * FP32_BYTES)
                               for a, b in gaps], base))
         self.writes_behind += 1
 
