@@ -305,3 +305,29 @@ def test_the_first_backward_holds_gradients_only_where_they_can_arrive_twice(dis
     for rank, result in enumerate(discovery_runs):
         got = {ckpt: result[(stage, ckpt)] for ckpt in (None, "non_reentrant", "reentrant", "stack")}
         assert got == {None: True, "non_reentrant": True, "reentrant": False, "stack": True}, f"rank {rank}: {got}"
+
+
+class _Doubling(torch.autograd.Function):
+    """A user's custom Function: nothing says it delivers each gradient once."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_which_graph_nodes_can_deliver_a_gradient_twice():
+    # arrivals.py's note (when to discover): autograd's own nodes and dstrain's Functions marked
+    # `delivers_gradients_once` cannot; an unmarked Python Function (a user's, reentrant checkpointing's) can
+    from engine.activation_checkpointing.partition import ToHost
+    from engine.tensor_parallel.mappings import _CopyToRegion
+    from engine.zero.arrivals import may_arrive_twice
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    assert not may_arrive_twice(torch.tanh(layer(x)).sum())
+    assert not may_arrive_twice(ToHost.apply(_CopyToRegion.apply(layer(x), None)).sum())
+    assert may_arrive_twice(_Doubling.apply(layer(x)).sum())
+    assert may_arrive_twice(torch.utils.checkpoint.checkpoint(torch.tanh, layer(x), use_reentrant=True).sum())
