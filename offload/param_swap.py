@@ -359,12 +359,17 @@ class NvmeParamStore:
 
     def _write_staged(self, key, flat: torch.Tensor) -> None:
         """All of `flat` into its file through a pool buffer. Not from `flat` itself: the I/O engine's byte
-        view of a tensor makes its storage unresizable, and `drop_host_master` must free it."""
+        view of a tensor makes its storage unresizable, and `drop_host_master` must free it. A run held
+        resident whole goes from `flat` straight into the copies (no file I/O: module note, write-back)."""
         buf = self._acquire(_Slots({}, []))
         try:
             for s in range(0, flat.numel(), buf.numel()):
-                part = buf[:min(buf.numel(), flat.numel() - s)]
-                part.copy_(flat[s:s + part.numel()])
+                n = min(buf.numel(), flat.numel() - s)
+                if sum(b - a for a, b, _ in self._resident_parts(key, s, s + n)) == n:
+                    self._write_file(key, s, flat[s:s + n])
+                    continue
+                part = buf[:n]
+                part.copy_(flat[s:s + n])
                 self._write_file(key, s, part)
         finally:
             self._release(buf)
