@@ -19,8 +19,9 @@ gradient buckets in flight (REDUCE_DEPTH x `reduce_bucket_size`, stages 0-2), th
 parameters (`max_live_parameters`, or the whole model when it fits), and the swap pools. Activations
 and the framework's own memory are not model state and are not counted, nor is the first reducing
 backward's hold of every full gradient where the loss's graph has a Python autograd Function such as
-reentrant checkpointing (arrivals.py's notes: 4 bytes per parameter for one backward, in memory unless
-the gradient partition is swapped, then in a file; graphs of autograd's own nodes hold nothing).
+torch's reentrant checkpointing (arrivals.py's notes: 4 bytes per parameter for one backward, in memory
+unless the gradient partition is swapped, then in a file; graphs of autograd's own nodes, and dstrain's
+reentrant regions that share no parameter, hold nothing).
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ import copy
 import torch
 import torch.nn as nn
 
+from engine import activation_checkpointing
+
 
 class OddMLP(nn.Module):
     """Layers with sizes that divide by nothing in particular, a 1-element parameter, and a frozen one."""
@@ -84,6 +86,8 @@ class ReuseNet(nn.Module):
         for _ in range(2):
             if self.checkpointing is None:
                 h = self._block(h)
+            elif self.checkpointing == "dstrain_reentrant":  # DeepSpeed's checkpointing.checkpoint API
+                h = activation_checkpointing.checkpoint(self._block, h)
             else:
                 h = torch.utils.checkpoint.checkpoint(self._block, h,
                                                       use_reentrant=self.checkpointing == "reentrant")
@@ -119,10 +123,13 @@ def reference_accumulated(model: nn.Module, batches, world: int, gas: int, lr: f
 
 class StackNet(nn.Module):
     """Three hidden layers in an `nn.ModuleList`: at ZeRO stage 3 each is its own gather group (a unit),
-    so a prefetcher has groups to fetch ahead of use. Takes ReuseNet's call signature."""
+    so a prefetcher has groups to fetch ahead of use. Takes ReuseNet's call signature. `checkpointing`:
+    each layer in a region of dstrain's reentrant checkpoint (each parameter in one region only)."""
 
-    def __init__(self, d_in: int = 13, hidden: int = 24, d_out: int = 5, depth: int = 3):
+    def __init__(self, d_in: int = 13, hidden: int = 24, d_out: int = 5, depth: int = 3,
+                 checkpointing: bool = False):
         super().__init__()
+        self.checkpointing = checkpointing
         self.inp = nn.Linear(d_in, hidden)
         self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(depth))
         self.out = nn.Linear(hidden, d_out)
@@ -130,5 +137,8 @@ class StackNet(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor, aux: bool = False) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
         for layer in self.layers:
-            h = torch.tanh(layer(h))
+            if self.checkpointing:
+                h = activation_checkpointing.checkpoint(lambda t, layer=layer: torch.tanh(layer(t)), h)
+            else:
+                h = torch.tanh(layer(h))
         return nn.functional.mse_loss(self.out(h), y)

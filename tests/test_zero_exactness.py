@@ -37,7 +37,15 @@ CASES = [(1, None, {}),
          (2, "non_reentrant", {"gradient_predivide_factor": 2.0}),
          (1, "reentrant", {"prescale_gradients": True}),
          # clipping that bites makes the update blind to the gradient's scale; the norm still sees it
-         (2, None, {"gradient_clipping": 0.3})]
+         (2, None, {"gradient_clipping": 0.3}),
+         # DeepSpeed's checkpointing.checkpoint API (dstrain's reentrant regions record their parameters):
+         # ReuseNet's block in two regions arrives in two pieces; StackNet's layers, one region each, do not
+         (2, "dstrain_reentrant", {}),
+         (2, "stack_reentrant", {})]
+
+
+def _model(checkpointing) -> torch.nn.Module:
+    return StackNet(checkpointing=True) if checkpointing == "stack_reentrant" else ReuseNet(checkpointing)
 
 
 def _config(stage: int, gas: int, precision: str = "fp32", **extra) -> dict:
@@ -57,7 +65,7 @@ def _config(stage: int, gas: int, precision: str = "fp32", **extra) -> dict:
 def _train(stage: int, gas: int, checkpointing, precision: str = "fp32", **extra) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
-    model = ReuseNet(checkpointing)
+    model = _model(checkpointing)
     eng, _, _, _ = engine.initialize(model=model, config=_config(stage, gas, precision, **extra))
     dtype = next(eng.module.parameters()).dtype
     norms = []
@@ -79,7 +87,7 @@ def _all_cases() -> dict:
 @functools.lru_cache(maxsize=None)
 def _reference(world: int, gas: int, checkpointing, clip: float = 0.0):
     torch.manual_seed(0)
-    model = ReuseNet(checkpointing)
+    model = _model(checkpointing)
     ref, norms = reference_accumulated(model, make_batches(STEPS, MICRO * gas * world), world, gas, LR, clip=clip)
     return {n: p.detach() for n, p in ref.named_parameters()}, norms
 
@@ -92,7 +100,8 @@ def sgd_runs(request):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["gas1", "gas2-reentrant", "gas2-predivide",
-                                                         "gas1-prescale-reentrant", "gas2-clipped"])
+                                                         "gas1-prescale-reentrant", "gas2-clipped",
+                                                         "gas2-dstrain-reentrant", "gas2-stack-reentrant"])
 def test_sgd_matches_single_process_with_its_gradient_norm(sgd_runs, stage, case):
     world, results = sgd_runs
     gas, ckpt, extra = CASES[case]
@@ -270,7 +279,7 @@ def _first_backward_overlaps(stage: int, checkpointing) -> bool:
     layer's gradient, the last one backward makes, arrives. "stack": tests.models.StackNet, whose
     stage-3 units mark their backward with a Function of dstrain's own (stage3_units.py)."""
     torch.manual_seed(0)
-    model = StackNet() if checkpointing == "stack" else ReuseNet(checkpointing)
+    model = StackNet() if checkpointing == "stack" else _model(checkpointing)
     eng, _, _, _ = engine.initialize(model=model, config=_config(stage, 1))
     zopt = eng.zero_optimizer
     launched = []
@@ -286,9 +295,15 @@ def _first_backward_overlaps(stage: int, checkpointing) -> bool:
     return launched[0]
 
 
+# checkpointing flavour -> whether the first backward overlaps its reductions; dstrain's reentrant regions
+# count only where a parameter is in two of them (ReuseNet's block) or in one and outside
+DISCOVERY = {None: True, "non_reentrant": True, "reentrant": False, "stack": True, "dstrain_reentrant": False,
+             "stack_reentrant": True}
+
+
 def _discovery_cases() -> dict:
     return {(stage, ckpt): _first_backward_overlaps(stage, ckpt) for stage in (0, 1, 2, 3)
-            for ckpt in (None, "non_reentrant", "reentrant", "stack")}
+            for ckpt in DISCOVERY}
 
 
 @pytest.fixture(scope="module")
@@ -301,10 +316,11 @@ def test_the_first_backward_holds_gradients_only_where_they_can_arrive_twice(dis
     # arrivals.py's note (when to discover): autograd's own nodes deliver each gradient once, so the
     # first backward overlaps its reductions, as with dstrain's own Functions that say they deliver
     # once; reentrant checkpointing's Python Function may deliver pieces, so that backward holds them
-    # to its end (the parity tests above cover both ways)
+    # to its end, unless its regions are dstrain's and no parameter is in two places
+    # (region_params.py; the parity tests above cover each way)
     for rank, result in enumerate(discovery_runs):
-        got = {ckpt: result[(stage, ckpt)] for ckpt in (None, "non_reentrant", "reentrant", "stack")}
-        assert got == {None: True, "non_reentrant": True, "reentrant": False, "stack": True}, f"rank {rank}: {got}"
+        got = {ckpt: result[(stage, ckpt)] for ckpt in DISCOVERY}
+        assert got == DISCOVERY, f"rank {rank}: {got}"
 
 
 class _Doubling(torch.autograd.Function):
@@ -331,3 +347,26 @@ def test_which_graph_nodes_can_deliver_a_gradient_twice():
     assert not may_arrive_twice(ToHost.apply(_CopyToRegion.apply(layer(x), None)).sum())
     assert may_arrive_twice(_Doubling.apply(layer(x)).sum())
     assert may_arrive_twice(torch.utils.checkpoint.checkpoint(torch.tanh, layer(x), use_reentrant=True).sum())
+
+
+def test_dstrain_reentrant_regions_count_only_parameters_used_in_two_places():
+    # region_params.py's note: a region records the parameters it uses while an engine is discovering;
+    # a parameter gets its gradient in pieces only when used in two regions, or in one and outside them
+    from engine.activation_checkpointing import checkpoint
+    from engine.zero.arrivals import ArrivalLog, may_arrive_twice
+    inp, a, b = (torch.nn.Linear(4, 4) for _ in range(3))
+    x = torch.randn(3, 4)
+
+    def region(m):
+        return lambda t: torch.tanh(m(t))
+    log = ArrivalLog()  # discovering: regions record
+    assert not may_arrive_twice(checkpoint(region(b), checkpoint(region(a), inp(x))).sum())
+    assert may_arrive_twice(checkpoint(region(a), checkpoint(region(a), inp(x))).sum())  # two regions
+    assert may_arrive_twice(checkpoint(region(a), a(inp(x))).sum())  # a region and outside
+    # a parameter handed in as an input gets its gradient through the region's outputs' graph: once
+    assert not may_arrive_twice(checkpoint(lambda t, w: t @ w, inp(x), a.weight).sum() + a(x).sum())
+    captured = a(x)  # the region's backward runs into the graph that made it: unknown
+    assert may_arrive_twice(checkpoint(lambda t: t + captured, inp(x)).sum())
+    assert may_arrive_twice(checkpoint(lambda t: checkpoint(region(a), t), inp(x)).sum())  # nested: unknown
+    log.end_pass()  # discovery over: nothing records, so a region is unknown again
+    assert may_arrive_twice(checkpoint(region(b), checkpoint(region(a), inp(x))).sum())

@@ -1,7 +1,8 @@
 """Activation checkpointing — `engine.checkpointing`, DeepSpeed's `deepspeed.checkpointing` (not the
 save/load of training state: that is `engine/checkpoint/`, the engine's `checkpoint_io`).
 
-- `checkpoint(fn, *args)`: reentrant, as DeepSpeed's and Megatron's; `non_reentrant_checkpoint`.
+- `checkpoint(fn, *args)`: reentrant, as DeepSpeed's and Megatron's (each region records the parameters
+  it uses for ZeRO's first backward: `region_params.py`); `non_reentrant_checkpoint`.
 - `configure(mpu_, deepspeed_config, partition_activations, ..., checkpoint_in_cpu, synchronize,
   profile)`, `is_configured()`, `reset()` (DeepSpeed's: the contiguous buffers let go), `unconfigure()`;
   `initialize()` configures from the config section itself.

@@ -27,6 +27,7 @@ from .contiguous import SLOTS
 from .partition import Gather, Layout, Partition, Scatter, ToHost, to_host
 from .probe import report_held
 from .recompute_probe import recomputing
+from .region_params import recording
 from .rng import device_rng_states, get_cuda_rng_tracker, set_device_rng_states
 from .settings import STATE, model_parallel_info, synchronize_boundary
 
@@ -117,11 +118,10 @@ def checkpoint(function, *args, **kwargs):
     synchronize_boundary()
     hooks = _packing_hooks()
     run = _instrumented(function)
-    if hooks is None:
+    # the parameters the region uses, for ZeRO's first backward (region_params.py's note)
+    with recording(args) as record, (hooks if hooks is not None else contextlib.nullcontext()):
         out = torch_checkpoint(run, *args, use_reentrant=True, **kwargs)
-    else:
-        with hooks:
-            out = torch_checkpoint(run, *args, use_reentrant=True, **kwargs)
+    record.attach(out)
     synchronize_boundary()
     return out
 

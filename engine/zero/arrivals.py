@@ -17,7 +17,9 @@ in pieces, and autograd's C++ nodes never do: it takes a Python autograd Functio
 checkpointing's CheckpointFunction, a library's custom Function). dstrain's own Functions whose
 backward only computes or communicates (stage 3's post-backward marker, tensor parallelism's region
 mappings, activation partitioning's scatter and gather) say so with `delivers_gradients_once = True`
-and do not count. The discovery holds every full
+and do not count. dstrain's own reentrant `checkpoint` records the parameters each region uses
+(engine/activation_checkpointing/region_params.py): its regions count only when a parameter is used in
+two of them, or in one and outside them. The discovery holds every full
 gradient until backward ends (the model's whole gradient, on the accelerator, or in a swap file with
 grad_swap.py's held gradients) and gives up the first backward's overlap, so `before_reducing_backward`
 walks the loss's graph once and skips it when no such node is there. A graph that gains one later and
@@ -27,11 +29,14 @@ from __future__ import annotations
 
 import torch
 
+from ..activation_checkpointing import region_params
+
 
 class ArrivalLog:
     def __init__(self, names: dict[torch.nn.Parameter, str] | None = None):
         self.names = names or {}
         self.discovering = True  # until the first reducing backward ended (module note)
+        region_params.want(self)  # reentrant regions record their parameters until then
         self.window: set[torch.nn.Parameter] = set()  # got a gradient in this accumulation window
         self._this_pass: set[torch.nn.Parameter] = set()
 
@@ -47,12 +52,14 @@ class ArrivalLog:
 
     def before_reducing_backward(self, loss: torch.Tensor) -> None:
         """The first reducing backward: discover only if `loss`'s graph can deliver pieces (module note)."""
-        if self.discovering and not may_arrive_twice(loss):
+        if self.discovering and not may_arrive_twice(loss, self.names or None):
             self.discovering = False
+            region_params.done(self)
 
     def end_pass(self) -> None:
         self._this_pass.clear()
         self.discovering = False
+        region_params.done(self)
 
     def end_window(self) -> None:
         self.window.clear()
@@ -99,10 +106,14 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def may_arrive_twice(loss: torch.Tensor) -> bool:
-    """Whether `loss`'s autograd graph has a Python Function node that may run a backward of its own
-    (module note: when to discover)."""
+def may_arrive_twice(loss: torch.Tensor, tracked=None) -> bool:
+    """Whether `loss`'s autograd graph may deliver some parameter's gradient in pieces (module note: when
+    to discover): it has a Python Function node that may run a backward of its own, or a parameter used
+    in two places among dstrain's reentrant regions and the rest of the graph (region_params.py's note).
+    `tracked`: the parameters whose gradients are hooked (others, such as a ZeRO-3 flat partition that a
+    region's gather reads, get no gradient from autograd and do not count); None counts every one."""
     seen, todo = set(), [loss.grad_fn]
+    places: dict[torch.nn.Parameter, int] = {}  # where each parameter is used: regions, plus 1 outside them
     while todo:
         node = todo.pop()
         if node is None or node in seen:
@@ -110,6 +121,13 @@ def may_arrive_twice(loss: torch.Tensor) -> bool:
         seen.add(node)
         if isinstance(node, torch.autograd.function.BackwardCFunction) and \
                 not getattr(node._forward_cls, "delivers_gradients_once", False):
-            return True
+            used = region_params.recorded(node)
+            if used is None:
+                return True
+            for p in used:
+                places[p] = places.get(p, 0) + 1
+        elif hasattr(node, "variable"):  # AccumulateGrad: the uses outside the regions, summed by autograd
+            places[node.variable] = places.get(node.variable, 0) + 1
         todo.extend(nxt for nxt, _ in node.next_functions)
-    return False
+    return any(n > 1 for p, n in places.items() if tracked is None or p in tracked)
+
