@@ -370,3 +370,25 @@ def test_dstrain_reentrant_regions_count_only_parameters_used_in_two_places():
     assert may_arrive_twice(checkpoint(lambda t: checkpoint(region(a), t), inp(x)).sum())  # nested: unknown
     log.end_pass()  # discovery over: nothing records, so a region is unknown again
     assert may_arrive_twice(checkpoint(region(b), checkpoint(region(a), inp(x))).sum())
+
+
+def test_the_first_backward_says_once_why_it_holds_every_gradient():
+    # a user whose first step needs more memory than the rest is told which node or parameter caused it
+    import warnings
+
+    from engine.activation_checkpointing import checkpoint
+    from engine.zero.arrivals import ArrivalLog
+    inp, a = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    names = {**{p: f"inp.{n}" for n, p in inp.named_parameters()}, **{p: f"a.{n}" for n, p in a.named_parameters()}}
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="because of a CheckpointFunctionBackward node .*use_reentrant=False"):
+        ArrivalLog(names).before_reducing_backward(
+            torch.utils.checkpoint.checkpoint(a, inp(x), use_reentrant=True).sum())
+    with pytest.warns(UserWarning, match=r"because of parameter a\.(weight|bias) \(in two reentrant"):
+        ArrivalLog(names).before_reducing_backward(checkpoint(a, checkpoint(a, inp(x))).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no hold, no warning
+        log = ArrivalLog(names)
+        log.before_reducing_backward(checkpoint(a, inp(x)).sum())
+        assert not log.discovering
+

@@ -27,7 +27,10 @@ then delivers a late piece gets the error above, naming the parameter.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.distributed as dist
 
 from ..activation_checkpointing import region_params
 
@@ -52,9 +55,18 @@ class ArrivalLog:
 
     def before_reducing_backward(self, loss: torch.Tensor) -> None:
         """The first reducing backward: discover only if `loss`'s graph can deliver pieces (module note)."""
-        if self.discovering and not may_arrive_twice(loss, self.names or None):
+        if not self.discovering:
+            return
+        reason = pieces_reason(loss, self.names or None)
+        if reason is None:
             self.discovering = False
             region_params.done(self)
+        elif not dist.is_initialized() or dist.get_rank() == 0:  # one line per job
+            warnings.warn(f"ZeRO: this run's first backward keeps the model's whole gradient until it ends (no "
+                          f"overlap) because of {reason}, which may deliver a "
+                          "gradient in pieces; torch.utils.checkpoint(..., use_reentrant=False), or "
+                          "engine.checkpointing.checkpoint with no parameter in two regions, avoids it",
+                          stacklevel=4)
 
     def end_pass(self) -> None:
         self._this_pass.clear()
@@ -108,10 +120,16 @@ def is_dense(t: torch.Tensor) -> bool:
 
 def may_arrive_twice(loss: torch.Tensor, tracked=None) -> bool:
     """Whether `loss`'s autograd graph may deliver some parameter's gradient in pieces (module note: when
-    to discover): it has a Python Function node that may run a backward of its own, or a parameter used
-    in two places among dstrain's reentrant regions and the rest of the graph (region_params.py's note).
-    `tracked`: the parameters whose gradients are hooked (others, such as a ZeRO-3 flat partition that a
-    region's gather reads, get no gradient from autograd and do not count); None counts every one."""
+    to discover). `tracked`: as for `pieces_reason`."""
+    return pieces_reason(loss, tracked) is not None
+
+
+def pieces_reason(loss: torch.Tensor, tracked=None) -> str | None:
+    """What in `loss`'s graph may deliver a parameter's gradient in pieces, or None: a Python Function node
+    that may run a backward of its own, or a parameter used in two places among dstrain's reentrant
+    regions and the rest of the graph (region_params.py's note). `tracked`: the parameters whose
+    gradients are hooked (others, such as a ZeRO-3 flat partition that a region's gather reads, get no
+    gradient from autograd and do not count); None counts every one."""
     seen, todo = set(), [loss.grad_fn]
     places: dict[torch.nn.Parameter, int] = {}  # where each parameter is used: regions, plus 1 outside them
     while todo:
@@ -123,11 +141,14 @@ def may_arrive_twice(loss: torch.Tensor, tracked=None) -> bool:
                 not getattr(node._forward_cls, "delivers_gradients_once", False):
             used = region_params.recorded(node)
             if used is None:
-                return True
+                return f"a {type(node).__name__} node (a Python autograd Function that may run a backward of its own)"
             for p in used:
                 places[p] = places.get(p, 0) + 1
         elif hasattr(node, "variable"):  # AccumulateGrad: the uses outside the regions, summed by autograd
             places[node.variable] = places.get(node.variable, 0) + 1
         todo.extend(nxt for nxt, _ in node.next_functions)
-    return any(n > 1 for p, n in places.items() if tracked is None or p in tracked)
-
+    shared = [p for p, n in places.items() if n > 1 and (tracked is None or p in tracked)]
+    if not shared:
+        return None
+    name = (tracked or {}).get(shared[0], f"of shape {tuple(shared[0].shape)}")
+    return f"parameter {name} (in two reentrant checkpoint regions, or in one and outside them)"
