@@ -209,6 +209,8 @@ class Engine(torch.nn.Module):
                 zopt.nvme.close()
             if hasattr(zopt, "partition"):  # offload_param "nvme": its swap files (partition_store.py)
                 zopt.partition.store.close()
+            if hasattr(zopt, "frozen_chunks"):  # and the frozen parameters' (stage3_frozen.py)
+                zopt.frozen_chunks.close()
         if getattr(self, "_checkpoint_io", None) is not None:
             self._checkpoint_io.writer.close()
         gc.collect()  # the groups' last references: their worker threads are joined

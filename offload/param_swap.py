@@ -379,11 +379,13 @@ class NvmeParamStore:
 
 
 class ChunkFile:
-    """`zero.Init(remote_device="nvme")`'s file: each parameter chunk is appended as its module is built
-    (so the model never exists in host memory), until `NvmeParamStore` copies them into its own layout."""
+    """A file of parameter chunks, each appended once and then read or replaced whole: `zero.Init(
+    remote_device="nvme")`'s (`kind` "init": each chunk written as its module is built, so the model never
+    exists in host memory, until `NvmeParamStore` copies them into its own layout), and stage 3's frozen
+    chunks (`kind` "frozen": engine/zero/stage3_frozen.py)."""
 
-    def __init__(self, swap: SwapDir, io: AsyncFileIO, name: str):
-        self.swap, self.io, self.path = swap, io, swap.file(f"{name}.init.swp")
+    def __init__(self, swap: SwapDir, io: AsyncFileIO, name: str, kind: str = "init"):
+        self.swap, self.io, self.path = swap, io, swap.file(f"{name}.{kind}.swp")
         self.end = 0  # bytes used; every chunk starts on an O_DIRECT boundary (aio.py's note)
 
     def put(self, chunk: torch.Tensor) -> "SwappedChunk":

@@ -145,7 +145,17 @@ def train(stage: int, optimizer: str, offload, precision: str = "fp32", inf: boo
 
 
 INIT_CHUNKS: list = []
-MODELS = {"reuse": lambda: ReuseNet("reentrant"), "stack": StackNet}
+
+
+def _frozen_stack() -> StackNet:
+    """StackNet with its first hidden layer frozen: a frozen base layer, as in LoRA-style fine-tuning, whose
+    chunks stage 3 keeps outside the optimizer's partition (engine/zero/stage3_frozen.py)."""
+    model = StackNet()
+    model.layers[0].requires_grad_(False)
+    return model
+
+
+MODELS = {"reuse": lambda: ReuseNet("reentrant"), "stack": StackNet, "frozen": _frozen_stack}
 
 
 def _build(cfg: dict, zero_init, meta: bool, model: str = "reuse"):
@@ -159,6 +169,12 @@ def _build(cfg: dict, zero_init, meta: bool, model: str = "reuse"):
     if meta:
         torch.set_default_device("meta")
     return engine.initialize(model=model, config=cfg)[0]
+
+
+def _gathered(p: torch.nn.Parameter) -> torch.Tensor:
+    """A frozen parameter's full value (it has no fp32 master for safe_get_full_fp32_param to return)."""
+    with engine.zero.GatheredParameters([p]):
+        return p.data.detach().clone()
 
 
 def _nvme_tier_summary(zopt, swap_dir) -> dict:
@@ -218,7 +234,8 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
             unchanged = _same_state(before, _state_snapshot(eng.zero_optimizer))
         norms.append(eng.get_global_grad_norm())
     zopt = eng.zero_optimizer
-    out = {"params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()},
+    out = {"params": {n: safe_get_full_fp32_param(p) if p.requires_grad else _gathered(p)
+                      for n, p in eng.module.named_parameters()},
            "init_chunks": list(INIT_CHUNKS) if zero_init else None,
            "norms": norms, "skipped": eng.skipped_steps, "unchanged": unchanged, "stage": zopt.stage,
            "home": str(zopt.tier.home), "staged": zopt.tier.staged,
@@ -238,7 +255,13 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
     swap_dir = zopt.nvme.swap.path if zopt.nvme is not None else None
     if swap_dir is not None:
         out.update(_nvme_tier_summary(zopt, swap_dir), swap_files_at_init=at_init)
+    frozen_file = getattr(zopt, "frozen_chunks", None) and zopt.frozen_chunks.file
+    if getattr(zopt, "frozen_chunks", None) is not None:
+        out["frozen"] = {"count": len(zopt.frozen_chunks), "resident_bytes": zopt.frozen_chunks.resident_bytes(),
+                         "file_bytes": os.path.getsize(frozen_file.path) if frozen_file else 0}
     eng.destroy()  # every run: 45 engines' process groups and gloo threads would pile up in this process
+    if frozen_file:
+        out["frozen"]["dir_left"] = frozen_file.swap.path.exists()
     if swap_dir is not None:
         out["swap_dir_left"] = swap_dir.exists()
     if store.swapped:
@@ -307,6 +330,7 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
                                                nvme_path=nvme_path, resume_into=loaded, model="stack")
     for name in (PARAM_NVME, BOTH_NVME):  # zero.Init(remote_device="nvme"): straight into swap files
         out[("zero_init_nvme", name)] = train(3, "sgd", name, zero_init="nvme", nvme_path=nvme_path, model="stack")
+    out.update(_frozen_cases(nvme_path, checkpoint_dir))
     out["zero_init_nvme_without_config"] = _init_refusal()
     out[("zero_init", "both_cpu")] = train(3, "sgd", BOTH_CPU, zero_init=True)
     out[("meta", 2)] = train(2, "sgd", OPT_CPU, meta=True)
@@ -316,6 +340,21 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     os.environ["DSTRAIN_OFFLOAD_STAGE_COPIES"] = "0"  # a CPU-only machine's own path: nothing staged
     out[("unstaged", "opt_cpu")] = train(2, "sgd", OPT_CPU)
     out["hf_gpt2"] = _seed_config_example(os.path.join(checkpoint_dir, "hf_gpt2"))  # last: it imports transformers
+    return out
+
+
+def _frozen_cases(nvme_path: str, checkpoint_dir: str) -> dict:
+    """A frozen layer with parameters on NVMe (engine/zero/stage3_frozen.py): its chunks in a file, built
+    normally and by zero.Init(remote_device="nvme"); checkpoints both ways (the reloaded run starts from
+    other weights, frozen ones too, so only the load's write to the file can make it equal)."""
+    out = {("frozen", name): train(3, "sgd", offload, nvme_path=nvme_path, model="frozen")
+           for name, offload in (("none", {}), (PARAM_NVME, PARAM_NVME), (BOTH_NVME, BOTH_NVME))}
+    out[("frozen", "zero_init", BOTH_NVME)] = train(3, "sgd", BOTH_NVME, zero_init="nvme", nvme_path=nvme_path,
+                                                    model="frozen")
+    for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME)):
+        name = f"{saved or 'none'}->{loaded or 'none'}"
+        out[("resume", "frozen", name)] = train(3, "sgd", saved, resume=os.path.join(checkpoint_dir, "frozen", name),
+                                                nvme_path=nvme_path, resume_into=loaded, model="frozen")
     return out
 
 

@@ -13,7 +13,9 @@ within max_in_cpu * 4 + the pool, by the store's count and by the storages that 
 micro-step, and with the optimizer on NVMe the host flat holds no bytes; there each sub-group's
 write-back is left in flight while the next one steps, and none is in flight after a step. Checkpoints: saved with
 parameters (and optimizer) on NVMe, loaded without offload, and the other way round, both runs
-continue equal to the run never stopped. The swap directories are gone after `destroy()`. The runs are
+continue equal to the run never stopped. A frozen layer's chunks are in a chunk file with parameters on
+NVMe (engine/zero/stage3_frozen.py): trained equal, and moved by checkpoints both ways. The swap
+directories are gone after `destroy()`. The runs are
 tests/offload_runs.py's, in the one 2-rank spawn test_offload_parity.py and test_offload_nvme.py share.
 """
 from __future__ import annotations
@@ -124,6 +126,28 @@ def test_zero_init_on_nvme_writes_chunks_to_files_and_trains_equal_to_a_normal_b
         got = result[("zero_init_nvme", name)]
         assert got["init_chunks"] == ["SwappedChunk"], f"rank {rank}: chunks in memory: {got['init_chunks']}"
         _assert_same(got, result[("stack", "none")], f"rank {rank} zero.Init nvme {name}")
+
+
+@pytest.mark.parametrize("key", [("frozen", PARAM_NVME), ("frozen", BOTH_NVME), ("frozen", "zero_init", BOTH_NVME)],
+                         ids=lambda k: "-".join(k))
+def test_frozen_parameters_live_in_a_file_and_train_equal(runs, key):
+    # engine/zero/stage3_frozen.py: a frozen layer's chunks are in a chunk file, not in host memory, and
+    # every gather reads them back (zero.Init's chunks moved there without a stop in memory)
+    for rank, result in enumerate(runs):
+        got, want = result[key], result[("frozen", "none")]
+        assert want["frozen"]["count"] > 0 and want["frozen"]["resident_bytes"] > 0, f"rank {rank}: {want['frozen']}"
+        frozen = got["frozen"]
+        assert frozen["count"] == want["frozen"]["count"] and frozen["resident_bytes"] == 0, f"rank {rank}: {frozen}"
+        assert frozen["file_bytes"] > 0 and not frozen["dir_left"], f"rank {rank}: {frozen}"
+        _assert_same(got, want, f"rank {rank} {key}")
+
+
+@pytest.mark.parametrize("name", [f"{BOTH_NVME}->none", f"none->{BOTH_NVME}"])
+def test_checkpoints_of_frozen_parameters_move_to_and_from_a_file(runs, name):
+    # the reloaded engine starts from other weights, the frozen layer's too: a load that left the
+    # frozen chunk file unwritten would train from those
+    for rank, result in enumerate(runs):
+        _assert_same(result[("resume", "frozen", name)], result[("frozen", "none")], f"rank {rank} frozen {name}")
 
 
 def test_zero_init_on_nvme_without_a_config_is_one_error_naming_the_key(runs):

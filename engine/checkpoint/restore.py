@@ -95,6 +95,7 @@ def _load_module_entries(src: FragmentSource, entries: dict, adapter) -> None:
         else:  # a chunk the stage keeps for a partitioned frozen parameter (stage 3)
             start, stop, rows = held
             rows.copy_(src.rows(key, src.weights_kind(key), start, stop).reshape(rows.shape))
+            adapter.entry_rows_loaded(t, rows)  # a chunk read from a file goes back to it
 
 
 def _sampler_state(saved: dict, world: int, micro: int) -> dict:

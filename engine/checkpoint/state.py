@@ -52,6 +52,9 @@ class _WholeModule:
         """Frozen tensors/buffers are whole here: rank 0 writes them, every rank loads all rows."""
         return None
 
+    def entry_rows_loaded(self, t: torch.Tensor, rows: torch.Tensor) -> None:
+        """`rows` (from `entry_rows`) now hold the loaded values."""
+
 
 class DataParallelAdapter(_WholeModule):
     """Stage 0: full parameters, full fp32 masters (or the fp32 parameters), full optimizer state."""

@@ -3,7 +3,8 @@
 [Note: param nvme] `attach_param_nvme` runs once the stage-3 optimizer is built (its partition in host
 memory, tier.py's stage-3 note) and before the NVMe optimizer tier, if any: it writes the partition
 into per-rank swap files under a per-job directory of `offload_param.nvme_path`
-(offload/param_swap.py), makes that the partition's store (partition_store.py's note: every reader
+(offload/param_swap.py; the frozen parameters' chunks into a chunk file of their own,
+stage3_frozen.py), makes that the partition's store (partition_store.py's note: every reader
 goes through it) and tells the coordinator how many groups to read ahead of their gathers (the pool's
 buffers; each as large as the largest group's slots, at most `buffer_size`, which is refused when
 smaller than that); where the partition is larger than `max_in_cpu` (host memory is the limit) it bounds
@@ -39,6 +40,13 @@ def _group_numels(zopt) -> list[tuple[str, int]]:
     return [(g.name, sum(fragments[p].padded for p in g.params if p in fragments)) for g in zopt.coordinator.groups]
 
 
+def _swap_dir(section) -> SwapDir:
+    try:
+        return SwapDir.create(section.nvme_path, path_key=PATH_KEY)
+    except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
+        raise schemas.ConfigError([str(bad_path)]) from None
+
+
 def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
     section = zero.offload_param
     largest = max(_group_numels(zopt), key=lambda t: t[1], default=("", 0))
@@ -50,10 +58,10 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
         raise schemas.ConfigError(["zero_optimization.offload_param.buffer_count: must be at least 1"])
     if host_memory_is_the_limit(zero, partition_numel(zopt.optimizer, zopt.comm.world_size)):  # as grads_swapped
         bound_heap_retention()  # where the bound pays (offload/host_heap.py's notes)
-    try:
-        swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
-    except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
-        raise schemas.ConfigError([str(bad_path)]) from None
+    if len(zopt.frozen_chunks):  # before the store closes zero.Init's file (stage3_frozen.py's note)
+        zopt.frozen_chunks.move_to_file(ChunkFile(_swap_dir(section), AsyncFileIO(aio, path_key=PATH_KEY),
+                                                  name=f"rank{zopt.comm.rank}", kind="frozen"))
+    swap = _swap_dir(section)
     try:
         io = AsyncFileIO(aio, path_key=PATH_KEY)
         pool = SwapBufferPool(section.buffer_count, max(1, largest[1]), pin_memory=section.pin_memory,

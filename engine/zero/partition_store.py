@@ -73,17 +73,16 @@ class HostPartitionStore:
 class GroupSources:
     """The padded chunks one gather group sends: trainable parameters' slots from the partition store
     (looked up at each use, so the store can be swapped after the groups are built), frozen chunks
-    from `frozen` (model dtype, in memory)."""
+    from `frozen` (stage3_frozen.py: model dtype, in memory or in a file)."""
 
-    def __init__(self, partition, params: list, frozen: dict):
-        self.partition, self.params = partition, params
+    def __init__(self, partition, params: list, frozen):
+        self.partition, self.params, self.frozen = partition, params, frozen
         self.trainable = [p for p in params if p in partition.fragments]
-        self.frozen = {p: frozen[p] for p in params if p not in partition.fragments}
 
     def open(self) -> list[torch.Tensor]:
         """Every parameter's chunk, in `params` order; `close()` when they are copied."""
         slots = dict(zip(self.trainable, self.partition.store.open_slots(self.trainable)))
-        return [slots[p] if p in slots else self.frozen[p] for p in self.params]
+        return [slots[p] if p in slots else self.frozen.get(p) for p in self.params]
 
     def close(self) -> None:
         self.partition.store.close_slots(self.trainable)
@@ -95,8 +94,8 @@ class GroupSources:
     def write(self, i: int, chunk: torch.Tensor) -> None:
         """Parameter i's new padded chunk (GatheredParameters with a modifier rank)."""
         p = self.params[i]
-        if p in self.frozen:
-            self.frozen[p].copy_(chunk)
+        if p not in self.partition.fragments:
+            self.frozen.put(p, chunk)
             return
         frag = self.partition.fragments[p]
         self.partition.store.write(frag.key, frag.offset, chunk.to(torch.float32))

@@ -25,6 +25,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from offload.param_swap import SwappedChunk
+
 from ..comm import Communicator
 from .arrivals import ArrivalLog
 from .grad_swap import swaps_gradients
@@ -35,6 +37,7 @@ from .stage0 import reduction_settings
 from .stage2 import ZeroStage2Optimizer
 from .stage3_params import (GatherGroup, Stage3Partition, chunk_tensor, full_shape, gather_full, local_chunk,
                             padded_chunk, partition_numel, spec_of)
+from .stage3_frozen import FrozenChunks
 from .stage3_units import discover_units, install_hooks, user_modules
 from .partition_store import GroupSources
 from .tier import copy_chunks
@@ -114,7 +117,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
                                          params_swapped=wants_param_nvme(zero))
         units = discover_units(module)
         self.persistent = self._choose_persistent(units, zero)
-        self.frozen_chunks: dict = {}
+        self.frozen_chunks = FrozenChunks()  # stage3_frozen.py's note
         groups = self._build_groups(units)
         group_of = {p: g for g in groups for p in g.params}
         hooks = user_modules(module, units, group_of)
@@ -153,13 +156,16 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
                     total += n
         return persistent
 
-    def _frozen_chunk(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """This rank's padded chunk of frozen `p`, in the model dtype (trainable ones are master slots,
-        read through the partition store)."""
-        if p not in self.frozen_chunks:
-            spec = spec_of(full_shape(p), self.comm.world_size)
-            self.frozen_chunks[p] = self.tier.place(local_chunk(p, spec, self.comm.rank).to(p.dtype))
-        return self.frozen_chunks[p]
+    def _keep_frozen(self, p: torch.nn.Parameter) -> None:
+        """Keep this rank's padded chunk of frozen `p`, in the model dtype (trainable ones are master slots,
+        read through the partition store). A chunk zero.Init put in its file stays there until the NVMe
+        store moves it (stage3_frozen.py's note)."""
+        spec = spec_of(full_shape(p), self.comm.world_size)
+        init = getattr(p, "_z3_chunk", None)
+        if isinstance(init, SwappedChunk) and init.dtype == p.dtype and init.numel == spec.padded:
+            self.frozen_chunks.add(p, init)
+        else:
+            self.frozen_chunks.add(p, self.tier.place(local_chunk(p, spec, self.comm.rank).to(p.dtype)))
 
     def _build_groups(self, units) -> list[GatherGroup]:
         groups = []
@@ -174,8 +180,11 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, params in by_dtype.items():
                 name = u.name if len(by_dtype) == 1 else f"{u.name}[{dtype}]"
-                frozen = {p: self._frozen_chunk(p) for p in params if p not in self.partition.fragments}
-                g = GatherGroup(len(groups), name, params, GroupSources(self.partition, params, frozen), world, rank)
+                for p in params:
+                    if p not in self.partition.fragments and p not in self.frozen_chunks:
+                        self._keep_frozen(p)
+                sources = GroupSources(self.partition, params, self.frozen_chunks)
+                g = GatherGroup(len(groups), name, params, sources, world, rank)
                 u.groups.append(g)
                 groups.append(g)
                 for p in params:
@@ -239,7 +248,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             key, start, _ = self._slot_range(p)
             self.partition.store.write(key, start, chunk.to(torch.float32))
         else:
-            self._frozen_chunk(p).copy_(chunk)
+            self.frozen_chunks.put(p, chunk)
 
     def persistent_groups(self) -> list[list]:
         """The persistent parameters refreshed after each step, one list per all-gather."""
@@ -264,6 +273,6 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         params = list(self.module.parameters())
         return {"partition": nbytes(self.partition.flat.values()),  # 0 bytes when the store swapped it out
                 "partition_grad": nbytes(g for g in self.partition.flat_grad.values() if not g.is_meta),
-                "optimizer_state": nbytes(opt_state), "frozen_chunks": nbytes(self.frozen_chunks.values()),
+                "optimizer_state": nbytes(opt_state), "frozen_chunks": self.frozen_chunks.resident_bytes(),
                 "module_params": nbytes([p.data for p in params]),
                 "module_grads": nbytes([p.grad for p in params if p.grad is not None])}

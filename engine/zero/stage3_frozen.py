@@ -1,0 +1,67 @@
+"""`FrozenChunks`: this rank's padded chunk of each frozen partitioned parameter at ZeRO stage 3.
+
+[Note: frozen chunks] Frozen parameters are not in the optimizer's flat partition (nothing steps them:
+stage3_params.py), so each rank keeps its chunk of each, in the model dtype: in memory (placed by the
+tier: the device, or host memory with `offload_param.device: "cpu"`), or, with `offload_param.device:
+"nvme"`, in a chunk file under `nvme_path` (offload/param_swap.py's ChunkFile, in a per-job directory of
+its own), read back at every use — the all-gathers, checkpoint saves and loads, GatheredParameters'
+modifier writes — so a frozen base model (LoRA-style fine-tuning) holds no host memory between gathers,
+as the trainable slots do not. `move_to_file` writes them one chunk at a time, and a chunk that
+`zero.Init(remote_device="nvme")` left in its file is kept there until then, never read before: host
+memory holds one chunk at most.
+[Note: no read-ahead] A frozen chunk is read when its group's all-gather is packed, not ahead of it as
+the trainable slots are (param_swap.py, `read_ahead`): one synchronous read per frozen chunk per gather.
+"""
+from __future__ import annotations
+
+import torch
+
+from offload.param_swap import ChunkFile, SwappedChunk
+from .stage3_params import chunk_tensor
+
+
+class FrozenChunks:
+    def __init__(self):
+        self._chunks: dict = {}  # parameter -> its chunk (a tensor) or where it is (a SwappedChunk)
+        self.file: ChunkFile | None = None
+
+    def add(self, p: torch.nn.Parameter, chunk) -> None:
+        self._chunks[p] = chunk
+
+    def __contains__(self, p) -> bool:
+        return p in self._chunks
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def get(self, p) -> torch.Tensor | None:
+        """`p`'s padded chunk (in memory: the chunk itself, so writes to it are kept; in a file: a new
+        host tensor read from it), or None for a parameter that is not a frozen chunk here."""
+        chunk = self._chunks.get(p)
+        return None if chunk is None else chunk_tensor(chunk)
+
+    @torch.no_grad()
+    def put(self, p, values: torch.Tensor) -> None:
+        """New values for the first `values.numel()` elements of `p`'s chunk (all of it, or its rows without
+        the padding)."""
+        chunk = self._chunks[p]
+        flat = values.reshape(-1)
+        if isinstance(chunk, SwappedChunk):
+            chunk.store(flat)
+        else:
+            chunk[:flat.numel()].copy_(flat)
+
+    def resident_bytes(self) -> int:
+        return sum(c.untyped_storage().nbytes() for c in self._chunks.values() if isinstance(c, torch.Tensor))
+
+    def move_to_file(self, file: ChunkFile) -> None:
+        """Every chunk into `file`, one at a time (module note)."""
+        for p, chunk in self._chunks.items():
+            self._chunks[p] = file.put(chunk_tensor(chunk))
+        self.file = file
+
+    def close(self) -> None:
+        """The chunk file and its directory (the engine's destroy)."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
