@@ -258,6 +258,7 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
     frozen_file = getattr(zopt, "frozen_chunks", None) and zopt.frozen_chunks.file
     if getattr(zopt, "frozen_chunks", None) is not None:
         out["frozen"] = {"count": len(zopt.frozen_chunks), "resident_bytes": zopt.frozen_chunks.resident_bytes(),
+                         "reads_ahead": zopt.frozen_chunks.reads_ahead,
                          "file_bytes": os.path.getsize(frozen_file.path) if frozen_file else 0}
     eng.destroy()  # every run: 45 engines' process groups and gloo threads would pile up in this process
     if frozen_file:

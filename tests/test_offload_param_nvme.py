@@ -132,13 +132,15 @@ def test_zero_init_on_nvme_writes_chunks_to_files_and_trains_equal_to_a_normal_b
                          ids=lambda k: "-".join(k))
 def test_frozen_parameters_live_in_a_file_and_train_equal(runs, key):
     # engine/zero/stage3_frozen.py: a frozen layer's chunks are in a chunk file, not in host memory, and
-    # every gather reads them back (zero.Init's chunks moved there without a stop in memory)
+    # every gather reads them back, ahead of it once the prefetcher has a plan (zero.Init's chunks moved
+    # there without a stop in memory)
     for rank, result in enumerate(runs):
         got, want = result[key], result[("frozen", "none")]
         assert want["frozen"]["count"] > 0 and want["frozen"]["resident_bytes"] > 0, f"rank {rank}: {want['frozen']}"
         frozen = got["frozen"]
         assert frozen["count"] == want["frozen"]["count"] and frozen["resident_bytes"] == 0, f"rank {rank}: {frozen}"
         assert frozen["file_bytes"] > 0 and not frozen["dir_left"], f"rank {rank}: {frozen}"
+        assert frozen["reads_ahead"] > 0, f"rank {rank}: no gather took a frozen chunk read ahead of it"
         _assert_same(got, want, f"rank {rank} {key}")
 
 

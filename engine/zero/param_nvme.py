@@ -72,6 +72,7 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
         raise
     zopt.partition.store = store
     zopt.coordinator.read_ahead_groups = section.buffer_count
+    zopt.frozen_chunks.limit = section.buffer_count  # frozen chunks read ahead as far (stage3_frozen.py)
     for params in zopt.persistent_groups():  # resident from the start where max_in_cpu has room for them
         store.persistent_slots(params)
     return store

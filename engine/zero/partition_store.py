@@ -88,7 +88,9 @@ class GroupSources:
         self.partition.store.close_slots(self.trainable)
 
     def read_ahead(self) -> bool:
-        return bool(self.trainable) and self.partition.store.read_ahead(self.trainable)
+        frozen = [p for p in self.params if p not in self.partition.fragments]
+        started = bool(frozen) and self.frozen.read_ahead(frozen)  # stage3_frozen.py's note: read ahead
+        return (bool(self.trainable) and self.partition.store.read_ahead(self.trainable)) or started
 
     @torch.no_grad()
     def write(self, i: int, chunk: torch.Tensor) -> None:

@@ -9,8 +9,10 @@ modifier writes — so a frozen base model (LoRA-style fine-tuning) holds no hos
 as the trainable slots do not. `move_to_file` writes them one chunk at a time, and a chunk that
 `zero.Init(remote_device="nvme")` left in its file is kept there until then, never read before: host
 memory holds one chunk at most.
-[Note: no read-ahead] A frozen chunk is read when its group's all-gather is packed, not ahead of it as
-the trainable slots are (param_swap.py, `read_ahead`): one synchronous read per frozen chunk per gather.
+[Note: read ahead] As the trainable slots are (param_swap.py, `read_ahead`), a group's frozen chunks are
+read ahead of its gather when the prefetcher asks (the next `buffer_count` groups of its plan), into new
+host tensors that the gather then takes: at most `limit` groups' chunks are in flight or waiting, and
+a write to a chunk first finishes and drops its read-ahead copy (it would be stale).
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ class FrozenChunks:
     def __init__(self):
         self._chunks: dict = {}  # parameter -> its chunk (a tensor) or where it is (a SwappedChunk)
         self.file: ChunkFile | None = None
+        self._ahead: dict = {}  # group (tuple of parameters) -> {parameter: (tensor, read handle)}
+        self.limit = 0  # groups read ahead at most (module note: read ahead)
+        self.reads_ahead = 0  # chunks a gather took from a read issued ahead (tests)
 
     def add(self, p: torch.nn.Parameter, chunk) -> None:
         self._chunks[p] = chunk
@@ -37,8 +42,39 @@ class FrozenChunks:
     def get(self, p) -> torch.Tensor | None:
         """`p`'s padded chunk (in memory: the chunk itself, so writes to it are kept; in a file: a new
         host tensor read from it), or None for a parameter that is not a frozen chunk here."""
+        for group, reads in self._ahead.items():
+            if p in reads:
+                out, handle = reads.pop(p)
+                if not reads:
+                    del self._ahead[group]
+                handle.wait()
+                self.reads_ahead += 1
+                return out
         chunk = self._chunks.get(p)
         return None if chunk is None else chunk_tensor(chunk)
+
+    def read_ahead(self, params: list) -> bool:
+        """Start reading the chunks of `params` (one gather group's frozen ones) into new host tensors,
+        unless they are in memory, already on their way, or `limit` groups are (module note)."""
+        group = tuple(params)
+        if self.file is None or not group or group in self._ahead or len(self._ahead) >= self.limit:
+            return False
+        reads = {}
+        for p in group:
+            chunk = self._chunks[p]
+            out = torch.empty(chunk.numel, dtype=chunk.dtype, device=torch.device("cpu"))
+            reads[p] = (out, self.file.io.read(self.file.path, out, chunk.offset))
+        self._ahead[group] = reads
+        return True
+
+    def _drop_ahead(self, p=None) -> None:
+        """Finish and forget the reads ahead (of `p` only, if given)."""
+        for group in list(self._ahead):
+            reads = self._ahead[group]
+            for q in [q for q in reads if p is None or q is p]:
+                reads.pop(q)[1].wait()
+            if not reads:
+                del self._ahead[group]
 
     @torch.no_grad()
     def put(self, p, values: torch.Tensor) -> None:
@@ -46,12 +82,14 @@ class FrozenChunks:
         the padding)."""
         chunk = self._chunks[p]
         flat = values.reshape(-1)
+        self._drop_ahead(p)  # a copy read before this write would be stale
         if isinstance(chunk, SwappedChunk):
             chunk.store(flat)
         else:
             chunk[:flat.numel()].copy_(flat)
 
     def resident_bytes(self) -> int:
+        """Chunks kept in memory (read-ahead copies, transient, not counted)."""
         return sum(c.untyped_storage().nbytes() for c in self._chunks.values() if isinstance(c, torch.Tensor))
 
     def move_to_file(self, file: ChunkFile) -> None:
@@ -63,5 +101,6 @@ class FrozenChunks:
     def close(self) -> None:
         """The chunk file and its directory (the engine's destroy)."""
         if self.file is not None:
+            self._drop_ahead()
             self.file.close()
             self.file = None
