@@ -47,6 +47,11 @@ DeepSpeed's swappers need more buffers than the shared NVMe sections give at thi
 them: "Not enough buffers", "ran out of swap buffers"); `--optimizer-buffers` / `--param-buffers` set
 the shared sections' `buffer_count`s (both systems), `--deepspeed-param-buffers` /
 `--deepspeed-optimizer-buffers` raise DeepSpeed's only (as bench_infinity.py's do).
+`*-frozen` rows freeze the GPT's six blocks (19M of its 25M parameters; embeddings, final norm and the
+tied head train), a LoRA-style frozen base: `dstrain-z3-frozen` without offload, `dstrain-z3-nvme-frozen`
+and `deepspeed-z3-nvme-frozen` with everything on NVMe (dstrain keeps the frozen chunks in a file of
+their own, engine/zero/stage3_frozen.py), `dstrain-z3-nvme-frozen-no-read-ahead` reading each frozen
+chunk only when its group is gathered.
 """
 from __future__ import annotations
 
@@ -74,6 +79,7 @@ NVME_BOTH = "nvme-both"  # and the parameters on NVMe too
 # a system name's suffix: offload_optimizer.swap_gradients set (grad_swap.py's note: when; unset, the
 # gradient is swapped only with the parameters on NVMe too)
 GRAD_SUFFIX = {"-grad-in-memory": False, "-grad-swapped": True}
+FROZEN = "DSTRAIN_BENCH_FROZEN"  # the GPT's blocks frozen, in dstrain's ranks and DeepSpeed's peer alike
 # name: (offload sections, environment, ZeRO stage)
 DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
            "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}, 2),
@@ -84,13 +90,19 @@ DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
            "dstrain-z3-nvme-grad-in-memory": (NVME_BOTH, {}, 3),
            # the heap bound (offload/host_heap.py) fixed in the ranks whatever max_in_cpu says: with
            # --max-in-cpu 1e9 the store leaves it off, and this row measures what it would cost
-           "dstrain-z3-nvme-heap-bound": (NVME_BOTH, {"DSTRAIN_BENCH_HEAP_BOUND": "1"}, 3)}
+           "dstrain-z3-nvme-heap-bound": (NVME_BOTH, {"DSTRAIN_BENCH_HEAP_BOUND": "1"}, 3),
+           # the GPT's blocks frozen (a LoRA-style base; engine/zero/stage3_frozen.py): without offload,
+           # with their chunks in a file read ahead of each gather, and read only when gathered
+           "dstrain-z3-frozen": ({}, {FROZEN: "1"}, 3), "dstrain-z3-nvme-frozen": (NVME_BOTH, {FROZEN: "1"}, 3),
+           "dstrain-z3-nvme-frozen-no-read-ahead": (NVME_BOTH, {FROZEN: "1", "DSTRAIN_BENCH_FROZEN_READ_AHEAD": "0"},
+                                                    3)}
 # DeepSpeed's offload path: without torch_adam, its AdamW with offload is DeepSpeedCPUAdam.
 ADAMW = {"type": "AdamW", "params": {"lr": bt.LR}}
 # name: (ZeRO stage, config merged in, NVMe optimizer offload under --nvme-path)
 DEEPSPEED = {"deepspeed-z2-cpu": (2, {"zero_optimization": CPU_OFFLOAD, "optimizer": ADAMW}, False),
              "deepspeed-z3-nvme-opt": (3, {"optimizer": ADAMW}, True),
-             "deepspeed-z3-nvme": (3, {"optimizer": ADAMW}, NVME_BOTH)}
+             "deepspeed-z3-nvme": (3, {"optimizer": ADAMW}, NVME_BOTH),
+             "deepspeed-z3-nvme-frozen": (3, {"optimizer": ADAMW}, NVME_BOTH)}  # its peer reads FROZEN
 
 
 # Adam swaps 3 tensors per sub-group: 9 buffers hold one sub-group read ahead, one stepped, one written
@@ -137,8 +149,13 @@ def _entry(offload: dict, steps: int, stage: int = 2):
         bound_heap_retention()
     torch.manual_seed(0)
     zero = {**ZERO2, "stage": stage, **offload}
-    eng, _, _, _ = engine.initialize(model=bt.GPT(bt.BENCH_CONFIG),
-                                     config=bt._dstrain_config(stage, True, {"zero_optimization": zero}))
+    model = bt.GPT(bt.BENCH_CONFIG)
+    if os.environ.get(FROZEN) == "1":
+        for block in model.blocks:
+            block.requires_grad_(False)
+    eng, _, _, _ = engine.initialize(model=model, config=bt._dstrain_config(stage, True, {"zero_optimization": zero}))
+    if os.environ.get("DSTRAIN_BENCH_FROZEN_READ_AHEAD") == "0":
+        eng.zero_optimizer.frozen_chunks.limit = 0  # every frozen chunk read when its group is gathered
     phases, times, after_first, io_first = StepPhases(), [], {}, None
     for x, y in bt._batches(steps, dist.get_rank()):
         t0 = time.perf_counter()
@@ -223,6 +240,7 @@ def _run_systems(args, systems: list, shared: dict, peer: dict, nvme_dir) -> int
             stage, extra, nvme = DEEPSPEED[name]
             if nvme:
                 extra = {**extra, "zero_optimization": _nvme_offload(nvme_dir(), nvme == NVME_BOTH, **peer)}
+            os.environ[FROZEN] = "1" if name.endswith("-frozen") else "0"  # read by the peer only
             try:
                 row = bt._run_deepspeed(bt._deepspeed_python(args.deepspeed_venv), stage, args.steps,
                                         args.world, extra, full=True)
@@ -230,6 +248,8 @@ def _run_systems(args, systems: list, shared: dict, peer: dict, nvme_dir) -> int
                 phases[name] = row["phases_ms"]
             except SystemExit as failed:  # the peer's own error, shortened to its last line
                 rows.append((name, None, None, f"not run: {str(failed).strip().splitlines()[-1][:200]}"))
+            finally:
+                os.environ.pop(FROZEN)
         else:
             offload, env, stage = DSTRAIN[name]
             if offload in (NVME, NVME_BOTH):
@@ -272,11 +292,12 @@ def _print_storage_time(storage: dict, steps: dict, disk: tuple[float, float]) -
     """Each NVMe system's extra ms over its stage without offload against its ranks' storage bytes per
     step at the disk bandwidth measured in this run (the slower direction's: reads and writes mix)."""
     print(f"\n| system | storage MiB per step (both ranks) | at disk bandwidth ({min(disk):.2f} GB/s), ms | "
-          f"extra ms over the same stage without offload |")
+          f"extra ms over the same stage and model without offload |")
     print("|---|---|---|---|")
     for name, (stage, nbytes) in storage.items():
-        base = steps.get(f"dstrain-z{stage}")
-        extra = f"{steps[name] - base:.0f}" if base and name in steps else "- (run dstrain-z%d too)" % stage
+        baseline = f"dstrain-z{stage}" + ("-frozen" if "-frozen" in name else "")  # the same model
+        base = steps.get(baseline)
+        extra = f"{steps[name] - base:.0f}" if base and name in steps else f"- (run {baseline} too)"
         print(f"| {name} | {nbytes / 2**20:.0f} | {nbytes / min(disk) / 1e6:.0f} | {extra} |")
 
 

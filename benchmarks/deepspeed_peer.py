@@ -85,7 +85,11 @@ def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) ->
     micro, gas = cfg["train_micro_batch_size_per_gpu"], cfg.get("gradient_accumulation_steps", 1)
     stages = cfg.get("pipeline", {}).get("stages", 1)
     model = _pipeline_gpt(model_cfg, stages) if stages > 1 else GPT(model_cfg)
-    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if os.environ.get("DSTRAIN_BENCH_FROZEN") == "1":  # bench_offload's *-frozen rows: a frozen base
+        for block in model.blocks:
+            block.requires_grad_(False)
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                        config=cfg)
     from deepspeed.comm import comms_logger
     comms_logger.comms_dict.clear()  # bytes per training step: not initialize's one-time parameter broadcast
     # One model copy over all ranks (pipeline, AutoTP): every rank reads data-parallel rank 0's batches.
