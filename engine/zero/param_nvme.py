@@ -69,6 +69,7 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
         store = NvmeParamStore(zopt.partition, swap, io, pool, int(section.max_in_cpu), name=f"rank{zopt.comm.rank}")
     except BaseException:
         swap.close()
+        zopt.frozen_chunks.close()
         raise
     zopt.partition.store = store
     zopt.coordinator.read_ahead_groups = section.buffer_count

@@ -78,6 +78,7 @@ class GroupSources:
     def __init__(self, partition, params: list, frozen):
         self.partition, self.params, self.frozen = partition, params, frozen
         self.trainable = [p for p in params if p in partition.fragments]
+        self.frozen_params = [p for p in params if p not in partition.fragments]
 
     def open(self) -> list[torch.Tensor]:
         """Every parameter's chunk, in `params` order; `close()` when they are copied."""
@@ -88,8 +89,7 @@ class GroupSources:
         self.partition.store.close_slots(self.trainable)
 
     def read_ahead(self) -> bool:
-        frozen = [p for p in self.params if p not in self.partition.fragments]
-        started = bool(frozen) and self.frozen.read_ahead(frozen)  # stage3_frozen.py's note: read ahead
+        started = bool(self.frozen_params) and self.frozen.read_ahead(self.frozen_params)  # stage3_frozen.py
         return (bool(self.trainable) and self.partition.store.read_ahead(self.trainable)) or started
 
     @torch.no_grad()
