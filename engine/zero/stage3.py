@@ -162,7 +162,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         store moves it (stage3_frozen.py's note)."""
         spec = spec_of(full_shape(p), self.comm.world_size)
         init = getattr(p, "_z3_chunk", None)
-        if isinstance(init, SwappedChunk) and init.dtype == p.dtype and init.numel == spec.padded:
+        if (self.partition.params_swapped and isinstance(init, SwappedChunk) and init.dtype == p.dtype
+                and init.numel == spec.padded):
             self.frozen_chunks.add(p, init)
         else:
             self.frozen_chunks.add(p, self.tier.place(local_chunk(p, spec, self.comm.rank).to(p.dtype)))
