@@ -2,6 +2,7 @@
 
     dstrain estimate --params 1.3e9 --nodes 2 --gpus-per-node 8 [--config ds_config.json] [--precision fp16]
     dstrain estimate --model examples.gpt:GPT
+    dstrain estimate --params 4e6 --frozen-params 7e9 --config ds_config.json   # LoRA on a frozen 7B base
 
 The numbers come from `offload.estimate.estimate_memory` (the ZeRO formulas plus buckets, gathered
 stage-3 parameters and swap pools; docs/offload.md). `--config` takes the bucket sizes, buffer
@@ -48,18 +49,22 @@ def _estimate(args: argparse.Namespace) -> int:
     from offload.estimate import count_parameters, estimate_memory, format_bytes
     from schemas import ConfigError
     try:
-        params = args.params if args.params is not None else count_parameters(args.model)
+        params, frozen = (args.params, args.frozen_params or 0) if args.params is not None else \
+            count_parameters(args.model)
+        if args.model is not None and args.frozen_params is not None:
+            raise ValueError("--frozen-params goes with --params; --model counts its frozen parameters itself")
         settings = _settings(args)
     except (ValueError, ConfigError) as err:
         for line in str(err).splitlines():
             print(f"error: {line}", file=sys.stderr)
         return 2
     ranks = args.nodes * args.gpus_per_node
-    table = Table(title=f"{params:,} parameters, {ranks} data-parallel rank(s), {settings.precision}, Adam: "
+    also = f" (+ {frozen:,} frozen)" if frozen else ""
+    table = Table(title=f"{params:,} parameters{also}, {ranks} data-parallel rank(s), {settings.precision}, Adam: "
                         f"model state per rank")
     for column in ("stage", "offload", "accelerator", "host", "NVMe"):
         table.add_column(column, justify="left" if column == "offload" else "right")
-    for row in estimate_memory(params, args.nodes, args.gpus_per_node, settings):
+    for row in estimate_memory(params, args.nodes, args.gpus_per_node, settings, frozen=frozen):
         table.add_row(str(row.stage), row.offload, format_bytes(row.accelerator_bytes), format_bytes(row.host_bytes),
                       format_bytes(row.nvme_bytes) if row.nvme_bytes else "-")
     Console().print(table)
@@ -72,6 +77,8 @@ def add_estimate(subparsers: argparse._SubParsersAction) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_count, help="trainable parameters (e.g. 1.3e9)")
     what.add_argument("--model", help="module:factory building the model (called with no arguments)")
+    parser.add_argument("--frozen-params", type=_count, default=None,
+                        help="with --params: parameters without gradients too (a LoRA base: weights only)")
     parser.add_argument("--nodes", type=_count, default=1)
     parser.add_argument("--gpus-per-node", type=_count, default=1)
     parser.add_argument("--config", default=None, help="DeepSpeed config for buckets, pools and precision")

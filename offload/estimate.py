@@ -59,20 +59,22 @@ class EstimateSettings:
 
 
 def estimate_memory(params: int, nodes: int = 1, gpus_per_node: int = 1,
-                    settings: EstimateSettings = EstimateSettings()) -> list[MemoryEstimate]:
-    """One row per (stage 0-3, offload choice) that DeepSpeed's config can express."""
-    if params < 1 or nodes < 1 or gpus_per_node < 1:
-        raise ValueError("params, nodes and gpus_per_node must be positive")
+                    settings: EstimateSettings = EstimateSettings(), frozen: int = 0) -> list[MemoryEstimate]:
+    """One row per (stage 0-3, offload choice) that DeepSpeed's config can express. `params`: trainable
+    parameters; `frozen`: parameters without gradients (a LoRA base), weights only (`_frozen`)."""
+    if params < 1 or nodes < 1 or gpus_per_node < 1 or frozen < 0:
+        raise ValueError("params, nodes and gpus_per_node must be positive, frozen not negative")
     rows = []
     for stage in range(4):
         for offload in OFFLOADS:
-            row = _estimate(stage, offload, params, nodes * gpus_per_node, settings)
+            row = _estimate(stage, offload, params, nodes * gpus_per_node, settings, frozen)
             if row is not None:
                 rows.append(row)
     return rows
 
 
-def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings) -> Optional[MemoryEstimate]:
+def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings,
+              frozen: int = 0) -> Optional[MemoryEstimate]:
     if stage == 0 and offload != "none":
         return None  # offload moves a partition; stage 0 has none (DeepSpeed refuses it as well)
     if "params" in offload and stage != 3:
@@ -104,8 +106,25 @@ def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings) -
         accel -= weights
         host, nvme = _stage3_partition(offload, opt_dev, half, psi, n, s, host, nvme)
     if stage == 3:
-        accel += wbytes * min(psi, s.max_live_parameters)  # gathered parameters while a unit runs
-    return MemoryEstimate(stage, offload, accel, host, nvme)
+        accel += wbytes * min(psi + frozen, s.max_live_parameters)  # gathered parameters while a unit runs
+    placed = _frozen(stage, offload, wbytes * frozen, n, s, wbytes)
+    return MemoryEstimate(stage, offload, accel + placed[0], host + placed[1], nvme + placed[2])
+
+
+def _frozen(stage: int, offload: str, nbytes: int, n: int, s: EstimateSettings, wbytes: int) -> tuple[int, int, int]:
+    """[Note: frozen parameters] (accelerator, host, NVMe) bytes of the frozen weights, in the model dtype,
+    with no gradient and no optimizer state: whole on every rank at stages 0-2; at stage 3 a 1/N chunk
+    each (engine/zero/stage3_frozen.py), on the accelerator without offload, on the host with either
+    offload section, in a chunk file with parameters on NVMe, whose reads ahead of their gathers hold up
+    to `param_buffer_count` groups on the host (counted as the pool's size, what a group may take)."""
+    if stage < 3:
+        return nbytes, 0, 0
+    chunk = nbytes // n
+    if offload == "none":
+        return chunk, 0, 0
+    if offload.startswith("nvme params"):
+        return 0, min(chunk, wbytes * s.param_buffer_count * s.param_buffer_size), chunk
+    return 0, chunk, 0
 
 
 def _stage3_partition(offload: str, opt_dev: str, half: bool, psi: int, n: int, s: EstimateSettings,
@@ -145,8 +164,8 @@ def _optimizer_pool(partition: int, s: EstimateSettings) -> int:
     return s.optimizer_buffer_count * 4 * sub_group_buffer_elements(partition, s.sub_group_size)
 
 
-def count_parameters(spec: str) -> int:
-    """Trainable parameters of `module:factory` (the factory is called with no arguments)."""
+def count_parameters(spec: str) -> tuple[int, int]:
+    """(trainable, frozen) parameters of `module:factory` (the factory is called with no arguments)."""
     import importlib
 
     module_name, sep, factory = spec.partition(":")
@@ -156,7 +175,8 @@ def count_parameters(spec: str) -> int:
         model = getattr(importlib.import_module(module_name), factory)()
     except (ImportError, AttributeError) as err:
         raise ValueError(f"--model {spec!r}: {err}") from None
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params = list(model.parameters())  # a tied weight is listed once
+    return (sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params if not p.requires_grad))
 
 
 def format_bytes(n: int) -> str:

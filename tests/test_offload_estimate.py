@@ -64,6 +64,24 @@ def test_zero_formulas_mixed_precision():
     assert sum(r.stage == 3 for r in rows) == 6 and sum(r.stage == 1 for r in rows) == 3
 
 
+def test_frozen_parameters_are_weights_only_where_the_stage_keeps_them():
+    # estimate.py's note: frozen; a 7B frozen base under 4M trainable parameters (LoRA), fp16, 8 ranks
+    psi, frozen, n = 4_000_000, 7_000_000_000, 8
+    s = EstimateSettings(reduce_bucket_size=1, max_live_parameters=1, param_buffer_count=2, param_buffer_size=1000)
+    base, with_frozen = (estimate_memory(psi, gpus_per_node=n, settings=s, frozen=f) for f in (0, frozen))
+    for stage in (0, 1, 2):  # whole on every rank
+        for offload in {r.offload for r in base if r.stage == stage}:
+            a, b = row(base, stage, offload), row(with_frozen, stage, offload)
+            assert (b.accelerator_bytes - a.accelerator_bytes, b.host_bytes, b.nvme_bytes) == \
+                   (2 * frozen, a.host_bytes, a.nvme_bytes), (stage, offload)
+    chunk = 2 * frozen // n
+    deltas = {offload: tuple(getattr(row(with_frozen, 3, offload), k) - getattr(row(base, 3, offload), k)
+                             for k in ("accelerator_bytes", "host_bytes", "nvme_bytes"))
+              for offload in ("none", "cpu optimizer", "cpu params+optimizer", "nvme params+optimizer")}
+    assert deltas == {"none": (chunk, 0, 0), "cpu optimizer": (0, chunk, 0), "cpu params+optimizer": (0, chunk, 0),
+                      "nvme params+optimizer": (0, 2 * 2 * 1000, chunk)}  # the reads ahead: the pool's size
+
+
 def test_stage3_offload_puts_the_fp32_partition_on_the_host_in_fp32():
     psi, n = 1_000_000_000, 8
     s = EstimateSettings(precision="fp32", reduce_bucket_size=1, max_live_parameters=1, param_buffer_count=2,
@@ -109,12 +127,14 @@ CASES = ((0, "none"), (2, "none"), (2, "nvme optimizer"), (3, "none"), (3, "cpu 
 
 
 def _train(stage: int, width: int, steps: int = 2, after_initialize=lambda: None, offload: str = "none",
-           nvme_path: str = "") -> None:
+           nvme_path: str = "", frozen_layers: int = 0) -> None:
     import torch
 
     import engine
     torch.manual_seed(0)
     layers = [torch.nn.Linear(width, width, device="cpu") for _ in range(LAYERS)]
+    for layer in layers[:frozen_layers]:  # a frozen base: weights only (estimate.py's note: frozen)
+        layer.requires_grad_(False)
     model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.ReLU())])
     cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
@@ -141,27 +161,46 @@ def _measured_peaks(cases, nvme_path: str) -> dict:
 
     import psutil
     fixed_mmap_threshold()
-    for stage, offload in cases:  # lazy imports and first-call caches are not model state
-        _train(stage, width=32, steps=1, offload=offload, nvme_path=nvme_path)
+    for stage, offload, *frozen in cases:  # lazy imports and first-call caches are not model state
+        _train(stage, width=32, steps=1, offload=offload, nvme_path=nvme_path, frozen_layers=sum(frozen))
     peaks = {}
-    for stage, offload in cases:
+    for case in cases:
+        stage, offload, *frozen = case
         gc.collect()
         base = psutil.Process().memory_info().rss
         # the peak of training, from a baseline without the model: initialize's own transients
         # (e.g. broadcasting rank 0's weights) are not model state and are left out
-        _train(stage, WIDTH, after_initialize=_reset_peak_rss, offload=offload, nvme_path=nvme_path)
-        peaks[stage, offload] = _peak_rss() - base
+        _train(stage, WIDTH, after_initialize=_reset_peak_rss, offload=offload, nvme_path=nvme_path,
+               frozen_layers=sum(frozen))
+        peaks[case] = _peak_rss() - base
     return peaks
 
 
+# (stage, offload, frozen layers): half the MLP frozen, a LoRA-style base (estimate.py's note: frozen)
+FROZEN_CASES = ((0, "none", 2), (3, "none", 2), (3, "cpu optimizer", 2), (3, "nvme params+optimizer", 2))
+# The frozen chunks read ahead of their gathers are counted at their bound (buffer_count groups), which
+# the measured peak does not reach: measured 37.7-40.1 MiB per rank against 49.7 estimated (four runs)
+BOUND_ONLY = {(3, "nvme params+optimizer", 2)}
+
+
+def _estimated(case) -> int:
+    stage, offload, *frozen = case
+    frozen_psi = sum(frozen) * (WIDTH * WIDTH + WIDTH)
+    return want_bytes(row(estimate_memory(PSI - frozen_psi, gpus_per_node=2, settings=SETTINGS, frozen=frozen_psi),
+                          stage, offload))
+
+
 def test_estimate_matches_measured_peaks_on_two_ranks(tmp_path):
-    per_rank = run_distributed(_measured_peaks, world_size=2, args=(CASES, str(tmp_path)), timeout=240)
-    rows = estimate_memory(PSI, gpus_per_node=2, settings=SETTINGS)
-    seen = {c: ([round(p[c] / 2**20, 1) for p in per_rank], round(want_bytes(row(rows, *c)) / 2**20, 1)) for c in CASES}
+    cases = CASES + FROZEN_CASES
+    per_rank = run_distributed(_measured_peaks, world_size=2, args=(cases, str(tmp_path)), timeout=240)
+    seen = {c: ([round(p[c] / 2**20, 1) for p in per_rank], round(_estimated(c) / 2**20, 1)) for c in cases}
     print(seen)  # MiB, with -s
-    for case in CASES:
-        want = want_bytes(row(rows, *case))
+    for case in cases:
+        want = _estimated(case)
         for peaks in per_rank:
+            if case in BOUND_ONLY:  # a bound: never under by more than the tolerance, never far over
+                assert 0.6 * want <= peaks[case] <= want + TOLERANCE * want + SLACK, seen
+                continue
             assert abs(peaks[case] - want) <= TOLERANCE * want + SLACK, seen  # MiB: measured per rank, estimate
 
 
@@ -176,6 +215,8 @@ def test_cli_table_and_errors(capsys):
     assert "1,300,000,000 parameters, 16 data-parallel rank(s), fp16" in out and "nvme params+optimizer" in out
     assert "19.37 GiB" in out  # stage 0: 16 bytes x 1.3e9
     assert main(["estimate", "--model", "tests.models:OddMLP", "--precision", "fp32"]) == 0
+    assert main(["estimate", "--params", "4e6", "--frozen-params", "7e9"]) == 0
+    assert "4,000,000 parameters (+ 7,000,000,000 frozen)" in capsys.readouterr().out
     assert main(["estimate", "--model", "no_such_module:Model"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--model 'no_such_module:Model'" in err
