@@ -255,13 +255,14 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
     swap_dir = zopt.nvme.swap.path if zopt.nvme is not None else None
     if swap_dir is not None:
         out.update(_nvme_tier_summary(zopt, swap_dir), swap_files_at_init=at_init)
-    frozen_file = getattr(zopt, "frozen_chunks", None) and zopt.frozen_chunks.file
-    if getattr(zopt, "frozen_chunks", None) is not None:
-        out["frozen"] = {"count": len(zopt.frozen_chunks), "resident_bytes": zopt.frozen_chunks.resident_bytes(),
-                         "reads_ahead": zopt.frozen_chunks.reads_ahead,
+    frozen = getattr(zopt, "frozen_chunks", None)  # stage 3 only (engine/zero/stage3_frozen.py)
+    frozen_file = frozen.file if frozen is not None else None
+    if frozen is not None:
+        out["frozen"] = {"count": len(frozen), "resident_bytes": frozen.resident_bytes(),
+                         "reads_ahead": frozen.reads_ahead,
                          "file_bytes": os.path.getsize(frozen_file.path) if frozen_file else 0}
     eng.destroy()  # every run: 45 engines' process groups and gloo threads would pile up in this process
-    if frozen_file:
+    if frozen_file is not None:
         out["frozen"]["dir_left"] = frozen_file.swap.path.exists()
     if swap_dir is not None:
         out["swap_dir_left"] = swap_dir.exists()
