@@ -27,6 +27,14 @@ never seen. Where the whole partition is resident (DeepSpeed's default `max_in_c
 holds models up to 1e9 parameters per rank) a step writes no parameter byte: the updated parameters
 stay in host memory as DeepSpeed's parameter buffers keep them, without the write-through's
 4 bytes per partition element of disk traffic each step.
+[Note: 16-bit files] In fp16/bf16 training with the fp32 master in host memory for good (the optimizer
+on the host) and built from values of that dtype (engine/zero/param_nvme.py decides), the
+files, the pool and the resident copies hold the model dtype: what the all-gathers send anyway, cast
+from the master as each step writes it (the same cast the gather of an in-memory partition makes), so
+the gathers read and the steps write half the bytes, as DeepSpeed's 16-bit parameter swapper does.
+Every reader of fp32 values reads the in-memory master (`read`); a store with 16-bit files refuses to
+drop it. Otherwise the files hold fp32: with the optimizer on NVMe they are where the tier's readers
+find the master's values.
 [Note: write-behind] The NVMe optimizer tier hands each updated sub-group over with `write_behind`: the
 values bound for the files are copied into a staging buffer of the store (the caller's buffer goes back
 to the optimizer's pool when the call returns) and the write is started, not waited for, so it overlaps the next
@@ -77,9 +85,13 @@ class NvmeParamStore:
     swapped = True
 
     def __init__(self, partition, swap: SwapDir, io: AsyncFileIO, pool: SwapBufferPool, max_in_cpu: int,
-                 name: str):
+                 name: str, dtype: torch.dtype = torch.float32):
         self.partition, self.swap, self.io, self.pool = partition, swap, io, pool
         self.max_in_cpu = int(max_in_cpu)
+        # what the files, the pool and the resident copies hold (module note: 16-bit files)
+        self.dtype, self.itemsize = dtype, torch.empty(0, dtype=dtype).element_size()
+        if pool.dtype != dtype:
+            raise ValueError(f"the parameter pool holds {pool.dtype}, the files {dtype}")
         self.master_in_memory = True
         self.files = {key: swap.file(f"{name}.{i}.param.swp") for i, key in enumerate(partition.flat)}
         self._slots: dict[tuple, _Slots] = {}
@@ -95,6 +107,9 @@ class NvmeParamStore:
         self.reads_ahead = 0  # groups read ahead of their gather (the prefetcher's requests that found a buffer)
         self.peak_accounted = self.accounted_bytes()
         swapped_init = getattr(partition, "swapped_init", {})
+        if dtype != torch.float32 and any(c.dtype != dtype for cs in swapped_init.values() for _, c in cs):
+            # load_host_master reads the master back from the files: 16-bit ones only hold their dtype exactly
+            raise ValueError(f"parameter files of {dtype} would round chunks of another dtype")
         for key, flat in partition.flat.items():  # the files start as the partition built in memory
             if key in swapped_init:
                 self._copy_chunks(key, swapped_init[key])
@@ -115,7 +130,12 @@ class NvmeParamStore:
         parts = self._resident_parts(key, start, stop)
         if sum(b - a for a, b, _ in parts) < stop - start:  # some elements are only in the file
             self.flush()
-            self.bytes_read += self.io.read(self.files[key], out, start * FP32_BYTES).wait()
+            # 16-bit files are read here only before load_host_master, when they hold the chunks the
+            # master is built from, exactly (module note: 16-bit files)
+            raw = out if self.dtype == torch.float32 else torch.empty(stop - start, dtype=self.dtype, device=CPU)
+            self.bytes_read += self.io.read(self.files[key], raw, start * self.itemsize).wait()
+            if raw is not out:
+                out.copy_(raw)
         for a, b, view in parts:  # module note: write-back
             out[a - start:b - start].copy_(view)
         return out
@@ -162,13 +182,26 @@ class NvmeParamStore:
             return
         self.flush()
         for key, flat in self.partition.flat.items():
-            self.bytes_read += self.io.read(self.files[key], flat.detach(), 0).wait()
+            dst = flat.detach()
+            if self.dtype == torch.float32:
+                self.bytes_read += self.io.read(self.files[key], dst, 0).wait()
+            else:  # 16-bit files hold chunks of that dtype exactly (module note): cast up through a pool buffer
+                buf = self.pool.acquire()
+                try:
+                    for s in range(0, dst.numel(), buf.numel()):
+                        n = min(buf.numel(), dst.numel() - s)
+                        self.bytes_read += self.io.read(self.files[key], buf[:n], s * self.itemsize).wait()
+                        dst[s:s + n].copy_(buf[:n])
+                finally:
+                    self.pool.release(buf)
             for a, b, view in self._resident_parts(key, 0, flat.numel()):  # module note: write-back
-                flat.detach()[a:b].copy_(view)
+                dst[a:b].copy_(view)
         self.master_in_memory = True
 
     def drop_host_master(self) -> None:
         """The master lives in the NVMe optimizer's files now: free the flats' bytes (module note)."""
+        if self.dtype != torch.float32:  # the files would be the only copy, and they are rounded
+            raise RuntimeError("the parameter files hold 16-bit values; the fp32 master cannot leave memory")
         self.master_in_memory = False
         for flat in self.partition.flat.values():
             flat.detach().untyped_storage().resize_(0)
@@ -211,7 +244,7 @@ class NvmeParamStore:
         """Make `group`'s slots resident: from `buf` where they were just read into it, else from the files."""
         # Pinned like the pool (a clone of pinned memory is pageable): the gathers copy resident
         # groups to the device for the whole run, asynchronously only from pinned memory.
-        resident = torch.empty(slots.numel, dtype=torch.float32, device=CPU, pin_memory=self.pool.pinned)
+        resident = torch.empty(slots.numel, dtype=self.dtype, device=CPU, pin_memory=self.pool.pinned)
         if buf is not None:
             resident.copy_(buf[:slots.numel])
         else:
@@ -248,7 +281,7 @@ class NvmeParamStore:
 
     # -- accounting (module note) ------------------------------------------------------------------
     def accounted_bytes(self) -> int:
-        return self._cached * FP32_BYTES + self.pool.nbytes
+        return self._cached * self.itemsize + self.pool.nbytes
 
     def measured_bytes(self) -> int:
         """Bytes of the parameter copies that exist: the resident slots, the pool, and the flats when the
@@ -291,7 +324,7 @@ class NvmeParamStore:
         self.pool.release(buf)
 
     def _start_reads(self, slots: _Slots, buf: torch.Tensor) -> list:
-        return [self.io.read(self.files[key], buf[at:at + stop - start], start * FP32_BYTES)
+        return [self.io.read(self.files[key], buf[at:at + stop - start], start * self.itemsize)
                 for key, start, stop, at in slots.runs]
 
     def _drain_ahead(self) -> None:
@@ -306,8 +339,8 @@ class NvmeParamStore:
         """Write `values` at `start` of flat `key`: into the resident copies it meets, and into the file
         for the rest (module note: write-back); `behind`: that file write staged and left in flight
         (module note: write-behind), else waited for."""
-        if not values.is_contiguous() or values.device != CPU:
-            values = values.to(device=CPU).contiguous()
+        if not values.is_contiguous() or values.device != CPU or values.dtype != self.dtype:
+            values = values.to(device=CPU, dtype=self.dtype).contiguous()
         stop, gaps, at = start + values.numel(), [], start
         for a, b, view in self._resident_parts(key, start, stop):
             view.copy_(values[a - start:b - start])
@@ -322,7 +355,8 @@ class NvmeParamStore:
         if not behind:
             self.flush()  # writes land in the order given
             for a, b in gaps:
-                self.bytes_written += self.io.write(self.files[key], values[a - start:b - start], a * FP32_BYTES).wait()
+                self.bytes_written += self.io.write(self.files[key], values[a - start:b - start],
+                                                    a * self.itemsize).wait()
             return
         lo, hi = gaps[0][0], gaps[-1][1]  # staged: only the run of elements bound for the file
         base, staged = staged_empty(hi - lo, lo)
@@ -355,7 +389,7 @@ class NvmeParamStore:
         (`SwappedChunk`), or cut from parameters in memory as they are copied (`load()`)."""
         for offset, chunk in chunks:
             values = chunk.load() if hasattr(chunk, "load") else chunk
-            self._write_file(key, offset, values.to(torch.float32))
+            self._write_file(key, offset, values)
 
     def _write_staged(self, key, flat: torch.Tensor) -> None:
         """All of `flat` into its file through a pool buffer. Not from `flat` itself: the I/O engine's byte

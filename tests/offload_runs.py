@@ -251,7 +251,10 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
                               "reads_ahead": store.reads_ahead, "writes_behind": store.writes_behind,
                               "in_flight_after_step": in_flight,
                               "partition_bytes": zopt.model_state_bytes()["partition"],
-                              "master_in_memory": store.master_in_memory, "dir": store.swap.path}
+                              "master_in_memory": store.master_in_memory, "dir": store.swap.path,
+                              "file_dtype": str(store.dtype),
+                              "file_bytes": sum(os.path.getsize(f) for f in store.files.values()),
+                              "partition_numel": sum(f.numel() for f in zopt.partition.flat.values())}
     swap_dir = zopt.nvme.swap.path if zopt.nvme is not None else None
     if swap_dir is not None:
         out.update(_nvme_tier_summary(zopt, swap_dir), swap_files_at_init=at_init)
@@ -291,6 +294,9 @@ PARAM_NVME_CASES = {(3, opt, name): (3, opt, name) for opt in ("adamw", "sgd") f
 PARAM_NVME_CASES[(3, "adamw", BOTH_NVME_RESIDENT)] = (3, "adamw", BOTH_NVME_RESIDENT)
 PARAM_NVME_CASES[("inf", "fp32", 3, BOTH_NVME)] = (3, "adamw", BOTH_NVME, "fp32", True)
 PARAM_NVME_CASES[("inf", "fp32", 3, BOTH_NVME_RESIDENT)] = (3, "adamw", BOTH_NVME_RESIDENT, "fp32", True)
+# 16-bit training with the optimizer on the host: 16-bit parameter files (param_swap.py's note); the
+# references are MIXED_CASES' stage-3 "none" runs
+PARAM_NVME_CASES.update({(precision, 3, PARAM_NVME): (3, "adamw", PARAM_NVME, precision) for precision in ("fp16", "bf16")})
 FAST_INIT_CASES = {(stage, opt, NVME_FAST): (stage, opt, NVME_FAST) for stage, opt in ((2, "sgd"), (3, "adamw"))}
 ONE_SLOT_CASES = {(stage, opt, NVME_ONE_SLOT): (stage, opt, NVME_ONE_SLOT) for stage, opt in ((2, "adamw"), (3, "sgd"))}
 GRAD_MEMORY_CASES = {(stage, opt, NVME_GRAD_MEMORY): (stage, opt, NVME_GRAD_MEMORY)

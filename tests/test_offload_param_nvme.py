@@ -152,6 +152,62 @@ def test_checkpoints_of_frozen_parameters_move_to_and_from_a_file(runs, name):
         _assert_same(result[("resume", "frozen", name)], result[("frozen", "none")], f"rank {rank} frozen {name}")
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_16bit_training_swaps_16bit_parameters_and_equals_no_offload(runs, precision):
+    # offload/param_swap.py's note (16-bit files): the files hold what the gathers send, half the bytes
+    for rank, result in enumerate(runs):
+        got = result[(precision, 3, PARAM_NVME)]
+        store = got["param_store"]
+        assert store["file_dtype"] == f"torch.{'float16' if precision == 'fp16' else 'bfloat16'}", store
+        assert store["file_bytes"] == 2 * store["partition_numel"] and store["master_in_memory"], store
+        _assert_same(got, result[(precision, 3, "none")], f"rank {rank} {precision} param_nvme")
+    # fp32 training keeps fp32 files
+    assert runs[0][(3, "adamw", PARAM_NVME)]["param_store"]["file_dtype"] == "torch.float32"
+
+
+def _modifier_edits(nvme_path: str) -> dict:
+    """bf16, stage 3, a frozen first layer: two steps, then rank 0 rewrites a trainable and the frozen weight
+    through GatheredParameters(modifier_rank=0), two more; without offload and with parameters on NVMe
+    (16-bit files: the edit's fp32 values are cast on their way to the files)."""
+    import engine
+    from engine.utils import safe_get_full_fp32_param
+    from tests.models import make_batches, micro_batches
+    from tests.offload_runs import GAS, MICRO, _frozen_stack, _gathered, config
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for name in ("none", PARAM_NVME):
+        torch.manual_seed(0)
+        cfg = config(3, "sgd", {} if name == "none" else PARAM_NVME, "bf16", nvme_path)
+        if name == PARAM_NVME:  # nothing resident: the gathers after the edit read it from the files
+            cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 0
+        eng = engine.initialize(model=_frozen_stack(), config=cfg)[0]
+        for step, (x, y) in enumerate(make_batches(4, MICRO * GAS * world)):
+            if step == 2:
+                edited = [eng.module.layers[0].weight, eng.module.layers[1].weight]
+                with engine.zero.GatheredParameters(edited, modifier_rank=0):
+                    if rank == 0:
+                        for p in edited:
+                            p.data.mul_(0.5).add_(0.01)
+            for xm, ym in micro_batches(x.bfloat16(), y.bfloat16(), rank, world, GAS):
+                eng.backward(eng(xm, ym))
+                eng.step()
+        store = eng.zero_optimizer.partition.store
+        out[name] = {"params": {n: safe_get_full_fp32_param(p) if p.requires_grad else _gathered(p)
+                                for n, p in eng.module.named_parameters()},
+                     "file_dtype": str(store.dtype) if store.swapped else None}
+        eng.destroy()
+    return out
+
+
+def test_modifier_edits_reach_16bit_parameter_files(tmp_path):
+    from tests.harness import run_distributed
+    for rank, result in enumerate(run_distributed(_modifier_edits, 2, args=(str(tmp_path),), timeout=120)):
+        assert result[PARAM_NVME]["file_dtype"] == "torch.bfloat16", result[PARAM_NVME]["file_dtype"]
+        for name, want in result["none"]["params"].items():
+            got = result[PARAM_NVME]["params"][name]
+            assert torch.equal(got, want), f"rank {rank} {name}: max |diff| {(got - want).abs().max().item():.3e}"
+
+
 def test_zero_init_on_nvme_without_a_config_is_one_error_naming_the_key(runs):
     for rank, result in enumerate(runs):
         problems = result["zero_init_nvme_without_config"]

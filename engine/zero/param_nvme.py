@@ -13,10 +13,13 @@ now lives in the optimizer's files and the flats' host bytes are dropped.
 """
 from __future__ import annotations
 
+import torch
+
 import schemas
 from offload import AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir
 from offload.host_heap import bound_heap_retention
 from offload.param_swap import ChunkFile, NvmeParamStore
+from .nvme_tier import wants_nvme
 from .stage3_params import partition_numel
 
 PATH_KEY = "zero_optimization.offload_param.nvme_path"
@@ -38,6 +41,21 @@ def host_memory_is_the_limit(zero, partition_numel: int) -> bool:
 def _group_numels(zopt) -> list[tuple[str, int]]:
     fragments = zopt.partition.fragments
     return [(g.name, sum(fragments[p].padded for p in g.params if p in fragments)) for g in zopt.coordinator.groups]
+
+
+def _file_dtype(zopt, zero) -> torch.dtype:
+    """What the parameter files hold (offload/param_swap.py's note: 16-bit files): the model dtype where
+    it is 16-bit, the same for every flat, every chunk the partition starts from is in it (so the master
+    read back from the files is exact) and the fp32 master stays in host memory for good (the optimizer
+    not on NVMe); fp32 otherwise."""
+    dtypes = {key[1] for key in zopt.partition.flat}  # a flat per (param group, model dtype)
+    if wants_nvme(zero) or len(dtypes) != 1:
+        return torch.float32
+    (dtype,) = dtypes
+    chunks = getattr(zopt.partition, "swapped_init", {}).values()
+    if dtype not in (torch.float16, torch.bfloat16) or any(c.dtype != dtype for cs in chunks for _, c in cs):
+        return torch.float32
+    return dtype
 
 
 def _swap_dir(section) -> SwapDir:
@@ -64,9 +82,11 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
     swap = _swap_dir(section)
     try:
         io = AsyncFileIO(aio, path_key=PATH_KEY)
-        pool = SwapBufferPool(section.buffer_count, max(1, largest[1]), pin_memory=section.pin_memory,
+        dtype = _file_dtype(zopt, zero)
+        pool = SwapBufferPool(section.buffer_count, max(1, largest[1]), dtype=dtype, pin_memory=section.pin_memory,
                               count_key="zero_optimization.offload_param.buffer_count")
-        store = NvmeParamStore(zopt.partition, swap, io, pool, int(section.max_in_cpu), name=f"rank{zopt.comm.rank}")
+        store = NvmeParamStore(zopt.partition, swap, io, pool, int(section.max_in_cpu), name=f"rank{zopt.comm.rank}",
+                               dtype=dtype)
     except BaseException:
         swap.close()
         zopt.frozen_chunks.close()

@@ -126,6 +126,10 @@ class CutChunk:
         self.full = p.data if self.chunk is None else None  # the tensor itself: release() repoints p.data
         self.spec, self.rank = spec, rank
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.full.dtype if self.full is not None else self.chunk.dtype
+
     def load(self) -> torch.Tensor:
         return chunk_tensor(self.chunk) if self.chunk is not None else padded_chunk(self.full, self.spec, self.rank)
 
