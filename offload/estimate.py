@@ -134,14 +134,17 @@ def _stage3_partition(offload: str, opt_dev: str, half: bool, psi: int, n: int, 
     stage-3 note), not on the accelerator. With the optimizer on the host in 16-bit training it *is* the
     master, counted already; otherwise it is added here. With parameters on NVMe it is in swap files
     (engine/zero/param_nvme.py): the host keeps the parameter pool and up to `max_in_cpu` resident
-    elements, and with the optimizer on NVMe too no host copy at all."""
+    elements, and with the optimizer on NVMe too no host copy at all. In 16-bit training with the optimizer
+    on the host the files, the pool and the resident copies hold 2 bytes per element (param_swap.py's note:
+    16-bit files)."""
     flat = 4 * psi // n
     in_host = not (offload == "nvme params+optimizer")
     if in_host and not (opt_dev == "cpu" and half):
         host += flat
     if offload.startswith("nvme params"):
-        nvme += flat
-        host += 4 * s.param_buffer_count * min(s.param_buffer_size, psi // n) + 4 * min(s.max_in_cpu, psi // n)
+        fbytes = 2 if half and opt_dev == "cpu" else 4
+        nvme += fbytes * psi // n
+        host += fbytes * (s.param_buffer_count * min(s.param_buffer_size, psi // n) + min(s.max_in_cpu, psi // n))
     return host, nvme
 
 
