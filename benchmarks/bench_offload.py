@@ -47,6 +47,10 @@ DeepSpeed's swappers need more buffers than the shared NVMe sections give at thi
 them: "Not enough buffers", "ran out of swap buffers"); `--optimizer-buffers` / `--param-buffers` set
 the shared sections' `buffer_count`s (both systems), `--deepspeed-param-buffers` /
 `--deepspeed-optimizer-buffers` raise DeepSpeed's only (as bench_infinity.py's do).
+`dstrain-z3-nvme-param` / `deepspeed-z3-nvme-param`: parameters on NVMe, optimizer on the host; with
+`--bf16` (both systems train in bf16) dstrain's parameter files hold bf16 (offload/param_swap.py's note:
+16-bit files), as DeepSpeed's do; `dstrain-z3-nvme-param-fp32-files` keeps them fp32 (what the 16-bit
+files save).
 `*-frozen` rows freeze the GPT's six blocks (19M of its 25M parameters; embeddings, final norm and the
 tied head train), a LoRA-style frozen base: `dstrain-z3-frozen` without offload, `dstrain-z3-nvme-frozen`
 and `deepspeed-z3-nvme-frozen` with everything on NVMe (dstrain keeps the frozen chunks in a file of
@@ -76,6 +80,7 @@ ZERO2 = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}
 CPU_OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 NVME = None  # NVMe optimizer offload under --nvme-path (_nvme_offload)
 NVME_BOTH = "nvme-both"  # and the parameters on NVMe too
+NVME_PARAM = "nvme-param"  # the parameters on NVMe, the optimizer on the host
 # a system name's suffix: offload_optimizer.swap_gradients set (grad_swap.py's note: when; unset, the
 # gradient is swapped only with the parameters on NVMe too)
 GRAD_SUFFIX = {"-grad-in-memory": False, "-grad-swapped": True}
@@ -91,6 +96,9 @@ DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
            # the heap bound (offload/host_heap.py) fixed in the ranks whatever max_in_cpu says: with
            # --max-in-cpu 1e9 the store leaves it off, and this row measures what it would cost
            "dstrain-z3-nvme-heap-bound": (NVME_BOTH, {"DSTRAIN_BENCH_HEAP_BOUND": "1"}, 3),
+           # parameters on NVMe, optimizer on the host (with --bf16: 16-bit parameter files, param_swap.py)
+           "dstrain-z3-nvme-param": (NVME_PARAM, {}, 3),
+           "dstrain-z3-nvme-param-fp32-files": (NVME_PARAM, {"DSTRAIN_BENCH_PARAM_FILES_FP32": "1"}, 3),
            # the GPT's blocks frozen (a LoRA-style base; engine/zero/stage3_frozen.py): without offload,
            # with their chunks in a file read ahead of each gather, and read only when gathered
            "dstrain-z3-frozen": ({}, {FROZEN: "1"}, 3), "dstrain-z3-nvme-frozen": (NVME_BOTH, {FROZEN: "1"}, 3),
@@ -102,6 +110,7 @@ ADAMW = {"type": "AdamW", "params": {"lr": bt.LR}}
 DEEPSPEED = {"deepspeed-z2-cpu": (2, {"zero_optimization": CPU_OFFLOAD, "optimizer": ADAMW}, False),
              "deepspeed-z3-nvme-opt": (3, {"optimizer": ADAMW}, True),
              "deepspeed-z3-nvme": (3, {"optimizer": ADAMW}, NVME_BOTH),
+             "deepspeed-z3-nvme-param": (3, {"optimizer": ADAMW}, NVME_PARAM),
              "deepspeed-z3-nvme-frozen": (3, {"optimizer": ADAMW}, NVME_BOTH)}  # its peer reads FROZEN
 
 
@@ -110,10 +119,13 @@ OPTIMIZER_BUFFERS, PARAM_BUFFERS = 9, 5  # the shared sections' buffer_count (--
 
 
 def _nvme_offload(nvme_path: str, params: bool = False, optimizer_buffers: int = OPTIMIZER_BUFFERS,
-                  param_buffers: int = PARAM_BUFFERS, swap_gradients: bool | None = None, max_in_cpu: int = 0) -> dict:
+                  param_buffers: int = PARAM_BUFFERS, swap_gradients: bool | None = None, max_in_cpu: int = 0,
+                  optimizer_on_host: bool = False) -> dict:
     section = {"sub_group_size": 1_000_000,
                "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": optimizer_buffers,
                                      "pipeline_read": True, "pipeline_write": True}}
+    if optimizer_on_host:  # no sub-groups then (dstrain refuses a key nothing reads)
+        section = {"offload_optimizer": {"device": "cpu"}}
     if swap_gradients is not None:  # a dstrain key: only dstrain's systems pass it
         section["offload_optimizer"]["swap_gradients"] = swap_gradients
     if params:  # a block's weights per buffer (the 25M GPT's largest gather group is under 1e7 elements)
@@ -140,20 +152,24 @@ def _storage_bytes() -> int:
     return int(io["read_bytes"]) + int(io["write_bytes"])
 
 
-def _entry(offload: dict, steps: int, stage: int = 2):
+def _entry(offload: dict, steps: int, stage: int = 2, precision: dict | None = None):
     import torch.distributed as dist
 
     import engine
     if os.environ.get("DSTRAIN_BENCH_HEAP_BOUND") == "1":  # before the model's allocations (DSTRAIN's note)
         from offload.host_heap import bound_heap_retention
         bound_heap_retention()
+    if os.environ.get("DSTRAIN_BENCH_PARAM_FILES_FP32") == "1":  # what the 16-bit files save, measured
+        from engine.zero import param_nvme
+        param_nvme._file_dtype = lambda zopt, zero: torch.float32
     torch.manual_seed(0)
     zero = {**ZERO2, "stage": stage, **offload}
     model = bt.GPT(bt.BENCH_CONFIG)
     if os.environ.get(FROZEN) == "1":
         for block in model.blocks:
             block.requires_grad_(False)
-    eng, _, _, _ = engine.initialize(model=model, config=bt._dstrain_config(stage, True, {"zero_optimization": zero}))
+    eng, _, _, _ = engine.initialize(model=model, config=bt._dstrain_config(stage, True, {"zero_optimization": zero,
+                                                                                          **(precision or {})}))
     if os.environ.get("DSTRAIN_BENCH_FROZEN_READ_AHEAD") == "0":
         eng.zero_optimizer.frozen_chunks.limit = 0  # every frozen chunk read when its group is gathered
     phases, times, after_first, io_first = StepPhases(), [], {}, None
@@ -191,6 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-cpu", type=int, default=0,
                    help="offload_param.max_in_cpu of the shared NVMe section (both systems; default 0: every gather "
                         "reads the files; DeepSpeed's own default is 1e9)")
+    p.add_argument("--bf16", action="store_true", help="bf16 training in both systems (default fp32)")
     p.add_argument("--deepspeed-param-buffers", type=int, default=None,
                    help="DeepSpeed's offload_param.buffer_count (default: the shared section's 5)")
     p.add_argument("--deepspeed-optimizer-buffers", type=int, default=None,
@@ -224,8 +241,9 @@ def main(argv=None) -> int:
 
 def _run_systems(args, systems: list, shared: dict, peer: dict, nvme_dir) -> int:
     print(f"before: {_load()}", flush=True)
+    precision = {"bf16": {"enabled": True}} if args.bf16 else {}  # both systems
     disk = None  # (write, read) GB/s of the raw O_DIRECT loop where the swap files go
-    if any(DSTRAIN.get(name, (0,))[0] in (NVME, NVME_BOTH) for name in systems):
+    if any(DSTRAIN.get(name, (0,))[0] in (NVME, NVME_BOTH, NVME_PARAM) for name in systems):
         from bench_offload_io import disk_bandwidth
         with tempfile.TemporaryDirectory(dir=args.nvme_path, prefix="bench-offload-disk-") as d:
             disk = disk_bandwidth(d, args.disk_mb * 2**20, repeats=2)
@@ -238,8 +256,10 @@ def _run_systems(args, systems: list, shared: dict, peer: dict, nvme_dir) -> int
                 rows.append((name, None, None, "not run: no --deepspeed-venv"))
                 continue
             stage, extra, nvme = DEEPSPEED[name]
+            extra = {**extra, **precision}
             if nvme:
-                extra = {**extra, "zero_optimization": _nvme_offload(nvme_dir(), nvme == NVME_BOTH, **peer)}
+                extra = {**extra, "zero_optimization": _nvme_offload(nvme_dir(), nvme in (NVME_BOTH, NVME_PARAM),
+                                                                     optimizer_on_host=nvme == NVME_PARAM, **peer)}
             os.environ[FROZEN] = "1" if name.endswith("-frozen") else "0"  # read by the peer only
             try:
                 row = bt._run_deepspeed(bt._deepspeed_python(args.deepspeed_venv), stage, args.steps,
@@ -252,16 +272,17 @@ def _run_systems(args, systems: list, shared: dict, peer: dict, nvme_dir) -> int
                 os.environ.pop(FROZEN)
         else:
             offload, env, stage = DSTRAIN[name]
-            if offload in (NVME, NVME_BOTH):
+            if offload in (NVME, NVME_BOTH, NVME_PARAM):
                 swap = next((v for suffix, v in GRAD_SUFFIX.items() if name.endswith(suffix)), None)
-                offload = _nvme_offload(nvme_dir(), offload == NVME_BOTH, swap_gradients=swap, **shared)
-            per_rank = run_distributed(_entry, args.world, args=(offload, args.steps, stage),
+                offload = _nvme_offload(nvme_dir(), offload in (NVME_BOTH, NVME_PARAM), swap_gradients=swap,
+                                        optimizer_on_host=offload == NVME_PARAM, **shared)
+            per_rank = run_distributed(_entry, args.world, args=(offload, args.steps, stage, precision),
                                        timeout=1800, env=env)
             rows.append((name, max(r["step_ms"] for r in per_rank), max(r["rss_mb"] for r in per_rank), ""))
             phases[name] = per_rank[0]["phases_ms"]
             if per_rank[0]["grad_bytes_per_step"]:
                 grads[name] = per_rank[0]
-            if offload.get("offload_optimizer", {}).get("device") == "nvme":
+            if "nvme" in (offload.get("offload_optimizer", {}).get("device"), offload.get("offload_param", {}).get("device")):
                 storage[name] = (stage, sum(r["storage_bytes_per_step"] for r in per_rank))
 
         print(f"{name:>22}: {rows[-1][1] or 0:8.1f} ms/step  {rows[-1][3]}", flush=True)
