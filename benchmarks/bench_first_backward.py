@@ -12,11 +12,15 @@ the peak RSS above the RSS before it (benchmarks/peak_rss.py restarts the peak m
 two ranks, and the step time; step 0's extra peak over step 1's is the hold (fp32 here: 4 bytes per
 parameter of the whole model, against buckets and a partition otherwise). AdamW, micro-batch 8, one
 thread per rank. Not a timing of the recording itself: it runs once, in step 0's forward.
+With `--deepspeed-venv`, DeepSpeed's rows on the same model (benchmarks/deepspeed_first_backward_peer.py):
+torch's reentrant checkpoint, DeepSpeed's own `deepspeed.checkpointing.checkpoint`, non-reentrant.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,23 +40,13 @@ def _rss_mb() -> float:
 
 def _model(flavour: str):
     import torch
-    import torch.nn.functional as F
 
+    from benchmarks.checkpointed_gpt import CheckpointedGPT, torch_region
     from engine.activation_checkpointing import checkpoint
-    from examples.gpt import BENCH_CONFIG, GPT
-
-    class Checkpointed(GPT):
-        def forward(self, idx, targets):
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-            for block in self.blocks:
-                if flavour == "dstrain-reentrant":
-                    x = checkpoint(block, x)
-                else:
-                    x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=flavour == "torch-reentrant")
-            logits = self.head(self.ln_f(x))
-            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+    from examples.gpt import BENCH_CONFIG
     torch.manual_seed(0)
-    return Checkpointed(BENCH_CONFIG), BENCH_CONFIG
+    region = checkpoint if flavour == "dstrain-reentrant" else torch_region(flavour == "torch-reentrant")
+    return CheckpointedGPT(BENCH_CONFIG, region), BENCH_CONFIG
 
 
 def _run(stage: int, flavour: str, steps: int) -> list[tuple[float, float]]:
@@ -79,21 +73,43 @@ def _run(stage: int, flavour: str, steps: int) -> list[tuple[float, float]]:
     return rows
 
 
+def _deepspeed(venv: str, stage: int, flavour: str, steps: int) -> list | str:
+    """DeepSpeed's rows (benchmarks/deepspeed_first_backward_peer.py, in its venv), or why not."""
+    peer = Path(__file__).resolve().parent / "deepspeed_first_backward_peer.py"
+    proc = subprocess.run([str(Path(venv) / "bin" / "python"), str(peer), "--stage", str(stage), "--flavour", flavour,
+                           "--steps", str(steps)], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        return f"not run: {(proc.stderr.strip().splitlines() or ['?'])[-1][:160]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _print_row(stage: int, name: str, rows: list) -> None:
+    peaks, times = [r[0] for r in rows], [r[1] for r in rows]
+    print(f"{stage:>4} {name:<28} " + " ".join(f"{x:>15.1f}" for x in peaks)
+          + f" {peaks[0] - peaks[1]:>13.1f} " + " ".join(f"{x:>10.0f}" for x in times), flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="2,3")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--deepspeed-venv", default=None, help="DeepSpeed's venv: its rows too (torch's and its own "
+                   "reentrant checkpoint, non-reentrant)")
     args = p.parse_args()
     print(f"load before: {os.getloadavg()}")
-    print(f"{'ZeRO':>4} {'checkpoint':<18} " + " ".join(f"{'step ' + str(i) + ' peak MB':>15}" for i in range(args.steps))
+    print(f"{'ZeRO':>4} {'system, checkpoint':<28} " + " ".join(f"{'step ' + str(i) + ' peak MB':>15}" for i in range(args.steps))
           + f" {'step 0 - 1 MB':>13} " + " ".join(f"{'step ' + str(i) + ' ms':>10}" for i in range(args.steps)))
     for stage in [int(s) for s in args.stages.split(",")]:
         for flavour in FLAVOURS:
             ranks = run_distributed(_run, world_size=2, args=(stage, flavour, args.steps), timeout=1800)
-            peaks = [max(r[i][0] for r in ranks) for i in range(args.steps)]
-            times = [max(r[i][1] for r in ranks) for i in range(args.steps)]
-            print(f"{stage:>4} {flavour:<18} " + " ".join(f"{x:>15.1f}" for x in peaks)
-                  + f" {peaks[0] - peaks[1]:>13.1f} " + " ".join(f"{x:>10.0f}" for x in times), flush=True)
+            _print_row(stage, f"dstrain, {flavour}", [[max(r[i][k] for r in ranks) for k in (0, 1)]
+                                                      for i in range(args.steps)])
+        for flavour in ("torch-reentrant", "deepspeed-reentrant", "non-reentrant") if args.deepspeed_venv else ():
+            rows = _deepspeed(args.deepspeed_venv, stage, flavour, args.steps)
+            if isinstance(rows, str):
+                print(f"{stage:>4} {'deepspeed, ' + flavour:<28} {rows}", flush=True)
+            else:
+                _print_row(stage, f"deepspeed, {flavour}", rows)
     print(f"load after: {os.getloadavg()}")
     return 0
 

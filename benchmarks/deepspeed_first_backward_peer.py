@@ -1,0 +1,82 @@
+"""DeepSpeed's side of bench_first_backward.py, run inside DeepSpeed's own venv.
+
+    VENV/bin/python benchmarks/deepspeed_first_backward_peer.py --stage 3 --flavour torch-reentrant --steps 3
+
+The same 25M GPT with each block in a checkpoint region (benchmarks/checkpointed_gpt.py): torch's
+reentrant or non-reentrant checkpoint, or DeepSpeed's own `deepspeed.checkpointing.checkpoint`; the
+same AdamW, micro-batch 8, fp32, one thread per rank, gloo. Per step, the peak RSS above the RSS
+before it (benchmarks/peak_rss.py) and the step time; prints one JSON line: per step, the larger of
+the two ranks'.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.checkpointed_gpt import CheckpointedGPT, torch_region  # noqa: E402
+from benchmarks.peak_rss import peak_mb, restart_peak  # noqa: E402
+from examples.gpt import BENCH_CONFIG, RandomTokens  # noqa: E402
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _rank(rank: int, world: int, port: int, stage: int, flavour: str, steps: int, outdir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    region = deepspeed.checkpointing.checkpoint if flavour == "deepspeed-reentrant" else \
+        torch_region(flavour == "torch-reentrant")
+    torch.manual_seed(0)
+    model = CheckpointedGPT(BENCH_CONFIG, region)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}}
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    data = RandomTokens(8 * steps, BENCH_CONFIG.seq_len, BENCH_CONFIG.vocab_size, seed=rank)
+    rows = []
+    for i in range(steps):
+        x, y = (torch.stack(t) for t in zip(*(data[8 * i + j] for j in range(8))))
+        restart_peak()
+        before, t0 = _rss_mb(), time.perf_counter()
+        eng.backward(eng(x, y))
+        eng.step()
+        rows.append((peak_mb() - before, (time.perf_counter() - t0) * 1e3))
+    Path(outdir, f"{rank}.json").write_text(json.dumps(rows))
+    deepspeed.comm.destroy_process_group()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--flavour", choices=("torch-reentrant", "deepspeed-reentrant", "non-reentrant"), required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--world", type=int, default=2)
+    args = p.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_rank, args=(args.world, port, args.stage, args.flavour, args.steps, outdir), nprocs=args.world)
+        ranks = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
+    print(json.dumps([[max(r[i][k] for r in ranks) for k in (0, 1)] for i in range(args.steps)]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
