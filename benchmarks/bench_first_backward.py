@@ -27,15 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peak_rss import peak_mb, restart_peak  # noqa: E402
+from benchmarks.peak_rss import current_mb, peak_mb, restart_peak  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
 FLAVOURS = ("torch-reentrant", "dstrain-reentrant", "non-reentrant")
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _model(flavour: str):
@@ -65,7 +60,7 @@ def _run(stage: int, flavour: str, steps: int) -> list[tuple[float, float]]:
     for i in range(steps):
         x, y = (torch.stack(t) for t in zip(*(data[8 * i + j] for j in range(8))))
         restart_peak()
-        before, t0 = _rss_mb(), time.perf_counter()
+        before, t0 = current_mb(), time.perf_counter()
         eng.backward(eng(x, y))
         eng.step()
         rows.append((peak_mb() - before, (time.perf_counter() - t0) * 1e3))

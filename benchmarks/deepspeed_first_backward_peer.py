@@ -25,13 +25,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.checkpointed_gpt import CheckpointedGPT, torch_region  # noqa: E402
-from benchmarks.peak_rss import peak_mb, restart_peak  # noqa: E402
+from benchmarks.peak_rss import current_mb, peak_mb, restart_peak  # noqa: E402
 from examples.gpt import BENCH_CONFIG, RandomTokens  # noqa: E402
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _rank(rank: int, world: int, port: int, stage: int, flavour: str, steps: int, outdir: str) -> None:
@@ -53,7 +48,7 @@ def _rank(rank: int, world: int, port: int, stage: int, flavour: str, steps: int
     for i in range(steps):
         x, y = (torch.stack(t) for t in zip(*(data[8 * i + j] for j in range(8))))
         restart_peak()
-        before, t0 = _rss_mb(), time.perf_counter()
+        before, t0 = current_mb(), time.perf_counter()
         eng.backward(eng(x, y))
         eng.step()
         rows.append((peak_mb() - before, (time.perf_counter() - t0) * 1e3))

@@ -5,6 +5,7 @@ Imports nothing but the standard library (DeepSpeed's venv imports it too)."""
 from __future__ import annotations
 
 import gc
+import os
 import resource
 
 
@@ -28,3 +29,9 @@ def peak_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_mb() -> float:
+    """The resident set now (/proc/self/statm), the base a step's peak is measured above."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
