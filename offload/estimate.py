@@ -107,24 +107,29 @@ def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings,
         host, nvme = _stage3_partition(offload, opt_dev, half, psi, n, s, host, nvme)
     if stage == 3:
         accel += wbytes * min(psi + frozen, s.max_live_parameters)  # gathered parameters while a unit runs
-    placed = _frozen(stage, offload, wbytes * frozen, n, s, wbytes)
+    placed = _frozen(stage, offload, frozen, psi, n, s, wbytes)
     return MemoryEstimate(stage, offload, accel + placed[0], host + placed[1], nvme + placed[2])
 
 
-def _frozen(stage: int, offload: str, nbytes: int, n: int, s: EstimateSettings, wbytes: int) -> tuple[int, int, int]:
+def _frozen(stage: int, offload: str, frozen: int, psi: int, n: int, s: EstimateSettings,
+            wbytes: int) -> tuple[int, int, int]:
     """[Note: frozen parameters] (accelerator, host, NVMe) bytes of the frozen weights, in the model dtype,
     with no gradient and no optimizer state: whole on every rank at stages 0-2; at stage 3 a 1/N chunk
     each (engine/zero/stage3_frozen.py), on the accelerator without offload, on the host with either
-    offload section, in a chunk file with parameters on NVMe, whose reads ahead of their gathers hold up
-    to `param_buffer_count` groups on the host (counted as the pool's size, what a group may take)."""
+    offload section; with parameters on NVMe as much as `max_in_cpu` leaves after the trainable
+    partition stays on the host, the rest is in a chunk file, whose reads ahead of their gathers hold
+    up to `param_buffer_count` groups on the host (counted as the pool's size, what a group may take)."""
     if stage < 3:
-        return nbytes, 0, 0
-    chunk = nbytes // n
+        return wbytes * frozen, 0, 0
+    chunk = frozen // n
     if offload == "none":
-        return chunk, 0, 0
+        return wbytes * chunk, 0, 0
     if offload.startswith("nvme params"):
-        return 0, min(chunk, wbytes * s.param_buffer_count * s.param_buffer_size), chunk
-    return 0, chunk, 0
+        resident = min(chunk, max(0, s.max_in_cpu - psi // n))
+        on_file = chunk - resident
+        ahead = min(on_file, s.param_buffer_count * s.param_buffer_size)
+        return 0, wbytes * (resident + ahead), wbytes * on_file
+    return 0, wbytes * chunk, 0
 
 
 def _stage3_partition(offload: str, opt_dev: str, half: bool, psi: int, n: int, s: EstimateSettings,

@@ -356,10 +356,11 @@ def _frozen_cases(nvme_path: str, checkpoint_dir: str) -> dict:
     normally and by zero.Init(remote_device="nvme"); checkpoints both ways (the reloaded run starts from
     other weights, frozen ones too, so only the load's write to the file can make it equal)."""
     out = {("frozen", name): train(3, "sgd", offload, nvme_path=nvme_path, model="frozen")
-           for name, offload in (("none", {}), (PARAM_NVME, PARAM_NVME), (BOTH_NVME, BOTH_NVME))}
+           for name, offload in (("none", {}), (PARAM_NVME, PARAM_NVME), (BOTH_NVME, BOTH_NVME),
+                                 (BOTH_NVME_RESIDENT, BOTH_NVME_RESIDENT))}
     out[("frozen", "zero_init", BOTH_NVME)] = train(3, "sgd", BOTH_NVME, zero_init="nvme", nvme_path=nvme_path,
                                                     model="frozen")
-    for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME)):
+    for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME), ({}, BOTH_NVME_RESIDENT)):
         name = f"{saved or 'none'}->{loaded or 'none'}"
         out[("resume", "frozen", name)] = train(3, "sgd", saved, resume=os.path.join(checkpoint_dir, "frozen", name),
                                                 nvme_path=nvme_path, resume_into=loaded, model="frozen")

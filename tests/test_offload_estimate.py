@@ -80,8 +80,15 @@ def test_frozen_parameters_are_weights_only_where_the_stage_keeps_them():
     deltas = {offload: tuple(getattr(row(with_frozen, 3, offload), k) - getattr(row(base, 3, offload), k)
                              for k in ("accelerator_bytes", "host_bytes", "nvme_bytes"))
               for offload in ("none", "cpu optimizer", "cpu params+optimizer", "nvme params+optimizer")}
+    # max_in_cpu (1e9 by default) leaves 1e9 - 5e5 elements of host memory to the 8.75e8-element chunk
     assert deltas == {"none": (chunk, 0, 0), "cpu optimizer": (0, chunk, 0), "cpu params+optimizer": (0, chunk, 0),
-                      "nvme params+optimizer": (0, 2 * 2 * 1000, chunk)}  # the reads ahead: the pool's size
+                      "nvme params+optimizer": (0, chunk, 0)}
+    none_left = estimate_memory(psi, gpus_per_node=n, settings=replace(s, max_in_cpu=0), frozen=frozen)
+    nvme = row(none_left, 3, "nvme params+optimizer")
+    assert nvme.nvme_bytes - row(estimate_memory(psi, gpus_per_node=n, settings=replace(s, max_in_cpu=0)), 3,
+                                 "nvme params+optimizer").nvme_bytes == chunk  # all of it on file, read ahead:
+    assert nvme.host_bytes - row(estimate_memory(psi, gpus_per_node=n, settings=replace(s, max_in_cpu=0)), 3,
+                                 "nvme params+optimizer").host_bytes == 2 * 2 * 1000  # the pool's size
 
 
 def test_stage3_offload_puts_the_fp32_partition_on_the_host_in_fp32():

@@ -144,7 +144,18 @@ def test_frozen_parameters_live_in_a_file_and_train_equal(runs, key):
         _assert_same(got, want, f"rank {rank} {key}")
 
 
-@pytest.mark.parametrize("name", [f"{BOTH_NVME}->none", f"none->{BOTH_NVME}"])
+def test_frozen_chunks_that_fit_max_in_cpu_stay_in_memory(runs):
+    # stage3_frozen.py's note: max_in_cpu 1e9 holds the trainable partition and leaves room for the
+    # frozen chunks, which then are neither written to a file nor read back
+    for rank, result in enumerate(runs):
+        got, want = result[("frozen", BOTH_NVME_RESIDENT)], result[("frozen", "none")]
+        frozen = got["frozen"]
+        assert frozen["resident_bytes"] == want["frozen"]["resident_bytes"] > 0, f"rank {rank}: {frozen}"
+        assert frozen["file_bytes"] == 0 and frozen["reads_ahead"] == 0, f"rank {rank}: {frozen}"
+        _assert_same(got, want, f"rank {rank} frozen resident")
+
+
+@pytest.mark.parametrize("name", [f"{BOTH_NVME}->none", f"none->{BOTH_NVME}", f"none->{BOTH_NVME_RESIDENT}"])
 def test_checkpoints_of_frozen_parameters_move_to_and_from_a_file(runs, name):
     # the reloaded engine starts from other weights, the frozen layer's too: a load that left the
     # frozen chunk file unwritten would train from those

@@ -46,8 +46,7 @@ class Stage3Adapter(PartitionedAdapter):
     def entry_rows_loaded(self, t: torch.Tensor, rows: torch.Tensor) -> None:
         """In memory `rows` is a view of the chunk; a chunk in a file (offload_param on NVMe,
         engine/zero/stage3_frozen.py) was read into a new tensor and is written back."""
-        if self.zopt.frozen_chunks.file is not None:
-            self.zopt.frozen_chunks.put(t, rows)
+        self.zopt.frozen_chunks.loaded(t, rows)
 
     def finish_load(self) -> None:
         super().finish_load()

@@ -77,8 +77,10 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
     if host_memory_is_the_limit(zero, partition_numel(zopt.optimizer, zopt.comm.world_size)):  # as grads_swapped
         bound_heap_retention()  # where the bound pays (offload/host_heap.py's notes)
     if len(zopt.frozen_chunks):  # before the store closes zero.Init's file (stage3_frozen.py's note)
-        zopt.frozen_chunks.move_to_file(ChunkFile(_swap_dir(section), AsyncFileIO(aio, path_key=PATH_KEY),
-                                                  name=f"rank{zopt.comm.rank}", kind="frozen"))
+        left = int(section.max_in_cpu) - partition_numel(zopt.optimizer, zopt.comm.world_size)  # trainable first
+        zopt.frozen_chunks.move_to_file(lambda: ChunkFile(_swap_dir(section), AsyncFileIO(aio, path_key=PATH_KEY),
+                                                          name=f"rank{zopt.comm.rank}", kind="frozen"),
+                                        keep=max(0, left))
     swap = _swap_dir(section)
     try:
         io = AsyncFileIO(aio, path_key=PATH_KEY)

@@ -8,13 +8,17 @@ its own), read back at every use — the all-gathers, checkpoint saves and loads
 modifier writes — so a frozen base model (LoRA-style fine-tuning) holds no host memory between gathers,
 as the trainable slots do not. `move_to_file` writes them one chunk at a time, and a chunk that
 `zero.Init(remote_device="nvme")` left in its file is kept there until then, never read before: host
-memory holds one chunk at most.
+memory holds one chunk at most. They share `offload_param.max_in_cpu` with the trainable partition,
+which takes it first (its slots are rewritten every step): the frozen chunks that fit in what it
+leaves stay in host memory, whole chunks in parameter order, and are not read back.
 [Note: read ahead] As the trainable slots are (param_swap.py, `read_ahead`), a group's frozen chunks are
 read ahead of its gather when the prefetcher asks (the next `buffer_count` groups of its plan), into new
 host tensors that the gather then takes: at most `limit` groups' chunks are in flight or waiting, and
 a write to a chunk first finishes and drops its read-ahead copy (it would be stale).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -56,8 +60,8 @@ class FrozenChunks:
     def read_ahead(self, params: list) -> bool:
         """Start reading the chunks of `params` (one gather group's frozen ones) into new host tensors,
         unless they are in memory, already on their way, or `limit` groups are (module note)."""
-        group = tuple(params)
-        if self.file is None or not group or group in self._ahead or len(self._ahead) >= self.limit:
+        group = tuple(p for p in params if isinstance(self._chunks[p], SwappedChunk))
+        if not group or group in self._ahead or len(self._ahead) >= self.limit:
             return False
         reads = {}
         for p in group:
@@ -92,11 +96,23 @@ class FrozenChunks:
         """Chunks kept in memory (read-ahead copies, transient, not counted)."""
         return sum(c.untyped_storage().nbytes() for c in self._chunks.values() if isinstance(c, torch.Tensor))
 
-    def move_to_file(self, file: ChunkFile) -> None:
-        """Every chunk into `file`, one at a time (module note)."""
+    def loaded(self, p, rows: torch.Tensor) -> None:
+        """A checkpoint load wrote `rows` (a view of what `get` returned): a chunk in the file gets them."""
+        if isinstance(self._chunks[p], SwappedChunk):
+            self.put(p, rows)
+
+    def move_to_file(self, make_file: Callable[[], ChunkFile], keep: int = 0) -> None:
+        """Every chunk into the file `make_file()` makes (when one is needed), one at a time, but the first
+        ones that fit in `keep` elements, which stay in host memory (module note)."""
         for p, chunk in self._chunks.items():
-            self._chunks[p] = file.put(chunk_tensor(chunk))
-        self.file = file
+            numel = chunk.numel if isinstance(chunk, SwappedChunk) else chunk.numel()
+            if numel <= keep:
+                keep -= numel
+                self._chunks[p] = chunk_tensor(chunk)  # zero.Init's file goes when the store has copied it
+                continue
+            if self.file is None:
+                self.file = make_file()
+            self._chunks[p] = self.file.put(chunk_tensor(chunk))
 
     def close(self) -> None:
         """The chunk file and its directory (the engine's destroy)."""
