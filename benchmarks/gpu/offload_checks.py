@@ -5,7 +5,8 @@ Each case trains the tiny GPT STEPS steps with one offload setting and compares 
 stage and precision without offload (trained once per rank and shared by the cases): every fp32 master
 weight torch.equal after the steps, in fp32 and in bf16 (each against the run in its own precision).
 Cases: `offload_optimizer` "cpu" and "nvme" at stages 1, 2 and 3; `offload_param` "cpu" and "nvme" at
-stage 3 with the optimizer offloaded the same way and the model built under `zero.Init(remote_device=...)`.
+stage 3 with the optimizer offloaded the same way and the model built under `zero.Init(remote_device=...)`;
+`offload_param` "nvme" with the optimizer on the host (in bf16: 16-bit parameter files).
 [Note: bit for bit across devices] Without offload the optimizer steps on the accelerator, with it on the
 host (torch's fused CPU kernels), and the two may round differently (a fused multiply-add on one side).
 So the optimizer is SGD with momentum 0.5 and learning rate 2^-4, without weight decay: every product in
@@ -40,7 +41,18 @@ SGD = {"type": "SGD", "params": {"lr": 2**-4, "momentum": 0.5}}  # note: bit for
 SUB_GROUP = 1000  # elements; rounded up to 1024 (nvme_tier.py's lanes note): several sub-groups per partition
 # name -> the stages it runs at; "parameters" cases offload the optimizer to the same device
 OFFLOADS = {"optimizer cpu": (1, 2, 3), "optimizer nvme": (1, 2, 3),
-            "parameters+optimizer cpu": (3,), "parameters+optimizer nvme": (3,)}
+            "parameters+optimizer cpu": (3,), "parameters+optimizer nvme": (3,),
+            # the optimizer on the host: in bf16 the parameter files, pool and copies hold bf16
+            # (offload/param_swap.py's note: 16-bit files)
+            "parameters nvme+optimizer cpu": (3,)}
+
+
+def _devices(offload: str) -> tuple[str, str | None]:
+    """(offload_optimizer device, offload_param device or None) of a case name."""
+    if offload == "parameters nvme+optimizer cpu":
+        return "cpu", "nvme"
+    device = offload.split()[-1]
+    return device, device if offload.startswith("parameters") else None
 OFFLOAD_PRECISIONS = ("fp32", "bf16")
 # Pinned on an accelerator (note: placement): what asynchronous host<->device copies read or write.
 PINNED_ROLES = ("master", "swap_buffers")
@@ -52,14 +64,14 @@ def offload_config(stage: int, precision: str, offload: str | None, nvme_path: s
                                           "zero_allow_untested_optimizer": True})
     if offload is None:
         return cfg
-    zero, device = cfg["zero_optimization"], offload.split()[-1]
+    zero, (device, param_device) = cfg["zero_optimization"], _devices(offload)
     zero["offload_optimizer"] = {"device": device}
     if device == "nvme":  # SGD with momentum swaps 2 tensors per sub-group: 6 buffers read ahead and write behind
         zero["sub_group_size"] = SUB_GROUP
         zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=6, pipeline_read=True, pipeline_write=True)
-    if offload.startswith("parameters"):
-        zero["offload_param"] = {"device": device}
-        if device == "nvme":  # max_in_cpu 0: every gather reads its chunks through the (pinned) pool
+    if param_device is not None:
+        zero["offload_param"] = {"device": param_device}
+        if param_device == "nvme":  # max_in_cpu 0: every gather reads its chunks through the (pinned) pool
             zero["offload_param"].update(nvme_path=nvme_path, buffer_count=3, buffer_size=100_000, max_in_cpu=0)
     return cfg
 
@@ -87,8 +99,8 @@ def _run(stage: int, precision: str, offload: str | None, nvme_path: str | None,
     cfg = offload_config(stage, precision, offload, nvme_path)
     dev = engine.dist.device()
     torch.manual_seed(0)
-    if offload is not None and offload.startswith("parameters"):
-        with engine.zero.Init(config_dict_or_path=cfg, remote_device=offload.split()[-1]):
+    if offload is not None and _devices(offload)[1] is not None:
+        with engine.zero.Init(config_dict_or_path=cfg, remote_device=_devices(offload)[1]):
             model = GPT(TINY)
     else:
         model = GPT(TINY)
