@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 OFFLOAD_CHECKS = [f"offload {tiers} ZeRO-{stage} {precision}"
                   for tiers, stages in (("optimizer cpu", (1, 2, 3)), ("optimizer nvme", (1, 2, 3)),
                                         ("parameters+optimizer cpu", (3,)), ("parameters+optimizer nvme", (3,)),
-                                        ("parameters nvme+optimizer cpu", (3,)))
+                                        ("parameters nvme+optimizer cpu", (3,)),
+                                        ("frozen blocks, parameters+optimizer nvme", (3,)))
                   for stage in stages for precision in ("fp32", "bf16")]
 # Long sequences (issue 19), on one rank: two layouts in fp32 and bf16, three checkpointing sections in fp32.
 LONG_SEQUENCE_CHECKS = ([f"sparse attention {layout} {precision}"
@@ -41,7 +42,7 @@ def report(tmp_path_factory) -> str:
 def test_gpu_script_cpu_mode_passes_its_checks(report):
     rows = [line for line in report.splitlines() if line.startswith("| ")]
     checks = [r for r in rows if "| PASS |" in r or "| FAIL |" in r]
-    # 12 stage x precision cases, 6 resumes, zero.Init, 18 offload cases: on one rank and again on two;
+    # 12 stage x precision cases, 6 resumes, zero.Init, 20 offload cases: on one rank and again on two;
     # the long-sequence cases on one rank only.
     assert len(checks) == 2 * (19 + len(OFFLOAD_CHECKS)) + len(LONG_SEQUENCE_CHECKS), report
     assert all("| PASS |" in r for r in checks), report

@@ -6,7 +6,8 @@ stage and precision without offload (trained once per rank and shared by the cas
 weight torch.equal after the steps, in fp32 and in bf16 (each against the run in its own precision).
 Cases: `offload_optimizer` "cpu" and "nvme" at stages 1, 2 and 3; `offload_param` "cpu" and "nvme" at
 stage 3 with the optimizer offloaded the same way and the model built under `zero.Init(remote_device=...)`;
-`offload_param` "nvme" with the optimizer on the host (in bf16: 16-bit parameter files).
+`offload_param` "nvme" with the optimizer on the host (in bf16: 16-bit parameter files); the GPT's
+blocks frozen with both on NVMe (frozen chunks in a file of their own, read back at each gather).
 [Note: bit for bit across devices] Without offload the optimizer steps on the accelerator, with it on the
 host (torch's fused CPU kernels), and the two may round differently (a fused multiply-add on one side).
 So the optimizer is SGD with momentum 0.5 and learning rate 2^-4, without weight decay: every product in
@@ -44,13 +45,17 @@ OFFLOADS = {"optimizer cpu": (1, 2, 3), "optimizer nvme": (1, 2, 3),
             "parameters+optimizer cpu": (3,), "parameters+optimizer nvme": (3,),
             # the optimizer on the host: in bf16 the parameter files, pool and copies hold bf16
             # (offload/param_swap.py's note: 16-bit files)
-            "parameters nvme+optimizer cpu": (3,)}
+            "parameters nvme+optimizer cpu": (3,),
+            # the GPT's blocks frozen: their chunks in a file of their own (engine/zero/stage3_frozen.py)
+            "frozen blocks, parameters+optimizer nvme": (3,)}
 
 
 def _devices(offload: str) -> tuple[str, str | None]:
     """(offload_optimizer device, offload_param device or None) of a case name."""
     if offload == "parameters nvme+optimizer cpu":
         return "cpu", "nvme"
+    if offload.startswith("frozen blocks, "):
+        return _devices(offload.removeprefix("frozen blocks, "))
     device = offload.split()[-1]
     return device, device if offload.startswith("parameters") else None
 OFFLOAD_PRECISIONS = ("fp32", "bf16")
@@ -94,8 +99,9 @@ def _staged_on_cpu(dev: torch.device):
 
 
 def _run(stage: int, precision: str, offload: str | None, nvme_path: str | None, rank: int,
-         syncs: list | None = None) -> tuple[dict, list[float], str]:
-    """Full fp32 masters (on the host), losses and the placement summary of one trained engine."""
+         syncs: list | None = None, frozen: bool = False) -> tuple[dict, list[float], str]:
+    """Full fp32 masters (on the host; a frozen parameter's gathered value), losses and the placement
+    summary of one trained engine; `frozen`: the GPT's blocks frozen."""
     cfg = offload_config(stage, precision, offload, nvme_path)
     dev = engine.dist.device()
     torch.manual_seed(0)
@@ -104,6 +110,9 @@ def _run(stage: int, precision: str, offload: str | None, nvme_path: str | None,
             model = GPT(TINY)
     else:
         model = GPT(TINY)
+    if frozen:
+        for block in model.blocks:
+            block.requires_grad_(False)
     with _staged_on_cpu(dev) if offload is not None else contextlib.nullcontext():
         eng, _, _, _ = engine.initialize(model=model, config=cfg)
     try:
@@ -111,7 +120,10 @@ def _run(stage: int, precision: str, offload: str | None, nvme_path: str | None,
             losses, found = train(eng, batches(STEPS, TINY, MICRO, rank), count_syncs=syncs is not None)
         if syncs is not None:
             syncs.extend(found)
-        masters = {n: safe_get_full_fp32_param(p).cpu() for n, p in eng.module.named_parameters()}
+        masters = {n: safe_get_full_fp32_param(p).cpu() for n, p in eng.module.named_parameters() if p.requires_grad}
+        frozen_params = [(n, p) for n, p in eng.module.named_parameters() if not p.requires_grad]
+        with engine.zero.GatheredParameters([p for _, p in frozen_params]) if stage == 3 else contextlib.nullcontext():
+            masters.update({n: p.detach().float().cpu().clone() for n, p in frozen_params})
         # after every collective but its own gather: a rank that raises here leaves no other rank waiting
         where = _placement(eng, stage) if offload is not None else ""
     finally:
@@ -146,13 +158,14 @@ def _placement(eng, stage: int) -> str:
 
 def check_offload(offload: str, stage: int, precision: str, rank: int = 0, syncs: dict | None = None,
                   name: str = "") -> str:
-    key = (stage, precision)
+    frozen = offload.startswith("frozen blocks")
+    key = (stage, precision, frozen)
     if key not in check_offload.reference:
-        check_offload.reference[key] = _run(stage, precision, None, None, rank)[:2]
+        check_offload.reference[key] = _run(stage, precision, None, None, rank, frozen=frozen)[:2]
     want, want_losses = check_offload.reference[key]
     found = [] if syncs is not None else None
     with tempfile.TemporaryDirectory(prefix="dstrain-gpu-nvme-") as nvme_path:
-        got, losses, where = _run(stage, precision, offload, nvme_path, rank, found)
+        got, losses, where = _run(stage, precision, offload, nvme_path, rank, found, frozen=frozen)
         left = os.listdir(nvme_path)
     if left:
         raise AssertionError(f"engine.destroy() left {left} in the NVMe path")
@@ -167,7 +180,7 @@ def check_offload(offload: str, stage: int, precision: str, rank: int = 0, syncs
             f"{losses[-1]:.4f} (without: {want_losses[-1]:.4f}); on the host: {where}")
 
 
-check_offload.reference = {}  # (stage, precision) -> masters and losses without offload, on this rank
+check_offload.reference = {}  # (stage, precision, frozen) -> masters and losses without offload, on this rank
 
 
 def offload_cases(rank: int = 0, syncs: dict | None = None) -> list[tuple]:
