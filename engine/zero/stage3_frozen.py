@@ -9,8 +9,8 @@ modifier writes — so a frozen base model (LoRA-style fine-tuning) holds no hos
 as the trainable slots do not. `move_to_file` writes them one chunk at a time, and a chunk that
 `zero.Init(remote_device="nvme")` left in its file is kept there until then, never read before: host
 memory holds one chunk at most. They share `offload_param.max_in_cpu` with the trainable partition,
-which takes it first (its slots are rewritten every step): the frozen chunks that fit in what it
-leaves stay in host memory, whole chunks in parameter order, and are not read back.
+which takes it first (its slots are rewritten every step): whole frozen chunks that still fit in what
+it leaves, taken in parameter order, stay in host memory and are not read back.
 [Note: read ahead] As the trainable slots are (param_swap.py, `read_ahead`), a group's frozen chunks are
 read ahead of its gather when the prefetcher asks (the next `buffer_count` groups of its plan), into new
 host tensors that the gather then takes: at most `limit` groups' chunks are in flight or waiting, and
@@ -102,8 +102,9 @@ class FrozenChunks:
             self.put(p, rows)
 
     def move_to_file(self, make_file: Callable[[], ChunkFile], keep: int = 0) -> None:
-        """Every chunk into the file `make_file()` makes (when one is needed), one at a time, but the first
-        ones that fit in `keep` elements, which stay in host memory (module note)."""
+        """Every chunk into the file `make_file()` makes (when one is needed), one at a time, except those
+        that still fit in `keep` elements when their turn comes (parameter order), which stay in host
+        memory (module note)."""
         for p, chunk in self._chunks.items():
             numel = chunk.numel if isinstance(chunk, SwappedChunk) else chunk.numel()
             if numel <= keep:
