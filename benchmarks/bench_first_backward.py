@@ -22,12 +22,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peak_rss import current_mb, peak_mb, restart_peak  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
 FLAVOURS = ("torch-reentrant", "dstrain-reentrant", "non-reentrant")
@@ -50,20 +48,12 @@ def _run(stage: int, flavour: str, steps: int) -> list[tuple[float, float]]:
     import torch
 
     import engine
-    from examples.gpt import RandomTokens
+    from benchmarks.checkpointed_gpt import measured_steps
     model, cfg = _model(flavour)
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage}}
     eng, *_ = engine.initialize(model=model, config=config)
-    data = RandomTokens(8 * steps, cfg.seq_len, cfg.vocab_size, seed=torch.distributed.get_rank())
-    rows = []
-    for i in range(steps):
-        x, y = (torch.stack(t) for t in zip(*(data[8 * i + j] for j in range(8))))
-        restart_peak()
-        before, t0 = current_mb(), time.perf_counter()
-        eng.backward(eng(x, y))
-        eng.step()
-        rows.append((peak_mb() - before, (time.perf_counter() - t0) * 1e3))
+    rows = measured_steps(eng, cfg, steps, torch.distributed.get_rank())
     eng.destroy()
     return rows
 

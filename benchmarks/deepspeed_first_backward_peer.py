@@ -16,7 +16,6 @@ import os
 import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -24,9 +23,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.checkpointed_gpt import CheckpointedGPT, torch_region  # noqa: E402
-from benchmarks.peak_rss import current_mb, peak_mb, restart_peak  # noqa: E402
-from examples.gpt import BENCH_CONFIG, RandomTokens  # noqa: E402
+from benchmarks.checkpointed_gpt import CheckpointedGPT, measured_steps, torch_region  # noqa: E402
+from examples.gpt import BENCH_CONFIG  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, stage: int, flavour: str, steps: int, outdir: str) -> None:
@@ -43,15 +41,7 @@ def _rank(rank: int, world: int, port: int, stage: int, flavour: str, steps: int
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
            "zero_optimization": {"stage": stage}}
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    data = RandomTokens(8 * steps, BENCH_CONFIG.seq_len, BENCH_CONFIG.vocab_size, seed=rank)
-    rows = []
-    for i in range(steps):
-        x, y = (torch.stack(t) for t in zip(*(data[8 * i + j] for j in range(8))))
-        restart_peak()
-        before, t0 = current_mb(), time.perf_counter()
-        eng.backward(eng(x, y))
-        eng.step()
-        rows.append((peak_mb() - before, (time.perf_counter() - t0) * 1e3))
+    rows = measured_steps(eng, BENCH_CONFIG, steps, rank)
     Path(outdir, f"{rank}.json").write_text(json.dumps(rows))
     deepspeed.comm.destroy_process_group()
 
