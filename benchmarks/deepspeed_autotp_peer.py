@@ -15,15 +15,12 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 GLOBAL_BATCH, SEQ, VOCAB, LR = 8, 128, 12_000, 1e-4
 
@@ -74,12 +71,8 @@ def main() -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_rank, args=(args.world, port, args.tp, args.steps, outdir), nprocs=args.world)
-        rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
+    from benchmarks.peer_ranks import spawn_ranks  # the repository root is on the path from here (below)
+    rows = spawn_ranks(_rank, args.world, args.tp, args.steps)
     print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows)}))
     return 0
 

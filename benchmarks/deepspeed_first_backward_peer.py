@@ -13,17 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.checkpointed_gpt import CheckpointedGPT, measured_steps, torch_region  # noqa: E402
+from benchmarks.peer_ranks import spawn_ranks  # noqa: E402
 from examples.gpt import BENCH_CONFIG  # noqa: E402
 
 
@@ -53,12 +51,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--world", type=int, default=2)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_rank, args=(args.world, port, args.stage, args.flavour, args.steps, outdir), nprocs=args.world)
-        ranks = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
+    ranks = spawn_ranks(_rank, args.world, args.stage, args.flavour, args.steps)
     print(json.dumps([[max(r[i][k] for r in ranks) for k in (0, 1)] for i in range(args.steps)]))
     return 0
 

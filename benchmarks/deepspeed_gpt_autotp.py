@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.peer_ranks import spawn_ranks  # noqa: E402
 from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
 
 GPT_AUTOTP_LAYERS = {"use_default_specs": False, "layer_specs": [
@@ -76,15 +75,9 @@ def _rank(rank: int, world: int, port: int, stage: int, outdir: str) -> None:
 
 
 def main() -> int:
-    import tempfile
     dense, failed = dense_losses(), 0
     for stage in (1, 3):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with tempfile.TemporaryDirectory() as outdir:
-            mp.spawn(_rank, args=(2, port, stage, outdir), nprocs=2)
-            rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(2)]
+        rows = spawn_ranks(_rank, 2, stage)
         worst = max(abs(a - b) for row in rows for a, b in zip(row["losses"], dense))
         ok = worst < 1e-5 and all(row["qkv"] == [3 * CHECK_MODEL.d_model // 2, CHECK_MODEL.d_model] for row in rows)
         failed += not ok

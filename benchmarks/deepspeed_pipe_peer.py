@@ -10,19 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pipe_workload as wl  # noqa: E402
+from peer_ranks import spawn_ranks  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, m: int, steps: int, outdir: str) -> None:
@@ -54,12 +52,7 @@ def main() -> int:
     p.add_argument("--micro-batches", type=int, required=True)
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_rank, args=(args.stages, port, args.micro_batches, args.steps, outdir), nprocs=args.stages)
-        rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.stages)]
+    rows = spawn_ranks(_rank, args.stages, args.micro_batches, args.steps)
     print(json.dumps({"step_ms": max(r["step_ms"] for r in rows)}))
     return 0
 
