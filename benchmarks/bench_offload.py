@@ -50,7 +50,8 @@ the shared sections' `buffer_count`s (both systems), `--deepspeed-param-buffers`
 `dstrain-z3-nvme-param` / `deepspeed-z3-nvme-param`: parameters on NVMe, optimizer on the host; with
 `--bf16` (both systems train in bf16) dstrain's parameter files hold bf16 (offload/param_swap.py's note:
 16-bit files), as DeepSpeed's do; `dstrain-z3-nvme-param-fp32-files` keeps them fp32 (what the 16-bit
-files save).
+files save). With both tiers on NVMe the same: `dstrain-z3-nvme` in bf16 keeps 16-bit parameter files
+and the master in the optimizer's files, `dstrain-z3-nvme-fp32-files` fp32 parameter files.
 `*-frozen` rows freeze the GPT's six blocks (19M of its 25M parameters; embeddings, final norm and the
 tied head train), a LoRA-style frozen base: `dstrain-z3-frozen` without offload, `dstrain-z3-nvme-frozen`
 and `deepspeed-z3-nvme-frozen` with everything on NVMe (dstrain keeps the frozen chunks in a file of
@@ -99,6 +100,8 @@ DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
            # parameters on NVMe, optimizer on the host (with --bf16: 16-bit parameter files, param_swap.py)
            "dstrain-z3-nvme-param": (NVME_PARAM, {}, 3),
            "dstrain-z3-nvme-param-fp32-files": (NVME_PARAM, {"DSTRAIN_BENCH_PARAM_FILES_FP32": "1"}, 3),
+           # both on NVMe with --bf16: 16-bit parameter files, the master in the optimizer's files
+           "dstrain-z3-nvme-fp32-files": (NVME_BOTH, {"DSTRAIN_BENCH_PARAM_FILES_FP32": "1"}, 3),
            # the GPT's blocks frozen (a LoRA-style base; engine/zero/stage3_frozen.py): without offload,
            # with their chunks in a file read ahead of each gather, and read only when gathered
            "dstrain-z3-frozen": ({}, {FROZEN: "1"}, 3), "dstrain-z3-nvme-frozen": (NVME_BOTH, {FROZEN: "1"}, 3),

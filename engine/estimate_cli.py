@@ -36,7 +36,8 @@ def _settings(args: argparse.Namespace):
     return EstimateSettings(precision=precision, reduce_bucket_size=zero.reduce_bucket_size,
                             max_live_parameters=zero.max_live_parameters, sub_group_size=zero.sub_group_size,
                             **({"optimizer_buffer_count": optimizer.buffer_count,
-                                "swap_slots": optimizer.swap_slots, "swap_gradients": optimizer.swap_gradients}
+                                "swap_slots": optimizer.swap_slots, "swap_gradients": optimizer.swap_gradients,
+                                "fast_init": optimizer.fast_init}
                                if optimizer else {}),
                             **({"param_buffer_count": param.buffer_count, "param_buffer_size": param.buffer_size,
                                 "max_in_cpu": param.max_in_cpu} if param else {}))

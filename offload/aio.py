@@ -313,11 +313,13 @@ def _byte_view(tensor: torch.Tensor, path: str) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def staged_empty(numel: int, offset_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base, view): `view` has `numel` fp32 elements at an address congruent to the file offset of
+def staged_empty(numel: int, offset_elements: int,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, view): `view` has `numel` elements of `dtype` at an address congruent to the file offset of
     `offset_elements` modulo the O_DIRECT block, so a transfer of it at that offset can go direct."""
-    phase = (offset_elements * 4 % ALIGNMENT) // 4
-    base = aligned_empty(phase + numel, torch.float32)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    phase = (offset_elements * itemsize % ALIGNMENT) // itemsize
+    base = aligned_empty(phase + numel, dtype)
     return base, base[phase:phase + numel]
 
 

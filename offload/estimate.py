@@ -56,6 +56,7 @@ class EstimateSettings:
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
+    fast_init: bool = False  # offload_optimizer.fast_init: fp32 parameter files in 16-bit training (stage-3 note)
 
 
 def estimate_memory(params: int, nodes: int = 1, gpus_per_node: int = 1,
@@ -139,15 +140,15 @@ def _stage3_partition(offload: str, opt_dev: str, half: bool, psi: int, n: int, 
     stage-3 note), not on the accelerator. With the optimizer on the host in 16-bit training it *is* the
     master, counted already; otherwise it is added here. With parameters on NVMe it is in swap files
     (engine/zero/param_nvme.py): the host keeps the parameter pool and up to `max_in_cpu` resident
-    elements, and with the optimizer on NVMe too no host copy at all. In 16-bit training with the optimizer
-    on the host the files, the pool and the resident copies hold 2 bytes per element (param_swap.py's note:
-    16-bit files)."""
+    elements, and with the optimizer on NVMe too no host copy at all. In 16-bit training the files, the pool
+    and the resident copies hold 2 bytes per element (param_swap.py's note: 16-bit files), except with the
+    optimizer on NVMe and its `fast_init`, whose first step reads the master from them."""
     flat = 4 * psi // n
     in_host = not (offload == "nvme params+optimizer")
     if in_host and not (opt_dev == "cpu" and half):
         host += flat
     if offload.startswith("nvme params"):
-        fbytes = 2 if half and opt_dev == "cpu" else 4
+        fbytes = 2 if half and not (opt_dev == "nvme" and s.fast_init) else 4
         nvme += fbytes * psi // n
         host += fbytes * (s.param_buffer_count * min(s.param_buffer_size, psi // n) + min(s.max_in_cpu, psi // n))
     return host, nvme

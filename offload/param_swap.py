@@ -27,14 +27,18 @@ never seen. Where the whole partition is resident (DeepSpeed's default `max_in_c
 holds models up to 1e9 parameters per rank) a step writes no parameter byte: the updated parameters
 stay in host memory as DeepSpeed's parameter buffers keep them, without the write-through's
 4 bytes per partition element of disk traffic each step.
-[Note: 16-bit files] In fp16/bf16 training with the fp32 master in host memory for good (the optimizer
-on the host) and built from values of that dtype (engine/zero/param_nvme.py decides), the
-files, the pool and the resident copies hold the model dtype: what the all-gathers send anyway, cast
-from the master as each step writes it (the same cast the gather of an in-memory partition makes), so
-the gathers read and the steps write half the bytes, as DeepSpeed's 16-bit parameter swapper does.
-Every reader of fp32 values reads the in-memory master (`read`); a store with 16-bit files refuses to
-drop it. Otherwise the files hold fp32: with the optimizer on NVMe they are where the tier's readers
-find the master's values.
+[Note: 16-bit files] In fp16/bf16 training with the partition built from values of the model dtype
+(engine/zero/param_nvme.py decides), the files, the pool and the resident copies hold that dtype: what
+the all-gathers send anyway, cast from the master as each step writes it (the same cast the gather of
+an in-memory partition makes), so the gathers read and the steps write half the bytes, as DeepSpeed's
+16-bit parameter swapper does. The fp32 master is then kept elsewhere, and every reader of fp32 values
+(`read`: checkpoints, `safe_get_*`) and writer of them (`write`: a checkpoint load, a
+`GatheredParameters` edit) reaches it there: in host memory with the optimizer on the host; in the NVMe
+optimizer's own files with the optimizer on NVMe (`drop_host_master(master_source=...)`: its
+`read_master` / `write_master`; a step's update comes with `write_behind` and a checkpoint load's with
+`write_image`, both of which write only the 16-bit image, since the tier wrote the master itself). Otherwise the files hold fp32 and
+are where readers find the master's values: fp32 training, and `offload_optimizer.fast_init`, whose
+first step reads its first master from them.
 [Note: write-behind] The NVMe optimizer tier hands each updated sub-group over with `write_behind`: the
 values bound for the files are copied into a staging buffer of the store (the caller's buffer goes back
 to the optimizer's pool when the call returns) and the write is started, not waited for, so it overlaps the next
@@ -54,7 +58,6 @@ from offload.aio import AsyncFileIO, staged_empty
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
 
-FP32_BYTES = 4
 CPU = torch.device("cpu")
 WRITE_BEHIND = 1  # write-backs in flight (module note: write-behind)
 
@@ -93,6 +96,7 @@ class NvmeParamStore:
         if pool.dtype != dtype:
             raise ValueError(f"the parameter pool holds {pool.dtype}, the files {dtype}")
         self.master_in_memory = True
+        self.master_source = None  # the NVMe optimizer tier, where it holds the master and the files 16 bits
         self.files = {key: swap.file(f"{name}.{i}.param.swp") for i, key in enumerate(partition.flat)}
         self._slots: dict[tuple, _Slots] = {}
         self._cache: dict[tuple, torch.Tensor] = {}  # group -> its slots, resident (max_in_cpu)
@@ -126,6 +130,8 @@ class NvmeParamStore:
     def read(self, key, start: int, stop: int) -> torch.Tensor:
         if self.master_in_memory:
             return self.partition.flat[key].detach()[start:stop]
+        if self.master_source is not None:  # module note: 16-bit files
+            return self.master_source.read_master(key, start, stop)
         out = torch.empty(stop - start, dtype=torch.float32, device=CPU)
         parts = self._resident_parts(key, start, stop)
         if sum(b - a for a, b, _ in parts) < stop - start:  # some elements are only in the file
@@ -146,7 +152,14 @@ class NvmeParamStore:
             dst = self.partition.flat[key].detach()[start:start + values.numel()]
             if dst.data_ptr() != values.data_ptr():
                 dst.copy_(values)
+        elif self.master_source is not None:  # module note: 16-bit files
+            self.master_source.write_master(key, start, values)
         self._write_file(key, start, values)
+
+    def write_image(self, key, start: int, values: torch.Tensor) -> None:
+        """Only what the gathers send (the files and the resident copies): the caller writes the master
+        itself (the NVMe optimizer tier's checkpoint load)."""
+        self._write_file(key, start, values.detach().reshape(-1))
 
     def write_behind(self, key, start: int, values: torch.Tensor) -> None:
         """`write`, with the file write overlapping what the caller does next (module note: write-behind)."""
@@ -198,10 +211,15 @@ class NvmeParamStore:
                 dst[a:b].copy_(view)
         self.master_in_memory = True
 
-    def drop_host_master(self) -> None:
-        """The master lives in the NVMe optimizer's files now: free the flats' bytes (module note)."""
-        if self.dtype != torch.float32:  # the files would be the only copy, and they are rounded
-            raise RuntimeError("the parameter files hold 16-bit values; the fp32 master cannot leave memory")
+    def drop_host_master(self, master_source=None) -> None:
+        """The master lives in the NVMe optimizer's files now: free the flats' bytes (module note). 16-bit
+        files round it, so fp32 reads and writes then go to `master_source` (`read_master`,
+        `write_master`: the optimizer tier); fp32 files hold it exactly."""
+        if self.dtype != torch.float32:
+            if master_source is None:
+                raise RuntimeError("the parameter files hold 16-bit values; the fp32 master cannot leave memory "
+                                   "without the optimizer's files to read it from")
+            self.master_source = master_source
         self.master_in_memory = False
         for flat in self.partition.flat.values():
             flat.detach().untyped_storage().resize_(0)
@@ -359,11 +377,11 @@ class NvmeParamStore:
                                                     a * self.itemsize).wait()
             return
         lo, hi = gaps[0][0], gaps[-1][1]  # staged: only the run of elements bound for the file
-        base, staged = staged_empty(hi - lo, lo)
+        base, staged = staged_empty(hi - lo, lo, self.dtype)
         staged.copy_(values[lo - start:hi - start])
         while len(self._behind) >= WRITE_BEHIND:
             self._finish_oldest()
-        self._behind.append(([self.io.write(self.files[key], staged[a - lo:b - lo], a * FP32_BYTES)
+        self._behind.append(([self.io.write(self.files[key], staged[a - lo:b - lo], a * self.itemsize)
                               for a, b in gaps], base))
         self.writes_behind += 1
 

@@ -83,6 +83,7 @@ class SwappedPartition:
         if sub_group_size < 1:
             raise ValueError(f"{SUB_GROUP_KEY} must be at least 1 element (got {sub_group_size})")
         self.numel, self.aio, self.pool, self.name = int(numel), aio, pool, name
+        self.sub_group_size = int(sub_group_size)
         self.groups = [(s, min(s + sub_group_size, self.numel)) for s in range(0, self.numel, sub_group_size)]
         self.buffer_elements = sub_group_buffer_elements(self.numel, sub_group_size)
         self.stride_bytes = self.buffer_elements * 4
@@ -358,6 +359,43 @@ class SwappedPartition:
         self._check_committed(dict.fromkeys(keys, self._slot))
         files = {key: self._file(key, self._slot) for key in keys}
         return FrozenState(snapshot_files(files, path_for, path_key), self.groups, self.stride_bytes, scalars)
+
+    # -- the master alone, between steps (offload/param_swap.py's note: 16-bit files) ---------------
+    def _master_runs(self, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+        """(a, b, byte offset): the parts of elements [start, stop), one per sub-group they fall in."""
+        if not 0 <= start <= stop <= self.numel:
+            raise ValueError(f"master elements [{start}, {stop}) are outside this partition's {self.numel}")
+        a = start
+        while a < stop:
+            k = a // self.sub_group_size
+            b = min(stop, self.groups[k][1])
+            yield a, b, k * self.stride_bytes + (a - self.groups[k][0]) * 4
+            a = b
+
+    def read_master(self, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the committed fp32 master: a new tensor."""
+        self._finish_writes()
+        if self._initial is not None:  # nothing written yet (module note: deferred initialisation)
+            return self._initial(start, stop).to(dtype=torch.float32, copy=True)
+        self._check_committed({MASTER: self._slot})
+        out = torch.empty(stop - start, dtype=torch.float32, device="cpu")
+        path = self._file(MASTER, self._slot)
+        for handle in [self.aio.read(path, out[a - start:b - start], at) for a, b, at in self._master_runs(start, stop)]:
+            handle.wait()
+        return out
+
+    def write_master(self, start: int, values: torch.Tensor) -> None:
+        """Replace elements [start, start + len(values)) of the committed master in place (a checkpoint
+        load's or a `GatheredParameters` edit's values), the state and the other slot untouched."""
+        if self._initial is not None:
+            raise RuntimeError("the master is still the caller's host copy (deferred initialisation): write it there")
+        self._finish_writes()
+        self._check_committed({MASTER: self._slot})
+        values = values.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+        path = self._file(MASTER, self._slot)
+        runs = self._master_runs(start, start + values.numel())
+        for handle in [self.aio.write(path, values[a - start:b - start], at) for a, b, at in runs]:
+            handle.wait()
 
     def state_chunks(self) -> Iterator[dict]:
         """The state, one sub-group at a time: {"start", "end", "master", "state": {key: tensor},

@@ -45,6 +45,9 @@ MAX_IN_CPU = 600
 # step writes no parameter byte (offload/param_swap.py's note: write-back), and the unset
 # swap_gradients keeps the gradient in host memory (grad_swap.py's note: when)
 BOTH_NVME_RESIDENT = "both_nvme+resident"
+# BOTH_NVME with offload_optimizer.fast_init: its first step reads the master from the parameter files,
+# which then hold fp32 in 16-bit training too (offload/param_swap.py's note: 16-bit files)
+BOTH_NVME_FAST = "both_nvme+fast_init"
 PARAM_NVME_BUFFERS = 3
 NVME_FAST = "nvme+fast_init"  # NVME with offload_optimizer.fast_init: no swap file written at initialisation
 NVME_ONE_SLOT = "nvme+one_slot"  # NVME with offload_optimizer.swap_slots 1: the state files written in place
@@ -87,9 +90,11 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
         if offload == NVME_FOLD:
             cfg["zero_optimization"]["reduce_bucket_size"] = FOLD_BUCKET
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
-    elif offload in (PARAM_NVME, BOTH_NVME, BOTH_NVME_RESIDENT):
+    elif offload in (PARAM_NVME, BOTH_NVME, BOTH_NVME_RESIDENT, BOTH_NVME_FAST):
         cfg["zero_optimization"].update(_nvme(optimizer, nvme_path) if offload != PARAM_NVME else OPT_CPU,
                                         **_param_nvme(nvme_path, 10**9 if offload == BOTH_NVME_RESIDENT else MAX_IN_CPU))
+        if offload == BOTH_NVME_FAST:
+            cfg["zero_optimization"]["offload_optimizer"]["fast_init"] = True
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
     else:
         cfg["zero_optimization"].update(offload)
@@ -297,6 +302,9 @@ PARAM_NVME_CASES[("inf", "fp32", 3, BOTH_NVME_RESIDENT)] = (3, "adamw", BOTH_NVM
 # 16-bit training with the optimizer on the host: 16-bit parameter files (param_swap.py's note); the
 # references are MIXED_CASES' stage-3 "none" runs
 PARAM_NVME_CASES.update({(precision, 3, PARAM_NVME): (3, "adamw", PARAM_NVME, precision) for precision in ("fp16", "bf16")})
+# ... and with the optimizer on NVMe too: the master is read from and written to the optimizer's files
+PARAM_NVME_CASES.update({(precision, 3, BOTH_NVME): (3, "adamw", BOTH_NVME, precision) for precision in ("fp16", "bf16")})
+PARAM_NVME_CASES[("bf16", 3, BOTH_NVME_FAST)] = (3, "adamw", BOTH_NVME_FAST, "bf16")
 FAST_INIT_CASES = {(stage, opt, NVME_FAST): (stage, opt, NVME_FAST) for stage, opt in ((2, "sgd"), (3, "adamw"))}
 ONE_SLOT_CASES = {(stage, opt, NVME_ONE_SLOT): (stage, opt, NVME_ONE_SLOT) for stage, opt in ((2, "adamw"), (3, "sgd"))}
 GRAD_MEMORY_CASES = {(stage, opt, NVME_GRAD_MEMORY): (stage, opt, NVME_GRAD_MEMORY)
@@ -338,6 +346,15 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
                                                nvme_path=nvme_path, resume_into=loaded, model="stack")
     for name in (PARAM_NVME, BOTH_NVME):  # zero.Init(remote_device="nvme"): straight into swap files
         out[("zero_init_nvme", name)] = train(3, "sgd", name, zero_init="nvme", nvme_path=nvme_path, model="stack")
+    # bf16 with both tiers on NVMe (16-bit parameter files, the master in the optimizer's files): checkpoints
+    # both ways, and zero.Init's bf16 chunks as the first master
+    for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME)):
+        name = f"{saved or 'none'}->{loaded or 'none'}"
+        out[("resume", "bf16", name)] = train(3, "adamw", saved, "bf16", resume=os.path.join(checkpoint_dir, "bf16", name),
+                                              nvme_path=nvme_path, resume_into=loaded)
+    out[("stack", "bf16", "none")] = train(3, "sgd", {}, "bf16", nvme_path=nvme_path, model="stack")
+    out[("zero_init_nvme", "bf16", BOTH_NVME)] = train(3, "sgd", BOTH_NVME, "bf16", zero_init="nvme",
+                                                      nvme_path=nvme_path, model="stack")
     out.update(_frozen_cases(nvme_path, checkpoint_dir))
     out["zero_init_nvme_without_config"] = _init_refusal()
     out[("zero_init", "both_cpu")] = train(3, "sgd", BOTH_CPU, zero_init=True)

@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from tests.offload_runs import (BOTH_NVME, BOTH_NVME_RESIDENT, INF_STEP, PARAM_NVME, PARAM_NVME_CASES, STEPS,
+from tests.offload_runs import (BOTH_NVME, BOTH_NVME_FAST, BOTH_NVME_RESIDENT, INF_STEP, PARAM_NVME, PARAM_NVME_CASES, STEPS,
                                 assert_same as _assert_same, shared_runs)
 
 
@@ -163,17 +163,49 @@ def test_checkpoints_of_frozen_parameters_move_to_and_from_a_file(runs, name):
         _assert_same(result[("resume", "frozen", name)], result[("frozen", "none")], f"rank {rank} frozen {name}")
 
 
+@pytest.mark.parametrize("name", [PARAM_NVME, BOTH_NVME])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_16bit_training_swaps_16bit_parameters_and_equals_no_offload(runs, precision):
-    # offload/param_swap.py's note (16-bit files): the files hold what the gathers send, half the bytes
+def test_16bit_training_swaps_16bit_parameters_and_equals_no_offload(runs, precision, name):
+    # offload/param_swap.py's note (16-bit files): the files hold what the gathers send, half the bytes; the
+    # fp32 master is in host memory (the optimizer there) or in the NVMe optimizer's files
     for rank, result in enumerate(runs):
-        got = result[(precision, 3, PARAM_NVME)]
+        got = result[(precision, 3, name)]
         store = got["param_store"]
         assert store["file_dtype"] == f"torch.{'float16' if precision == 'fp16' else 'bfloat16'}", store
-        assert store["file_bytes"] == 2 * store["partition_numel"] and store["master_in_memory"], store
-        _assert_same(got, result[(precision, 3, "none")], f"rank {rank} {precision} param_nvme")
+        assert store["file_bytes"] == 2 * store["partition_numel"], store
+        assert store["master_in_memory"] is (name == PARAM_NVME), store
+        if name == BOTH_NVME:
+            assert store["partition_bytes"] == 0 and store["writes_behind"] > 0, store
+        _assert_same(got, result[(precision, 3, "none")], f"rank {rank} {precision} {name}")
     # fp32 training keeps fp32 files
     assert runs[0][(3, "adamw", PARAM_NVME)]["param_store"]["file_dtype"] == "torch.float32"
+    assert runs[0][(3, "adamw", BOTH_NVME)]["param_store"]["file_dtype"] == "torch.float32"
+
+
+def test_fast_init_keeps_fp32_parameter_files_in_bf16_and_equals_no_offload(runs):
+    # its first step reads the first master from the parameter files: 16-bit ones would round it
+    for rank, result in enumerate(runs):
+        got = result[("bf16", 3, BOTH_NVME_FAST)]
+        assert got["param_store"]["file_dtype"] == "torch.float32" and got["swap_files_at_init"] == 0, got
+        _assert_same(got, result[("bf16", 3, "none")], f"rank {rank} bf16 fast_init")
+
+
+@pytest.mark.parametrize("name", [f"{BOTH_NVME}->none", f"none->{BOTH_NVME}"])
+def test_bf16_checkpoints_move_between_16bit_parameter_files_and_no_offload(runs, name):
+    # saved: the master streams from the optimizer's files; loaded: written to them, the 16-bit image to
+    # the parameter files (the reloaded engine starts from other weights: only the load makes it equal)
+    for rank, result in enumerate(runs):
+        got = result[("resume", "bf16", name)]
+        if name.endswith(BOTH_NVME):
+            assert got["param_store"]["file_dtype"] == "torch.bfloat16", got["param_store"]
+        _assert_same(got, result[("bf16", 3, "none")], f"rank {rank} bf16 resumed {name}")
+
+
+def test_zero_init_bf16_chunks_on_nvme_become_the_master_of_the_optimizer_files(runs):
+    for rank, result in enumerate(runs):
+        got = result[("zero_init_nvme", "bf16", BOTH_NVME)]
+        assert got["init_chunks"] == ["SwappedChunk"] and got["param_store"]["file_dtype"] == "torch.bfloat16", got
+        _assert_same(got, result[("stack", "bf16", "none")], f"rank {rank} bf16 zero.Init nvme")
 
 
 def _modifier_edits(nvme_path: str) -> dict:
@@ -186,10 +218,10 @@ def _modifier_edits(nvme_path: str) -> dict:
     from tests.offload_runs import GAS, MICRO, _frozen_stack, _gathered, config
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     out = {}
-    for name in ("none", PARAM_NVME):
+    for name in ("none", PARAM_NVME, BOTH_NVME):
         torch.manual_seed(0)
-        cfg = config(3, "sgd", {} if name == "none" else PARAM_NVME, "bf16", nvme_path)
-        if name == PARAM_NVME:  # nothing resident: the gathers after the edit read it from the files
+        cfg = config(3, "sgd", {} if name == "none" else name, "bf16", nvme_path)
+        if name != "none":  # nothing resident: the gathers after the edit read it from the files
             cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 0
         eng = engine.initialize(model=_frozen_stack(), config=cfg)[0]
         for step, (x, y) in enumerate(make_batches(4, MICRO * GAS * world)):
@@ -213,10 +245,12 @@ def _modifier_edits(nvme_path: str) -> dict:
 def test_modifier_edits_reach_16bit_parameter_files(tmp_path):
     from tests.harness import run_distributed
     for rank, result in enumerate(run_distributed(_modifier_edits, 2, args=(str(tmp_path),), timeout=120)):
-        assert result[PARAM_NVME]["file_dtype"] == "torch.bfloat16", result[PARAM_NVME]["file_dtype"]
-        for name, want in result["none"]["params"].items():
-            got = result[PARAM_NVME]["params"][name]
-            assert torch.equal(got, want), f"rank {rank} {name}: max |diff| {(got - want).abs().max().item():.3e}"
+        for offload in (PARAM_NVME, BOTH_NVME):  # BOTH_NVME: the edit's master goes to the optimizer's files
+            assert result[offload]["file_dtype"] == "torch.bfloat16", result[offload]["file_dtype"]
+            for name, want in result["none"]["params"].items():
+                got = result[offload]["params"][name]
+                assert torch.equal(got, want), \
+                    f"rank {rank} {offload} {name}: max |diff| {(got - want).abs().max().item():.3e}"
 
 
 def test_zero_init_on_nvme_without_a_config_is_one_error_naming_the_key(runs):

@@ -5,7 +5,8 @@ Each case trains the tiny GPT STEPS steps with one offload setting and compares 
 stage and precision without offload (trained once per rank and shared by the cases): every fp32 master
 weight torch.equal after the steps, in fp32 and in bf16 (each against the run in its own precision).
 Cases: `offload_optimizer` "cpu" and "nvme" at stages 1, 2 and 3; `offload_param` "cpu" and "nvme" at
-stage 3 with the optimizer offloaded the same way and the model built under `zero.Init(remote_device=...)`;
+stage 3 with the optimizer offloaded the same way and the model built under `zero.Init(remote_device=...)`
+(both on NVMe in bf16: 16-bit parameter files, the master in the optimizer's files);
 `offload_param` "nvme" with the optimizer on the host (in bf16: 16-bit parameter files); the GPT's
 blocks frozen with both on NVMe (frozen chunks in a file of their own, read back at each gather).
 [Note: bit for bit across devices] Without offload the optimizer steps on the accelerator, with it on the

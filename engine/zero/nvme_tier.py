@@ -157,13 +157,21 @@ class NvmeOptimizerTier:
     def state_chunks(self, key: tuple):
         return self.parts[key].state_chunks()
 
+    def read_master(self, key: tuple, start: int, stop: int) -> torch.Tensor:
+        """Flat `key`'s fp32 master, elements [start, stop), from its swap files (a new tensor): where the
+        parameter store's 16-bit files cannot give it (offload/param_swap.py's note: 16-bit files)."""
+        return self.parts[key].read_master(start, stop)
+
+    def write_master(self, key: tuple, start: int, values: torch.Tensor) -> None:
+        self.parts[key].write_master(start, values)
+
     def load_chunks(self, key: tuple, chunks) -> None:
         """Load `key`'s partition from chunks and refresh its send image (the partition store) from them."""
         store = self.partition.store
 
         def through(chunks):
             for chunk in chunks:
-                store.write(key, chunk["start"], chunk["master"])
+                store.write_image(key, chunk["start"], chunk["master"])  # load_chunks writes the master
                 yield chunk
         self.parts[key].load_chunks(through(chunks))
 

@@ -9,7 +9,8 @@ goes through it) and tells the coordinator how many groups to read ahead of thei
 buffers; each as large as the largest group's slots, at most `buffer_size`, which is refused when
 smaller than that); where the partition is larger than `max_in_cpu` (host memory is the limit) it bounds
 the heap (offload/host_heap.py). `finish_param_nvme` runs after the optimizer tier: with the optimizer on NVMe too, the master
-now lives in the optimizer's files and the flats' host bytes are dropped.
+now lives in the optimizer's files and the flats' host bytes are dropped (with 16-bit parameter files
+the store reads and writes the master there: param_swap.py's note, 16-bit files).
 """
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ def _group_numels(zopt) -> list[tuple[str, int]]:
 def _file_dtype(zopt, zero) -> torch.dtype:
     """What the parameter files hold (offload/param_swap.py's note: 16-bit files): the model dtype where
     it is 16-bit, the same for every flat, every chunk the partition starts from is in it (so the master
-    read back from the files is exact) and the fp32 master stays in host memory for good (the optimizer
-    not on NVMe); fp32 otherwise."""
+    read back from the files is exact) and the fp32 master is kept elsewhere for good: in host memory
+    (the optimizer on the host) or in the NVMe optimizer's files, written before the first step (with
+    `fast_init` the tier reads its first master from these files: fp32 then); fp32 otherwise."""
     dtypes = {key[1] for key in zopt.partition.flat}  # a flat per (param group, model dtype)
-    if wants_nvme(zero) or len(dtypes) != 1:
+    if (wants_nvme(zero) and zero.offload_optimizer.fast_init) or len(dtypes) != 1:
         return torch.float32
     (dtype,) = dtypes
     chunks = getattr(zopt.partition, "swapped_init", {}).values()
@@ -128,6 +130,6 @@ def finish_param_nvme(zopt) -> None:
     """After the optimizer tier is built: with NVMe optimizer offload the master is in its files; else
     the optimizer steps the host flat, which must hold it (read back when zero.Init left it unwritten)."""
     if zopt.nvme is not None:
-        zopt.partition.store.drop_host_master()
+        zopt.partition.store.drop_host_master(master_source=zopt.nvme)
     else:
         zopt.partition.store.load_host_master()

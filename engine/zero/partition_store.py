@@ -11,7 +11,8 @@ after a step, `safe_get_*` (engine/utils.py), the checkpoint adapters, the NVMe 
   files, read through a buffer pool ahead of the gathers.
 `read(key, start, stop)` returns elements [start, stop) of flat `key` (valid until the next write of
 that range; a view for the host store, a new tensor for the NVMe one); `write(key, start, values)`
-stores them; `master_updated()` tells the store the optimizer changed the in-memory master (a step, a
+stores them (`write_image`: only what the all-gathers send, where the caller keeps the master
+itself: the same as `write` for this store); `master_updated()` tells the store the optimizer changed the in-memory master (a step, a
 load), which the NVMe store copies to its files. `open_slots` / `close_slots` / `read_ahead` serve the
 gathers: the slots of several parameters at once, through pool buffers for the NVMe store;
 `persistent_slots` the refresh of the persistent parameters after a step.
@@ -56,6 +57,9 @@ class HostPartitionStore:
 
     def write_behind(self, key, start: int, values: torch.Tensor) -> None:
         self.write(key, start, values)  # a copy in memory: nothing to overlap
+
+    def write_image(self, key, start: int, values: torch.Tensor) -> None:
+        self.write(key, start, values)  # the flat is what the all-gathers send
 
     def flush(self) -> None:
         pass  # nothing in flight
