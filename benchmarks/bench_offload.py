@@ -51,7 +51,8 @@ the shared sections' `buffer_count`s (both systems), `--deepspeed-param-buffers`
 `--bf16` (both systems train in bf16) dstrain's parameter files hold bf16 (offload/param_swap.py's note:
 16-bit files), as DeepSpeed's do; `dstrain-z3-nvme-param-fp32-files` keeps them fp32 (what the 16-bit
 files save). With both tiers on NVMe the same: `dstrain-z3-nvme` in bf16 keeps 16-bit parameter files
-and the master in the optimizer's files, `dstrain-z3-nvme-fp32-files` fp32 parameter files.
+and the master in the optimizer's files, `dstrain-z3-nvme-fp32-files` fp32 parameter files. At stage 2,
+`dstrain-z2-nvme` in bf16 keeps a bf16 send image on the host, `dstrain-z2-nvme-fp32-image` the fp32 one.
 `*-frozen` rows freeze the GPT's six blocks (19M of its 25M parameters; embeddings, final norm and the
 tied head train), a LoRA-style frozen base: `dstrain-z3-frozen` without offload, `dstrain-z3-nvme-frozen`
 and `deepspeed-z3-nvme-frozen` with everything on NVMe (dstrain keeps the frozen chunks in a file of
@@ -91,6 +92,8 @@ DSTRAIN = {"dstrain-z2": ({}, {}, 2), "dstrain-z2-cpu": (CPU_OFFLOAD, {}, 2),
            "dstrain-z2-cpu-staged": (CPU_OFFLOAD, {"DSTRAIN_OFFLOAD_STAGE_COPIES": "1"}, 2),
            "dstrain-z2-cpu-4k": (CPU_OFFLOAD, {"DSTRAIN_HUGE_PAGES": "0"}, 2),
            "dstrain-z2-nvme": (NVME, {}, 2), "dstrain-z2-nvme-grad-swapped": (NVME, {}, 2),
+           # with --bf16 the send image stays fp32 (what the 16-bit one saves: partition_store.py)
+           "dstrain-z2-nvme-fp32-image": (NVME, {"DSTRAIN_BENCH_FP32_IMAGE": "1"}, 2),
            "dstrain-z3": ({}, {}, 3), "dstrain-z3-nvme-opt": (NVME, {}, 3),
            "dstrain-z3-nvme-opt-grad-swapped": (NVME, {}, 3), "dstrain-z3-nvme": (NVME_BOTH, {}, 3),
            "dstrain-z3-nvme-grad-in-memory": (NVME_BOTH, {}, 3),
@@ -162,6 +165,9 @@ def _entry(offload: dict, steps: int, stage: int = 2, precision: dict | None = N
     if os.environ.get("DSTRAIN_BENCH_HEAP_BOUND") == "1":  # before the model's allocations (DSTRAIN's note)
         from offload.host_heap import bound_heap_retention
         bound_heap_retention()
+    if os.environ.get("DSTRAIN_BENCH_FP32_IMAGE") == "1":  # what the 16-bit send image saves, measured
+        import engine.zero
+        engine.zero.attach_half_image = lambda zopt, zero: None
     if os.environ.get("DSTRAIN_BENCH_PARAM_FILES_FP32") == "1":  # what the 16-bit files save, measured
         from engine.zero import param_nvme
         param_nvme._file_dtype = lambda zopt, zero: torch.float32

@@ -97,7 +97,9 @@ def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings,
     elif opt_dev == "cpu":
         host += optimizer_state
     else:  # the stepper swaps its own fp32 master with the moments, in swap_slots copies (swapped_partition.py)
-        send_image = 4 * psi // n if stage < 3 else 0  # stages 1-2: the host flat the all-gather sends
+        # stages 1-2: what the all-gather sends, on the host; in 16-bit training in the model dtype, except
+        # with fast_init (engine/zero/partition_store.py's note: 16-bit send image)
+        send_image = (wbytes if not s.fast_init else 4) * psi // n if stage < 3 else 0
         swapped = s.swap_gradients if s.swap_gradients is not None else (offload.startswith("nvme params")
                                                                           and psi // n > s.max_in_cpu)
         host += (_swapped_gradient_staging(psi, n, s) if swapped else partition_grad) + _optimizer_pool(psi // n, s)

@@ -248,6 +248,9 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
            # the whole fp32 partition read through the store at once (NVMe: its resident copies and files)
            "partition": [zopt.partition.store.read(k, 0, f.numel()).clone() for k, f in zopt.partition.flat.items()]}
     store = zopt.partition.store
+    out["store"] = {"kind": type(store).__name__, "resident_bytes": store.resident_bytes(),
+                    "flat_bytes": sum(f.untyped_storage().nbytes() for f in zopt.partition.flat.values()),
+                    "partition_numel": sum(f.numel() for f in zopt.partition.flat.values())}
     if store.swapped:
         out["param_store"] = {"accounted_peak": store.peak_accounted, "measured": param_bytes,
                               "bound": store.max_in_cpu * 4 + store.pool.nbytes, "pool": store.pool.nbytes,
@@ -352,6 +355,10 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
         name = f"{saved or 'none'}->{loaded or 'none'}"
         out[("resume", "bf16", name)] = train(3, "adamw", saved, "bf16", resume=os.path.join(checkpoint_dir, "bf16", name),
                                               nvme_path=nvme_path, resume_into=loaded)
+    for saved, loaded in ((NVME, {}), ({}, NVME)):  # stage 2: the 16-bit send image (partition_store.py)
+        name = f"{saved or 'none'}->{loaded or 'none'}"
+        out[("resume", "bf16", 2, name)] = train(2, "adamw", saved, "bf16", nvme_path=nvme_path, resume_into=loaded,
+                                                 resume=os.path.join(checkpoint_dir, "bf16-2", name))
     out[("stack", "bf16", "none")] = train(3, "sgd", {}, "bf16", nvme_path=nvme_path, model="stack")
     out[("zero_init_nvme", "bf16", BOTH_NVME)] = train(3, "sgd", BOTH_NVME, "bf16", zero_init="nvme",
                                                       nvme_path=nvme_path, model="stack")

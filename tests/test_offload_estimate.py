@@ -54,10 +54,13 @@ def test_zero_formulas_mixed_precision():
     bounded = row(estimate_memory(psi, nodes=2, gpus_per_node=4, settings=replace(s, max_in_cpu=psi // n - 1)),
                   3, "nvme params+optimizer")
     assert bounded.nvme_bytes == nvme.nvme_bytes + 4 * psi // n
-    # stages 1-2: the send image on the host, and the gradient too unless swap_gradients (unset: only with
-    # parameters on NVMe, grad_swap.py's note: when); swapped, the host keeps its landings in flight
+    # stages 1-2: the send image on the host (16-bit in 16-bit training, fp32 with fast_init), and the
+    # gradient too unless swap_gradients (unset: only with parameters on NVMe, grad_swap.py's note: when);
+    # swapped, the host keeps its landings in flight
     z2nvme = row(rows, 2, "nvme optimizer")
-    assert z2nvme.nvme_bytes == 2 * 12 * psi // n and z2nvme.host_bytes >= 4 * psi // n + 4 * psi // n
+    assert z2nvme.nvme_bytes == 2 * 12 * psi // n and z2nvme.host_bytes >= 2 * psi // n + 4 * psi // n
+    z2fast = row(estimate_memory(psi, nodes=2, gpus_per_node=4, settings=replace(s, fast_init=True)), 2, "nvme optimizer")
+    assert z2fast.host_bytes - z2nvme.host_bytes == 2 * psi // n
     swapped = row(estimate_memory(psi, nodes=2, gpus_per_node=4, settings=replace(s, swap_gradients=True)),
                   2, "nvme optimizer")
     assert swapped.nvme_bytes == 2 * 12 * psi // n + 4 * psi // n

@@ -22,7 +22,7 @@ from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
 from .tier import PartitionTier
 from .grad_swap import attach_grad_swap, swaps_gradients
-from .nvme_tier import NvmeOptimizerTier, inner_factory, wants_nvme
+from .nvme_tier import NvmeOptimizerTier, attach_half_image, inner_factory, wants_nvme
 from .param_nvme import attach_param_nvme, finish_param_nvme, refuse_unconsumed_init_chunks, wants_param_nvme
 from .init import (GatheredParameters, Init, register_external_parameter,  # noqa: F401  (deepspeed.zero's names)
                    unregister_external_parameter)
@@ -82,6 +82,7 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
         if wants_nvme(zero):
             zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
             attach_grad_swap(zopt)  # the gradient partition in swap files (grad_swap.py's note)
+            attach_half_image(zopt, zero)  # in 16-bit training (partition_store.py's note: 16-bit send image)
         attach_per_tensor(zopt)
         tag_parameters(zopt, zopt.params)
         return zopt

@@ -57,6 +57,16 @@ def wants_nvme(zero) -> bool:
     return section is not None and section.device == "nvme"
 
 
+def attach_half_image(zopt, zero) -> None:
+    """Stages 1-2 in fp16/bf16 training: the send image in the model dtype, the fp32 flats freed
+    (partition_store.py's note: 16-bit send image). Not with `fast_init`, whose first step reads its
+    first master from the flats."""
+    from .partition_store import HalfImageStore
+    half = any(key[1] in (torch.float16, torch.bfloat16) for key in zopt.partition.flat)
+    if half and not zero.offload_optimizer.fast_init:
+        zopt.partition.store = HalfImageStore(zopt.partition, zopt.nvme, zopt.tier)
+
+
 def inner_factory(optimizer: torch.optim.Optimizer, group: dict):
     """A constructor of the same optimizer over other parameters, with `group`'s hyperparameters."""
     kind = type(optimizer)

@@ -61,6 +61,9 @@ class HostPartitionStore:
     def write_image(self, key, start: int, values: torch.Tensor) -> None:
         self.write(key, start, values)  # the flat is what the all-gathers send
 
+    def read_image(self, key, start: int, stop: int) -> torch.Tensor:
+        return self.read(key, start, stop)  # the same flat
+
     def flush(self) -> None:
         pass  # nothing in flight
 
@@ -72,6 +75,49 @@ class HostPartitionStore:
 
     def close(self) -> None:
         pass
+
+
+class HalfImageStore(HostPartitionStore):
+    """[Note: 16-bit send image] Stages 1-2 with the optimizer on NVMe in fp16/bf16 training: the host keeps
+    only what the all-gathers send, in the model dtype (`image`, a tensor per flat on the tier's home,
+    pinned where the tier pins), and the fp32 master is the NVMe optimizer's (`master_source`:
+    `read_master` / `write_master`); the flats' own bytes are freed. So the host holds 2 bytes per
+    partition element instead of 4, as stage 3's 16-bit parameter files do (offload/param_swap.py's
+    note). `read` / `write` / `slot` are the fp32 master's (checkpoints, `safe_get_*`, a state-dict
+    load); `read_image` is what `_gather_params` sends; a step's update (`write_behind`) and a checkpoint
+    load's (`write_image`) reach only the image, the tier having written the master itself. Values are
+    those of the fp32 flat it replaces: the image is the master cast as the gather would cast it."""
+
+    master_in_memory = False  # the checkpoint adapter streams the fp32 rows from the tier (checkpoint/nvme.py)
+
+    def __init__(self, partition, master_source, tier):
+        super().__init__(partition)
+        from offload.huge_pages import flat_empty
+        self.master_source, self.image = master_source, {}
+        for key, flat in partition.flat.items():
+            image = flat_empty(flat.numel(), key[1], tier.home, pin_memory=tier.pin)
+            image.copy_(flat.detach())
+            self.image[key] = image
+            flat.detach().untyped_storage().resize_(0)
+
+    def read(self, key, start: int, stop: int) -> torch.Tensor:
+        return self.master_source.read_master(key, start, stop)
+
+    def write(self, key, start: int, values: torch.Tensor) -> None:
+        self.master_source.write_master(key, start, values)
+        self.write_image(key, start, values)
+
+    def write_image(self, key, start: int, values: torch.Tensor) -> None:
+        values = values.detach().reshape(-1)
+        self.image[key][start:start + values.numel()].copy_(values)
+
+    write_behind = write_image
+
+    def read_image(self, key, start: int, stop: int) -> torch.Tensor:
+        return self.image[key][start:stop]
+
+    def resident_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.image.values())
 
 
 class GroupSources:

@@ -364,7 +364,7 @@ class PartitionedZeroOptimizer:
         most GATHER_BUCKET_CAP elements (its note), two in flight."""
         gather = InFlight(depth=2)
         for key, start, stop, layout in self.gather_runs:
-            send = self.tier.to_device(self.partition.store.read(key, start, stop), key[1])
+            send = self.tier.to_device(self.partition.store.read_image(key, start, stop), key[1])
             out = torch.empty(layout.numel, dtype=key[1], device=send.device)
             gather.push(self._gather_into(out, send),
                         lambda out=out, layout=layout: layout.unpack(out, [p.detach() for p in layout.params]))

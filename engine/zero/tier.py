@@ -133,12 +133,15 @@ def tier_tensors(zopt) -> dict[str, list[torch.Tensor]]:
     such as benchmarks/gpu/offload_checks.py that must not depend on where each swapper keeps them):
     - "master": the fp32 flats: the master weights, or with `offload_optimizer.device: "nvme"` the
       all-gather's send image; left out once the NVMe parameter store freed their bytes (param_nvme.py);
+      at stages 1-2 in 16-bit training with the optimizer on NVMe the 16-bit send image that replaced them
+      (partition_store.py's note: 16-bit send image);
     - "master_grad": their gradients (none while the gradient partition is in swap files, grad_swap.py);
     - "optimizer_state": the configured optimizer's tensors (none with NVMe: its state is in swap files);
     - "swap_buffers": the buffers of the NVMe optimizer tier's pool and of the NVMe parameter store's pool.
     On a host tier next to an accelerator (`zopt.tier.pin`) the flats and the pools are what host<->device
     copies read and write asynchronously, so they are pinned."""
     flats = [f.detach() for f in zopt.partition.flat.values() if f.untyped_storage().nbytes() > 0]
+    flats += list(getattr(zopt.partition.store, "image", {}).values())
     pools = [zopt.nvme.pool] if zopt.nvme is not None else []
     pools += [zopt.partition.store.pool] if zopt.partition.store.swapped else []
     state = [t for s in zopt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
