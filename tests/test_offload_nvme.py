@@ -238,3 +238,40 @@ def test_an_inf_with_a_folded_norm_skips_on_every_rank(runs):
         assert got["grad_swap"]["norm_ranges_folded"] > 0 and got["skipped"] == want["skipped"] == 1
         assert got["unchanged"] is True and not math.isfinite(got["norms"][INF_STEP])
         _assert_same(_finite(got), _finite(want), f"rank {rank} after the skip")
+
+
+def _per_tensor_bf16(nvme_path: str) -> dict:
+    """Lamb and Muon (two passes over the swapped sub-groups, nvme_per_tensor.py) in bf16 at stage 2:
+    without offload and with the optimizer on NVMe (the 16-bit send image)."""
+    import engine
+    from engine.utils import safe_get_full_fp32_param
+    from tests.models import make_batches, micro_batches
+    from tests.test_optimizer_set import MICRO, Net, _config
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for kind in ("Lamb", "Muon"):
+        for offload in ("none", "nvme"):
+            torch.manual_seed(0)
+            cfg = {**_config(kind, 2, 2, offload, nvme_path), "bf16": {"enabled": True}}
+            eng = engine.initialize(model=Net(), config=cfg)[0]
+            norms = []
+            for x, y in make_batches(4, MICRO * 2 * world):
+                for xm, ym in micro_batches(x.bfloat16(), y.bfloat16(), rank, world, 2):
+                    eng.backward(eng(xm, ym))
+                    eng.step()
+                norms.append(eng.get_global_grad_norm())
+            out[kind, offload] = {"norms": norms, "kind": type(eng.zero_optimizer.partition.store).__name__,
+                                  "params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}}
+            eng.destroy()
+    return out
+
+
+def test_lamb_and_muon_in_bf16_step_the_16bit_send_image_equal_to_no_offload(tmp_path):
+    from tests.harness import run_distributed
+    for rank, result in enumerate(run_distributed(_per_tensor_bf16, 2, args=(str(tmp_path),), timeout=120)):
+        for kind in ("Lamb", "Muon"):
+            got, want = result[kind, "nvme"], result[kind, "none"]
+            assert got["kind"] == "HalfImageStore" and got["norms"] == want["norms"], (rank, kind, got["norms"], want["norms"])
+            for name, w in want["params"].items():
+                g = got["params"][name]
+                assert torch.equal(g, w), f"rank {rank} {kind} {name}: max |diff| {(g - w).abs().max().item():.3e}"
