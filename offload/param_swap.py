@@ -36,9 +36,9 @@ an in-memory partition makes), so the gathers read and the steps write half the 
 `GatheredParameters` edit) reaches it there: in host memory with the optimizer on the host; in the NVMe
 optimizer's own files with the optimizer on NVMe (`drop_host_master(master_source=...)`: its
 `read_master` / `write_master`; a step's update comes with `write_behind` and a checkpoint load's with
-`write_image`, both of which write only the 16-bit image, since the tier wrote the master itself). Otherwise the files hold fp32 and
-are where readers find the master's values: fp32 training, and `offload_optimizer.fast_init`, whose
-first step reads its first master from them.
+`write_image`, both of which write only the 16-bit image, since the tier wrote the master itself).
+Otherwise the files hold fp32 and are where readers find the master's values: fp32 training, and
+`offload_optimizer.fast_init`, whose first step reads its first master from them.
 [Note: write-behind] The NVMe optimizer tier hands each updated sub-group over with `write_behind`: the
 values bound for the files are copied into a staging buffer of the store (the caller's buffer goes back
 to the optimizer's pool when the call returns) and the write is started, not waited for, so it overlaps the next

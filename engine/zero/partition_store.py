@@ -11,9 +11,9 @@ after a step, `safe_get_*` (engine/utils.py), the checkpoint adapters, the NVMe 
   files, read through a buffer pool ahead of the gathers.
 `read(key, start, stop)` returns elements [start, stop) of flat `key` (valid until the next write of
 that range; a view for the host store, a new tensor for the NVMe one); `write(key, start, values)`
-stores them (`write_image`: only what the all-gathers send, where the caller keeps the master
-itself: the same as `write` for this store); `master_updated()` tells the store the optimizer changed the in-memory master (a step, a
-load), which the NVMe store copies to its files. `open_slots` / `close_slots` / `read_ahead` serve the
+stores them (`write_image`: only what the all-gathers send, where the caller keeps the master itself;
+the same as `write` for this store; `read_image` reads it back); `master_updated()` tells the store the
+optimizer changed the in-memory master (a step, a load), which the NVMe store copies to its files. `open_slots` / `close_slots` / `read_ahead` serve the
 gathers: the slots of several parameters at once, through pool buffers for the NVMe store;
 `persistent_slots` the refresh of the persistent parameters after a step.
 """
