@@ -99,7 +99,7 @@ def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings,
     else:  # the stepper swaps its own fp32 master with the moments, in swap_slots copies (swapped_partition.py)
         # stages 1-2: what the all-gather sends, on the host; in 16-bit training in the model dtype, except
         # with fast_init (engine/zero/partition_store.py's note: 16-bit send image)
-        send_image = (wbytes if not s.fast_init else 4) * psi // n if stage < 3 else 0
+        send_image = _image_bytes(half, "nvme", s) * psi // n if stage < 3 else 0
         swapped = s.swap_gradients if s.swap_gradients is not None else (offload.startswith("nvme params")
                                                                           and psi // n > s.max_in_cpu)
         host += (_swapped_gradient_staging(psi, n, s) if swapped else partition_grad) + _optimizer_pool(psi // n, s)
@@ -150,10 +150,17 @@ def _stage3_partition(offload: str, opt_dev: str, half: bool, psi: int, n: int, 
     if in_host and not (opt_dev == "cpu" and half):
         host += flat
     if offload.startswith("nvme params"):
-        fbytes = 2 if half and not (opt_dev == "nvme" and s.fast_init) else 4
+        fbytes = _image_bytes(half, opt_dev, s)
         nvme += fbytes * psi // n
         host += fbytes * (s.param_buffer_count * min(s.param_buffer_size, psi // n) + min(s.max_in_cpu, psi // n))
     return host, nvme
+
+
+def _image_bytes(half: bool, opt_dev: str, s: EstimateSettings) -> int:
+    """Bytes per element of what the all-gathers send, kept off the accelerator (stages 1-2's send image,
+    stage 3's parameter files): the model dtype's in 16-bit training, except with the NVMe optimizer's
+    `fast_init`, whose first step reads the master from it (fp32 then)."""
+    return 2 if half and not (opt_dev == "nvme" and s.fast_init) else 4
 
 
 def _buckets(stage: int, psi: int, s: EstimateSettings, wbytes: int) -> int:

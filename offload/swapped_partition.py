@@ -377,11 +377,8 @@ class SwappedPartition:
         self._finish_writes()
         if self._initial is not None:  # nothing written yet (module note: deferred initialisation)
             return self._initial(start, stop).to(dtype=torch.float32, copy=True)
-        self._check_committed({MASTER: self._slot})
         out = torch.empty(stop - start, dtype=torch.float32, device="cpu")
-        path = self._file(MASTER, self._slot)
-        for handle in [self.aio.read(path, out[a - start:b - start], at) for a, b, at in self._master_runs(start, stop)]:
-            handle.wait()
+        self._master_transfer(self.aio.read, out, start)
         return out
 
     def write_master(self, start: int, values: torch.Tensor) -> None:
@@ -390,11 +387,15 @@ class SwappedPartition:
         if self._initial is not None:
             raise RuntimeError("the master is still the caller's host copy (deferred initialisation): write it there")
         self._finish_writes()
+        self._master_transfer(self.aio.write, values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+                              .contiguous(), start)
+
+    def _master_transfer(self, op: Callable, values: torch.Tensor, start: int) -> None:
+        """`op` (the I/O engine's read or write) of `values` at master elements [start, start + len(values))
+        of the committed slot, one request per sub-group it meets, all waited for."""
         self._check_committed({MASTER: self._slot})
-        values = values.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
-        path = self._file(MASTER, self._slot)
-        runs = self._master_runs(start, start + values.numel())
-        for handle in [self.aio.write(path, values[a - start:b - start], at) for a, b, at in runs]:
+        path, stop = self._file(MASTER, self._slot), start + values.numel()
+        for handle in [op(path, values[a - start:b - start], at) for a, b, at in self._master_runs(start, stop)]:
             handle.wait()
 
     def state_chunks(self) -> Iterator[dict]:

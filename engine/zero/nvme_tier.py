@@ -32,6 +32,7 @@ from ops.state_layout import StateLayoutError
 from .swappable import SWAPPABLE_NAMES, config_name, constructor_args, swap_problem
 
 from .nvme_per_tensor import per_tensor_stepper
+from .partition_store import HalfImageStore
 from .nvme_state import install_state_dict_hooks
 
 PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
@@ -61,7 +62,6 @@ def attach_half_image(zopt, zero) -> None:
     """Stages 1-2 in fp16/bf16 training: the send image in the model dtype, the fp32 flats freed
     (partition_store.py's note: 16-bit send image). Not with `fast_init`, whose first step reads its
     first master from the flats."""
-    from .partition_store import HalfImageStore
     half = any(key[1] in (torch.float16, torch.bfloat16) for key in zopt.partition.flat)
     if half and not zero.offload_optimizer.fast_init:
         zopt.partition.store = HalfImageStore(zopt.partition, zopt.nvme, zopt.tier)

@@ -13,13 +13,16 @@ after a step, `safe_get_*` (engine/utils.py), the checkpoint adapters, the NVMe 
 that range; a view for the host store, a new tensor for the NVMe one); `write(key, start, values)`
 stores them (`write_image`: only what the all-gathers send, where the caller keeps the master itself;
 the same as `write` for this store; `read_image` reads it back); `master_updated()` tells the store the
-optimizer changed the in-memory master (a step, a load), which the NVMe store copies to its files. `open_slots` / `close_slots` / `read_ahead` serve the
-gathers: the slots of several parameters at once, through pool buffers for the NVMe store;
-`persistent_slots` the refresh of the persistent parameters after a step.
+optimizer changed the in-memory master (a step, a load), which the NVMe store copies to its files.
+`open_slots` / `close_slots` / `read_ahead` serve the gathers: the slots of several parameters at once,
+through pool buffers for the NVMe store; `persistent_slots` the refresh of the persistent parameters
+after a step.
 """
 from __future__ import annotations
 
 import torch
+
+from offload.huge_pages import flat_empty
 
 
 class HostPartitionStore:
@@ -92,7 +95,6 @@ class HalfImageStore(HostPartitionStore):
 
     def __init__(self, partition, master_source, tier):
         super().__init__(partition)
-        from offload.huge_pages import flat_empty
         self.master_source, self.image = master_source, {}
         for key, flat in partition.flat.items():
             image = flat_empty(flat.numel(), key[1], tier.home, pin_memory=tier.pin)
