@@ -102,9 +102,25 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | float
         os.environ.setdefault("LOCAL_RANK", found.get("LOCAL_RANK", "0"))
         dist.init_process_group(backend, init_method=init_method or "env://", rank=int(found["RANK"]),
                                 world_size=int(found["WORLD_SIZE"]), timeout=timeout)
+        connected_everywhere()
     bind_device()
     if verbose and dist.get_rank() == 0:
         print(f"[dstrain] initialised {backend} with world size {dist.get_world_size()}")
+
+
+def connected_everywhere(group=None) -> None:
+    """Return once every rank of a just-created gloo group has finished connecting (note below).
+
+    [Note: leaving a group while a peer connects] gloo connects every pair of ranks inside
+    `init_process_group`, and a rank is done as soon as its own pairs are up, which can be before a
+    slower peer has taken its side of them. If that rank then leaves (a bad config raising on every
+    rank, a test's next world destroying this one) and closes its sockets, the slower peer fails in
+    connectFullMesh with "Connection closed by peer" instead of reaching its own error: a CI run lost
+    a 4-rank test module to it on a loaded machine, reproduced with one rank's store made slow
+    (tests/test_dist_init.py). A barrier holds each rank until all are connected. NCCL connects
+    lazily, at the first collective, so it needs none."""
+    if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
+        dist.barrier(group)
 
 
 def global_rank() -> int:

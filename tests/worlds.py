@@ -13,6 +13,9 @@ from __future__ import annotations
 
 def new_world(store: str | None, rank: int, world: int) -> None:
     import torch.distributed as dist
+
+    from engine.dist import connected_everywhere
     dist.destroy_process_group()
     backing = dist.HashStore() if store is None else dist.FileStore(store, world)
     dist.init_process_group("gloo", store=backing, rank=rank, world_size=world)
+    connected_everywhere()  # nobody leaves this world while a peer still connects (engine/dist.py's note)
