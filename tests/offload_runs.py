@@ -114,6 +114,9 @@ def _swap_hashes(zopt) -> dict:
     out = {path: hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in paths}
     for key, flat in zopt.partition.flat.items():
         out[f"partition {key}"] = hashlib.sha256(store.read(key, 0, flat.numel()).numpy().tobytes()).hexdigest()
+        if hasattr(store, "read_image"):  # what stages 1-2 send: in fp16/bf16 a 16-bit image (HalfImageStore)
+            image = store.read_image(key, 0, flat.numel()).contiguous()
+            out[f"image {key}"] = hashlib.sha256(image.view(torch.uint8).numpy().tobytes()).hexdigest()
     return out
 
 
@@ -297,6 +300,9 @@ INF_CASES = {("inf", precision, stage, name): (stage, "adamw", offload, precisio
              for name, offload in (("none", {}), ("opt_cpu", OPT_CPU if stage < 3 else BOTH_CPU))}
 INF_CASES.update({("inf", "fp32", stage, NVME): (stage, "adamw", NVME, "fp32", True) for stage in (1, 2, 3)})
 INF_CASES.update({("inf", "fp32", stage, "none"): (stage, "adamw", {}, "fp32", True) for stage in (1, 2)})
+# an fp16 overflow with 16-bit state on the host or in files: stage 2's send image, stage 3's parameter files
+INF_CASES.update({("inf", "fp16", stage, name): (stage, "adamw", offload, "fp16", True)
+                  for stage, name, offload in ((2, "none", {}), (2, NVME, NVME), (3, "none", {}), (3, BOTH_NVME, BOTH_NVME))})
 # offload_param "nvme" (tests/test_offload_param_nvme.py): the references are FP32_CASES' "none" runs.
 PARAM_NVME_CASES = {(3, opt, name): (3, opt, name) for opt in ("adamw", "sgd") for name in (PARAM_NVME, BOTH_NVME)}
 PARAM_NVME_CASES[(3, "adamw", BOTH_NVME_RESIDENT)] = (3, "adamw", BOTH_NVME_RESIDENT)

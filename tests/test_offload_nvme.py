@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from tests.offload_runs import (FAST_INIT_CASES, FOLD_CASES, GRAD_MEMORY_CASES, INF_STEP, NVME, NVME_FOLD,
+from tests.offload_runs import (BOTH_NVME, FAST_INIT_CASES, FOLD_CASES, GRAD_MEMORY_CASES, INF_STEP, NVME, NVME_FOLD,
                                 NVME_GRAD_MEMORY, ONE_SLOT_CASES, RESUME_AT, STEPS, assert_same as _assert_same,
                                 shared_runs)
 
@@ -138,10 +138,13 @@ def test_bf16_training_state_dict_loads_into_the_optimizer_files_and_the_16bit_s
             assert torch.equal(got, want), f"rank {rank} {name}: max |diff| {(got - want).abs().max().item():.3e}"
 
 
-@pytest.mark.parametrize("stage", INF_STAGES)
-def test_inf_on_one_rank_skips_and_leaves_the_swap_files_unchanged(runs, stage):
+@pytest.mark.parametrize("precision,stage,name", [("fp32", stage, NVME) for stage in INF_STAGES]
+                         + [("fp16", 2, NVME), ("fp16", 3, BOTH_NVME)], ids=lambda v: str(v))
+def test_inf_on_one_rank_skips_and_leaves_the_swap_files_unchanged(runs, precision, stage, name):
+    """fp16: the overflow skip leaves the 16-bit state unchanged too, stage 2's send image in host memory
+    and stage 3's parameter files (with the master in the optimizer's files)."""
     for rank, result in enumerate(runs):
-        got, want = result[("inf", "fp32", stage, NVME)], result[("inf", "fp32", stage, "none")]
+        got, want = result[("inf", precision, stage, name)], result[("inf", precision, stage, "none")]
         assert got["skipped"] == want["skipped"] == 1, f"rank {rank}: skipped {got['skipped']}, {want['skipped']}"
         assert got["unchanged"] is True, f"rank {rank}: the skipped step changed a swap file"
         assert not math.isfinite(got["norms"][INF_STEP])
