@@ -42,7 +42,8 @@ and a third table gives rank 0's gradient bytes written and read per step after 
 also writes the held gradients: grad_swap.py's note) and the seconds they take at that bandwidth. A
 fourth sets each NVMe system's extra time over the same stage without offload against all the bytes
 its ranks read from and wrote to storage per step (/proc/self/io, every swap file: parameters, master
-weights, optimizer state, gradients; both ranks share the disk) at that bandwidth.
+weights, optimizer state, gradients; both ranks share the disk) at that bandwidth; DeepSpeed's NVMe
+rows give their bytes too (the same counters in its peer, benchmarks/storage_io.py).
 DeepSpeed's swappers need more buffers than the shared NVMe sections give at this size (it refuses
 them: "Not enough buffers", "ran out of swap buffers"); `--optimizer-buffers` / `--param-buffers` set
 the shared sections' `buffer_count`s (both systems), `--deepspeed-param-buffers` /
@@ -76,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_training as bt  # noqa: E402
 from step_phases import PHASES, StepPhases, kept  # noqa: E402
+from storage_io import storage_bytes  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
 ZERO2 = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e6}
@@ -150,14 +152,6 @@ def _grad_bytes(zopt) -> dict:
             "held_written": held.bytes_written if held else 0, "held_read": held.bytes_read if held else 0}
 
 
-def _storage_bytes() -> int:
-    """Bytes this process read from and wrote to storage so far (/proc/self/io; O_DIRECT swap I/O
-    always reaches the device)."""
-    with open("/proc/self/io") as f:
-        io = dict(line.split(": ") for line in f)
-    return int(io["read_bytes"]) + int(io["write_bytes"])
-
-
 def _entry(offload: dict, steps: int, stage: int = 2, precision: dict | None = None):
     import torch.distributed as dist
 
@@ -187,8 +181,8 @@ def _entry(offload: dict, steps: int, stage: int = 2, precision: dict | None = N
         phases.train_step(eng, x, y)
         times.append((time.perf_counter() - t0) * 1e3)
         after_first = after_first or _grad_bytes(eng.zero_optimizer)
-        io_first = _storage_bytes() if io_first is None else io_first
-    storage_per_step = (_storage_bytes() - io_first) / max(1, steps - 1)
+        io_first = storage_bytes() if io_first is None else io_first
+    storage_per_step = (storage_bytes() - io_first) / max(1, steps - 1)
     end = _grad_bytes(eng.zero_optimizer)
     per_step = {k: (end[k] - after_first[k]) / max(1, steps - 1) for k in end}
     eng.destroy()
@@ -275,6 +269,8 @@ def _run_systems(args, systems: list, shared: dict, peer: dict, nvme_dir) -> int
                                         args.world, extra, full=True)
                 rows.append((name, row["step_ms"], row["rss_mb"], ""))
                 phases[name] = row["phases_ms"]
+                if nvme:
+                    storage[name] = (stage, row["storage_bytes_per_step"])
             except SystemExit as failed:  # the peer's own error, shortened to its last line
                 rows.append((name, None, None, f"not run: {str(failed).strip().splitlines()[-1][:200]}"))
             finally:
@@ -328,6 +324,8 @@ def _print_storage_time(storage: dict, steps: dict, disk: tuple[float, float]) -
         baseline = f"dstrain-z{stage}" + ("-frozen" if "-frozen" in name else "")  # the same model
         base = steps.get(baseline)
         extra = f"{steps[name] - base:.0f}" if base and name in steps else f"- (run {baseline} too)"
+        if name.startswith("deepspeed"):
+            extra = "- (no DeepSpeed row without offload)"
         print(f"| {name} | {nbytes / 2**20:.0f} | {nbytes / min(disk) / 1e6:.0f} | {extra} |")
 
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.peak_rss import peak_mb, restart_peak  # noqa: E402
 from benchmarks.step_phases import StepPhases, kept  # noqa: E402
+from benchmarks.storage_io import storage_bytes  # noqa: E402
 from benchmarks.comm_bytes import DispatchBytes, bytes_sent, deepspeed_logged_payloads  # noqa: E402
 from benchmarks.workload_model import bench_config  # noqa: E402
 from examples.gpt import GPT, GPTConfig, RandomTokens  # noqa: E402
@@ -102,6 +103,7 @@ def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) ->
     # the dispatch mode counts them, as it does dstrain's rows of that kind (suite_runners).
     # It runs in one step that kept() leaves out of the median (its overhead is on every tensor op).
     seen, count_at = DispatchBytes(), 1 if steps > 4 else 0
+    io_first = None  # storage bytes after the first step (its swap files' first writes left out)
     for i in range(steps):
         group = batches[i * gas:(i + 1) * gas]
         with (seen if one_copy and i == count_at else contextlib.nullcontext()):
@@ -112,6 +114,8 @@ def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) ->
                 for x, y in group:
                     phases.train_step(eng, x, y)
             times.append((time.perf_counter() - t0) * 1e3)
+        io_first = storage_bytes() if io_first is None else io_first
+    storage_per_step = (storage_bytes() - io_first) / max(1, steps - 1)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     logged = _logged_bytes(steps)
     if one_copy:
@@ -122,7 +126,8 @@ def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) ->
         payloads, unknown = None, set()
     sent = None if payloads is None or unknown else bytes_sent(payloads)
     return {"step_ms": statistics.median(kept(times)), "rss_mb": rss, "times_ms": times, "bytes": sent,
-            "logged": logged, "uncounted_ops": sorted(unknown), "phases_ms": phases.medians()}
+            "logged": logged, "uncounted_ops": sorted(unknown), "phases_ms": phases.medians(),
+            "storage_bytes_per_step": storage_per_step}
 
 
 def _pipeline_gpt(cfg: GPTConfig, stages: int):
@@ -173,7 +178,8 @@ def main() -> int:
         rows = [json.loads(Path(outdir, f"{r}.json").read_text()) for r in range(args.world)]
     print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "rss_mb": max(r["rss_mb"] for r in rows),
                       "rss_per_rank_mb": [r["rss_mb"] for r in rows], "phases_ms": rows[0]["phases_ms"],
-                      "bytes": max((r["bytes"] for r in rows if r["bytes"] is not None), default=None)}))
+                      "bytes": max((r["bytes"] for r in rows if r["bytes"] is not None), default=None),
+                      "storage_bytes_per_step": sum(r["storage_bytes_per_step"] for r in rows)}))
     return 0
 
 
