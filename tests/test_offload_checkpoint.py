@@ -14,7 +14,9 @@ NVMe the state APIs (safe_get_full_* / safe_get_local_*, `eng.optimizer.state_di
 An async save under NVMe (`checkpoint.async_save`: file-level snapshot, engine/checkpoint/nvme.py's
 note) writes the bytes of the synchronous save of the same state, although its writer is held back
 until two more steps have rewritten both swap slots and the host flat; its snapshot copies are gone
-once it is committed.
+once it is committed. Three more 2-rank NVMe checkpoints reshard to 1 rank into their own tiers, equal
+to the same load without offload: bf16 at stage 2 (the 16-bit send image), and stage 3 with the
+parameters on NVMe too, in fp32 and bf16 (16-bit parameter files).
 [Note: two spawns] Every 2-rank scenario runs in one spawned job and every 1-rank one in another
 (module-scoped fixtures); the tests assert on their results. The uninterrupted run is shared.
 """
@@ -216,27 +218,40 @@ def _nvme_load_at_one_rank(ckpt: str, nvme_path: str) -> dict:
 BF16 = {"bf16": {"enabled": True}}
 
 
-def _bf16_nvme_save(ckpt: str, nvme_path: str) -> None:
-    """bf16 at 2 ranks with the optimizer on NVMe: the host keeps a 16-bit send image (partition_store.py's
-    note), the master lives in the optimizer's files, and the checkpoint is read from both."""
-    saver = _engine(2, _nvme(nvme_path), extra=BF16)
-    assert type(saver.zero_optimizer.partition.store).__name__ == "HalfImageStore"
-    _train(saver, BATCHES[:SAVE_AT])
-    saver.save_checkpoint(ckpt, tag="nvme-bf16")
-    saver.wait_for_checkpoint()
-    saver.destroy()
+def _both_nvme(path: str) -> dict:
+    return {**_nvme(path), "offload_param": {"device": "nvme", "nvme_path": path, "max_in_cpu": 0}}
 
 
-def _bf16_load_at_one_rank(ckpt: str, nvme_path: str) -> dict:
-    """The 2-rank bf16 NVMe checkpoint at 1 rank (other partition boundaries), with and without NVMe."""
+# 2-rank NVMe checkpoints that other tests load only at 2 ranks, resharded to 1 here (tag: (stage, tier, extra)):
+# bf16 at stage 2 keeps a 16-bit send image (partition_store.py's note) with the master in the optimizer's
+# files; at stage 3 with both tiers on NVMe every gather reads the parameter files (16-bit ones in bf16,
+# offload/param_swap.py's note).
+RESHARD = {"nvme-bf16": (2, _nvme, BF16), "both-nvme": (3, _both_nvme, {}), "both-nvme-bf16": (3, _both_nvme, BF16)}
+
+
+def _reshard_saves(ckpt: str, nvme_path: str) -> None:
+    for tag, (stage, tier, extra) in RESHARD.items():
+        saver = _engine(stage, tier(nvme_path), extra=extra)
+        _train(saver, BATCHES[:SAVE_AT])
+        saver.save_checkpoint(ckpt, tag=tag)
+        saver.wait_for_checkpoint()
+        saver.destroy()
+
+
+def _reshard_loads(ckpt: str, nvme_path: str) -> dict:
+    """Each 2-rank checkpoint at 1 rank (other partition boundaries), into its own tiers and without offload."""
     out = {}
-    for name, offload in (("none", {}), ("nvme", _nvme(nvme_path))):
-        eng = _engine(2, offload, seed=1, extra=BF16)
-        eng.load_checkpoint(ckpt, tag="nvme-bf16")
-        _train(eng, BATCHES[SAVE_AT:])
-        out[name] = {"params": _params(eng), "module": {n: p.detach().clone() for n, p in eng.module.named_parameters()},
-                     "store": type(eng.zero_optimizer.partition.store).__name__}
-        eng.destroy()
+    for tag, (stage, tier, extra) in RESHARD.items():
+        for name, offload in (("none", {}), ("nvme", tier(nvme_path))):
+            eng = _engine(stage, offload, seed=1, extra=extra)
+            eng.load_checkpoint(ckpt, tag=tag)
+            _train(eng, BATCHES[SAVE_AT:])
+            store = eng.zero_optimizer.partition.store
+            out[(tag, name)] = {"params": _params(eng), "store": type(store).__name__,
+                                "module": {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+                                if stage < 3 else None,
+                                "read": getattr(store, "bytes_read", None)}
+            eng.destroy()
     return out
 
 
@@ -244,14 +259,14 @@ def _two_rank_job(ckpt: str, nvme_ckpt: str, nvme_path: str) -> dict:
     uninterrupted = _engine(2, {})
     _train(uninterrupted, BATCHES)
     params = _params(uninterrupted)
-    _bf16_nvme_save(nvme_ckpt, nvme_path)
+    _reshard_saves(nvme_ckpt, nvme_path)
     return {"cpu": _save_and_load_at_two_ranks(ckpt, params), "nvme": _nvme_save_and_load(nvme_ckpt, nvme_path, params),
             "nvme_async": _nvme_async_save(nvme_ckpt + "-async", nvme_path)}
 
 
 def _one_rank_job(ckpt: str, nvme_ckpt: str, nvme_path: str) -> dict:
     return {"cpu": _load_at_one_rank(ckpt), "nvme": _nvme_load_at_one_rank(nvme_ckpt, nvme_path),
-            "nvme_bf16": _bf16_load_at_one_rank(nvme_ckpt, nvme_path)}
+            "reshard": _reshard_loads(nvme_ckpt, nvme_path)}
 
 
 @pytest.fixture(scope="module")
@@ -282,15 +297,22 @@ def test_nvme_offloaded_checkpoint_loads_anywhere_and_the_reverse(two_ranks, one
     _close(one["none->nvme"], two_ranks[0]["nvme"]["uninterrupted"], 1e-5, "none -> 1-rank NVMe vs the 2-rank run")
 
 
-def test_a_bf16_nvme_checkpoint_reshards_into_the_16bit_image_as_into_no_offload(one_rank):
-    """2 ranks -> 1: the master goes into the optimizer's files at other partition boundaries, and the run
-    trains on with its 16-bit send image equal to the same load without offload (masters and the bf16
-    module). (The load's refresh of the image is not observable here: every applied step rewrites the
-    whole image before its all-gather reads it.)"""
-    got, want = one_rank["nvme_bf16"]["nvme"], one_rank["nvme_bf16"]["none"]
-    assert got["store"] == "HalfImageStore" and want["store"] != "HalfImageStore", (got["store"], want["store"])
-    _close(got["params"], want["params"], 0, "1 rank bf16: NVMe vs no offload from a 2-rank bf16 NVMe checkpoint")
-    _close(got["module"], want["module"], 0, "1 rank bf16, the module's bf16 weights")
+@pytest.mark.parametrize("tag", RESHARD)
+def test_nvme_checkpoints_reshard_into_their_tiers_as_into_no_offload(one_rank, tag):
+    """2 ranks -> 1: the master goes into the optimizer's files (and at stage 3 the parameters into their
+    files) at other partition boundaries, and the run trains on equal to the same load without offload
+    (masters; at stage 2 the module's weights too, which the 16-bit send image's all-gathers set). (The
+    load's refresh of the stage-2 image is not observable: every applied step rewrites the whole image
+    before its all-gather reads it.)"""
+    got, want = one_rank["reshard"][(tag, "nvme")], one_rank["reshard"][(tag, "none")]
+    stage, _, extra = RESHARD[tag]
+    kind = "HalfImageStore" if stage == 2 else "NvmeParamStore"
+    assert got["store"] == kind and want["store"] != kind, (got["store"], want["store"])
+    if stage == 3:
+        assert got["read"] > 0, "the loaded run never read its parameter files"
+    _close(got["params"], want["params"], 0, f"1 rank {tag}: the NVMe tiers vs no offload")
+    if stage < 3:
+        _close(got["module"], want["module"], 0, f"1 rank {tag}, the module's weights")
 
 
 def _equal_states(got: dict, want: dict, what: str) -> None:
