@@ -25,6 +25,7 @@ import torch
 import engine
 import schemas
 from engine.utils import safe_get_full_fp32_param
+from engine.zero.partition_store import HalfImageStore
 from tests.harness import run_distributed
 from tests.models import ReuseNet, StackNet, make_batches, micro_batches
 
@@ -114,7 +115,7 @@ def _swap_hashes(zopt) -> dict:
     out = {path: hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in paths}
     for key, flat in zopt.partition.flat.items():
         out[f"partition {key}"] = hashlib.sha256(store.read(key, 0, flat.numel()).numpy().tobytes()).hexdigest()
-        if hasattr(store, "read_image"):  # what stages 1-2 send: in fp16/bf16 a 16-bit image (HalfImageStore)
+        if isinstance(store, HalfImageStore):  # what stages 1-2 send in fp16/bf16: a 16-bit image, on the host
             image = store.read_image(key, 0, flat.numel()).contiguous()
             out[f"image {key}"] = hashlib.sha256(image.view(torch.uint8).numpy().tobytes()).hexdigest()
     return out

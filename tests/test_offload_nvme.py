@@ -145,6 +145,9 @@ def test_inf_on_one_rank_skips_and_leaves_the_swap_files_unchanged(runs, precisi
     and stage 3's parameter files (with the master in the optimizer's files)."""
     for rank, result in enumerate(runs):
         got, want = result[("inf", precision, stage, name)], result[("inf", precision, stage, "none")]
+        if precision == "fp16":  # the 16-bit state this case is about exists
+            kind = got["store"]["kind"] if stage == 2 else got["param_store"]["file_dtype"]
+            assert kind == ("HalfImageStore" if stage == 2 else "torch.float16"), f"rank {rank}: {kind}"
         assert got["skipped"] == want["skipped"] == 1, f"rank {rank}: skipped {got['skipped']}, {want['skipped']}"
         assert got["unchanged"] is True, f"rank {rank}: the skipped step changed a swap file"
         assert not math.isfinite(got["norms"][INF_STEP])
