@@ -119,9 +119,8 @@ def connected_everywhere(group=None) -> None:
     a 4-rank test module to it on a loaded machine, reproduced with one rank's store made slow
     (tests/test_dist_init.py). A barrier holds each rank until all are connected. NCCL connects
     lazily, at the first collective, so it needs none; a mixed "cpu:gloo,cuda:nccl" group has a gloo
-    side, and its barrier runs there (torch picks the CPU device where a group has one). Groups made
-    later with `new_group` get no barrier: the same test shape with the topology's groups did not fail
-    without one."""
+    side, and its barrier runs there (torch picks the CPU device where a group has one). The topology's
+    groups (`new_group`, engine/topology.py) pass the same barrier once all are made."""
     if "gloo" in str(dist.get_backend(group)) and dist.get_world_size(group) > 1:
         dist.barrier(group)
 

@@ -135,6 +135,18 @@ def _new_groups(all_ranks: list[list[int]], mine: int, world: int):
     return found
 
 
+def _connected() -> None:
+    """After every rank created the same groups: none returns before all are connected (engine/dist.py's
+    note). gloo connects a group's members inside `new_group`, and a group of three or more meets the same
+    race as the default one: with tests/test_dist_init.py's slow store and 2 pipe × 3 data ranks leaving
+    right after, 2 of 3 runs of 3 tries failed in connectFullMesh without this barrier. (A group of two
+    cannot: its one pair is up when its connect returns.) No test holds it: the race is rare per try here,
+    one run in four caught its removal."""
+    from .dist import connected_everywhere  # here: dist.py imports this module
+    if dist.is_initialized():
+        connected_everywhere()
+
+
 class ProcessGroups:
     """This rank's process groups along every axis of `topology` (module docstring). Collective."""
 
@@ -152,6 +164,7 @@ class ProcessGroups:
         self.model_group = _new_groups(topology.axis_groups("model"), self.rank, world)
         self.model_parallel_group = _new_groups(topology.model_parallel_groups(), self.rank, world)
         self._tie_groups: dict[tuple[int, ...], object] = {}
+        _connected()
 
     # DeepSpeed's grid names (`PipelineParallelGrid`), for code written against them.
     @property
@@ -176,6 +189,7 @@ class ProcessGroups:
         if key not in self._tie_groups:
             world = self.topology.world_size
             self._tie_groups[key] = _new_groups(self.topology.stage_groups(list(key)), self.rank, world)
+            _connected()
         return self._tie_groups[key]
 
     def duplicate(self, axis: str):
@@ -187,6 +201,7 @@ class ProcessGroups:
             group = dist.new_group(ranks) if dist.is_initialized() and len(ranks) > 1 else None
             if self.rank in ranks:
                 found = group
+        _connected()
         return found
 
 
