@@ -85,7 +85,7 @@ CASES = {
 def _two_rank_checks():
     """Every 2-rank check of this file in one spawn (each spawn costs a torch import and rendezvous per rank)."""
     return {"schedules": _train_each(2, CASES[2]), "peaks": _activation_peaks(), "dicts": _dicts_and_lengths(),
-            "demo": _pipeline_demo()}
+            "batchnorm": _batchnorm_statistics(), "demo": _pipeline_demo()}
 
 
 def _pipeline_demo() -> int:
@@ -172,6 +172,92 @@ def test_1f1b_holds_at_most_p_micro_batches_gpipe_m_and_checkpointing_less(two_r
             assert 0 < peaks[("1f1b", 4, 2)] < peaks[("1f1b", 4, 0)]
         else:
             assert 0 < peaks[("1f1b", 4, 2)] <= peaks[("1f1b", 4, 0)]
+
+
+def _batchnorm_specs() -> list:
+    import torch.nn as nn
+    from engine.pipe import LayerSpec
+    from tests.pipe_models import D
+    block = [LayerSpec(nn.Linear, D, D), LayerSpec(nn.BatchNorm1d, D), nn.Tanh()]
+    return [*block, *block, LayerSpec(nn.Linear, D, D)]
+
+
+# micro-batch rows per step: the third step's new shape makes the engine probe a second signature
+BATCHNORM_ROWS = (MICRO, MICRO, MICRO + 1)
+
+
+def _batchnorm_batches():
+    return [global_batches(1, rows * 2, False, seed=step)[0] for step, rows in enumerate(BATCHNORM_ROWS)]
+
+
+def _batchnorm_statistics():
+    """BatchNorm on both stages, 2 micro-batches a step, two input signatures (engine/pipe/probe.py's
+    note: the probe's forward must not count as a batch)."""
+    import engine
+    from engine.pipe import PipelineModule
+    pm = PipelineModule(_batchnorm_specs(), num_stages=2, loss_fn=mse, seed_layers=True, partition_method="uniform")
+    eng, *_ = engine.initialize(model=pm, config=_config("1f1b", 2))
+    losses = [float(eng.train_batch(iter(list(micro_batches(x, y, 0, 1, 2))))) for x, y in _batchnorm_batches()]
+    return ({n: b.clone() for n, b in pm.named_buffers()}, {n: p.detach().clone() for n, p in pm.named_parameters()},
+            losses)
+
+
+def test_batchnorm_statistics_count_each_micro_batch_once(two_rank_results):
+    """Running mean/var and num_batches_tracked after 3 steps equal single-process accumulation over the
+    same micro-batches (one train-mode forward each), however many signatures the stages were probed for."""
+    model = Reference(_batchnorm_specs())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ref_losses = []
+    for x, y in _batchnorm_batches():
+        total = 0.0
+        for xm, ym in micro_batches(x, y, 0, 1, 2):
+            loss = mse(model(xm), ym) / 2
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(total)
+    buffers = {f"{k}.{n}": b for k, m in model.named.items() for n, b in m.named_buffers()}
+    params = reference_params(model)
+    seen = set()
+    for got_buffers, got_params, losses in (r["batchnorm"] for r in two_rank_results):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for name, b in got_buffers.items():
+            torch.testing.assert_close(b, buffers[name], rtol=1e-5, atol=1e-6, msg=f"buffer {name}")
+            seen.add(name)
+        for name, p in got_params.items():
+            torch.testing.assert_close(p, params[name], rtol=1e-5, atol=1e-6, msg=f"parameter {name}")
+    assert seen == set(buffers) and buffers["1.num_batches_tracked"] == 2 * len(BATCHNORM_ROWS)
+
+
+def test_the_probe_puts_back_buffers_and_model_parallel_rng_streams():
+    """engine/pipe/probe.py's note, on one chunk in this process: a BatchNorm and a dropout drawn from the
+    tracked model-parallel stream (as ParallelSelfAttention's) run in the probe and leave no trace."""
+    from engine.checkpointing import get_cuda_rng_tracker
+    from engine.pipe.probe import chunk_examples
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            with get_cuda_rng_tracker().fork():
+                return (torch.nn.functional.dropout(self.norm(x), 0.5),)
+
+    tracker = get_cuda_rng_tracker()
+    kept = dict(tracker.states), set(tracker.seeds)
+    tracker.reset()
+    tracker.add("model-parallel-rng", 99)
+    try:
+        chunk = Chunk().train()
+        before = [b.clone() for b in chunk.buffers()], tracker.get_states()["model-parallel-rng"].clone()
+        chunk_examples({0: chunk}, (torch.randn(3, 4),), 1, 1, None, 0, torch.device("cpu"), True)
+        for b, was in zip(chunk.buffers(), before[0]):
+            assert torch.equal(b, was)
+        assert torch.equal(tracker.get_states()["model-parallel-rng"], before[1])
+    finally:
+        tracker.states, tracker.seeds = kept
 
 
 def _dicts_and_lengths():
