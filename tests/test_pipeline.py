@@ -85,7 +85,17 @@ CASES = {
 def _two_rank_checks():
     """Every 2-rank check of this file in one spawn (each spawn costs a torch import and rendezvous per rank)."""
     return {"schedules": _train_each(2, CASES[2]), "peaks": _activation_peaks(), "dicts": _dicts_and_lengths(),
-            "batchnorm": _batchnorm_statistics(), "demo": _pipeline_demo()}
+            "batchnorm": _batchnorm_statistics(), "epochs": _training_data_epochs(), "demo": _pipeline_demo()}
+
+
+def _four_rank_checks():
+    """Every 4-rank check of this file in one spawn."""
+    return {"schedules": _train_each(4, CASES[4]), "ran_out": _iterator_runs_out()}
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    return run_distributed(_four_rank_checks, world_size=4, timeout=300)
 
 
 def _pipeline_demo() -> int:
@@ -111,7 +121,7 @@ def test_every_schedule_matches_single_process(stages, request):
     if stages == 2:
         per_rank = [r["schedules"] for r in request.getfixturevalue("two_rank_results")]
     else:
-        per_rank = run_distributed(_train_each, world_size=stages, args=(stages, CASES[stages]), timeout=240)
+        per_rank = [r["schedules"] for r in request.getfixturevalue("four_rank_results")]
     idle = {}
     for k, (schedule, _, gas, tied, n_layers) in enumerate(CASES[stages]):
         _check_against_reference([r[k] for r in per_rank], tied, gas, dp=1, n_layers=n_layers)
@@ -138,6 +148,76 @@ def test_every_schedule_matches_single_process(stages, request):
     plain = formula_bubble("1f1b", stages, 4)
     assert max(idle["interleaved_1f1b"]) < plain
     assert max(idle["zero_bubble"]) < max(idle["interleaved_1f1b"])
+
+
+EPOCH_ROWS, EPOCH_STEPS = 8, 5  # 2 batches of 2 micro-batches an epoch: 5 steps end 2 epochs and start a third
+
+
+def _epoch_data():
+    from torch.utils.data import TensorDataset
+    (x, y), = global_batches(1, EPOCH_ROWS, False, seed=7)
+    return TensorDataset(x, y)
+
+
+def _training_data_epochs():
+    """train_batch() with no iterator, on the loader initialize built from training_data, past its epoch
+    (it repeats, as DeepSpeed's RepeatingLoader); the micro-batches in the loader's order, for the reference."""
+    import engine
+    from engine.data import DistributedDataLoader
+    from engine.pipe import PipelineModule
+    pm = PipelineModule(mlp_specs(6), num_stages=2, loss_fn=mse, seed_layers=True, partition_method="uniform")
+    eng, *_ = engine.initialize(model=pm, config=_config("1f1b", 2), training_data=_epoch_data())
+    losses = [float(eng.train_batch()) for _ in range(EPOCH_STEPS)]
+    order = DistributedDataLoader(_epoch_data(), MICRO, 0, 1, eng.config.seed)
+    micro = [b for _ in range(3) for b in order][:2 * EPOCH_STEPS]
+    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses, micro
+
+
+def test_train_batch_without_an_iterator_repeats_the_training_data_loader(two_rank_results):
+    micro = two_rank_results[0]["epochs"][2]
+    batches = [(torch.cat([micro[i][0], micro[i + 1][0]]), torch.cat([micro[i][1], micro[i + 1][1]]))
+               for i in range(0, len(micro), 2)]
+    ref, ref_losses = reference_sgd(mlp_specs(6), batches, mse, LR, EPOCH_STEPS)
+    want = reference_params(ref)
+    for params, losses, _ in (r["epochs"] for r in two_rank_results):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for name, p in params.items():
+            torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _iterator_runs_out():
+    """A user's iterator that runs out within a batch, on 4 stages (two of which read no data): each stage's
+    error and how long it took; then the engine trains on with a new iterator."""
+    import time
+
+    import engine
+    from engine.pipe import PipelineModule
+    from engine.pipe.engine import DataExhausted
+    pm = PipelineModule(mlp_specs(8), num_stages=4, loss_fn=mse, seed_layers=True, partition_method="uniform")
+    eng, *_ = engine.initialize(model=pm, config=_config("1f1b", 2))
+    (x, y), = global_batches(1, MICRO * 3, False)
+    data = iter(list(micro_batches(x, y, 0, 1, 3)))  # one batch and a half
+    eng.train_batch(data)
+    start = time.monotonic()
+    try:
+        eng.train_batch(data)
+        error = None
+    except DataExhausted as err:
+        error = str(err)
+    seconds = time.monotonic() - start
+    after = float(eng.train_batch(iter(list(micro_batches(x[:2 * MICRO], y[:2 * MICRO], 0, 1, 2)))))
+    return error, seconds, after
+
+
+def test_an_iterator_that_runs_out_stops_every_stage_at_once(four_rank_results):
+    """The stages that read no data learn it from the batch key (engine/pipe/engine.py's _batch_key), not
+    from a receive that never completes; DataExhausted is a StopIteration, as what DeepSpeed lets escape."""
+    from engine.pipe.engine import DataExhausted
+    assert issubclass(DataExhausted, StopIteration)
+    for stage, (error, seconds, after) in enumerate(r["ran_out"] for r in four_rank_results):
+        assert error is not None and error.startswith(f"stage {stage}: the pipeline's data iterator ran out after 1 "
+                                                      "of the 2 micro-batches")
+        assert "\n" not in error and seconds < 10 and after > 0
 
 
 def _activation_peaks():

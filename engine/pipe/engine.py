@@ -34,14 +34,42 @@ from .schedule import LoggedStage, schedule_class
 from .stage_clock import StageClock, pipeline_idle
 
 _MIXED_BATCH = -1  # the batch key that says the first stage's micro-batches differ in nest or shape
+_RAN_OUT = -2  # the batch key that says the first stage's iterator ran out after 0 micro-batches (-3: after 1, ...)
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
 
 
-def _check_batch_key(value: int) -> None:
+class DataExhausted(StopIteration):
+    """train_batch/eval_batch's data iterator ran out. A StopIteration, as DeepSpeed's (whose stages that
+    read data let the iterator's own escape), so a loop that stops on it keeps working; unlike DeepSpeed's,
+    it is raised on every stage, the ones that read no data included (the batch key tells them)."""
+
+
+def _ran_out(stage: int, pulled: int, m: int) -> DataExhausted:
+    return DataExhausted(f"stage {stage}: the pipeline's data iterator ran out after {pulled} of the "
+                         f"{m} micro-batches (gradient_accumulation_steps) of this train_batch/eval_batch; pass a "
+                         "new iterator for the next epoch (train_batch() without one repeats the training_data "
+                         "loader of engine.initialize)")
+
+
+def _check_batch_key(value: int, stage: int, m: int) -> None:
     if value == _MIXED_BATCH:
         raise ValueError("the micro-batches of one train_batch/eval_batch differ in nest or shape; a pipeline "
                          "sizes its buffers per batch, so give one batch's micro-batches equal shapes "
                          "(e.g. bucket sequences by length)")
+    if value <= _RAN_OUT:
+        raise _ran_out(stage, _RAN_OUT - value, m)
+
+
+def _repeating(loader):
+    """The loader's epochs one after another (DeepSpeed's RepeatingLoader around the loader it builds);
+    each `iter()` of a DistributedDataLoader starts its next epoch. An empty loader ends it."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            return
 
 
 class _ChunkModule(torch.nn.Module):
@@ -154,18 +182,22 @@ class PipelineEngine(Engine):
 
     def _pull(self, data_iter, m: int):
         """m micro-batches on the first and last stage: ((structure, tensors) of each input on the first
-        stage, else None; labels on the last, else None)."""
+        stage, else None; labels on the last, else None; None, or how many micro-batches there were when
+        the iterator ran out: the batch key tells the other stages, _batch_key)."""
         if not (self.is_first_stage or self.is_last_stage):
-            return None, None
+            return None, None, None
         if data_iter is None:
             if self.training_dataloader is None:
                 raise RuntimeError("engine.train_batch() needs a data_iter, or training_data= in engine.initialize()")
             if self._data_iterator is None:
-                self._data_iterator = iter(self.training_dataloader)
+                self._data_iterator = _repeating(self.training_dataloader)
             data_iter = self._data_iterator
         inputs, labels = [], []
-        for _ in range(m):
-            batch = next(data_iter)
+        for pulled in range(m):
+            try:
+                batch = next(data_iter)
+            except StopIteration:
+                return None, None, pulled
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
                 raise TypeError("a pipeline's data iterator yields (inputs, labels) pairs, as DeepSpeed's does; "
                                 f"got {type(batch).__name__}")
@@ -173,7 +205,7 @@ class PipelineEngine(Engine):
             if self.is_first_stage:
                 inputs.append(boundary.flatten(x))
             labels.append(y)
-        return (inputs if self.is_first_stage else None), labels
+        return (inputs if self.is_first_stage else None), labels, None
 
     def _fingerprint(self, signature) -> int:
         """boundary.fingerprint, once per distinct signature (it serialises the structure)."""
@@ -184,29 +216,38 @@ class PipelineEngine(Engine):
             value = self._fingerprints[signature] = boundary.fingerprint(signature)
         return value
 
-    def _batch_key(self, inputs) -> tuple[int, object]:
+    def _batch_key(self, inputs, short: int | None, m: int) -> tuple[int, object]:
         """The first stage's input signature, as one int64 broadcast over the pipe group (boundary.py's
         note): the key of the stages built for it, the same on every stage. The first stage does not
-        wait for the others to receive it (it returns the broadcast's work to wait on after the batch)."""
+        wait for the others to receive it (it returns the broadcast's work to wait on after the batch).
+        A mixed batch or an iterator that ran out on the first stage (`short`) is a key every stage
+        raises on, so none is left waiting for data. If only the last stage's iterator ran out, that
+        stage raises and the others, already in the schedule, wait for it: the launcher ends the job
+        on that rank's error (dslaunch, torchrun), or the process group's timeout does."""
         key = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.is_first_stage:
-            signatures = {boundary.signature(*x) for x in inputs}
-            value = self._fingerprint(signatures.pop()) if len(signatures) == 1 else _MIXED_BATCH
+            if short is not None:
+                value = _RAN_OUT - short
+            else:
+                signatures = {boundary.signature(*x) for x in inputs}
+                value = self._fingerprint(signatures.pop()) if len(signatures) == 1 else _MIXED_BATCH
             key.fill_(value)
-            if value != _MIXED_BATCH and self.num_stages > 1:
+            if value >= 0 and self.num_stages > 1:
                 return value, self.pipe_comm.broadcast(key, src=0, async_op=True)
             if self.num_stages > 1:
-                self.pipe_comm.broadcast(key, src=0)  # a mixed batch: every stage raises, none waits for data
+                self.pipe_comm.broadcast(key, src=0)  # every stage raises, none waits for data
         else:
             self.pipe_comm.broadcast(key, src=0)
             value = int(key.item())
-        _check_batch_key(value)
+        _check_batch_key(value, self.stage_id, m)
+        if short is not None:  # the last stage's own iterator ran out, the first stage's did not
+            raise _ran_out(self.stage_id, short, m)
         return value, None
 
     def _run(self, data_iter, training: bool):
         m = self.config.gradient_accumulation_steps
-        inputs, labels = self._pull(data_iter, m)
-        key, sending = self._batch_key(inputs)
+        inputs, labels, short = self._pull(data_iter, m)
+        key, sending = self._batch_key(inputs, short, m)
         stages, sched, mods = self._schedule_for(key, training, m, inputs[0] if self.is_first_stage else None)
         self._last_chunk = mods.get(self.module.num_stages * self.module.virtual_stages - 1)
         self._actions.clear()
@@ -274,8 +315,8 @@ class PipelineEngine(Engine):
         _, losses = self._run(data_iter, training=True)
         self.timers.stop("forward")
         self.timers.start("allreduce")
-        self.tied.all_reduce_grads()
-        self.tied.measure_duplicates(self.zero_optimizer.guard.scaler.loss_scale)
+        self.tied.all_reduce_grads(self.zero_optimizer)
+        self.tied.measure_duplicates(self.zero_optimizer, self.zero_optimizer.guard.scaler.loss_scale)
         reduce_accumulated(self.zero_optimizer)
         zero3.release(self.zero_optimizer)
         self.timers.stop("allreduce")
