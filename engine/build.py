@@ -178,6 +178,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     _apply_activation_checkpointing(model, cfg)
     tag_muon_parameters(model, cfg.optimizer)  # DeepSpeed's set_optimizer_flags
     params = _param_groups(model, model_parameters)
+    if pipelined and not params:  # a stage of parameter-free layers (Tanh only): it steps no parameter,
+        params = [{"params": []}]  # but takes part in the step's collectives as an all-frozen stage does
     if degree > 1:
         tensor_parallel.check_parameters(model, params, optimizer)
     base_optimizer = resolve_optimizer(optimizer, params, cfg.optimizer)

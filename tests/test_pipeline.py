@@ -90,7 +90,8 @@ def _two_rank_checks():
 
 def _four_rank_checks():
     """Every 4-rank check of this file in one spawn."""
-    return {"schedules": _train_each(4, CASES[4]), "ran_out": _iterator_runs_out()}
+    return {"schedules": _train_each(4, CASES[4]), "ran_out": _iterator_runs_out(),
+            "parameterless": _parameterless_stages()}
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +219,36 @@ def test_an_iterator_that_runs_out_stops_every_stage_at_once(four_rank_results):
         assert error is not None and error.startswith(f"stage {stage}: the pipeline's data iterator ran out after 1 "
                                                       "of the 2 micro-batches")
         assert "\n" not in error and seconds < 10 and after > 0
+
+
+def _parameterless_specs() -> list:
+    import torch.nn as nn
+    from engine.pipe import LayerSpec
+    from tests.pipe_models import D
+    return [LayerSpec(nn.Linear, D, D), nn.Tanh(), nn.Tanh(), LayerSpec(nn.Linear, D, D)]  # uniform: 1 layer a stage
+
+
+def _parameterless_stages():
+    """Stages 1 and 2 hold only Tanh: no parameter to optimise (ZeRO-1), yet in every step's collectives."""
+    import engine
+    from engine.pipe import PipelineModule
+    pm = PipelineModule(_parameterless_specs(), num_stages=4, loss_fn=mse, seed_layers=True,
+                        partition_method="uniform")
+    eng, *_ = engine.initialize(model=pm, config=_config("1f1b", 2, zero=1))
+    losses = [float(eng.train_batch(iter(list(micro_batches(x, y, 0, 1, 2)))))
+              for x, y in global_batches(3, MICRO * 2, False)]
+    return {n: p.detach().clone() for n, p in pm.named_parameters()}, losses
+
+
+def test_stages_without_parameters_train_as_single_process(four_rank_results):
+    results = [r["parameterless"] for r in four_rank_results]
+    assert [len(params) for params, _ in results] == [2, 0, 0, 2]
+    ref, ref_losses = reference_sgd(_parameterless_specs(), global_batches(3, MICRO * 2, False), mse, LR, 3)
+    want = reference_params(ref)
+    for params, losses in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for name, p in params.items():
+            torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _activation_peaks():
