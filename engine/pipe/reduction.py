@@ -41,25 +41,29 @@ class TiedGradients:
         self.tensor_rank = groups.coord.model
         self.duplicate_square: torch.Tensor | None = None
 
-    def all_reduce_grads(self) -> None:
+    def all_reduce_grads(self, zero_optimizer) -> None:
+        """Sum each tied weight's accumulated gradient over its tie group, where the optimizer keeps it
+        (`.grad`, or a side tensor of a wider `data_types.grad_accum_dtype`: `with_accumulated_grad`)."""
         for key, comm in self.comms.items():
             for p in self.params[key]:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p, device=p.device)
-                comm.all_reduce(p.grad)
+                zero_optimizer.with_accumulated_grad(p, comm.all_reduce)
 
-    def measure_duplicates(self, loss_scale: float) -> None:
+    def measure_duplicates(self, zero_optimizer, loss_scale: float) -> None:
         """On the non-first holders: the square of the data-averaged, unscaled tied gradient (module note)."""
         sq = self.data_comm.zeros()
+
+        def add_square(grad: torch.Tensor) -> None:
+            nonlocal sq
+            g = grad.detach().float().clone()
+            self.data_comm.all_reduce(g)
+            sq += (g / (self.data_comm.world_size * loss_scale)).square().sum()
         for key, comm in self.comms.items():
             if self.owner[key]:
                 continue
             for p in self.params[key]:
                 if self.tensor_rank > 0 and not is_partitioned(p):  # counted on tensor rank 0 (module note)
                     continue
-                g = p.grad.detach().float().clone()
-                self.data_comm.all_reduce(g)
-                sq += (g / (self.data_comm.world_size * loss_scale)).square().sum()
+                zero_optimizer.with_accumulated_grad(p, add_square)
         self.duplicate_square = sq
 
 

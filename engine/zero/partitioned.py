@@ -216,6 +216,17 @@ class PartitionedZeroOptimizer:
             return grad
         return held.add_(grad) if grad is not None else held
 
+    def with_accumulated_grad(self, param: torch.nn.Parameter, use) -> None:
+        """`use(grad)` on `param`'s gradient accumulated since the last reduction, which may change it in
+        place (a pipeline's sum of a tied weight over its tie group, engine/pipe/reduction.py): `.grad` and
+        any held piece together, in the accumulation dtype where one is set (a wider one keeps it out of
+        `.grad`), zeros where none arrived; kept aside, where the reduction takes it from."""
+        grad = self._take_grad(param)
+        if grad is None:
+            grad = torch.zeros(param.shape, dtype=self._accum_dtype or param.dtype, device=param.device)
+        use(grad)
+        self._accum[param] = grad  # _take_grad finds it at the launch (a swapped store writes it back)
+
     def _pack(self, bucket: _Bucket, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         if bucket.send is None:  # every slot is written: packed (padding zeroed) or zeroed at launch
             bucket.send = torch.empty(bucket.layout.numel, dtype=bucket.send_dtype, device=bucket.device)

@@ -160,6 +160,13 @@ class DataParallelOptimizer:
         self.before_backward(True)
         self.after_backward()
 
+    def with_accumulated_grad(self, param: torch.nn.Parameter, use) -> None:
+        """`use(grad)` on `param`'s gradient accumulated since the last reduction, in place (partitioned.py's
+        method of the same name): its view of the bucket flat, which a gradient of a wider accumulation
+        dtype reaches through the hook, not `.grad`."""
+        self.buckets.attach()  # a `.grad` a user's zero_grad replaced is copied into its view
+        use(self.buckets.views[param])
+
     # -- the boundary step ---------------------------------------------------------------------
     def _grad_buffers(self) -> list[torch.Tensor]:
         if self.master is not None:
