@@ -5,7 +5,9 @@ the dense model trained in one process (SGD unclipped, the reference and checks 
 tests/test_pipeline_tensor_parallel.py: parameters, the loss on every rank and the reported norm), and the
 bytes each rank's stage sends across the boundary, counted on torch's send ops, halve in each direction.
 Both routes to the model axis: Megatron layers and AutoTP. Without a model axis (2 pipe × 2 data) the keys
-change nothing on the wire. A mixed pair is refused with a message naming both keys. One spawn of 4."""
+change nothing on the wire. A mixed pair is refused with a message naming both keys. A boundary that cuts
+a column/row-parallel pair carries each tensor rank's own shard: it is detected and crosses whole. One
+spawn of 4."""
 from __future__ import annotations
 
 import pytest
@@ -52,8 +54,47 @@ def _train(route: str, sliced: bool, steps: int, grads_sliced: bool | None = Non
     return result
 
 
+def _sharded_specs(tensor_parallel: bool) -> list:
+    """Uniformly partitioned, the stage boundary falls between the column- and the row-parallel layer."""
+    import torch.nn as nn
+
+    from engine.pipe import LayerSpec
+    from tests.pipe_models import D
+    if not tensor_parallel:
+        return [LayerSpec(nn.Linear, D, D), LayerSpec(nn.Linear, D, 4 * D), nn.Tanh(),
+                LayerSpec(nn.Linear, 4 * D, D), LayerSpec(nn.Linear, D, D)]
+    from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    return [LayerSpec(nn.Linear, D, D), LayerSpec(ColumnParallelLinear, D, 4 * D, gather_output=False), nn.Tanh(),
+            LayerSpec(RowParallelLinear, 4 * D, D, input_is_parallel=True), LayerSpec(nn.Linear, D, D)]
+
+
+def _train_sharded_boundary(sliced: bool) -> dict:
+    import torch.distributed as dist
+
+    import engine
+    from engine.pipe import PipelineModule
+    from engine.topology import Topology
+    from tests.pipe_models import global_batches, mse
+    topo = Topology.for_world(dist.get_world_size(), pipe=2, model=2)
+    pm = PipelineModule(_sharded_specs(True), topology=topo, loss_fn=mse, seed_layers=True, partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0,
+              "pipeline": {"pipe_partitioned": sliced, "grad_partitioned": sliced}}
+    eng, *_ = engine.initialize(model=pm, config=config)
+    losses, norms = [], []
+    for x, y in global_batches(STEPS, MICRO * GAS, False):
+        losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, 0, 1, GAS))))))
+        norms.append(eng.get_global_grad_norm())
+    result = {"coord": tuple(pm.process_groups.coord), "parts": pm.parts, "losses": losses, "norms": norms,
+              "params": {n: p.detach().clone() for n, p in pm.named_parameters()}, "sent": eng.boundary_bytes()}
+    eng.destroy()
+    return result
+
+
 def _four_ranks():
     out = {(route, sliced): _train(route, sliced, STEPS) for route in ROUTES for sliced in (True, False)}
+    out.update({("sharded", sliced): _train_sharded_boundary(sliced) for sliced in (True, False)})
     out.update({("dense", sliced): _train("dense", sliced, 1) for sliced in (True, False)})
     out.update({("mixed", acts): _train("layers", acts, STEPS, grads_sliced=not acts) for acts in (True, False)})
     return out
@@ -110,3 +151,26 @@ def test_a_mixed_pair_is_bit_for_bit_both_false_and_halves_its_own_direction(fou
         sliced = "forward" if acts else "backward"  # stage 0 sends activations, stage 1 gradients
         assert sum(whole["sent"].values()) > 0, mixed["coord"]
         assert mixed["sent"] == {d: n // 2 if d == sliced else n for d, n in whole["sent"].items()}, mixed["coord"]
+
+
+def test_a_boundary_carrying_a_tensor_parallel_shard_crosses_whole(four_ranks):
+    """partitioned_wire.py's note "a boundary that is not replicated": with the keys true the sharded
+    activation is detected and sent whole both ways, so training equals the dense model and both false."""
+    import torch
+
+    from tests.pipe_models import global_batches, mse, reference_params, reference_sgd
+    norms = []
+    ref, ref_losses = reference_sgd(_sharded_specs(False), global_batches(STEPS, MICRO * GAS, False), mse, LR, STEPS,
+                                    norms=norms)
+    want = reference_params(ref)
+    for r in four_ranks:
+        sliced, whole = r[("sharded", True)], r[("sharded", False)]
+        assert sliced["parts"] == [0, 3, 5]  # the cut between ColumnParallelLinear and RowParallelLinear
+        assert sliced["losses"] == pytest.approx(ref_losses, rel=1e-5), sliced["coord"]
+        assert sliced["norms"] == pytest.approx(norms, rel=1e-5), sliced["coord"]
+        for name in ("0.weight", "4.weight"):  # replicated layers: the dense model's
+            if name in sliced["params"]:
+                torch.testing.assert_close(sliced["params"][name], want[name], rtol=1e-5, atol=1e-6)
+        assert sliced["losses"] == whole["losses"] and sliced["sent"] == whole["sent"], sliced["coord"]
+        for name, p in sliced["params"].items():
+            assert torch.equal(p, whole["params"][name]), (sliced["coord"], name)

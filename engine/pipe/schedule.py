@@ -107,14 +107,14 @@ class LoggedStage(tp.PipelineStage):
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         if self.wire is not None:
-            ops = self.wire.outgoing(ops, self.wire.activations)
+            ops = self.wire.outgoing(ops, self.wire.activations_sent)
         self.sent_bytes["forward"] += _p2p_bytes(ops)
         return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         if self.wire is not None:
-            ops = self.wire.outgoing(ops, self.wire.gradients)
+            ops = self.wire.outgoing(ops, self.wire.gradients_sent)
         self.sent_bytes["backward"] += _p2p_bytes(ops)
         return ops
 
