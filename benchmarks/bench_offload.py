@@ -160,8 +160,8 @@ def _entry(offload: dict, steps: int, stage: int = 2, precision: dict | None = N
         from offload.host_heap import bound_heap_retention
         bound_heap_retention()
     if os.environ.get("DSTRAIN_BENCH_FP32_IMAGE") == "1":  # what the 16-bit send image saves, measured
-        import engine.zero
-        engine.zero.attach_half_image = lambda zopt, zero: None
+        from engine.zero import nvme_tier
+        nvme_tier.wants_half_image = lambda zopt, zero: False
     if os.environ.get("DSTRAIN_BENCH_PARAM_FILES_FP32") == "1":  # what the 16-bit files save, measured
         from engine.zero import param_nvme
         param_nvme._file_dtype = lambda zopt, zero: torch.float32

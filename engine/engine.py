@@ -13,6 +13,7 @@ import torch
 from . import heartbeat
 from .dist import global_rank
 from .monitor import StepLogger, Timers
+from .zero import release_storage
 from .monitors.training_metrics import TrainingMetrics
 
 
@@ -205,12 +206,7 @@ class Engine(torch.nn.Module):
                 hook.remove()
             if hasattr(zopt, "release_gather_group"):
                 zopt.release_gather_group()
-            if getattr(zopt, "nvme", None) is not None:  # swap files and their directory
-                zopt.nvme.close()
-            if hasattr(zopt, "partition"):  # offload_param "nvme": its swap files (partition_store.py)
-                zopt.partition.store.close()
-            if hasattr(zopt, "frozen_chunks"):  # and the frozen parameters' (stage3_frozen.py)
-                zopt.frozen_chunks.close()
+            release_storage(zopt)  # swap files and their directories
         if getattr(self, "_checkpoint_io", None) is not None:
             self._checkpoint_io.writer.close()
         gc.collect()  # the groups' last references: their worker threads are joined

@@ -11,7 +11,9 @@ CPU optimizer while the 16-bit parameters go to NVMe): `master_in_memory`, reads
 `master_updated()` (after each applied step or load) writes it to the files. With
 `offload_optimizer.device: "nvme"` the master is in the optimizer's swap files and the flat's storage
 is dropped (`drop_host_master`): reads come from the files, and the optimizer tier writes each updated
-sub-group here. Either way the gathers read the files.
+sub-group here; a `write` of new master values (a `GatheredParameters` edit, a state-dict load) reaches
+the optimizer's files as well as these, or the next step would step from the old master there
+(engine/zero/partition_store.py's note: master in the tier). Either way the gathers read the files.
 [Note: bounded host memory] Gathers read a group's slots into one of `buffer_count` pool buffers of
 `buffer_size` elements, copy them into the all-gather's send buffer and give the buffer back; the
 coordinator asks for reads of the next groups of its plan ahead of their gathers (`read_ahead`, while
@@ -97,6 +99,7 @@ class NvmeParamStore:
             raise ValueError(f"the parameter pool holds {pool.dtype}, the files {dtype}")
         self.master_in_memory = True
         self.master_source = None  # the NVMe optimizer tier, where it holds the master and the files 16 bits
+        self.master_owner = None  # the NVMe optimizer tier, whose files hold the master (every write reaches it)
         self.files = {key: swap.file(f"{name}.{i}.param.swp") for i, key in enumerate(partition.flat)}
         self._slots: dict[tuple, _Slots] = {}
         self._cache: dict[tuple, torch.Tensor] = {}  # group -> its slots, resident (max_in_cpu)
@@ -152,8 +155,9 @@ class NvmeParamStore:
             dst = self.partition.flat[key].detach()[start:start + values.numel()]
             if dst.data_ptr() != values.data_ptr():
                 dst.copy_(values)
-        elif self.master_source is not None:  # module note: 16-bit files
-            self.master_source.write_master(key, start, values)
+        elif self.master_owner is not None and self.master_owner.holds_master(key):
+            # the optimizer's files hold the master too (module note: where the master lives)
+            self.master_owner.write_master(key, start, values)
         self._write_file(key, start, values)
 
     def write_image(self, key, start: int, values: torch.Tensor) -> None:
@@ -220,6 +224,7 @@ class NvmeParamStore:
                 raise RuntimeError("the parameter files hold 16-bit values; the fp32 master cannot leave memory "
                                    "without the optimizer's files to read it from")
             self.master_source = master_source
+        self.master_owner = master_source
         self.master_in_memory = False
         for flat in self.partition.flat.values():
             flat.detach().untyped_storage().resize_(0)

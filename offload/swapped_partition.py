@@ -381,6 +381,11 @@ class SwappedPartition:
         self._master_transfer(self.aio.read, out, start)
         return out
 
+    @property
+    def master_deferred(self) -> bool:
+        """Whether the master is still the caller's host copy (module note: deferred initialisation)."""
+        return self._initial is not None
+
     def write_master(self, start: int, values: torch.Tensor) -> None:
         """Replace elements [start, start + len(values)) of the committed master in place (a checkpoint
         load's or a `GatheredParameters` edit's values), the state and the other slot untouched."""

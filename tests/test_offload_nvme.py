@@ -81,7 +81,7 @@ def test_16bit_nvme_offload_equals_no_offload_in_the_same_precision(runs, precis
         assert store["kind"] == "HalfImageStore" and store["flat_bytes"] == 0, store
         assert store["resident_bytes"] == 2 * store["partition_numel"], store
         _assert_same(got, result[(precision, 2, "none")], f"rank {rank} {precision}")
-    assert runs[0][(2, "adamw", NVME)]["store"]["kind"] == "HostPartitionStore"  # fp32: the flat is the image
+    assert runs[0][(2, "adamw", NVME)]["store"]["kind"] == "TierMasterStore"  # fp32: the flat is the image
 
 
 @pytest.mark.parametrize("name", [f"{NVME}->none", f"none->{NVME}"])
@@ -281,3 +281,4 @@ def test_lamb_and_muon_in_bf16_step_the_16bit_send_image_equal_to_no_offload(tmp
             for name, w in want["params"].items():
                 g = got["params"][name]
                 assert torch.equal(g, w), f"rank {rank} {kind} {name}: max |diff| {(g - w).abs().max().item():.3e}"
+

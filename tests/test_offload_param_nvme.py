@@ -25,8 +25,8 @@ import math
 import pytest
 import torch
 
-from tests.offload_runs import (BOTH_NVME, BOTH_NVME_FAST, BOTH_NVME_RESIDENT, INF_STEP, PARAM_NVME, PARAM_NVME_CASES, STEPS,
-                                assert_same as _assert_same, shared_runs)
+from tests.offload_runs import (BOTH_NVME, BOTH_NVME_FAST, BOTH_NVME_RESIDENT, INF_STEP, NVME, NVME_FAST, PARAM_NVME,
+                                PARAM_NVME_CASES, STEPS, assert_same as _assert_same, shared_runs)
 
 
 @pytest.fixture(scope="module")
@@ -208,52 +208,75 @@ def test_zero_init_bf16_chunks_on_nvme_become_the_master_of_the_optimizer_files(
         _assert_same(got, result[("stack", "bf16", "none")], f"rank {rank} bf16 zero.Init nvme")
 
 
+EDIT_TIERS = (PARAM_NVME, BOTH_NVME, BOTH_NVME_FAST, NVME, NVME_FAST)
+
+
 def _modifier_edits(nvme_path: str) -> dict:
-    """bf16, stage 3, a frozen first layer: two steps, then rank 0 rewrites a trainable and the frozen weight
-    through GatheredParameters(modifier_rank=0), two more; without offload and with parameters on NVMe
-    (16-bit files: the edit's fp32 values are cast on their way to the files)."""
+    """Stage 3, a frozen first layer, SGD: rank 0 rewrites a trainable weight through
+    GatheredParameters(modifier_rank=0) before the first step (with `fast_init` the optimizer tier's
+    master is then still the partition itself) and a trainable and the frozen weight after two steps,
+    then trains on; without offload and in every tier that keeps the master apart from what the
+    gathers send (partition_store.py's note: master in the tier): the optimizer's files with the
+    partition in memory or in parameter files, and 16-bit parameter files in bf16, where the edit's fp32
+    values are cast on their way to the files."""
     import engine
     from engine.utils import safe_get_full_fp32_param
     from tests.models import make_batches, micro_batches
     from tests.offload_runs import GAS, MICRO, _frozen_stack, _gathered, config
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def edit(params):
+        with engine.zero.GatheredParameters(params, modifier_rank=0):
+            if rank == 0:
+                for p in params:
+                    p.data.mul_(0.5).add_(0.01)
     out = {}
-    for name in ("none", PARAM_NVME, BOTH_NVME):
-        torch.manual_seed(0)
-        cfg = config(3, "sgd", {} if name == "none" else name, "bf16", nvme_path)
-        if name != "none":  # nothing resident: the gathers after the edit read it from the files
-            cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 0
-        eng = engine.initialize(model=_frozen_stack(), config=cfg)[0]
-        for step, (x, y) in enumerate(make_batches(4, MICRO * GAS * world)):
-            if step == 2:
-                edited = [eng.module.layers[0].weight, eng.module.layers[1].weight]
-                with engine.zero.GatheredParameters(edited, modifier_rank=0):
-                    if rank == 0:
-                        for p in edited:
-                            p.data.mul_(0.5).add_(0.01)
-            for xm, ym in micro_batches(x.bfloat16(), y.bfloat16(), rank, world, GAS):
-                eng.backward(eng(xm, ym))
-                eng.step()
-        store = eng.zero_optimizer.partition.store
-        out[name] = {"params": {n: safe_get_full_fp32_param(p) if p.requires_grad else _gathered(p)
-                                for n, p in eng.module.named_parameters()},
-                     "file_dtype": str(store.dtype) if store.swapped else None}
-        eng.destroy()
+    for precision in ("bf16", "fp32"):
+        cast = torch.bfloat16 if precision == "bf16" else torch.float32
+        for name in ("none", *EDIT_TIERS):
+            torch.manual_seed(0)
+            cfg = config(3, "sgd", {} if name == "none" else name, precision, nvme_path)
+            if "param" in cfg["zero_optimization"]:  # nothing resident: the gathers after the edit read the files
+                cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 0
+            eng = engine.initialize(model=_frozen_stack(), config=cfg)[0]
+            edit([eng.module.layers[2].weight])
+            for step, (x, y) in enumerate(make_batches(4, MICRO * GAS * world)):
+                if step == 2:
+                    edit([eng.module.layers[0].weight, eng.module.layers[1].weight])
+                for xm, ym in micro_batches(x.to(cast), y.to(cast), rank, world, GAS):
+                    eng.backward(eng(xm, ym))
+                    eng.step()
+            store = eng.zero_optimizer.partition.store
+            out[(precision, name)] = {"params": {n: safe_get_full_fp32_param(p) if p.requires_grad else _gathered(p)
+                                                 for n, p in eng.module.named_parameters()},
+                                      "store": type(store).__name__,
+                                      "file_dtype": str(store.dtype) if store.swapped else None}
+            eng.destroy()
     return out
 
 
-def test_modifier_edits_reach_16bit_parameter_files(tmp_path):
+@pytest.fixture(scope="module")
+def edits(tmp_path_factory):
     from tests.harness import run_distributed
-    for rank, result in enumerate(run_distributed(_modifier_edits, 2, args=(str(tmp_path),), timeout=120)):
-        for offload in (PARAM_NVME, BOTH_NVME):  # BOTH_NVME: the edit's master goes to the optimizer's files
-            assert result[offload]["file_dtype"] == "torch.bfloat16", result[offload]["file_dtype"]
-            for name, want in result["none"]["params"].items():
-                got = result[offload]["params"][name]
-                assert torch.equal(got, want), \
-                    f"rank {rank} {offload} {name}: max |diff| {(got - want).abs().max().item():.3e}"
+    return run_distributed(_modifier_edits, 2, args=(str(tmp_path_factory.mktemp("edits")),), timeout=300)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_modifier_edits_reach_the_master_in_every_tier(edits, precision):
+    for rank, result in enumerate(edits):
+        for name in EDIT_TIERS:
+            got = result[(precision, name)]
+            if name in (PARAM_NVME, BOTH_NVME) and precision == "bf16":
+                assert got["file_dtype"] == "torch.bfloat16", got["file_dtype"]
+            if name in (NVME, NVME_FAST):  # the partition in memory, the master in the optimizer's files
+                assert got["store"] == "TierMasterStore", got["store"]
+            for param, want in result[(precision, "none")]["params"].items():
+                diff = (got["params"][param] - want).abs().max().item()
+                assert torch.equal(got["params"][param], want), f"rank {rank} {precision} {name} {param}: max |diff| {diff:.3e}"
 
 
 def test_zero_init_on_nvme_without_a_config_is_one_error_naming_the_key(runs):
     for rank, result in enumerate(runs):
         problems = result["zero_init_nvme_without_config"]
         assert problems is not None and len(problems) == 1 and "offload_param.device" in problems[0], problems
+

@@ -22,7 +22,7 @@ from .stage1 import ZeroStage1Optimizer
 from .stage2 import ZeroStage2Optimizer
 from .tier import PartitionTier
 from .grad_swap import attach_grad_swap, swaps_gradients
-from .nvme_tier import NvmeOptimizerTier, attach_half_image, inner_factory, wants_nvme
+from .nvme_tier import NvmeOptimizerTier, attach_master_store, inner_factory, wants_nvme
 from .param_nvme import attach_param_nvme, finish_param_nvme, refuse_unconsumed_init_chunks, wants_param_nvme
 from .init import (GatheredParameters, Init, register_external_parameter,  # noqa: F401  (deepspeed.zero's names)
                    unregister_external_parameter)
@@ -82,7 +82,7 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
         if wants_nvme(zero):
             zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
             attach_grad_swap(zopt)  # the gradient partition in swap files (grad_swap.py's note)
-            attach_half_image(zopt, zero)  # in 16-bit training (partition_store.py's note: 16-bit send image)
+            attach_master_store(zopt, zero)  # writes reach the master (partition_store.py: master in the tier)
         attach_per_tensor(zopt)
         tag_parameters(zopt, zopt.params)
         return zopt
@@ -93,15 +93,32 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
             raise schemas.ConfigError(problems)
         zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, tier=PartitionTier.for_zero(comm.device, zero),
                                    **common)
-        refuse_unconsumed_init_chunks(zopt, zero)
-        if wants_param_nvme(zero):  # the partition into swap files (param_nvme.py's note)
-            attach_param_nvme(zopt, zero, cfg.aio)
-        if wants_nvme(zero):  # the fp32 partition is the master at stage 3 too: the same swapped step
-            zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
-            attach_grad_swap(zopt)  # and its gradient in swap files (grad_swap.py's note)
-        if wants_param_nvme(zero):
-            finish_param_nvme(zopt)
-        attach_per_tensor(zopt)
+        try:  # a tier that fails takes the swap files of those built before it (no engine to destroy)
+            refuse_unconsumed_init_chunks(zopt, zero)
+            if wants_param_nvme(zero):  # the partition into swap files (param_nvme.py's note)
+                attach_param_nvme(zopt, zero, cfg.aio)
+            if wants_nvme(zero):  # the fp32 partition is the master at stage 3 too: the same swapped step
+                zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
+                attach_grad_swap(zopt)  # and its gradient in swap files (grad_swap.py's note)
+                if not wants_param_nvme(zero):
+                    attach_master_store(zopt, zero)  # writes reach the master (partition_store.py: master in the tier)
+            if wants_param_nvme(zero):
+                finish_param_nvme(zopt)
+            attach_per_tensor(zopt)
+        except BaseException:
+            release_storage(zopt)
+            raise
         tag_parameters(zopt, zopt.params)
         return zopt
     raise NotImplementedError(f"zero_optimization.stage: {zero.stage} is not built yet in dstrain")
+
+
+def release_storage(zopt) -> None:
+    """Delete the swap files of every offload tier `zopt` has (optimizer, parameters, frozen chunks) and
+    their directories: `engine.destroy()`, or an `initialize()` that failed after a tier was built."""
+    if getattr(zopt, "nvme", None) is not None:
+        zopt.nvme.close()
+    if hasattr(zopt, "partition"):  # offload_param "nvme": its swap files (partition_store.py)
+        zopt.partition.store.close()
+    if hasattr(zopt, "frozen_chunks"):  # and the frozen parameters' (stage3_frozen.py)
+        zopt.frozen_chunks.close()

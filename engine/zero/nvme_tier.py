@@ -32,7 +32,7 @@ from ops.state_layout import StateLayoutError
 from .swappable import SWAPPABLE_NAMES, config_name, constructor_args, swap_problem
 
 from .nvme_per_tensor import per_tensor_stepper
-from .partition_store import HalfImageStore
+from .partition_store import HalfImageStore, TierMasterStore
 from .nvme_state import install_state_dict_hooks
 
 PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
@@ -58,13 +58,22 @@ def wants_nvme(zero) -> bool:
     return section is not None and section.device == "nvme"
 
 
-def attach_half_image(zopt, zero) -> None:
+def wants_half_image(zopt, zero) -> bool:
     """Stages 1-2 in fp16/bf16 training: the send image in the model dtype, the fp32 flats freed
     (partition_store.py's note: 16-bit send image). Not with `fast_init`, whose first step reads its
     first master from the flats."""
     half = any(key[1] in (torch.float16, torch.bfloat16) for key in zopt.partition.flat)
-    if half and not zero.offload_optimizer.fast_init:
+    return half and zopt.stage < 3 and not zero.offload_optimizer.fast_init
+
+
+def attach_master_store(zopt, zero) -> None:
+    """The partition store that knows the master is in the tier's files (partition_store.py's note:
+    master in the tier), where the partition is in memory; with the parameters on NVMe their store
+    takes the tier itself (param_nvme.py's `finish_param_nvme`)."""
+    if wants_half_image(zopt, zero):
         zopt.partition.store = HalfImageStore(zopt.partition, zopt.nvme, zopt.tier)
+    else:
+        zopt.partition.store = TierMasterStore(zopt.partition, zopt.nvme)
 
 
 def inner_factory(optimizer: torch.optim.Optimizer, group: dict):
@@ -113,9 +122,9 @@ class NvmeOptimizerTier:
         self.io = AsyncFileIO(aio, path_key=PATH_KEY)
         sub_group = -(-max(1, int(zero.sub_group_size)) // LANES) * LANES  # the lanes note
         elements = max(sub_group_buffer_elements(f.numel(), sub_group) for f in partition.flat.values())
-        self.pool = SwapBufferPool(section.buffer_count, elements, pin_memory=section.pin_memory)
         self.parts: dict[tuple, SwappedPartition] = {}
-        try:
+        try:  # whatever fails from here on, the swap directory made above goes with it (close)
+            self.pool = SwapBufferPool(section.buffer_count, elements, pin_memory=section.pin_memory)
             for key, flat in partition.flat.items():
                 group = self.optimizer.param_groups[key[0]]
                 part = SwappedPartition(flat.numel(), inner_factory(self.optimizer, group), self.swap, self.io,
@@ -174,6 +183,11 @@ class NvmeOptimizerTier:
 
     def write_master(self, key: tuple, start: int, values: torch.Tensor) -> None:
         self.parts[key].write_master(start, values)
+
+    def holds_master(self, key: tuple) -> bool:
+        """Whether flat `key`'s master is in the swap files: not yet before `fast_init`'s first step (or a
+        load), when it is the partition store's copy (partition_store.py's note: master in the tier)."""
+        return not self.parts[key].master_deferred
 
     def load_chunks(self, key: tuple, chunks) -> None:
         """Load `key`'s partition from chunks and refresh its send image (the partition store) from them."""

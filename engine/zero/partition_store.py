@@ -6,7 +6,8 @@ after a step, `safe_get_*` (engine/utils.py), the checkpoint adapters, the NVMe 
 (initial master, updated master after each sub-group) and `state_dict`. They all go through
 `partition.store`, so where the partition lives is the store's business:
 - `HostPartitionStore` (this module): the flats in memory (device or host), every read a zero-copy
-  view, every write a copy into it. No offload, the CPU tier, and NVMe optimizer offload use it.
+  view, every write a copy into it. No offload and the CPU tier use it; NVMe optimizer offload its
+  subclasses `TierMasterStore` and `HalfImageStore`, whose writes also reach the tier's master.
 - `NvmeParamStore` (offload/param_swap.py, `offload_param.device: "nvme"`): the partition in swap
   files, read through a buffer pool ahead of the gathers.
 `read(key, start, stop)` returns elements [start, stop) of flat `key` (valid until the next write of
@@ -80,22 +81,48 @@ class HostPartitionStore:
         pass
 
 
-class HalfImageStore(HostPartitionStore):
+class TierMasterStore(HostPartitionStore):
+    """[Note: master in the tier] With the optimizer on NVMe (engine/zero/nvme_tier.py) the fp32 master is
+    in the tier's swap files, and the flats in memory are what the all-gathers send: its exact copy, which
+    each step's update reaches through `write_behind`. Readers read the flats. A writer of new master
+    values (a `GatheredParameters` edit at stage 3, a state-dict load) must reach the tier's files too, or
+    the next step steps from the old master there and writes the edit away: `write` writes both, and
+    `write_image` / `write_behind` only what the all-gathers send, the tier having written its files
+    itself. Until `fast_init`'s first step the tier has no master of its own and reads the flats
+    (offload/swapped_partition.py's note: deferred initialisation), so then only they are written."""
+
+    def __init__(self, partition, master_source):
+        super().__init__(partition)
+        self.master_source = master_source
+
+    def write(self, key, start: int, values: torch.Tensor) -> None:
+        if self.master_source.holds_master(key):
+            self.master_source.write_master(key, start, values)
+        self.write_image(key, start, values)
+
+    def write_image(self, key, start: int, values: torch.Tensor) -> None:
+        HostPartitionStore.write(self, key, start, values)
+
+    write_behind = write_image
+
+
+class HalfImageStore(TierMasterStore):
     """[Note: 16-bit send image] Stages 1-2 with the optimizer on NVMe in fp16/bf16 training: the host keeps
     only what the all-gathers send, in the model dtype (`image`, a tensor per flat on the tier's home,
     pinned where the tier pins), and the fp32 master is the NVMe optimizer's (`master_source`:
     `read_master` / `write_master`); the flats' own bytes are freed. So the host holds 2 bytes per
     partition element instead of 4, as stage 3's 16-bit parameter files do (offload/param_swap.py's
-    note). `read` / `write` / `slot` are the fp32 master's (checkpoints, `safe_get_*`, a state-dict
-    load); `read_image` is what `_gather_params` sends; a step's update (`write_behind`) and a checkpoint
-    load's (`write_image`) reach only the image, the tier having written the master itself. Values are
-    those of the fp32 flat it replaces: the image is the master cast as the gather would cast it."""
+    note). `read` / `slot` are the fp32 master's (checkpoints, `safe_get_*`, a state-dict load);
+    `read_image` is what `_gather_params` sends; `write` reaches both (note: master in the tier), a
+    step's update (`write_behind`) and a checkpoint load's (`write_image`) only the image, the tier
+    having written the master itself. Values are those of the fp32 flat it replaces: the image is the
+    master cast as the gather would cast it. Not with `fast_init` (nvme_tier.py's `attach_master_store`)."""
 
     master_in_memory = False  # the checkpoint adapter streams the fp32 rows from the tier (checkpoint/nvme.py)
 
     def __init__(self, partition, master_source, tier):
-        super().__init__(partition)
-        self.master_source, self.image = master_source, {}
+        super().__init__(partition, master_source)
+        self.image = {}
         for key, flat in partition.flat.items():
             image = flat_empty(flat.numel(), key[1], tier.home, pin_memory=tier.pin)
             image.copy_(flat.detach())
@@ -104,10 +131,6 @@ class HalfImageStore(HostPartitionStore):
 
     def read(self, key, start: int, stop: int) -> torch.Tensor:
         return self.master_source.read_master(key, start, stop)
-
-    def write(self, key, start: int, values: torch.Tensor) -> None:
-        self.master_source.write_master(key, start, values)
-        self.write_image(key, start, values)
 
     def write_image(self, key, start: int, values: torch.Tensor) -> None:
         values = values.detach().reshape(-1)
