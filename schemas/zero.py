@@ -30,9 +30,9 @@ class OffloadParamConfig(StrictModel):
     nvme_path: Optional[str] = None
     """Directory on the NVMe device for parameter swap files (device "nvme"; a per-job directory is
     made in it and removed at exit)."""
-    buffer_count: int = Field(5, ge=0)
+    buffer_count: int = Field(5, ge=1)
     """Buffers in the pool parameter slots are read into ahead of their gathers (device "nvme"); the
-    prefetcher reads up to this many groups ahead."""
+    prefetcher reads up to this many groups ahead. At least 1: every gather reads through one."""
     buffer_size: Size = Field(100_000_000, ge=0)
     """Elements per parameter swap buffer (device "nvme"): at least the elements of one module's gather
     group on a rank (refused with the needed size when smaller); buffers are allocated only as large as
@@ -56,9 +56,10 @@ class OffloadOptimizerConfig(StrictModel):
     nvme_path: Optional[str] = None
     """Directory on the NVMe device for optimizer-state swap files (device "nvme"; a per-job directory is
     made in it and removed at exit)."""
-    buffer_count: int = Field(4, ge=0)
+    buffer_count: int = Field(4, ge=1)
     """Swap buffers of one sub-group each (device "nvme"): at least the tensors swapped per sub-group
-    (AdamW: master, exp_avg, exp_avg_sq = 3); 3x that for full pipelining."""
+    (AdamW: master, exp_avg, exp_avg_sq = 3; fewer is refused at initialize, naming the number needed);
+    3x that for full pipelining."""
     pin_memory: bool = True
     """Page-locked host memory for the offloaded partitions when an accelerator is present, so gradient
     and weight copies are asynchronous. True by default as in DeepSpeed 0.19.5+; set false where

@@ -21,6 +21,7 @@ tests/offload_runs.py's, in the one 2-rank spawn test_offload_parity.py and test
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -280,3 +281,26 @@ def test_zero_init_on_nvme_without_a_config_is_one_error_naming_the_key(runs):
         problems = result["zero_init_nvme_without_config"]
         assert problems is not None and len(problems) == 1 and "offload_param.device" in problems[0], problems
 
+
+def _failed_initialize(nvme_path: str) -> dict:
+    """ZeRO-3, parameters and optimizer on NVMe, AdamW with 2 optimizer buffers (it swaps 3 per sub-group):
+    initialize() fails after the parameter tier wrote its files; twice, as a notebook's retries would."""
+    import engine
+    from tests.offload_runs import _frozen_stack, config
+    cfg = config(3, "adamw", BOTH_NVME, "fp32", nvme_path)
+    cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = 2
+    errors, left = [], []
+    for _ in range(2):
+        try:
+            engine.initialize(model=_frozen_stack(), config=cfg)
+        except ValueError as err:
+            errors.append(str(err))
+        left.append(sorted(str(p.relative_to(nvme_path)) for p in Path(nvme_path).rglob("*")))
+    return {"errors": errors, "left": left}
+
+
+def test_a_failed_initialize_leaves_no_swap_file(tmp_path):
+    from tests.harness import run_distributed
+    result = run_distributed(_failed_initialize, 1, args=(str(tmp_path),), timeout=120)[0]
+    assert len(result["errors"]) == 2 and all("offload_optimizer.buffer_count" in e for e in result["errors"]), result
+    assert result["left"] == [[], []], result["left"]
