@@ -282,3 +282,37 @@ def test_lamb_and_muon_in_bf16_step_the_16bit_send_image_equal_to_no_offload(tmp
                 g = got["params"][name]
                 assert torch.equal(g, w), f"rank {rank} {kind} {name}: max |diff| {(g - w).abs().max().item():.3e}"
 
+
+def _uncorrected_adam(nvme_path: str) -> dict:
+    """DeepSpeed's `"Adam"` with `bias_correction: false` (ops.UncorrectedAdam) at stage 2, 4 steps, without
+    offload and with the optimizer on NVMe."""
+    import engine
+    from engine.utils import safe_get_full_fp32_param
+    from tests.models import make_batches, micro_batches
+    from tests.offload_runs import GAS, MICRO, ReuseNet, config
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for name in ("none", NVME):
+        torch.manual_seed(0)
+        cfg = config(2, "adamw", {} if name == "none" else name, "fp32", nvme_path)
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "bias_correction": False, "weight_decay": 0.01}}
+        eng = engine.initialize(model=ReuseNet(), config=cfg)[0]
+        norms = []
+        for x, y in make_batches(4, MICRO * GAS * world):
+            for xm, ym in micro_batches(x, y, rank, world, GAS):
+                eng.backward(eng(xm, ym))
+                eng.step()
+            norms.append(eng.get_global_grad_norm())
+        out[name] = {"kind": type(eng.optimizer).__name__, "norms": norms,
+                     "params": {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}}
+        eng.destroy()
+    return out
+
+
+def test_adam_without_bias_correction_steps_swapped_equal_to_no_offload(tmp_path):
+    from tests.harness import run_distributed
+    for rank, result in enumerate(run_distributed(_uncorrected_adam, 2, args=(str(tmp_path),), timeout=120)):
+        assert result[NVME]["kind"] == "UncorrectedAdam" and result[NVME]["norms"] == result["none"]["norms"]
+        for name, want in result["none"]["params"].items():
+            got = result[NVME]["params"][name]
+            assert torch.equal(got, want), f"rank {rank} {name}: max |diff| {(got - want).abs().max().item():.3e}"

@@ -4,7 +4,8 @@
 a copy of the configured optimizer over a placeholder parameter. That is the optimizer's own math only
 when its update is elementwise (each element from its own gradient, state and per-step scalars) and
 its state is made lazily at the first step (the placeholder's state is swapped in and out around it).
-- Adam, AdamW, SGD, dstrain's Adagrad (torch's, state deferred to the first step: ops/adagrad.py) and
+- Adam, AdamW (also without bias correction: ops.UncorrectedAdam), SGD, dstrain's Adagrad (torch's, state
+  deferred to the first step: ops/adagrad.py) and
   Lion, and torch's elementwise classes by name (schemas/optimizer_torch.py) qualify.
 - torch.optim.Adagrad itself builds its state in the constructor, over the placeholder: refused.
 - Lamb and Muon need whole tensors (Lamb's norms, Muon's matrices): they step in two passes over the
@@ -19,7 +20,7 @@ import torch
 import ops
 from schemas.optimizer_torch import TORCH_ELEMENTWISE
 
-_SWAPPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, ops.Adagrad, ops.Lion)
+_SWAPPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, ops.UncorrectedAdam, ops.Adagrad, ops.Lion)
 SWAPPABLE_NAMES = "Adam, AdamW, SGD, Adagrad, Lion, Lamb, Muon, or torch's " + ", ".join(TORCH_ELEMENTWISE)
 _PER_TENSOR = (ops.Lamb, ops.MuonWithAuxAdam)  # two passes over the sub-groups (nvme_per_tensor.py)
 
