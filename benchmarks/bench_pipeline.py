@@ -22,6 +22,10 @@ Interleaved and zero-bubble rows use 2 chunks per rank. These machines are share
 ratios, and the load printed with them.
 `--timeline` prints, per rank, every action, wait and post of two dstrain-1f1b steps after `--steps`
 warm-up ones (benchmarks/pipe_timeline.py; docs/parallelism.md reads one).
+`--systems 1f1b,torch` runs only those (dstrain's schedules by name, "torch" for torch's bare one);
+`--separate` starts each in processes of its own, as DeepSpeed's peer always is (by default dstrain's
+schedules and torch's run one after another in one set, so each inherits the one before's heap and
+threads).
 `--paired` steps dstrain's 1f1b and torch's bare schedule alternately in the same processes, each step
 from aligned ranks (an untimed barrier), and reports the median ratio of the step pairs and each rank's
 median CPU time per step (process CPU time, gloo's threads included: less distorted by a shared machine
@@ -295,14 +299,14 @@ def _tensor_parallel_rows(stages: int, degree: int, ms: list[int], steps: int) -
                   f"{step / base:>6.2f} {sent:>21.1f}")
 
 
-def _all(stages: int, ms: list[int], steps: int) -> dict:
+def _all(stages: int, ms: list[int], steps: int, systems: tuple = (*SCHEDULES, "torch")) -> dict:
+    """Each of `systems` (dstrain's schedules, "torch": its bare schedule) at each m, in these processes."""
     out = {}
     for m in ms:
-        for schedule in SCHEDULES:
-            if schedule in ("interleaved_1f1b", "zero_bubble") and m % stages:
+        for system in systems:
+            if system in ("interleaved_1f1b", "zero_bubble") and m % stages:
                 continue  # torch's interleaved schedules need m to be a multiple of the stage count
-            out[(schedule, m)] = _dstrain(schedule, m, steps)
-        out[("torch", m)] = _torch_native(m, steps)
+            out[(system, m)] = _torch_native(m, steps) if system == "torch" else _dstrain(system, m, steps)
     return out
 
 
@@ -317,20 +321,24 @@ def _deepspeed(venv: str, stages: int, m: int, steps: int) -> float | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])["step_ms"]
 
 
-def _round(stages: int, ms: list[int], steps: int, venv: str | None, deepspeed_first: bool) -> dict:
+def _round(stages: int, ms: list[int], steps: int, venv: str | None, deepspeed_first: bool,
+           systems: tuple, separate: bool) -> dict:
     """One round on `stages` ranks: {(system, m): row}, each row the slowest rank's step time. For each m
-    dstrain's schedules and torch's run in one set of processes and DeepSpeed's right before or after
-    (alternating between rounds), so the ratios of a round compare runs seconds apart."""
+    dstrain's schedules and torch's run in one set of processes (`separate`: each in its own, as
+    DeepSpeed's is) and DeepSpeed's right before or after (alternating between rounds), so the ratios of a
+    round compare runs seconds apart."""
     out = {}
     for m in ms:
-        order = (_deepspeed_rows, _our_rows) if deepspeed_first else (_our_rows, _deepspeed_rows)
+        ours = [lambda *a, s=s: _our_rows(*a, (s,)) for s in systems] if separate else [
+            lambda *a: _our_rows(*a, systems)]
+        order = ([_deepspeed_rows] + ours) if deepspeed_first else (ours + [_deepspeed_rows])
         for rows in order:
             out.update(rows(stages, m, steps, venv))
     return out
 
 
-def _our_rows(stages: int, m: int, steps: int, venv: str | None) -> dict:
-    ranks = run_distributed(_all, world_size=stages, args=(stages, [m], steps), timeout=1800)
+def _our_rows(stages: int, m: int, steps: int, venv: str | None, systems: tuple) -> dict:
+    ranks = run_distributed(_all, world_size=stages, args=(stages, [m], steps, systems), timeout=1800)
     return {key: {**ranks[0][key], "step_ms": max(r[key]["step_ms"] for r in ranks),
                   "acts": "/".join(f"{r[key]['act_bytes'] / 1024:.0f}" for r in ranks) if key[0] != "torch" else "",
                   "measured": [r[key]["measured_idle"] for r in ranks] if key[0] != "torch" else None}
@@ -379,6 +387,10 @@ def main() -> int:
                    help="only a per-rank timeline of 2 dstrain-1f1b steps after --steps warm-up ones")
     p.add_argument("--micro-size", type=int, default=None,
                    help=f"rows per micro-batch (default {wl.MICRO}); set for every rank and DeepSpeed's peer")
+    p.add_argument("--systems", default=",".join((*SCHEDULES, "torch")),
+                   help="dstrain's schedules to run, and 'torch' for torch's bare schedule (default: all)")
+    p.add_argument("--separate", action="store_true",
+                   help="each of --systems in its own processes, as DeepSpeed's runs (default: one set for all)")
     p.add_argument("--zero-data", type=int, default=0,
                    help="D > 0: only dstrain's 1f1b at ZeRO-1 and ZeRO-3 on stages x D ranks (engine/pipe/zero3.py)")
     args = p.parse_args()
@@ -412,7 +424,8 @@ def main() -> int:
     for stages in [int(s) for s in args.stages.split(",")]:
         rounds = []
         for k in range(args.rounds):
-            rounds.append(_round(stages, ms, args.steps, args.deepspeed_venv, deepspeed_first=k % 2 == 1))
+            rounds.append(_round(stages, ms, args.steps, args.deepspeed_venv, deepspeed_first=k % 2 == 1,
+                                 systems=tuple(args.systems.split(",")), separate=args.separate))
             print(f"# p={stages} round {k + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
         print(f"{'p':>2} {'m':>2} {'system':<24} {'step ms':>9} {'vs DS':>6} {'per round':<16} {'replay':>7} "
               f"{'formula':>7} {'measured idle/stage':>19} {'act KB/stage':>16}")
