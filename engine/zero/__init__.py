@@ -79,11 +79,15 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
             allgather_bucket_numel=zero.allgather_bucket_size, reduce_scatter=zero.reduce_scatter,
             allgather_partitions=zero.allgather_partitions, tier=PartitionTier.for_zero(comm.device, zero),
             grads_swapped=swaps_gradients(zero, optimizer), **common)
-        if wants_nvme(zero):
-            zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
-            attach_grad_swap(zopt)  # the gradient partition in swap files (grad_swap.py's note)
-            attach_master_store(zopt, zero)  # writes reach the master (partition_store.py: master in the tier)
-        attach_per_tensor(zopt)
+        try:  # a tier that fails takes the swap files of those built before it (no engine to destroy)
+            if wants_nvme(zero):
+                zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
+                attach_grad_swap(zopt)  # the gradient partition in swap files (grad_swap.py's note)
+                attach_master_store(zopt, zero)  # writes reach the master (partition_store.py: master in the tier)
+            attach_per_tensor(zopt)
+        except BaseException:
+            release_storage(zopt)
+            raise
         tag_parameters(zopt, zopt.params)
         return zopt
     if zero.stage == 3:
