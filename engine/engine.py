@@ -13,6 +13,7 @@ import torch
 from . import heartbeat
 from .dist import global_rank
 from .monitor import StepLogger, Timers
+from .checkpoint.restore import start_window
 from .zero import release_storage
 from .monitors.training_metrics import TrainingMetrics
 
@@ -239,6 +240,7 @@ class Engine(torch.nn.Module):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         for key, value in state["counters"].items():
             setattr(self, key, value)
+        start_window(self)  # the saved window's gradients are not in the state (restore.py)
 
 
 def _cast_floating(obj, dtype: torch.dtype):

@@ -6,7 +6,8 @@ stage, with gradient accumulation, dropout (per-rank RNG), an LR schedule, the e
 (sampler position) and fp16 dynamic loss scaling that overflows at the start (scaler state, skips).
 Reshard: the 2-rank step-5 checkpoints of every stage load at 1 and 4 ranks into every stage; fp32
 master weights and Adam state equal the saved ones exactly, and training on continues to match the
-uninterrupted run (atol 1e-5: only the reduction order differs at another world size). Stage 3 is a
+uninterrupted run (atol 1e-5: only the reduction order differs at another world size); also where the
+load at 1 rank keeps the micro-batch, so gradient_accumulation_steps follows the world (2 -> 4). Stage 3 is a
 source and a target everywhere (its parameters are placeholders between uses), and its checkpoints
 consolidate (`dstrain ckpt consolidate`) into the plain model.
 """
@@ -60,11 +61,16 @@ def _config(stage: int, gas: int, prec: str) -> dict:
     return cfg
 
 
-def _engine(case, seed: int):
+def _engine(case, seed: int, micro: int | None = None):
+    """`micro`: the micro-batch fixed instead of gradient_accumulation_steps, which then follows the world."""
     torch.manual_seed(seed)  # a different seed at restart: everything must come from the checkpoint
     # The fp32 gas-2 runs are the reshard sources: no dropout there (RNG streams differ across world sizes).
     model = DropoutMLP(0.0 if case[1:] == (2, "fp32") else 0.1)
-    eng, _, loader, _ = engine.initialize(model=model, config=_config(*case), training_data=_dataset())
+    cfg = _config(*case)
+    if micro is not None:
+        del cfg["gradient_accumulation_steps"]
+        cfg["train_micro_batch_size_per_gpu"] = micro
+    eng, _, loader, _ = engine.initialize(model=model, config=cfg, training_data=_dataset())
     return eng, loader
 
 
@@ -144,6 +150,7 @@ def _every_world(root: str) -> dict:
     new_world(None, 0, 1)
     if rank == 0:
         out[1] = _reshard(root)
+        out["derived"] = _reshard_derived_gas(root)
     return out
 
 
@@ -152,7 +159,7 @@ def runs():
     with tempfile.TemporaryDirectory() as root:
         per_rank = run_distributed(_every_world, 4, args=(root,), timeout=900)
         full, resumed = [r["full"] for r in per_rank[:2]], [r["resumed"] for r in per_rank[:2]]
-        reshard = {w: per_rank[0][w] for w in (1, 4)}
+        reshard = {w: per_rank[0][w] for w in (1, 4, "derived")}
         consolidated = {case: _consolidate(root, case) for case in CONSOLIDATE}
     return full, resumed, reshard, consolidated
 
@@ -211,6 +218,31 @@ def _reshard(root: str):
         _train(eng, iter(loader), STEPS - SAVE_AT)
         out[(saved_stage, stage)] = {"state": state, **_snapshot(eng)}
     return out
+
+
+def _reshard_derived_gas(root: str):
+    """At 1 rank with the saving run's micro-batch (2) and train_batch_size (8): gradient_accumulation_steps
+    becomes 4 where the 2-rank save had 2, so the saved micro-step count (10) is not a window start."""
+    out = {}
+    for saved_stage, stage in ((1, 1), (3, 2)):
+        eng, loader = _engine((stage, 2, "fp32"), seed=99, micro=BATCH // 4)
+        eng.load_checkpoint(Path(root) / str((saved_stage, 2, "fp32")))
+        boundaries = [eng.is_gradient_accumulation_boundary()]
+        _train(eng, iter(loader), STEPS - SAVE_AT)
+        out[(saved_stage, stage)] = {"gas": eng.gradient_accumulation_steps(), "first_boundary": boundaries[0],
+                                     **_snapshot(eng)}
+    return out
+
+
+def test_a_load_that_changes_the_accumulation_steps_starts_a_whole_window(runs):
+    """(restore.py's start_window) the windows after the load are whole: training equals the run never stopped."""
+    full, reshard = runs[0], runs[2]
+    for (saved_stage, stage), got in reshard["derived"].items():
+        where = f"saved stage {saved_stage} x2 (gas 2) -> stage {stage} x1"
+        assert got["gas"] == 4 and not got["first_boundary"], (where, got["gas"])
+        assert got["counters"][0] == STEPS, where
+        for key, value in full[0][(stage, 2, "fp32")]["weights"].items():
+            torch.testing.assert_close(got["weights"][key], value, atol=1e-5, rtol=0, msg=lambda m: f"{where}: {key}: {m}")
 
 
 @pytest.mark.parametrize("world", [1, 4])

@@ -120,6 +120,15 @@ def _restore_param_groups(eng, saved: list) -> None:
                       "values", stacklevel=5)
 
 
+def start_window(eng) -> None:
+    """A loaded run starts a new accumulation window. A checkpoint holds no gradient of a window in
+    progress, and the saved micro-step count places boundaries by the saving run's
+    gradient_accumulation_steps, which a load at another world size with the same train_batch_size
+    changes (2 ranks x 3 micro-steps -> 3 ranks x 2): restored as saved, the first window after the
+    load ended after one micro-step and every later one mixed two global batches."""
+    eng.micro_steps = eng.global_steps * eng.config.gradient_accumulation_steps
+
+
 def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
     zopt = eng.zero_optimizer
     if load_optimizer_states and zopt is not None:
@@ -130,6 +139,7 @@ def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_sc
         eng.lr_scheduler.load_state_dict(state["lr_scheduler"])
     for key, value in state["counters"].items():
         setattr(eng, key, value)
+    start_window(eng)
     loader = eng.training_dataloader
     if loader is not None and state["data_sampler"] is not None:
         loader.load_state_dict(_sampler_state(state["data_sampler"], eng.comm.world_size,
