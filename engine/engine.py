@@ -38,6 +38,8 @@ class Engine(torch.nn.Module):
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._last_loss: torch.Tensor | None = None
+        # frozen when the optimizer's partitions and buckets were built (_check_still_frozen)
+        self._frozen_at_build = [p for p in module.parameters() if not p.requires_grad]
         # fp16.auto_cast (DeepSpeed): floating-point inputs are cast to the fp16 weights' dtype.
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
         # The FLOPs profiler reports the breakdown too, as DeepSpeed's turns wall_clock_breakdown on.
@@ -93,6 +95,7 @@ class Engine(torch.nn.Module):
 
     def _boundary_step(self) -> None:
         """The optimizer step at an accumulation boundary, the LR schedule, counters, log, saving."""
+        self._check_still_frozen()
         self.timers.start("step")
         self._step_applied = self.zero_optimizer.step(self.global_steps + 1)
         self.timers.stop("step")
@@ -108,6 +111,35 @@ class Engine(torch.nn.Module):
         self._maybe_log()
         if self.config.checkpoint.save_interval:  # periodic saving (engine/checkpoint)
             self.checkpoint_io.after_step()
+
+    def _check_still_frozen(self) -> None:
+        """A parameter frozen at initialize() has no place in the ZeRO partitions or gradient buckets,
+        which are built once: unfrozen later, stage 0 stepped it with each rank's own gradient (the
+        ranks drift apart) and stages 1-3 never (both silently). Said instead, naming it."""
+        thawed = [p for p in self._frozen_at_build if p.requires_grad]
+        if thawed:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            listed = ", ".join(names.get(id(p), "?") for p in thawed[:3]) + (" ..." if len(thawed) > 3 else "")
+            raise RuntimeError(f"parameter {listed} was frozen (requires_grad=False) when engine.initialize() built "
+                               "the optimizer and is trainable now; dstrain partitions and buckets the trainable "
+                               "parameters once, there: unfreeze before initialize() (a frozen stretch can keep "
+                               "lr 0 in a param group of its own), or build a new engine after unfreezing")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients of the parameters the engine trains are the engine's: it zeroes them after each
+        optimizer step, and within an accumulation window they hold the window so far, at every stage
+        (a torch habit's `zero_grad()` after each `step()` call dropped the window's earlier micro-steps
+        where they still sat in `.grad`: stage 1, and stage 0 with set_to_none=False). Other parameters
+        are zeroed as `nn.Module.zero_grad` does."""
+        trained = set(self.zero_optimizer.params) if self.zero_optimizer is not None else set()
+        for p in self.module.parameters():
+            if p.grad is None or p in trained:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
 
     def _maybe_log(self) -> None:
         if not self.logger.due(self.global_steps):

@@ -159,3 +159,67 @@ def test_wall_clock_breakdown_times_each_phase():
     counts, positive = run_distributed(_breakdown, 1)[0]
     assert counts == {"forward": 1, "backward": 1, "allreduce": 1, "step": 1}
     assert all(positive.values())
+
+
+def _zero_grad_and_thaw() -> dict:
+    """At ZeRO 0-3, gas 2, SGD: (1) `eng.zero_grad()` after every `eng.step()` (a torch habit), with
+    set_to_none true and false, against the same run without it; (2) a parameter frozen at initialize
+    and unfrozen after a step."""
+    from engine.utils import safe_get_full_fp32_param
+    from tests.models import micro_batches
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    batches = make_batches(3, 2 * 2 * world)
+    out = {}
+    for stage in range(4):
+        cfg = _cfg(zero_optimization={"stage": stage}, zero_allow_untested_optimizer=True)
+        for habit in (None, True, False):
+            torch.manual_seed(0)
+            eng = engine.initialize(model=OddMLP(), config=cfg)[0]
+            for x, y in batches:
+                for xm, ym in micro_batches(x, y, rank, world, 2):
+                    eng.backward(eng(xm, ym))
+                    eng.step()
+                    if habit is not None:
+                        eng.zero_grad(set_to_none=habit)
+            out[(stage, habit)] = {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()
+                                   if p.requires_grad}
+            eng.destroy()
+        torch.manual_seed(0)
+        model = OddMLP()
+        model.l1.requires_grad_(False)
+        eng = engine.initialize(model=model, config=cfg)[0]
+        try:
+            for step, (x, y) in enumerate(batches):
+                if step == 1:
+                    model.l1.requires_grad_(True)  # gradual unfreezing
+                for xm, ym in micro_batches(x, y, rank, world, 2):
+                    eng.backward(eng(xm, ym))
+                    eng.step()
+            out[(stage, "thawed")] = None
+        except RuntimeError as err:
+            out[(stage, "thawed")] = (str(err), eng.global_steps)
+        eng.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_grad_runs():
+    return run_distributed(_zero_grad_and_thaw, 2, timeout=300)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_zero_grad_within_a_window_keeps_the_window_at_every_stage(zero_grad_runs, stage):
+    for rank, result in enumerate(zero_grad_runs):
+        for habit in (True, False):
+            for name, want in result[(stage, None)].items():
+                got = result[(stage, habit)][name]
+                assert torch.equal(got, want), f"rank {rank} set_to_none={habit} {name}: {(got - want).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_a_parameter_unfrozen_after_initialize_is_an_error_naming_it(zero_grad_runs, stage):
+    for result in zero_grad_runs:
+        said = result[(stage, "thawed")]
+        assert said is not None, "unfreezing after initialize trained on silently"
+        message, steps = said
+        assert "l1.weight" in message and "before initialize()" in message and steps == 1, said
