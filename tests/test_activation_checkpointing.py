@@ -548,6 +548,40 @@ def test_module_classes_choose_the_outermost_match():
     assert set(map(id, chosen)) == {id(b) for b in model.blocks} | {id(model.inp), id(model.out)}
 
 
+def _hf_model(kind: str, attn: str):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                          embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn))
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                        attn_implementation=attn))
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("kind,attn", [("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "sdpa")])
+def test_hf_blocks_with_the_default_kv_cache_train_exactly(kind, attn, policy):
+    """HF models make a KV cache in training by default (`use_cache=True`); a recompute appending to it
+    again doubled the keys (apply.py's note on KV caches). Padded batches, as a user's are."""
+    plain = _hf_model(kind, attn)
+    checkpointed = copy.deepcopy(plain)
+    ckpt.checkpoint_blocks(checkpointed, ActivationCheckpointingConfig(checkpoint_blocks=True, policy=policy))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(x)
+    mask[0, 11:] = 0
+    grads = []
+    for model in (plain, checkpointed):
+        loss = model(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100)).loss
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():  # nothing is replayed without grad: the cache is filled, as generation needs
+        assert checkpointed(input_ids=x).past_key_values.get_seq_length() == 16
+
+
 # -- through initialize, ZeRO stages 0-3, 2 ranks -------------------------------------------------------
 STEPS, MICRO, LR, SEED = 3, 2, 0.3, 1234
 SECTIONS = {"full": {"checkpoint_blocks": True}, "selective": {"checkpoint_blocks": True, "policy": "selective"},

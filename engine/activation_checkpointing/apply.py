@@ -9,9 +9,18 @@ unchanged. The non-reentrant checkpoint takes keyword arguments and inputs that 
 which a block's forward may have; the selective policy needs it too. `policy: "selective_unpack"`
 runs the original forward under saved-tensor hooks instead (`unpack_recompute.py`): no checkpoint
 region; the model's own forward runs under them too (the note below).
+
+[Note: KV caches] A HF block handed the model's KV cache (`DynamicCache`: GPT-2 passes it positionally,
+Llama as `cache=`; the default `use_cache=True` makes one even in training) appends its keys and values
+to it, and a recompute would append them again: attention over 2T keys, or a crash where the mask or a
+selective policy's saved tensors have T. So while grad is on (a backward may replay the region) a
+checkpointed block gets no cache and `use_cache=False`, as HF's own gradient checkpointing does in
+training (`GradientCheckpointingLayer`); the returned cache holds nothing of these blocks. Under
+`torch.no_grad()` nothing is replayed and the cache is passed as it is (generation works).
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from .checkpoint import non_reentrant_checkpoint
@@ -59,6 +68,8 @@ def checkpoint_blocks(model: nn.Module, section) -> list[nn.Module]:
         original = block.forward
 
         def forward(*args, _original=original, **kwargs):
+            if torch.is_grad_enabled():
+                args, kwargs = _without_kv_cache(args, kwargs)
             return non_reentrant_checkpoint(_original, *args, context_fn=context, **kwargs)
 
         def forward_unpacked(*args, _original=original, **kwargs):
@@ -69,6 +80,21 @@ def checkpoint_blocks(model: nn.Module, section) -> list[nn.Module]:
     if section.policy == "selective_unpack" and model not in blocks and "forward" not in vars(model):
         _unpack_outside_blocks(model)
     return blocks
+
+
+def _is_kv_cache(value) -> bool:
+    """A transformers `Cache` (every HF cache class derives from `cache_utils.Cache`), found by name
+    so that this module does not import transformers."""
+    return any(c.__name__ == "Cache" for c in type(value).__mro__)
+
+
+def _without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The block's arguments with no KV cache and `use_cache=False` (the note on KV caches)."""
+    args = tuple(None if _is_kv_cache(a) else a for a in args)
+    kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def _unpack_outside_blocks(model: nn.Module) -> None:
