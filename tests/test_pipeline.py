@@ -85,7 +85,24 @@ CASES = {
 def _two_rank_checks():
     """Every 2-rank check of this file in one spawn (each spawn costs a torch import and rendezvous per rank)."""
     return {"schedules": _train_each(2, CASES[2]), "peaks": _activation_peaks(), "dicts": _dicts_and_lengths(),
-            "batchnorm": _batchnorm_statistics(), "epochs": _training_data_epochs(), "demo": _pipeline_demo()}
+            "batchnorm": _batchnorm_statistics(), "epochs": _training_data_epochs(), "demo": _pipeline_demo(),
+            "untied": _untied_warnings()}
+
+
+def _untied_warnings() -> list:
+    """An ALBERT-style block tied across both stages (TiedLayerSpec's default ties "weight" only), and
+    the same with its bias listed: the warnings each build gave on this rank."""
+    import warnings
+
+    from engine.pipe import PipelineModule, TiedLayerSpec
+    said = []
+    for attrs in ("weight", ["weight", "bias"]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            PipelineModule([TiedLayerSpec("blk", torch.nn.Linear, 4, 4, tied_weight_attr=attrs) for _ in range(4)],
+                           num_stages=2, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform")
+        said.append([str(w.message) for w in caught if "tied_weight_attr" in str(w.message)])
+    return said
 
 
 def _four_rank_checks():
@@ -468,3 +485,10 @@ def test_a_receive_left_posted_by_a_failed_step_stops_the_next():
     early.works[("forward", 3)] = []
     with pytest.raises(RuntimeError, match=r"stage 1: an earlier train_batch/eval_batch stopped inside the schedule"):
         early.start_step()
+
+
+def test_a_tied_module_s_untied_parameters_are_said(two_rank_results):
+    """Rank 0 (the first holder) names the bias each stage trains alone; listing it, or rank 1, says nothing."""
+    first, second = (r["untied"] for r in two_rank_results)
+    assert len(first[0]) == 1 and "bias not in tied_weight_attr" in first[0][0], first
+    assert first[1] == [] and second == [[], []], (first, second)

@@ -10,6 +10,7 @@ p, p + P, … (the looped placement of interleaved 1F1B and interleaved zero-bub
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -127,7 +128,20 @@ class PipelineModule(nn.Module):
                 group = self.process_groups.tie_group(stages)
                 if key in self.tied_specs:
                     found[key] = group
+                    self._warn_untied(key, stages)
         return found
+
+    def _warn_untied(self, key: str, stages: list[int]) -> None:
+        """A tied module's trainable parameters outside `tied_weight_attr` are one copy per stage, each
+        trained on its stage's gradient alone (as in DeepSpeed, whose default ties "weight" only): not
+        the one shared module a single process would train. Said once, by the first holder's first rank."""
+        spec, coord = self.tied_specs[key], self.process_groups.coord
+        untied = [n for n, p in self.tied_modules[key].named_parameters()
+                  if p.requires_grad and n not in spec.tied_weight_attr]
+        if untied and coord.pipe == stages[0] and coord.data == 0 and coord.model == 0:
+            warnings.warn(f"TiedLayerSpec {key!r} on stages {stages}: {', '.join(untied)} not in tied_weight_attr "
+                          f"({spec.tied_weight_attr}), so each stage trains its own copy; list them in "
+                          "tied_weight_attr to share them", stacklevel=4)
 
     @torch.no_grad()
     def _synchronize_tied_weights(self) -> None:
