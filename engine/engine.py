@@ -40,6 +40,7 @@ class Engine(torch.nn.Module):
         self._last_loss: torch.Tensor | None = None
         # frozen when the optimizer's partitions and buckets were built (_check_still_frozen)
         self._frozen_at_build = [p for p in module.parameters() if not p.requires_grad]
+        self._trained: frozenset | None = None  # the parameters the ZeRO optimizer trains (zero_grad)
         # fp16.auto_cast (DeepSpeed): floating-point inputs are cast to the fp16 weights' dtype.
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
         # The FLOPs profiler reports the breakdown too, as DeepSpeed's turns wall_clock_breakdown on.
@@ -131,9 +132,10 @@ class Engine(torch.nn.Module):
         (a torch habit's `zero_grad()` after each `step()` call dropped the window's earlier micro-steps
         where they still sat in `.grad`: stage 1, and stage 0 with set_to_none=False). Other parameters
         are zeroed as `nn.Module.zero_grad` does."""
-        trained = set(self.zero_optimizer.params) if self.zero_optimizer is not None else set()
+        if self._trained is None:  # fixed at initialize(), as the partitions and buckets are
+            self._trained = frozenset(self.zero_optimizer.params) if self.zero_optimizer is not None else frozenset()
         for p in self.module.parameters():
-            if p.grad is None or p in trained:
+            if p.grad is None or p in self._trained:
                 continue
             if set_to_none:
                 p.grad = None
