@@ -201,6 +201,7 @@ def _guarded(check, *args):
 def _two_rank_checks():
     """Everything that runs on 2 plain ranks, in one spawn (each spawn costs a torch import per rank)."""
     return {"layers": _guarded(_layers_on_rank), "gpt": _guarded(_autotp_model_on_rank, "gpt"),
+            "gpt_sparse": _guarded(_autotp_model_on_rank, "gpt_sparse"),
             "hf_gpt2": _guarded(_autotp_model_on_rank, "hf_gpt2"),
             "hf_llama": _guarded(_autotp_model_on_rank, "hf_llama"), "refusals": _guarded(_refusals),
             "initialize": {0: _initialize_on_rank(0)}}
@@ -263,6 +264,15 @@ def _tiny_gpt():
     return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
 
 
+def _tiny_sparse_gpt():
+    """Sparse attention with a different layout per head: each rank must attend with its own heads' part."""
+    from examples.gpt import GPT, GPTConfig
+    from ops.sparse_attention import FixedSparsityConfig
+    sparsity = FixedSparsityConfig(num_heads=4, block=2, num_local_blocks=4, different_layout_per_head=True,
+                                   num_different_global_patterns=4)  # head h: its own global block per window
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32, sparsity=sparsity))
+
+
 def _tiny_hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
@@ -278,7 +288,7 @@ def _tiny_llama():
 
 
 def _loss(model, kind: str, x, y):
-    return model(x, y) if kind == "gpt" else model(input_ids=x, labels=x).loss
+    return model(x, y) if kind.startswith("gpt") else model(input_ids=x, labels=x).loss
 
 
 def _full_of(reference: nn.Module, name: str) -> torch.Tensor:
@@ -297,7 +307,7 @@ def _autotp_model_on_rank(kind: str):
     from engine.tensor_parallel.layers import shard
     comm = Communicator(None)
     torch.manual_seed(0)
-    model = {"gpt": _tiny_gpt, "hf_gpt2": _tiny_hf_gpt2, "hf_llama": _tiny_llama}[kind]()
+    model = {"gpt": _tiny_gpt, "gpt_sparse": _tiny_sparse_gpt, "hf_gpt2": _tiny_hf_gpt2, "hf_llama": _tiny_llama}[kind]()
     reference = copy.deepcopy(model)
     replaced = shard_model(model, comm)
     g = torch.Generator().manual_seed(1)
@@ -328,15 +338,16 @@ def _autotp_model_on_rank(kind: str):
 
 AUTOTP_FIRST_BLOCK = {
     "gpt": ["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc", "blocks.0.out"],
+    "gpt_sparse": ["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc", "blocks.0.out"],
     "hf_gpt2": ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
                 "transformer.h.0.mlp.c_proj"],
     "hf_llama": [f"model.layers.0.self_attn.{n}_proj" for n in "qkvo"]
                 + [f"model.layers.0.mlp.{n}_proj" for n in ("gate", "up", "down")]}
 # sharded parameters of the 2-layer models: weights, plus column-parallel biases (row biases stay whole)
-AUTOTP_PARTITIONED = {"gpt": 2 * (4 + 2), "hf_gpt2": 2 * (4 + 2), "hf_llama": 2 * 7}
+AUTOTP_PARTITIONED = {"gpt": 2 * (4 + 2), "gpt_sparse": 2 * (4 + 2), "hf_gpt2": 2 * (4 + 2), "hf_llama": 2 * 7}
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hf_gpt2", "hf_llama"])  # transformers is a test extra: never skipped
+@pytest.mark.parametrize("kind", ["gpt", "gpt_sparse", "hf_gpt2", "hf_llama"])  # transformers is a test extra: never skipped
 def test_autotp_model_equals_dense_after_sgd_steps(two_rank_results, kind):
     results = [_checked(r[kind]) for r in two_rank_results]
     expected = AUTOTP_FIRST_BLOCK[kind]

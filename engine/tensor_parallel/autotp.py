@@ -9,11 +9,14 @@ GPT-2's `c_attn` and examples/gpt.py's `qkv` fuse q|k|v and are split section by
 Embeddings, the LM head and norms stay whole (replicated; grads.py's note).
 [Note: head counts] A module that owns a sharded attention projection runs on n_head/T heads: its
 head-count attributes (`HEAD_COUNT_ATTRIBUTES`) and GPT-2's `split_size` are divided by T. head_dim is
-unchanged. A model whose forward hard-codes the full width elsewhere is not shardable this way.
+unchanged. A `SparseSelfAttention` inside it keeps this rank's heads of its (per-head) layout. A model
+whose forward hard-codes the full width elsewhere is not shardable this way.
 """
 from __future__ import annotations
 
 import torch.nn as nn
+
+from ops.sparse_attention import SparseSelfAttention
 
 from ..comm import Communicator
 from .layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
@@ -38,6 +41,19 @@ def _divide_head_counts(owner: nn.Module, world: int, where: str) -> None:
                 raise ValueError(f"tensor_parallel.autotp_size: {where}.{attribute} = {value} does not divide by "
                                  f"{world}; use an autotp_size that divides the head count")
             setattr(owner, attribute, value // world)
+
+
+def _shard_sparse_attention(owner: nn.Module, comm: Communicator, where: str) -> None:
+    """This rank's heads of each sparse attention's layout: the column-parallel projections give rank r
+    the r-th contiguous 1/T of the heads."""
+    for name, module in owner.named_modules():
+        if isinstance(module, SparseSelfAttention):
+            heads = module.sparsity_config.num_heads
+            if heads % comm.world_size:
+                raise ValueError(f"tensor_parallel.autotp_size: {where}.{name} has a sparsity config of {heads} heads, "
+                                 f"which does not divide by {comm.world_size}; use an autotp_size that divides it")
+            per_rank = heads // comm.world_size
+            module.keep_heads(comm.rank * per_rank, (comm.rank + 1) * per_rank)
 
 
 def shard_model(model: nn.Module, comm: Communicator, require_projections: bool = True) -> list[str]:
@@ -69,6 +85,7 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
             sharded_attention |= name in ATTENTION_PROJECTIONS
         if sharded_attention:
             _divide_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
+            _shard_sparse_attention(owner, comm, owner_name or type(model).__name__)
     if not replaced and require_projections:
         raise ValueError(f"tensor_parallel.autotp_size: {comm.world_size}, but no projection of "
                          f"{type(model).__name__} has a name AutoTP knows (column: {sorted(COLUMN_PARALLEL)}; "

@@ -2,6 +2,8 @@
 `block_sparse.block_sparse_attention` instead of Triton kernels."""
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -43,6 +45,15 @@ class SparseSelfAttention(nn.Module):
         self.max_seq_length = max_seq_length
         self.register_buffer("master_layout", sparsity_config.make_layout(max_seq_length), persistent=False)
         self._indices: dict = {}
+
+    def keep_heads(self, start: int, stop: int) -> None:
+        """Attend with heads [start, stop) of the layout only (a tensor-parallel rank's heads, which
+        AutoTP gives it). The sparsity config is copied first: several layers may share one."""
+        config = copy.copy(self.sparsity_config)
+        config.num_heads = stop - start
+        self.sparsity_config = config
+        self.master_layout = self.master_layout[start:stop].clone()
+        self._indices = {}
 
     def get_layout(self, seq_len: int) -> torch.Tensor:
         if seq_len % self.sparsity_config.block != 0:
