@@ -203,7 +203,8 @@ def _two_rank_checks():
     return {"layers": _guarded(_layers_on_rank), "gpt": _guarded(_autotp_model_on_rank, "gpt"),
             "gpt_sparse": _guarded(_autotp_model_on_rank, "gpt_sparse"),
             "hf_gpt2": _guarded(_autotp_model_on_rank, "hf_gpt2"),
-            "hf_llama": _guarded(_autotp_model_on_rank, "hf_llama"), "refusals": _guarded(_refusals),
+            "hf_llama": _guarded(_autotp_model_on_rank, "hf_llama"), "dropout": _guarded(_autotp_dropout_on_rank),
+            "refusals": _guarded(_refusals),
             "initialize": {0: _initialize_on_rank(0)}}
 
 
@@ -334,6 +335,67 @@ def _autotp_model_on_rank(kind: str):
         param_err = max(param_err, _err(p.detach(), full.detach()))
     return {"replaced": replaced, "loss": loss_err, "norm": norm_err, "params": param_err,
             "partitioned": sum(is_partitioned(p) for p in model.parameters())}
+
+
+def _autotp_dropout_on_rank() -> dict:
+    """AutoTP'd HF GPT-2 (eager attention: `F.dropout` on the probabilities of this rank's 2 heads,
+    then on the replicated output), its block checkpointed: every dropout mask of one training step,
+    drawn in the forward and again in the recompute; and whether examples/gpt.py's SDPA dropout drew
+    from the model-parallel stream."""
+    import engine.checkpointing as ac
+    from engine.comm import Communicator
+    from engine.tensor_parallel import ModelParallelUnit
+    from engine.tensor_parallel.autotp import shard_model
+    from examples.gpt import GPT, GPTConfig
+    from schemas.features import ActivationCheckpointingConfig
+    from transformers import GPT2Config, GPT2LMHeadModel
+    comm = Communicator(None)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4, attn_pdrop=0.5,
+                                       resid_pdrop=0.5, embd_pdrop=0.0, attn_implementation="eager"))
+    gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=4, d_model=32, dropout=0.5))
+    shard_model(model, comm)
+    shard_model(gpt, comm)
+    ac.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_module_classes=["GPT2Block"]))
+    ac.configure(mpu_=ModelParallelUnit(comm))
+    ac.model_parallel_cuda_manual_seed(7)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    masks, dropout = [], F.dropout
+
+    def recording(t, p=0.5, training=True, inplace=False):
+        y = dropout(t, p, training, inplace)
+        if p > 0:  # not the embedding's (embd_pdrop 0)
+            masks.append(y == 0)
+        return y
+
+    torch.nn.functional.dropout = recording
+    try:
+        model(input_ids=x, labels=x).loss.backward()
+    finally:
+        torch.nn.functional.dropout = dropout
+    tracker = ac.get_cuda_rng_tracker()
+    before = tracker.get_states()
+    gpt(x, x)
+    sdpa_drew = not torch.equal(before["model-parallel-rng"], tracker.get_states()["model-parallel-rng"])
+    gathered = [[torch.empty_like(m) for _ in range(comm.world_size)] for m in masks]
+    for out, m in zip(gathered, masks):
+        torch.distributed.all_gather(out, m)
+    ac.reset()
+    return {"shapes": [tuple(m.shape) for m in masks], "recompute_same": [torch.equal(m, masks[i + 3])
+            for i, m in enumerate(masks[:2])], "ranks_same": [torch.equal(*g) for g in gathered[:3]],
+            "sdpa_drew_from_the_model_parallel_stream": sdpa_drew}
+
+
+def test_autotp_dropout_differs_per_rank_inside_the_split_heads_and_replays_in_the_recompute(two_rank_results):
+    """The dense model draws independent masks per head: on its heads each tensor rank draws its own
+    (dropout_region.py); on the replicated output both draw the same; a recompute draws the forward's."""
+    for rank, r in enumerate(_checked(r["dropout"]) for r in two_rank_results):
+        # the forward: attention probabilities (2 local heads), then the attention's and the MLP's outputs;
+        # the recompute stops after the last tensor backward needs (torch's early stop): the first two again
+        assert r["shapes"] == [(2, 2, 16, 16), (2, 16, 32), (2, 16, 32), (2, 2, 16, 16), (2, 16, 32)], r
+        assert r["recompute_same"] == [True, True], (rank, r)
+        assert r["ranks_same"] == [False, True, True], (rank, r)
+        assert r["sdpa_drew_from_the_model_parallel_stream"], (rank, r)
 
 
 AUTOTP_FIRST_BLOCK = {

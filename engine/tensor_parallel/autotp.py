@@ -6,7 +6,8 @@ column-parallel (output features split) for the projections into the attention h
 hidden layer, row-parallel (input features split, one all-reduce) for the projections out of them.
 GPT-2's `c_attn` and examples/gpt.py's `qkv` fuse q|k|v and are split section by section
 (layers.py, note on fused projections); `Conv1D`'s transposed weight is handled by `from_dense`.
-Embeddings, the LM head and norms stay whole (replicated; grads.py's note).
+Embeddings, the LM head and norms stay whole (replicated; grads.py's note). Dropout between a
+column-parallel layer and its row-parallel partner draws per tensor rank (dropout_region.py).
 [Note: head counts] A module that owns a sharded attention projection runs on n_head/T heads: its
 head-count attributes (`HEAD_COUNT_ATTRIBUTES`) and GPT-2's `split_size` are divided by T. head_dim is
 unchanged. A `SparseSelfAttention` inside it keeps this rank's heads of its (per-head) layout. A model
@@ -19,6 +20,7 @@ import torch.nn as nn
 from ops.sparse_attention import SparseSelfAttention
 
 from ..comm import Communicator
+from .dropout_region import mark_parallel_region
 from .layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 
 # leaf name -> number of fused sections
@@ -69,7 +71,7 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
         # a row-parallel layer needs its input split by a column-parallel sibling: shard only pairs
         if not (children.keys() & COLUMN_PARALLEL.keys() and children.keys() & set(ROW_PARALLEL)):
             continue
-        sharded_attention = False
+        sharded_attention, column, row = False, [], []
         for name, child in children.items():
             path = f"{owner_name}.{name}" if owner_name else name
             try:
@@ -83,6 +85,8 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
             setattr(owner, name, layer)
             replaced.append(path)
             sharded_attention |= name in ATTENTION_PROJECTIONS
+            (column if name in COLUMN_PARALLEL else row).append(layer)
+        mark_parallel_region(owner, column, row)
         if sharded_attention:
             _divide_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
             _shard_sparse_attention(owner, comm, owner_name or type(model).__name__)
