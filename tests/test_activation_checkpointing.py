@@ -513,6 +513,26 @@ def test_more_checkpoints_than_number_checkpoints_names_the_key():
         model(torch.randn(6, 7), torch.randn(6, 3))
 
 
+@pytest.mark.parametrize("api", ["checkpoint", "non_reentrant_checkpoint"])
+def test_forwards_under_no_grad_hold_nothing_and_fill_no_slots(api):
+    """Evaluation under torch.no_grad() has no backward: no input is partitioned, moved or copied into a
+    slot, so any number of eval forwards run between training steps (the slots were full after two)."""
+    ckpt.configure(partition_activations=True, contiguous_checkpointing=True, num_checkpoints=2,
+                   checkpoint_in_cpu=True)
+    model = BlockNet(layers=2, api=getattr(ckpt, api)).eval()
+    x, y = torch.randn(6, 7), torch.randn(6, 3)
+    with torch.no_grad(), ckpt.SavedActivationProbe(model.parameters()) as probe:
+        losses = [model(x, y) for _ in range(3)]
+    assert ckpt_contiguous.SLOTS.buffers() == [] and probe.peak_bytes == 0
+    model.api = None
+    with torch.no_grad():
+        assert torch.equal(losses[0], model(x, y)) and torch.equal(losses[2], losses[0])
+    model.api = getattr(ckpt, api)
+    loss = model.train()(x, y)
+    assert len(ckpt_contiguous.SLOTS.buffers()) == 1  # training still fills the slots
+    loss.backward()
+
+
 def test_reset_is_deepspeeds_the_buffers_go_and_the_configuration_stays():
     """Two forwards without a backward fill 2 x 2 slots; reset() between them, as DeepSpeed says for
     evaluation, makes room and keeps what configure() set."""

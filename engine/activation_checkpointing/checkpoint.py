@@ -11,7 +11,10 @@ all-gathers it back when backward unpacks it (every tensor-parallel rank unpacks
 the same order: the ranks replicate the activations; `partition.py`). Autograd restores the unpacked
 tensor's graph metadata itself. The non-reentrant checkpoint saves nothing but holds its inputs for
 the recompute, so the region is handed what should be held instead: this rank's slice (made whole
-inside the region, `partition.py`) or a host copy (moved back inside it).
+inside the region, `partition.py`) or a host copy (moved back inside it). Under `torch.no_grad()`
+(evaluation) no backward will come: the non-reentrant region is handed its inputs as they are (not
+split, moved or copied into `contiguous_memory_optimization`'s slots); the reentrant one saves
+nothing then, so its hooks pack nothing.
 """
 from __future__ import annotations
 
@@ -133,6 +136,8 @@ def _held_inputs(args):
     """What the non-reentrant checkpoint holds for each argument, and how the region rebuilds it:
     this rank's slice (partition.py), a host copy (cpu_checkpointing), or the argument itself."""
     settings, group_info = STATE.settings, _partitioning()
+    if not torch.is_grad_enabled():  # no backward to hold anything for (the module note)
+        return list(args), [None] * len(args)
     held, rebuild, positions = [], [], itertools.count()
     for a in args:
         if isinstance(a, torch.Tensor) and _partitions(a, group_info):
