@@ -45,6 +45,18 @@ def _divide_head_counts(owner: nn.Module, world: int, where: str) -> None:
             setattr(owner, attribute, value // world)
 
 
+def _check_config_head_counts(owner: nn.Module, world: int, where: str) -> None:
+    """An attention module without head-count attributes (HF Llama's reads its config): every head
+    count of its config must divide by T, or a rank would hold part of a (key/value) head."""
+    config = getattr(owner, "config", None)
+    counts = {a: getattr(config, a) for a in ("num_attention_heads", "num_key_value_heads")
+              if isinstance(getattr(config, a, None), int)}
+    if any(value % world for value in counts.values()):
+        listed = ", ".join(f"config.{a} = {v}" for a, v in counts.items())
+        raise ValueError(f"tensor_parallel.autotp_size: {world} does not divide the head counts of {where} ({listed}): "
+                         "each rank must hold whole query and key/value heads; use an autotp_size that divides them")
+
+
 def _shard_sparse_attention(owner: nn.Module, comm: Communicator, where: str) -> None:
     """This rank's heads of each sparse attention's layout: the column-parallel projections give rank r
     the r-th contiguous 1/T of the heads."""
@@ -72,6 +84,8 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
         if not (children.keys() & COLUMN_PARALLEL.keys() and children.keys() & set(ROW_PARALLEL)):
             continue
         sharded_attention, column, row = False, [], []
+        if children.keys() & set(ATTENTION_PROJECTIONS):
+            _check_config_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
         for name, child in children.items():
             path = f"{owner_name}.{name}" if owner_name else name
             try:
