@@ -305,6 +305,32 @@ def test_selective_unpack_keeps_nothing_made_under_no_grad_alive():
     assert all(m.freed_at_once for m in model)
 
 
+class _CopyThenChangesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.w = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = self.fc(x)  # autograd saves no addmm output
+        z = h.transpose(0, 1).contiguous() * self.w[:, None]  # the copy's recipe holds h; the mul saves the copy
+        h.add_(1.0)  # legal in plain autograd: nothing it saved is h
+        return z.transpose(0, 1) + h
+
+
+def test_selective_unpack_accepts_an_in_place_change_plain_autograd_accepts():
+    """A copy's recipe holds its input, which autograd itself need not keep: changed in place later in the
+    forward, the recipe is made before the change (unpack_recompute.py's note) and gradients stay exact."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(_CopyThenChangesItsInput(), _CopyThenChangesItsInput())
+    model = copy.deepcopy(plain)
+    ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))
+    x = torch.randn(8, 8)
+    for m in (plain, model):
+        m(x).pow(2).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_selective_unpack_refuses_a_saved_tensor_changed_in_place_and_cpu_checkpointing():
     model = nn.Sequential(_ChangesASavedTensor(), _ChangesASavedTensor())
     ckpt.checkpoint_blocks(model, ActivationCheckpointingConfig(checkpoint_blocks=True, policy="selective_unpack"))

@@ -18,6 +18,11 @@ it is (`_Held`, with its version: an in-place change before backward is an error
 A `_Remade` keeps its result until autograd drops it, so the up projection that both GELU's and the
 down projection's backward need runs once. Arguments a recipe holds are what autograd saves anyway
 (the layer norm's input, the up projection's input, parameters), so the dropped outputs are freed.
+A recipe may hold an input autograd itself would not keep (a copy's: `h.transpose().contiguous()`),
+which the forward may then change in place, as plain autograd allows: an op about to write a tensor
+a recipe of the running region holds makes that recipe first and keeps its output (the memory of
+plain autograd there). A change after the region's forward ended (in a later block) is not seen:
+backward then reports it, naming `policy`.
 Ops that draw random numbers are never recomputed (dropout is held as the plain model holds it),
 so the RNG needs no replay; the recomputed kernels are the forward's, on the same inputs: exact.
 """
@@ -90,6 +95,15 @@ class _Region:
                 if key not in inputs and key not in self.made:
                     self.made[key] = (call, index if outs is out else None, t._version, t)
 
+    def before_in_place(self, func, args, kwargs) -> None:
+        """`func` is about to change tensors in place: a recipe holding one of them (a copy's input,
+        which autograd itself need not keep unchanged) is made now, from what it read, and kept."""
+        written = _written(func, args, kwargs)
+        for call in self.calls.values():
+            if call.out is None and any(isinstance(a, _Held) and a.tensor.untyped_storage().data_ptr() in written
+                                        for a in call.args):
+                call.result()
+
     def pack(self, t: torch.Tensor):
         entry = self.made.get(_key(t))
         if entry is None or entry[2] != t._version:  # not made by a recomputable op, or changed since
@@ -104,6 +118,23 @@ class _Region:
         return _Remade(call, index)
 
 
+_WRITES: dict = {}  # op -> the positions and names of the arguments it writes
+
+
+def _write_positions(func) -> list:
+    positions = _WRITES.get(func)
+    if positions is None:
+        positions = _WRITES[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                                     if a.alias_info is not None and a.alias_info.is_write]
+    return positions
+
+
+def _written(func, args, kwargs) -> set:
+    """The storages (data pointers) of the tensors `func` writes in place."""
+    found = (args[i] if i < len(args) else kwargs.get(name) for i, name in _write_positions(func))
+    return {t.untyped_storage().data_ptr() for t in found if isinstance(t, torch.Tensor)}
+
+
 class _Recorder(TorchDispatchMode):
     """Records each recomputable op's call into the region whose forward runs now (`region`)."""
 
@@ -113,6 +144,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.region.calls and _write_positions(func):
+            self.region.before_in_place(func, args, kwargs)
         out = func(*args, **kwargs)
         kind = _kind(func)
         # nothing made under no_grad (ZeRO-3's gathers in the blocks' hooks, which run inside the model's
