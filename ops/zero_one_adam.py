@@ -149,6 +149,13 @@ class ZeroOneAdam(CompressedOptimizer):
             bc1, _ = self._bias(group)
             if state["lr_sum"] > 0:  # a schedule at lr 0 moved nothing: keep m
                 torch.mul(u, -bc1 / state["lr_sum"], out=state["exp_avg"])
+                if group["weight_decay"]:
+                    # [Note: decay is not momentum] ū also carries the decoupled decay's displacement,
+                    # Σ lr·wd·x·(√v̂+ε); left in m it would be applied again through m at every later
+                    # step (about 1/(1−β1) times over: DeepSpeed's zoadam does so). Taken out with x at
+                    # the last synchronisation (p here, the same on every rank): exact where each window
+                    # is one step (local_step_clipper 1), otherwise up to the drift of x over the window.
+                    state["exp_avg"].addcmul_(p, denom, value=-bc1 * group["weight_decay"])
             p.addcdiv_(u, denom)
             state["lr_sum"] = 0.0
         torch._foreach_zero_(accumulators)
