@@ -354,20 +354,21 @@ def _print_rows(stages: int, ms: list[int], rounds: list[dict]) -> None:
     from engine.pipe.schedule import formula_bubble
     for m in ms:
         for system in ("deepspeed", *SCHEDULES, "torch"):
-            if (system, m) not in rounds[0]:
+            have = [r for r in rounds if (system, m) in r]  # a DeepSpeed run that aborted left its round out
+            if not have:
                 continue
-            steps = [r[(system, m)]["step_ms"] for r in rounds]
+            steps = [r[(system, m)]["step_ms"] for r in have]
             ratios = [r[(system, m)]["step_ms"] / r[("deepspeed", m)]["step_ms"] for r in rounds
                       if ("deepspeed", m) in r]
             ratio = f"{statistics.median(ratios):>6.2f}" if ratios else f"{'-':>6}"
             each = ",".join(f"{x:.2f}" for x in ratios)
-            row = rounds[0][(system, m)]
+            row = have[0][(system, m)]
             name = {"deepspeed": "deepspeed-1f1b", "torch": "torch-native"}.get(system, "dstrain-" + system)
             extra = ""
             if "bubble" in row:
                 v = 2 if system in ("interleaved_1f1b", "zero_bubble") else 1
                 # per stage, the median over rounds of each round's median measured idle fraction
-                idle = "/".join(f"{statistics.median(r[(system, m)]['measured'][s] for r in rounds):.2f}"
+                idle = "/".join(f"{statistics.median(r[(system, m)]['measured'][s] for r in have):.2f}"
                                 for s in range(stages))
                 extra = (f"{row['bubble']:>7.3f} {formula_bubble(system, stages, m, v):>7.3f} {idle:>19} "
                          f"{row['acts']:>16}")
