@@ -9,7 +9,8 @@ Not meant to be typed by hand (`dslaunch --dry_run` prints the exact command lin
 3. relays their output line by line with a rank prefix, or into per-rank log files;
 4. supervises: the first rank that exits non-zero, or no progress for `--hang_timeout` seconds, is
    reported to `dslaunch`, which stops every node; a `stop` from `dslaunch`, SIGTERM, SIGINT or SIGHUP
-   stops the node's ranks (SIGTERM, then SIGKILL after a grace period).
+   stops the node's ranks (SIGTERM, then SIGKILL after a grace period); a `kill` from `dslaunch` or
+   a second signal cuts the grace period short: every rank's process group is SIGKILLed at once.
 
 Exit status: 0 when every local rank exited 0; the failing rank's status (128+N for signal N);
 124 after a hang; 1 when stopped because of another node; 128+N when the agent got signal N.
@@ -87,6 +88,9 @@ class NodeAgent:
         self.ranks: list[RankProcess] = []
         self.control: ControlClient | None = None
         self.received_signal: int | None = None
+        self.signal_count = 0
+        self.kill_now = False  # dslaunch sent `kill`: no grace period
+        self.control_lost = False
         self.heartbeat = None
         if args.hang_timeout > 0:
             from launcher.hang import HeartbeatWatch
@@ -134,7 +138,7 @@ class NodeAgent:
             self.relay.pump(0.1)
             stop_reason = self._stop_reason()
             if stop_reason:
-                if stop_reason == "hang":
+                if stop_reason == "hang" and not self.kill_now:
                     self._dump_stacks()
                 self._teardown()
                 return 128 + self.received_signal if self.received_signal else 1
@@ -152,16 +156,29 @@ class NodeAgent:
     def _stop_reason(self) -> str | None:
         if self.received_signal:
             return "signal"
-        if not self.control:
+        return self._read_control()
+
+    def _read_control(self) -> str | None:
+        """The reason of a `stop` or `kill` from dslaunch (`kill` also sets `kill_now`), "lost", or None."""
+        if not self.control or self.control_lost:
             return None
+        reason = None
         try:
             for message in self.control.receive():
-                if message.get("type") == "stop":
-                    return message.get("reason", "failure")
+                if message.get("type") == "kill":
+                    self.kill_now = True
+                if message.get("type") in ("stop", "kill"):
+                    reason = reason or message.get("reason", "kill")
         except ConnectionLost:
+            self.control_lost = True
             self.say("lost the connection to dslaunch; stopping this node's ranks")
             return "lost"
-        return None
+        return reason
+
+    def _hurried(self) -> bool:
+        """Checked during the grace period: a `kill` or a second signal ends it at once."""
+        self._read_control()
+        return self.kill_now or self.signal_count >= 2
 
     def _first_failed_rank(self) -> RankProcess | None:
         exited = [proc for proc in self.ranks if proc.poll()]
@@ -213,7 +230,7 @@ class NodeAgent:
             self.control.send(failure)
 
     def _teardown(self):
-        stop_ranks(self.ranks, self.args.term_grace, self.relay.pump)
+        stop_ranks(self.ranks, self.args.term_grace, self.relay.pump, self._hurried)
         self.relay.drain(1.0)
         self.relay.close()
         if self.heartbeat:
@@ -235,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_signal(signum, _frame):
         agent.received_signal = agent.received_signal or signum
+        agent.signal_count += 1
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, on_signal)

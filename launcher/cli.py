@@ -63,7 +63,8 @@ Failures, restarts and hangs
     heartbeat, so slow start-up and checkpoint loading are not timed), each rank's Python stack is
     dumped into its output (faulthandler, SIGUSR1) and the job is stopped, then restarted or failed
     like any other failure.
-    SIGINT/SIGTERM/SIGHUP to dslaunch stops every rank on every node; a second Ctrl-C kills at once.
+    SIGINT/SIGTERM/SIGHUP to dslaunch stops every rank on every node; a second signal (Ctrl-C
+    twice) skips the grace period: every rank's process group is SIGKILLed at once.
     If dslaunch itself is killed, the agents notice the lost connection and stop their ranks.
 
 Exit status

@@ -7,6 +7,8 @@ Each agent keeps one TCP connection to `dslaunch`. Its first line is the attempt
                         {"type": "failure", ...Failure fields...}   first failure of the node
                         {"type": "done", "node_rank"}                all local ranks exited 0
     dslaunch -> agent   {"type": "stop", "reason": "failure" | "hang" | "interrupt"}
+                        {"type": "kill"}   SIGKILL every rank's process group now (a second
+                                           signal, or the grace period is over), then exit
 
 [Note: why a plain socket and not a TCPStore] The connection itself carries the liveness both ways:
 if `dslaunch` dies (even by SIGKILL) every agent sees EOF and stops its ranks, and if a node dies
@@ -190,8 +192,14 @@ class ControlServer:
         conn.close()
 
     def broadcast_stop(self, reason: str):
+        self._broadcast({"type": "stop", "reason": reason})
+
+    def broadcast_kill(self):
+        self._broadcast({"type": "kill"})
+
+    def _broadcast(self, message: dict):
         for conn in list(self.agents.values()):
-            _send(conn, _encode({"type": "stop", "reason": reason}))
+            _send(conn, _encode(message))
 
     def close(self):
         for conn in list(self._peers):

@@ -123,12 +123,13 @@ def signal_rank_groups(ranks: list[RankProcess], sig: int):
             pass
 
 
-def stop_ranks(ranks: list[RankProcess], grace_s: float, pump) -> None:
-    """SIGTERM every group, wait up to `grace_s` (relaying output with `pump`), then SIGKILL."""
+def stop_ranks(ranks: list[RankProcess], grace_s: float, pump, hurried=lambda: False) -> None:
+    """SIGTERM every group, wait up to `grace_s` (relaying output with `pump`) or until `hurried()`
+    says so, then SIGKILL every group."""
     signal_rank_groups(ranks, signal.SIGTERM)
     signal_rank_groups(ranks, signal.SIGCONT)  # a SIGSTOPped rank must wake up to die
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not hurried():
         for proc in ranks:
             proc.poll()
         if all(proc.returncode is not None for proc in ranks):

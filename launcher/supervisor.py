@@ -3,7 +3,14 @@
 One attempt ends when every runner process (agent, ssh, pdsh, srun, mpirun) has exited. On the
 first failure report, a lost agent, a runner that dies, or SIGINT/SIGTERM/SIGHUP to `dslaunch`, a
 `stop` goes to every agent; each stops its ranks (SIGTERM, then SIGKILL after the grace period).
-Runner processes still alive `grace + 5` s later are killed; a second Ctrl-C kills at once.
+A second signal, or `grace + 5` s without the runners gone, sends `kill`: each agent SIGKILLs its
+ranks' process groups at once and exits. Runner processes still alive `KILL_WAIT_S` after that
+are SIGKILLed.
+
+[Note: the agent kills the rank groups, not dslaunch] A rank's children (data-loader workers)
+live in the rank's process group, which only the agent knows. SIGKILLing an agent first would
+take its ranks with it (PR_SET_PDEATHSIG) but orphan their children, so even the hurried path
+asks the agents, and SIGKILLs runner processes only once they had `KILL_WAIT_S` to do it.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from launcher.control import ControlServer
 from launcher.runners import RunnerProcess
 
 RUNNER_EXIT_WAIT_S = 1.0  # lets an agent's own failure report arrive before its ssh's exit code
+KILL_WAIT_S = 3.0  # from `kill` to SIGKILL of the runner processes: an agent needs milliseconds
 
 
 @dataclass
@@ -48,6 +56,7 @@ class JobSupervisor:
         self.signals: list[int] = []
         self.failure: dict | None = None
         self.stop_at: float | None = None
+        self.kill_at: float | None = None  # when `kill` was sent
         self.connected: set[int] = set()
         self.done: set[int] = set()
 
@@ -92,6 +101,8 @@ class JobSupervisor:
                     self.on_all_connected()
                 if self.stop_at is not None:  # a late agent must not start training alone
                     self.server.broadcast_stop("failure")
+                if self.kill_at is not None:
+                    self.server.broadcast_kill()
             elif message["type"] == "failure":
                 self._fail(message)
             elif message["type"] == "done":
@@ -116,9 +127,13 @@ class JobSupervisor:
         self.server.broadcast_stop(reason)
 
     def _escalate(self, running, now: float):
-        """Kills runner processes that outlive the agents' grace period, or at a second Ctrl-C."""
+        """`kill` when the runners outlive the agents' grace period, or at a second signal; then,
+        `KILL_WAIT_S` later, SIGKILL of the runner processes still alive."""
         overdue = self.stop_at is not None and now - self.stop_at > self.grace_s + 5
-        if not (overdue or len(self.signals) >= 2):
+        if self.kill_at is None and (overdue or len(self.signals) >= 2):
+            self.kill_at = now
+            self.server.broadcast_kill()
+        if self.kill_at is None or now - self.kill_at < KILL_WAIT_S:
             return
         for _, popen in running:
             if popen.returncode is None:

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from launcher_scripts.harness import (WORKER, free_port, kill_leftovers, processes_mentioning, rank_record,
+from launcher_scripts.harness import (REPO, WORKER, free_port, kill_leftovers, processes_mentioning, rank_record,
                                       start_dslaunch, wait_for)
 
 GONE_WITHIN_S = 10
@@ -92,3 +92,42 @@ def test_killing_dslaunch_itself_stops_agents_and_ranks(job):
     launcher.kill()  # SIGKILL: no chance to clean up; the agents see the control connection close
     launcher.wait(timeout=5)
     wait_for(lambda: not processes_mentioning(out), GONE_WITHIN_S, "agents and ranks to stop by themselves")
+
+
+RANK_WITH_CHILD = os.path.join(REPO, "tests", "launcher_scripts", "rank_with_child.py")
+
+
+def live(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("child_flags", [("--child_ignores_sigterm",), ()], ids=["child-ignores-term", "child"])
+@pytest.mark.parametrize("gap_s", [0.0, 0.01])
+def test_two_quick_signals_to_dslaunch_kill_every_rank_group_first(tmp_path, gap_s, child_flags):
+    """Ctrl-C twice, or `timeout` signalling dslaunch and its group: each rank's children (its process
+    group, where data-loader workers live) are dead by the time dslaunch exits, even a child that
+    ignores SIGTERM."""
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    launcher = start_dslaunch("--nproc_per_node", "2", "--master_port", str(free_port()),
+                              RANK_WITH_CHILD, out, *child_flags)
+    try:
+        for rank in range(2):
+            wait_for(lambda r=rank: os.path.exists(os.path.join(out, f"pids_rank{r}")), 30, f"rank {rank}'s child")
+        pids = [int(pid) for rank in range(2) for pid in open(os.path.join(out, f"pids_rank{rank}")).read().split()]
+        launcher.send_signal(signal.SIGTERM)
+        time.sleep(gap_s)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=GONE_WITHIN_S)
+        assert launcher.returncode == 128 + signal.SIGTERM
+        assert "dslaunch: stopped by SIGTERM" in stderr
+        # killed before dslaunch exited; a moment more only for the kernel to reap them
+        wait_for(lambda: not any(live(pid) for pid in pids), 1, "every rank and rank child to be gone")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=5)
+        kill_leftovers(out)

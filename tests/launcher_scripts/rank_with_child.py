@@ -1,0 +1,34 @@
+"""A rank that starts a child in its process group, as a data-loader worker would, then waits.
+
+Usage: python rank_with_child.py OUT_DIR [--child_ignores_sigterm]
+
+The child writes OUT_DIR/pids_rank<R> ("<rank pid> <child pid>") once its signal handling is set.
+Its command line carries OUT_DIR, so a test finds (and cleans up) every process of the job by that
+marker. No torch import: the job is up in a fraction of a second.
+"""
+import os
+import subprocess
+import sys
+import time
+
+CHILD = """import os, signal, sys, time
+out, rank, rank_pid, ignore = sys.argv[1:5]
+if ignore == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finishes its work first, like a loader worker
+path = os.path.join(out, "pids_rank" + rank)
+with open(path + ".tmp", "w") as handle:
+    handle.write(rank_pid + " " + str(os.getpid()))
+os.replace(path + ".tmp", path)
+time.sleep(120)
+"""
+
+
+def main():
+    out = sys.argv[1]
+    ignore = "ignore" if "--child_ignores_sigterm" in sys.argv[2:] else "default"
+    subprocess.Popen([sys.executable, "-c", CHILD, out, os.environ["RANK"], str(os.getpid()), ignore])
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    main()
