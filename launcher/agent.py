@@ -27,8 +27,8 @@ import time
 from launcher.control import ConnectionLost, ControlClient
 from launcher.handoff import read_launch_file
 from launcher.output import OutputRelay
-from launcher.ranks import (RankProcess, describe_returncode, rank_environment, signal_rank_groups,
-                            spawn_rank, stop_ranks, core_sets)
+from launcher.ranks import (RankProcess, describe_returncode, literal_script_args, rank_environment,
+                            signal_rank_groups, spawn_rank, stop_ranks, core_sets)
 from launcher.world import WorldInfo
 
 HANG_EXIT_STATUS = 124
@@ -238,7 +238,9 @@ class NodeAgent:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.user_args = literal_script_args(argv, args.user_script, args.user_args)
     token = ""
     if args.launch_file:
         try:

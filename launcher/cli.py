@@ -94,6 +94,7 @@ from launcher.environment import forwarded_environment, local_environment
 from launcher.errors import LaunchError
 from launcher.handoff import remove_launch_file, write_launch_file
 from launcher.hostfile import check_host, resolve_slots
+from launcher.ranks import literal_script_args
 from launcher.runners import RUNNERS, AgentOptions, runner_processes, ssh_argv
 from launcher.supervisor import AttemptResult, JobSupervisor
 from launcher.world import WorldInfo
@@ -330,8 +331,14 @@ def write_pid_file(path: str) -> None:
         handle.write(f"{os.getpid()}\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    args.user_args = literal_script_args(argv, args.user_script, args.user_args)  # "arrive literally"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_command_line(sys.argv[1:] if argv is None else argv)
     pid_file = None  # set once this process created it: only then is it ours to remove
     try:
         plan = make_plan(args, dict(os.environ), os.getcwd())

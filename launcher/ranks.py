@@ -50,6 +50,22 @@ class RankProcess:
         return False
 
 
+def literal_script_args(argv: list[str], user_script: str, parsed: list[str]) -> list[str]:
+    """Everything after the script (or module) name in `argv`, verbatim.
+
+    argparse's REMAINDER drops a `--` that directly follows the script (`x.py -- a` gives `["a"]`,
+    where `python x.py -- a` gives the script `["--", "a"]`), and which `--` it drops has changed
+    between Python versions. `parsed` is `argv`'s tail less at most that one `--`, so the tail is
+    found by where the script name stands.
+    """
+    n = len(argv) - len(parsed)
+    if n >= 1 and argv[n - 1] == user_script:
+        return list(argv[n:])
+    if n >= 2 and argv[n - 1] == "--" and argv[n - 2] == user_script:
+        return list(argv[n - 1:])
+    return list(parsed)
+
+
 def describe_returncode(returncode: int) -> tuple[int, str | None, str]:
     """(shell exit status, signal name or None, words) for a Popen return code."""
     if returncode < 0:

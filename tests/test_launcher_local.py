@@ -1,4 +1,5 @@
 """dslaunch on one machine: the environment each rank sees, output, per-rank logs, restarts."""
+import json
 import os
 
 import pytest
@@ -65,3 +66,18 @@ def test_failure_without_restarts_exits_with_the_rank_status(tmp_path):
     assert result.returncode == 3
     assert result.stderr.strip().splitlines()[-1].startswith(
         "dslaunch: job failed: rank 0 on host localhost (node 0, local rank 0) exited with code 3")
+
+
+@pytest.mark.parametrize("words", [["--", "x"], ["--"], ["--", "--", "a"], ["x", "--", "y"], ["-m", "--", "--a"]],
+                         ids=["dashdash-first", "dashdash-alone", "two-dashdash", "dashdash-later", "module"])
+def test_script_arguments_arrive_literally_even_a_leading_dashdash(words):
+    """Everything after the script (or `-m module`) name reaches the script as `python script ...`
+    would pass it: argparse's REMAINDER used to drop a `--` right after the name."""
+    scripts = os.path.dirname(WORKER)
+    target = ["-m", "launcher_scripts.print_argv"] if words[0] == "-m" else [os.path.join(scripts, "print_argv.py")]
+    script_args = words[1:] if words[0] == "-m" else words
+    result = run_dslaunch("--nproc_per_node", "1", "--master_port", str(free_port()), *target, *script_args,
+                          timeout=60, env=launch_env(PYTHONPATH=os.path.dirname(scripts)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("[rank0]: ARGV "))
+    assert json.loads(line.split("ARGV ", 1)[1]) == script_args
