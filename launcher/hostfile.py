@@ -94,9 +94,16 @@ def local_host_entry(environ: dict[str, str], nproc_per_node: int) -> HostEntry:
     """This machine alone: `nproc_per_node` processes, else the visible GPUs, else one process.
 
     CUDA_VISIBLE_DEVICES is honoured as DeepSpeed does: its entries become the slot ids, so the ranks
-    get exactly those devices.
+    get exactly those devices. Asking for more processes than it lists is an error: the ranks would
+    get devices the user hid. (DeepSpeed prints that it ignores CUDA_VISIBLE_DEVICES when --num_gpus
+    is given and hands out devices 0..N-1.) Without devices, N processes share the CPU: no GPU and
+    no CUDA_VISIBLE_DEVICES, or an empty one (hiding every GPU, the usual way to train on CPU).
     """
     visible = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if 0 < len(visible) < nproc_per_node:
+        raise LaunchError(f"--num_gpus {nproc_per_node} asks for {nproc_per_node} processes, but CUDA_VISIBLE_DEVICES="
+                          f"{environ['CUDA_VISIBLE_DEVICES']} lists only {len(visible)} device(s); pass "
+                          f"--num_gpus {len(visible)} or list more devices in CUDA_VISIBLE_DEVICES")
     if not visible and "CUDA_VISIBLE_DEVICES" not in environ:
         visible = [str(i) for i in range(len(glob.glob("/dev/nvidia[0-9]*")))]
     if nproc_per_node > 0:

@@ -77,6 +77,23 @@ def test_local_machine_honours_cuda_visible_devices():
     assert resolve_slots(None, {"CUDA_VISIBLE_DEVICES": ""}, include="localhost:1,3") == {"localhost": ("1", "3")}
 
 
+@pytest.mark.parametrize("visible", ["3", "0,2", " 5 , "])
+def test_more_processes_than_cuda_visible_devices_lists_is_an_error(visible):
+    """The user hid the other devices: ranks must never get them (they used to get 0..N-1)."""
+    with pytest.raises(LaunchError) as err:
+        resolve_slots(None, {"CUDA_VISIBLE_DEVICES": visible}, num_gpus=3)
+    message = str(err.value)
+    assert "--num_gpus 3" in message and f"CUDA_VISIBLE_DEVICES={visible}" in message and "\n" not in message
+    assert resolve_slots(None, {"CUDA_VISIBLE_DEVICES": "3,1,2"}, num_gpus=3) == {"localhost": ("3", "1", "2")}
+
+
+def test_cuda_visible_devices_error_is_one_line_from_dslaunch(tmp_path):
+    result = run_dslaunch("--num_gpus", "2", "print_argv.py", env=launch_env(CUDA_VISIBLE_DEVICES="3"), timeout=30,
+                          cwd=str(tmp_path))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("dslaunch: error: --num_gpus 2") and result.stderr.count("\n") == 1
+
+
 def test_rank_map_is_host_by_host_and_round_trips():
     world = WorldInfo.from_slots({"a": ("0", "1"), "b": ("0", "1", "2")})
     assert WorldInfo.decode(world.encode()) == world

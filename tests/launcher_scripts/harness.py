@@ -21,7 +21,10 @@ def free_port() -> int:
 
 
 def launch_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=REPO, NO_COLOR="1")
+    """dslaunch's environment; CUDA_VISIBLE_DEVICES only when a test sets it (a GPU machine's own
+    setting would limit the ranks a test may start)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(PYTHONPATH=REPO, NO_COLOR="1")
     env.update(extra)
     return env
 
