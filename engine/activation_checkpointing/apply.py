@@ -39,12 +39,31 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def _is_pipeline(model: nn.Module) -> bool:
+    from ..pipe.module import PipelineModule  # here: the pipe package imports this one
+    return isinstance(model, PipelineModule)
+
+
 def _chosen(model: nn.Module, section) -> list[nn.Module]:
+    """[Note: nothing found is an error] `checkpoint_blocks` that finds no block would leave the memory
+    the config asks to save unsaved, silently. A PipelineModule's layers are registered one by one, not
+    as a block list, so it finds none there: said as such, on every stage alike (an error on some stages
+    only would leave the others waiting in initialize's collectives). For the same reason a class named
+    in `checkpoint_module_classes` may be absent from a pipeline stage: each stage holds some layers."""
+    pipeline = _is_pipeline(model)
+    if section.checkpoint_blocks and pipeline:
+        raise ValueError("activation_checkpointing.checkpoint_blocks finds no block list in a PipelineModule (its "
+                         "layers are the stages' own); use PipelineModule(activation_checkpoint_interval=N), or name "
+                         "the block class in activation_checkpointing.checkpoint_module_classes")
     chosen = repeated_blocks(model) if section.checkpoint_blocks else []
+    if section.checkpoint_blocks and not chosen:
+        raise ValueError("activation_checkpointing.checkpoint_blocks: the model has no nn.ModuleList or nn.Sequential "
+                         "of two or more modules of one class to checkpoint; name the block classes in "
+                         "activation_checkpointing.checkpoint_module_classes instead")
     names = set(section.checkpoint_module_classes)
     present = {type(m).__name__ for m in model.modules()}
     missing = sorted(names - present)
-    if missing:
+    if missing and not pipeline:
         raise ValueError(f"activation_checkpointing.checkpoint_module_classes: {missing} are not classes of any "
                          f"module of the model; use class names of its modules (e.g. {sorted(present)[:5]})")
     chosen += [m for m in model.modules() if type(m).__name__ in names]
