@@ -91,8 +91,9 @@ def rank_environment(base: dict[str, str], placement: RankPlacement, world: Worl
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         # As DeepSpeed does: every rank of the node sees the node's chosen devices, in slot order,
-        # and picks its own with LOCAL_RANK. Harmless on CPU-only machines.
-        "CUDA_VISIBLE_DEVICES": ",".join(node_slots),
+        # and picks its own with LOCAL_RANK. Harmless on CPU-only machines. An empty value the node was
+        # given hides every GPU (a CPU run on a GPU machine): the slots are then labels, and it stays empty.
+        "CUDA_VISIBLE_DEVICES": "" if base.get("CUDA_VISIBLE_DEVICES") == "" else ",".join(node_slots),
         "PYTHONUNBUFFERED": "1",
     })
     env.update(extra)

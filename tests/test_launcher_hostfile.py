@@ -182,3 +182,16 @@ def test_rank_prefix_is_coloured_only_when_asked():
     assert rank_prefix(3, "w2", color=False) == b"[rank3@w2]: "
     coloured = rank_prefix(1, None, color=True)
     assert coloured.startswith(b"\x1b[") and b"[rank1]:" in coloured and coloured != rank_prefix(2, None, True)
+
+
+def test_an_empty_cuda_visible_devices_stays_empty_for_the_ranks():
+    """CUDA_VISIBLE_DEVICES="" hides every GPU (a CPU run on a GPU machine): the N processes it allows
+    (above) get it empty, not the slot labels 0..N-1 as device ids; a set list is handed on as chosen."""
+    from launcher.ranks import rank_environment
+    from launcher.world import RankPlacement, WorldInfo
+    world = WorldInfo.from_slots(resolve_slots(None, {"CUDA_VISIBLE_DEVICES": ""}, num_gpus=2))
+    place = RankPlacement(rank=1, node_rank=0, local_rank=1, host="localhost", slot="1")
+    assert rank_environment({"CUDA_VISIBLE_DEVICES": ""}, place, world, "127.0.0.1", 1, {})["CUDA_VISIBLE_DEVICES"] == ""
+    chosen = WorldInfo.from_slots(resolve_slots(None, {"CUDA_VISIBLE_DEVICES": "5,7"}, num_gpus=2))
+    got = rank_environment({"CUDA_VISIBLE_DEVICES": "5,7"}, place, chosen, "127.0.0.1", 1, {})
+    assert got["CUDA_VISIBLE_DEVICES"] == "5,7"
