@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from schemas import ConfigError
+
 from .checkpoint import non_reentrant_checkpoint
 from .policy import CONTEXTS
 from .unpack_recompute import recompute_on_unpack
@@ -52,14 +54,14 @@ def _chosen(model: nn.Module, section) -> list[nn.Module]:
     in `checkpoint_module_classes` may be absent from a pipeline stage: each stage holds some layers."""
     pipeline = _is_pipeline(model)
     if section.checkpoint_blocks and pipeline:
-        raise ValueError("activation_checkpointing.checkpoint_blocks finds no block list in a PipelineModule (its "
-                         "layers are the stages' own); use PipelineModule(activation_checkpoint_interval=N), or name "
-                         "the block class in activation_checkpointing.checkpoint_module_classes")
+        raise ConfigError(["activation_checkpointing.checkpoint_blocks finds no block list in a PipelineModule (its "
+                           "layers are the stages' own); use PipelineModule(activation_checkpoint_interval=N), or "
+                           "name the block class in activation_checkpointing.checkpoint_module_classes"])
     chosen = repeated_blocks(model) if section.checkpoint_blocks else []
     if section.checkpoint_blocks and not chosen:
-        raise ValueError("activation_checkpointing.checkpoint_blocks: the model has no nn.ModuleList or nn.Sequential "
-                         "of two or more modules of one class to checkpoint; name the block classes in "
-                         "activation_checkpointing.checkpoint_module_classes instead")
+        raise ConfigError(["activation_checkpointing.checkpoint_blocks: the model has no nn.ModuleList or "
+                           "nn.Sequential of two or more modules of one class to checkpoint; name the block classes "
+                           "in activation_checkpointing.checkpoint_module_classes instead"])
     names = set(section.checkpoint_module_classes)
     present = {type(m).__name__ for m in model.modules()}
     missing = sorted(names - present)
