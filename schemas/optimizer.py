@@ -242,6 +242,16 @@ class _MomentParams(StrictModel):
     optimizers too, so their warm-up is exactly Adam/LAMB; false drops it, as DeepSpeed's 1-bit code)."""
 
 
+def _not_above(upper: str):
+    """A validator of a lower clip: at most the upper clip `upper` (declared before it, so validated first)."""
+    def check(cls, value: float, info: ValidationInfo) -> float:
+        top = info.data.get(upper)
+        if top is not None and value > top:
+            raise ValueError(f"{value} is above {upper} ({top}); the clip range must not be empty")
+        return value
+    return check
+
+
 class LambParams(_MomentParams):
     """Params of `Lamb` (ops.Lamb: LAMB, arXiv:1904.00962, with DeepSpeed's trust-ratio clipping)."""
 
@@ -249,6 +259,8 @@ class LambParams(_MomentParams):
     """Upper clip of the trust ratio ‖w‖/‖update‖."""
     min_coeff: float = Field(0.01, ge=0.0)
     """Lower clip of the trust ratio."""
+
+    _coeff_range = field_validator("min_coeff")(classmethod(_not_above("max_coeff")))
 
 
 class _OneBitCommParams(_MomentParams):
@@ -307,6 +319,9 @@ class OneBitLambParams(_OneBitCommParams):
     """Lower clip of that factor."""
     factor_threshold: float = Field(0.1, ge=0.0)
     """Largest relative change of the factor from one step to the next."""
+
+    _coeff_range = field_validator("min_coeff")(classmethod(_not_above("max_coeff")))
+    _factor_range = field_validator("factor_min")(classmethod(_not_above("factor_max")))
 
 
 class LionParams(StrictModel):
