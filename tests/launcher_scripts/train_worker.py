@@ -84,6 +84,12 @@ def main():
         with open(os.path.join(args.out, "final_loss"), "w") as handle:
             handle.write(repr(loss.item()))
     dist.destroy_process_group()
+    # torch's own exit race: a gloo worker thread still dropping its last collective's tensor while the
+    # interpreter finalizes aborts the process ("terminate called without an active exception", rank 1
+    # of a 2-rank launch in one CI run of ~40 of this worker's launches); engine/teardown.py's note. A
+    # job built on the engine gets this wait from init_distributed's atexit handler; this plain one asks.
+    from engine.teardown import release_collective_threads
+    release_collective_threads()
 
 
 if __name__ == "__main__":
