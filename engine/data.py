@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class DistributedDataLoader:
-    """Iterable over micro-batches of this rank's shard; a new `iter()` starts the next epoch."""
+    """Iterable over micro-batches of this rank's shard; a new `iter()` starts the next epoch (also after
+    a pass left with `break`)."""
 
     def __init__(self, dataset: Dataset, micro_batch_size: int, dp_rank: int, dp_world_size: int,
                  seed: int, drop_last: bool = False, collate_fn: Callable | None = None,
@@ -34,6 +35,8 @@ class DistributedDataLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator:
+        if self.batches_in_epoch:  # the last pass was left mid-epoch (a `break`): this one is the next epoch
+            self.epoch += 1
         self.sampler.set_epoch(self.epoch)
         skip, self._skip = self._skip, 0
         self.batches_in_epoch = 0
@@ -49,5 +52,9 @@ class DistributedDataLoader:
         return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch = int(state["epoch"])
-        self._skip = int(state["batches_in_epoch"])
+        """Resume where `state` was taken: the same epoch after its batches handed out, or the next epoch
+        when they were all of it (a checkpoint taken at an epoch's last step; resumed as its first pass,
+        that would be an empty one: an epoch lost, and a pipeline's repeating loader ended)."""
+        self.epoch, self._skip, self.batches_in_epoch = int(state["epoch"]), int(state["batches_in_epoch"]), 0
+        if self._skip >= len(self):
+            self.epoch, self._skip = self.epoch + 1, 0

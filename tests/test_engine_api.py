@@ -85,6 +85,29 @@ def test_loader_gives_each_rank_a_disjoint_shard_per_epoch():
     assert a1 != a2
 
 
+def test_a_loader_resumed_at_an_epoch_end_or_left_mid_epoch_goes_on_with_the_next_epoch():
+    """engine/data.py: a checkpoint taken at an epoch's last step resumes into the next epoch (it resumed as
+    an empty pass: an epoch lost, and a pipeline's repeating loader ended); a pass left with `break` makes
+    the next iter() the next epoch (it replayed the same one)."""
+    from engine.data import DistributedDataLoader
+    dataset = torch.utils.data.TensorDataset(torch.arange(8))
+
+    def passes(loader, n):
+        return [[b[0].tolist() for b in loader] for _ in range(n)]
+    whole = passes(DistributedDataLoader(dataset, 2, 0, 1, seed=1), 3)
+    saved = DistributedDataLoader(dataset, 2, 0, 1, seed=1)
+    list(saved)
+    state = {**saved.state_dict(), "epoch": 0, "batches_in_epoch": len(saved)}  # as saved at the epoch's last step
+    resumed = DistributedDataLoader(dataset, 2, 0, 1, seed=1)
+    resumed.load_state_dict(state)
+    assert passes(resumed, 2) == whole[1:]
+    left = DistributedDataLoader(dataset, 2, 0, 1, seed=1)
+    for _ in zip(range(2), left):  # two batches, then break
+        pass
+    assert left.state_dict() == {"epoch": 0, "batches_in_epoch": 2}
+    assert passes(left, 2) == whole[1:]
+
+
 def _client_objects():
     model = OddMLP()
     eng, opt, _, sched = engine.initialize(
