@@ -65,6 +65,11 @@ class StepLogger:
         self._steps0 = 0
         self._console = None
 
+    def rebase(self, global_step: int) -> None:
+        """Measure the next line's rate from here: a run resumed at `global_step` ran none of the
+        steps before it, so counting them over this process's time overstated samples/s."""
+        self._t0, self._steps0 = time.perf_counter(), global_step
+
     def due(self, global_step: int) -> bool:
         return self.enabled and global_step % self.every == 0
 

@@ -192,3 +192,44 @@ def test_a_missing_library_is_one_line_naming_the_key_and_the_install(monkeypatc
     assert str(err.value) == ("wandb.enabled: true needs the `wandb` package, which is not installed: "
                               "pip install 'dstrain[wandb]' (or set wandb.enabled to false)")
     assert build_monitors(cfg, rank=1).enabled is False  # other ranks build nothing, so need nothing
+
+
+def _resumed_training(out: str):
+    """8 steps, a checkpoint, then a new process's 4 steps of 0.2 s each: its log line and monitors."""
+    import contextlib
+    import io
+    import time
+
+    import engine
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 4, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+           "mfu": {"peak_tflops": PEAK_TFLOPS},
+           "csv_monitor": {"enabled": True, "output_path": str(Path(out) / "csv"), "job_name": "job"}}
+    eng, *_ = engine.initialize(model=OddMLP(), config={**cfg, "csv_monitor": {"enabled": False}})
+    for x, y in make_batches(8, 2):
+        eng.backward(eng(x, y))
+        eng.step()
+    eng.save_checkpoint(str(Path(out) / "ck"))
+    eng.destroy()
+    eng, *_ = engine.initialize(model=OddMLP(), config=cfg)
+    eng.load_checkpoint(str(Path(out) / "ck"))
+    log = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(log):
+        for x, y in make_batches(4, 2):
+            time.sleep(0.2)
+            eng.backward(eng(x, y))
+            eng.step()
+    measured = 4 * 2 / (time.perf_counter() - start)
+    eng.destroy()
+    return log.getvalue(), measured
+
+
+def test_a_resumed_run_logs_the_rate_of_its_own_steps_and_counts_flops(tmp_path):
+    log, measured = run_distributed(_resumed_training, 1, args=(str(tmp_path),), timeout=120)[0]
+    line = next(line for line in log.splitlines() if "step 12 " in line)
+    logged = float(line.split(" samples/s")[0].split("| ")[-1])
+    assert logged == pytest.approx(measured, rel=0.25)  # all 12 steps over this run's time: 3x
+    assert "TFLOPS" in line and "MFU" in line
+    _, tflops = _csv(tmp_path / "csv" / "job" / "Train_Samples_TFLOPS.csv")
+    assert [s for s, _ in tflops] == [2 * step for step in range(9, 13)]

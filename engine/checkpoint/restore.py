@@ -140,6 +140,7 @@ def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_sc
     for key, value in state["counters"].items():
         setattr(eng, key, value)
     start_window(eng)
+    eng.logger.rebase(eng.global_steps)
     loader = eng.training_dataloader
     if loader is not None and state["data_sampler"] is not None:
         loader.load_state_dict(_sampler_state(state["data_sampler"], eng.comm.world_size,

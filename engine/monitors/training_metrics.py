@@ -2,9 +2,10 @@
 (loss, lr, loss scale, grad norm, elapsed times, throughput, TFLOPS, MFU/HFU, peak memory, skipped
 steps), and the FLOPs profile at `flops_profiler.profile_step`.
 
-FLOPs are counted once, on rank 0, during the first forward pass of the counted step (step 1, or the
-profile step): the model is the same every step, so FLOPs per sample are too. Nothing is counted, and
-no host sync is added, when no monitor, no log line and no profiler asks for it.
+FLOPs are counted once, on rank 0, during the first forward pass of the counted step (the profile step,
+or the first step this process runs: after a resume that is not step 1): the model is the same every
+step, so FLOPs per sample are too. Nothing is counted, and no host sync is added, when no monitor, no
+log line and no profiler asks for it.
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ class TrainingMetrics:
         self.comm, self.module = comm, module
         self.train_batch_size = config.train_batch_size
         wanted = self.monitor.enabled or bool(config.steps_per_print) or self.profiler_cfg.enabled
-        self.count_step = self.profiler_cfg.profile_step if self.profiler_cfg.enabled else 1
+        # The counted step is fixed at this process's first forward (`_first_forward`): a resumed run
+        # starts past step 1, and past a profile step it has already run.
+        self.count_step: int | None = None
         self._count = wanted and global_rank == 0
         self.fwd_flops_per_sample: float | None = None
         self.tokens_per_sample: int | None = None
@@ -60,6 +63,8 @@ class TrainingMetrics:
     # -- forward ----------------------------------------------------------------------------------
     def forward_context(self, global_step: int, args) -> contextlib.AbstractContextManager:
         """A ModuleProfile around the first forward of the counted step; otherwise nothing."""
+        if self.count_step is None:
+            self._first_forward(global_step + 1)
         if not self._count or global_step + 1 != self.count_step or self._profile is not None:
             return contextlib.nullcontext()
         self._batch = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].ndim else None
@@ -67,6 +72,14 @@ class TrainingMetrics:
             self.tokens_per_sample = int(args[0].shape[1])  # (batch, sequence) token ids
         self._profile = ModuleProfile(self.module)
         return self._profile
+
+    def _first_forward(self, step: int) -> None:
+        """FLOPs are counted at the profile step if this process runs it, else at its first step;
+        the first step's time starts here, not at initialisation (a checkpoint load is no step)."""
+        cfg = self.profiler_cfg
+        self._profiling = cfg.enabled and cfg.profile_step >= step
+        self.count_step = cfg.profile_step if self._profiling else step
+        self._last_step_end = time.perf_counter()
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Add a micro-batch's (unscaled) loss to this step's sum, on its device: no host sync here."""
@@ -93,7 +106,7 @@ class TrainingMetrics:
         self.samples_per_s = self.train_batch_size / max(step_s, 1e-9)
         if self._profile is not None and self.fwd_flops_per_sample is None and self._batch:
             self.fwd_flops_per_sample = self._profile.total_flops / self._batch
-            if self.profiler_cfg.enabled:
+            if self._profiling:
                 self._print_profile(eng, step_s, step_timers_ms)
         if self.fwd_flops_per_sample is not None:
             peak, _ = self.peak()
