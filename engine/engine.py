@@ -61,7 +61,7 @@ class Engine(torch.nn.Module):
         self.timers.start("forward")
         if self._cast_inputs is not None:
             args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
-        with self.metrics.forward_context(self.global_steps, args):
+        with self.metrics.forward_context(self.global_steps, args, kwargs):
             out = self.module(*args, **kwargs)
         self.timers.stop("forward")
         return out

@@ -147,6 +147,24 @@ def test_the_flops_profiler_section_prints_the_profile_at_its_step(tmp_path):
         assert module in text
 
 
+def _profiled_by_keyword(out: str):
+    import engine
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": str(Path(out) / "flops.txt")}}
+    eng, _, _, _ = engine.initialize(model=OddMLP(), config=cfg)
+    eng.backward(eng(x=torch.randn(4, 13), y=torch.randn(4, 5)))
+    eng.step()
+    eng.destroy()
+    return eng.metrics.fwd_flops_per_sample
+
+
+def test_a_model_called_by_keyword_is_profiled_with_the_first_keyword_tensor_as_batch(tmp_path):
+    per_sample = run_distributed(_profiled_by_keyword, 1, args=(str(tmp_path),), timeout=90)
+    assert per_sample == [2 * (13 * 37 + 37 * 37 + 37 * 5)]
+    assert "profile at step:" in (tmp_path / "flops.txt").read_text()
+
+
 def test_mfu_arithmetic():
     u = utilisation(fwd_flops_per_sample=1e9, samples_per_s_per_device=100.0, peak_flops=1e12,
                     recompute_fwd_factor=1.0)

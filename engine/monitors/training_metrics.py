@@ -61,15 +61,18 @@ class TrainingMetrics:
         self.util: Utilisation | None = None
 
     # -- forward ----------------------------------------------------------------------------------
-    def forward_context(self, global_step: int, args) -> contextlib.AbstractContextManager:
-        """A ModuleProfile around the first forward of the counted step; otherwise nothing."""
+    def forward_context(self, global_step: int, args, kwargs=None) -> contextlib.AbstractContextManager:
+        """A ModuleProfile around the first forward of the counted step; otherwise nothing. The batch
+        is the first tensor of the call: of `args`, else of `kwargs` in the order they were passed
+        (`eng(x=x, y=y)` counts as `eng(x, y)`)."""
         if self.count_step is None:
             self._first_forward(global_step + 1)
         if not self._count or global_step + 1 != self.count_step or self._profile is not None:
             return contextlib.nullcontext()
-        self._batch = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].ndim else None
-        if args and isinstance(args[0], torch.Tensor) and args[0].ndim >= 2 and not args[0].is_floating_point():
-            self.tokens_per_sample = int(args[0].shape[1])  # (batch, sequence) token ids
+        first = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)), None)
+        self._batch = first.shape[0] if first is not None and first.ndim else None
+        if first is not None and first.ndim >= 2 and not first.is_floating_point():
+            self.tokens_per_sample = int(first.shape[1])  # (batch, sequence) token ids
         self._profile = ModuleProfile(self.module)
         return self._profile
 
