@@ -185,3 +185,22 @@ def test_peaks_table_config_and_cached_cpu_measurement(tmp_path):
     table = {k: 123.0 for k in table}  # the cached figure is what a second call returns: measured once
     cache.write_text(json.dumps(table))
     assert cpu_peak_flops(cache) == 123.0
+
+
+def _initialize_with_output_file(output_file: str):
+    import engine
+    import schemas
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "flops_profiler": {"enabled": True, "output_file": output_file}}
+    try:
+        engine.initialize(model=OddMLP(), config=cfg)
+    except schemas.ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_an_output_file_in_a_missing_directory_is_refused_at_initialize(tmp_path):
+    missing = str(tmp_path / "absent" / "flops.txt")
+    assert run_distributed(_initialize_with_output_file, 1, args=(missing,), timeout=90) == [
+        f"flops_profiler.output_file: {missing!r} is in a directory that does not exist: "
+        f"create {tmp_path / 'absent'} (or leave output_file unset to print the profile)"]

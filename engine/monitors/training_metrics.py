@@ -15,10 +15,12 @@ import time
 
 import torch
 
+from schemas import ConfigError
+
 from ..dist import global_rank as dist_global_rank
 from ..profiling import ModuleProfile, peak_flops_per_device
 from ..profiling.mfu import Utilisation, utilisation
-from ..profiling.model_profile import write_profile
+from ..profiling.model_profile import output_file_problem, write_profile
 from ..profiling.report import duration, profile_text, si
 from .master import any_monitor_enabled, build_monitors
 
@@ -44,6 +46,9 @@ class TrainingMetrics:
         self._loss_count = 0
         self.train_loss: float | None = None
         self.profiler_cfg = config.flops_profiler
+        problem = output_file_problem(self.profiler_cfg.output_file) if self.profiler_cfg.enabled else None
+        if problem and global_rank == 0:  # the rank that writes it, as the monitors' output paths
+            raise ConfigError([problem])
         self.peak_tflops = config.mfu.peak_tflops
         self.comm, self.module = comm, module
         self.train_batch_size = config.train_batch_size

@@ -4,6 +4,8 @@ same signature and return values: `(flops, macs, params)` of one forward pass, a
 counts is a multiply-accumulate."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .module_profile import ModuleProfile
@@ -48,6 +50,22 @@ def get_model_profile(model: torch.nn.Module, input_shape=None, args=None, kwarg
     if as_string:
         return si(flops, "FLOPS"), si(flops / 2, "MACs"), si(params)
     return flops, flops // 2, params
+
+
+def output_file_problem(output_file: str | None) -> str | None:
+    """Why the profile could not be written to `output_file`, checked at initialize: written at the
+    profile step, a bad path failed inside `step()` after the optimizer had stepped."""
+    if output_file is None:
+        return None
+    key, unset = f"flops_profiler.output_file: {output_file!r}", "(or leave output_file unset to print the profile)"
+    parent = os.path.dirname(os.path.abspath(output_file))
+    if os.path.isdir(output_file):
+        return f"{key} is a directory: name a file in it {unset}"
+    if not os.path.isdir(parent):
+        return f"{key} is in a directory that does not exist: create {parent} {unset}"
+    if not os.access(parent, os.W_OK):
+        return f"{key} is in a directory this process cannot write: choose another {unset}"
+    return None
 
 
 def write_profile(text: str, output_file: str | None) -> None:
