@@ -29,7 +29,7 @@ def _settings(args: argparse.Namespace):
     if args.config is None:
         return EstimateSettings(precision=args.precision or "fp16")
     from schemas import load_config
-    config = load_config(args.config)
+    config = load_config(args.config, world_size=args.nodes * args.gpus_per_node)  # the batch triple's world
     zero = config.zero_optimization
     optimizer, param = zero.offload_optimizer, zero.offload_param
     precision = args.precision or ("bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32")

@@ -10,6 +10,7 @@ tests/test_offload_stepper.py.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -236,3 +237,14 @@ def test_cli_table_and_errors(capsys):
     assert main(["estimate", "--model", "no_such_module:Model"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--model 'no_such_module:Model'" in err
+
+
+def test_cli_config_is_validated_at_nodes_times_gpus_per_node(tmp_path, capsys):
+    from engine.cli import main
+    config = tmp_path / "w8.json"
+    config.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                                  "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2}}))
+    assert main(["estimate", "--params", "1e9", "--nodes", "2", "--gpus-per-node", "4", "--config", str(config)]) == 0
+    assert "8 data-parallel rank(s)" in capsys.readouterr().out
+    assert main(["estimate", "--params", "1e9", "--config", str(config)]) == 2  # 4 x 1 x world 1 != 32
+    assert "world_size 1 = 4" in capsys.readouterr().err
