@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import warnings
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 EXIT_OK, EXIT_BAD_CHECKPOINT, EXIT_INVALID = 0, 1, 2
@@ -96,6 +97,10 @@ def _ckpt(args: argparse.Namespace) -> int:
     from engine.checkpoint import CheckpointError
     from engine.checkpoint.consolidate import consolidate, info
 
+    if not Path(args.dir).is_dir():  # info would list no tags and succeed; consolidate ask for a tag
+        print(f"error: {args.dir}: no such checkpoint directory (give the save_dir holding `latest` and the tags)",
+              file=sys.stderr)
+        return EXIT_BAD_CHECKPOINT
     try:
         if args.ckpt_command == "info":
             report, healthy = info(args.dir, verify=not args.no_verify)

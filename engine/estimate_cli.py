@@ -17,10 +17,10 @@ import sys
 def _count(text: str) -> int:
     try:
         value = int(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a parameter count such as 1.3e9, got {text!r}") from None
+    except (ValueError, OverflowError):  # int(float("inf")) overflows, int(float("nan")) is a ValueError
+        raise argparse.ArgumentTypeError(f"expected a finite count such as 1.3e9 or 8, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive parameter count, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive count, got {text!r}")
     return value
 
 

@@ -186,13 +186,23 @@ def count_parameters(spec: str) -> tuple[int, int]:
     """(trainable, frozen) parameters of `module:factory` (the factory is called with no arguments)."""
     import importlib
 
+    import torch
+
     module_name, sep, factory = spec.partition(":")
     if not sep or not module_name or not factory:
         raise ValueError(f"--model {spec!r}: expected module:factory, e.g. examples.gpt:GPT")
     try:
-        model = getattr(importlib.import_module(module_name), factory)()
+        build = getattr(importlib.import_module(module_name), factory)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"--model {spec!r}: {err}") from None
+    try:
+        model = build()
+    except TypeError as err:
+        raise ValueError(f"--model {spec!r}: calling it with no arguments failed ({err}): name a factory that "
+                         "takes none, e.g. a function in your code returning the model") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model {spec!r} returned a {type(model).__name__}, not a torch.nn.Module: name a "
+                         "factory that returns the model")
     params = list(model.parameters())  # a tied weight is listed once
     return (sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params if not p.requires_grad))
 

@@ -168,6 +168,14 @@ def test_info_and_consolidate(crashed, capsys):
     assert "flipped/rank_00001.pt" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["info"], ["consolidate", "--out", "model.pt"]])
+def test_a_missing_checkpoint_directory_is_an_error_naming_it(tmp_path, capsys, command):
+    missing = str(tmp_path / "absent")
+    assert cli_main(["ckpt", command[0], missing, *command[1:]]) == 1  # info said "no checkpoints", exit 0
+    assert capsys.readouterr().err == (f"error: {missing}: no such checkpoint directory "
+                                       "(give the save_dir holding `latest` and the tags)\n")
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_block_io_writes_and_hashes_exact_bytes(tmp_path, monkeypatch, direct):
     """Writes of odd sizes across block boundaries (and an empty file): the file holds exactly the

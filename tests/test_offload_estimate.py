@@ -248,3 +248,21 @@ def test_cli_config_is_validated_at_nodes_times_gpus_per_node(tmp_path, capsys):
     assert "8 data-parallel rank(s)" in capsys.readouterr().out
     assert main(["estimate", "--params", "1e9", "--config", str(config)]) == 2  # 4 x 1 x world 1 != 32
     assert "world_size 1 = 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--params", "inf"], "argument --params: expected a finite count such as 1.3e9 or 8, got 'inf'"),
+    (["--params", "1e9", "--nodes", "inf"], "argument --nodes: expected a finite count such as 1.3e9 or 8, got 'inf'"),
+    (["--model", "os:getcwd"], "--model 'os:getcwd' returned a str, not a torch.nn.Module: name a factory that "
+                               "returns the model"),
+    (["--model", "torch.nn:Linear"], "--model 'torch.nn:Linear': calling it with no arguments failed (Linear."),
+])
+def test_cli_bad_arguments_are_one_line_errors_naming_the_argument(argv, says, capsys):
+    from engine.cli import main
+    try:
+        code = main(["estimate", *argv])
+    except SystemExit as exit_:  # argparse's own refusal of a type
+        code = exit_.code
+    assert code == 2
+    error_lines = [line for line in capsys.readouterr().err.splitlines() if "error: " in line]
+    assert len(error_lines) == 1 and says in error_lines[0]
