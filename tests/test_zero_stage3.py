@@ -263,3 +263,40 @@ def test_host_memory_trimmer_trims_only_past_the_steady_state(monkeypatch):
     for _ in range(7):
         trimmer()
     assert trimmer.floor == 900 and calls == [0] and trimmer.trims == 1  # only 1001 > 900 + 100
+
+
+def _forward_inside_gathered() -> dict:
+    """ZeRO-3, nothing persistent: inside GatheredParameters(modifier_rank=0) a no_grad forward (a generation
+    step with the weights gathered), then rank 0 halves the weight; and a training step after the block."""
+    import engine
+    from engine.utils import safe_get_full_fp32_param
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh())
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    eng = engine.initialize(model=model, config=cfg)[0]
+    w = eng.module[0].weight
+    was = safe_get_full_fp32_param(w).clone()
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))
+    with engine.zero.GatheredParameters([w], modifier_rank=0):
+        with torch.no_grad():
+            eng(x)
+        shape_inside = tuple(w.shape)
+        if torch.distributed.get_rank() == 0:
+            with torch.no_grad():
+                w.mul_(0.5)
+    out = {"inside": shape_inside, "after": w.numel(), "edited": torch.equal(safe_get_full_fp32_param(w), was * 0.5)}
+    eng.backward(eng(x).sum())
+    eng.step()
+    out["trained"] = bool(torch.isfinite(safe_get_full_fp32_param(w)).all())
+    eng.destroy()
+    return out
+
+
+def test_a_forward_inside_gathered_parameters_keeps_them_gathered_and_the_edit():
+    """prefetch.py's user_held: the pass a forward makes inside the block released the block's parameters
+    (placeholders inside it; with modifier_rank the exit then failed and the edit was lost)."""
+    from tests.harness import run_distributed
+    for rank, got in enumerate(run_distributed(_forward_inside_gathered, 2, timeout=120)):
+        assert got == {"inside": (16, 16), "after": 0, "edited": True, "trained": True}, (rank, got)

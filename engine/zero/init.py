@@ -220,6 +220,7 @@ class GatheredParameters(contextlib.ContextDecorator):
         self.modifier_rank, self.enabled, self.comm = modifier_rank, enabled, comm
         self._engine_groups: list = []
         self._init_params: list = []
+        self._held: list = []  # (coordinator, group) this block holds (prefetch.py's user_held)
 
     def _communicator(self) -> Communicator:
         if self.comm is None:
@@ -235,6 +236,8 @@ class GatheredParameters(contextlib.ContextDecorator):
             zopt = getattr(p, "_z3_owner", None)
             group = zopt.coordinator.group_of.get(p) if zopt is not None else None
             if group is not None:
+                zopt.coordinator.user_held[group.gid] += 1  # held through any pass inside the block
+                self._held.append((zopt.coordinator, group))
                 self._engine_groups += zopt.coordinator.gather_now([group])
             elif _is_partitioned(p) and hasattr(p, "_z3_chunk"):
                 p.data = gather_full(comm, spec_of(full_shape(p), comm.world_size),
@@ -253,9 +256,12 @@ class GatheredParameters(contextlib.ContextDecorator):
                     self._store(p, comm)
         for p in self._init_params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for coordinator, group in self._held:
+            coordinator.user_held[group.gid] -= 1
         for g in self._engine_groups:
-            g.release()
-        self._engine_groups, self._init_params = [], []
+            if g.gathered and not any(c.user_held[g.gid] for c, h in self._held if h is g):
+                g.release()  # gathered by this block and held by no other open one
+        self._engine_groups, self._init_params, self._held = [], [], []
 
     @staticmethod
     def _store(p: torch.nn.Parameter, comm: Communicator) -> None:

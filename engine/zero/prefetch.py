@@ -48,6 +48,9 @@ class ParamCoordinator:
         self.max_reuse = max_reuse_distance
         self.pending: dict[int, tuple] = {}  # gid -> (work, out) of an issued all-gather
         self.active: Counter = Counter()
+        # gid -> open GatheredParameters blocks holding it: no pass releases it meanwhile (a forward
+        # inside the block, e.g. generating with the weights gathered, used to leave them placeholders)
+        self.user_held: Counter = Counter()
         self.in_pass = self.training_pass = self.in_backward = False
         self.held = False  # a pipeline step holds every group gathered (engine/pipe/zero3.py)
         self.trace: list | None = None
@@ -78,7 +81,7 @@ class ParamCoordinator:
         for gid in list(self.pending):
             self._finish(self.groups[gid], unpack=False)
         for g in self.groups:
-            if g.gathered:
+            if g.gathered and not self.user_held[g.gid]:
                 g.release()
         self.active.clear()
         settle = self.in_pass and self.training_pass
@@ -176,7 +179,7 @@ class ParamCoordinator:
         keep = self.keep.get(i, ()) if i is not None else ()
         for g in self.unit_groups[unit]:
             self.active[g.gid] = max(0, self.active[g.gid] - 1)
-            if self.active[g.gid] == 0 and g.gathered and g.gid not in keep:
+            if self.active[g.gid] == 0 and g.gathered and g.gid not in keep and not self.user_held[g.gid]:
                 g.release()
 
     # -- gathering -------------------------------------------------------------------------------
