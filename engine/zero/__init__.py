@@ -79,16 +79,7 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
             allgather_bucket_numel=zero.allgather_bucket_size, reduce_scatter=zero.reduce_scatter,
             allgather_partitions=zero.allgather_partitions, tier=PartitionTier.for_zero(comm.device, zero),
             grads_swapped=swaps_gradients(zero, optimizer), **common)
-        try:  # a tier that fails takes the swap files of those built before it (no engine to destroy)
-            if wants_nvme(zero):
-                zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
-                attach_grad_swap(zopt)  # the gradient partition in swap files (grad_swap.py's note)
-                attach_master_store(zopt, zero)  # writes reach the master (partition_store.py: master in the tier)
-            attach_per_tensor(zopt)
-        except BaseException:
-            release_storage(zopt)
-            raise
-        tag_parameters(zopt, zopt.params)
+        _attach_tiers(zopt, zero, cfg.aio)
         return zopt
     if zero.stage == 3:
         from .stage3 import ZeroStage3Optimizer  # its unbuilt keys are refused by schemas/unbuilt.py
@@ -97,24 +88,33 @@ def build_zero_optimizer(optimizer, comm, cfg, module=None):
             raise schemas.ConfigError(problems)
         zopt = ZeroStage3Optimizer(optimizer, comm, guard, module, zero, tier=PartitionTier.for_zero(comm.device, zero),
                                    **common)
-        try:  # a tier that fails takes the swap files of those built before it (no engine to destroy)
-            refuse_unconsumed_init_chunks(zopt, zero)
-            if wants_param_nvme(zero):  # the partition into swap files (param_nvme.py's note)
-                attach_param_nvme(zopt, zero, cfg.aio)
-            if wants_nvme(zero):  # the fp32 partition is the master at stage 3 too: the same swapped step
-                zopt.nvme = NvmeOptimizerTier(zopt, zero, cfg.aio)
-                attach_grad_swap(zopt)  # and its gradient in swap files (grad_swap.py's note)
-                if not wants_param_nvme(zero):
-                    attach_master_store(zopt, zero)  # writes reach the master (partition_store.py: master in the tier)
-            if wants_param_nvme(zero):
-                finish_param_nvme(zopt)
-            attach_per_tensor(zopt)
-        except BaseException:
-            release_storage(zopt)
-            raise
-        tag_parameters(zopt, zopt.params)
+        _attach_tiers(zopt, zero, cfg.aio)
         return zopt
     raise NotImplementedError(f"zero_optimization.stage: {zero.stage} is not built yet in dstrain")
+
+
+def _attach_tiers(zopt, zero, aio) -> None:
+    """A partitioned optimizer's offload tiers (NVMe parameters at stage 3, the NVMe optimizer at any
+    stage), then Lamb's and Muon's per-tensor stepping. A tier that fails takes the swap files of those
+    built before it with it: initialize() has no engine yet that destroy() could reach."""
+    param_files = zopt.stage == 3 and wants_param_nvme(zero)
+    try:
+        if zopt.stage == 3:
+            refuse_unconsumed_init_chunks(zopt, zero)
+        if param_files:  # the partition into swap files (param_nvme.py's note)
+            attach_param_nvme(zopt, zero, aio)
+        if wants_nvme(zero):  # at stage 3 the fp32 partition is the master too: the same swapped step
+            zopt.nvme = NvmeOptimizerTier(zopt, zero, aio)
+            attach_grad_swap(zopt)  # the gradient partition in swap files (grad_swap.py's note)
+            if not param_files:
+                attach_master_store(zopt, zero)  # writes reach the master (partition_store.py: master in the tier)
+        if param_files:
+            finish_param_nvme(zopt)
+        attach_per_tensor(zopt)
+    except BaseException:
+        release_storage(zopt)
+        raise
+    tag_parameters(zopt, zopt.params)
 
 
 def release_storage(zopt) -> None:
