@@ -13,7 +13,7 @@ import torch
 from . import heartbeat
 from .dist import global_rank
 from .monitor import StepLogger, Timers
-from .checkpoint.restore import start_window
+from .checkpoint.restore import restore_counters
 from .zero import release_storage
 from .monitors.training_metrics import TrainingMetrics
 
@@ -272,9 +272,7 @@ class Engine(torch.nn.Module):
             self.zero_optimizer.load_state_dict(state["zero_optimizer"])
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        for key, value in state["counters"].items():
-            setattr(self, key, value)
-        start_window(self)  # the saved window's gradients are not in the state (restore.py)
+        restore_counters(self, state["counters"])  # a new window and log baseline too (restore.py)
 
 
 def _cast_floating(obj, dtype: torch.dtype):

@@ -235,7 +235,7 @@ def _reshard_derived_gas(root: str):
 
 
 def test_a_load_that_changes_the_accumulation_steps_starts_a_whole_window(runs):
-    """(restore.py's start_window) the windows after the load are whole: training equals the run never stopped."""
+    """(restore.py's restore_counters) the windows after the load are whole: training equals the run never stopped."""
     full, reshard = runs[0], runs[2]
     for (saved_stage, stage), got in reshard["derived"].items():
         where = f"saved stage {saved_stage} x2 (gas 2) -> stage {stage} x1"

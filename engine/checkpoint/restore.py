@@ -120,13 +120,17 @@ def _restore_param_groups(eng, saved: list) -> None:
                       "values", stacklevel=5)
 
 
-def start_window(eng) -> None:
-    """A loaded run starts a new accumulation window. A checkpoint holds no gradient of a window in
-    progress, and the saved micro-step count places boundaries by the saving run's
-    gradient_accumulation_steps, which a load at another world size with the same train_batch_size
-    changes (2 ranks x 3 micro-steps -> 3 ranks x 2): restored as saved, the first window after the
-    load ended after one micro-step and every later one mixed two global batches."""
+def restore_counters(eng, counters: dict) -> None:
+    """The saved step counters, and a new accumulation window and log-rate baseline from them. A
+    checkpoint holds no gradient of a window in progress, and the saved micro-step count places
+    boundaries by the saving run's gradient_accumulation_steps, which a load at another world size with
+    the same train_batch_size changes (2 ranks x 3 micro-steps -> 3 ranks x 2): restored as saved, the
+    first window after the load ended after one micro-step and every later one mixed two global
+    batches. The step log's rate counts only the steps this process runs from here."""
+    for key, value in counters.items():
+        setattr(eng, key, value)
     eng.micro_steps = eng.global_steps * eng.config.gradient_accumulation_steps
+    eng.logger.rebase(eng.global_steps)
 
 
 def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
@@ -137,10 +141,7 @@ def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_sc
         _restore_param_groups(eng, state["param_groups"])
     if load_lr_scheduler_states and eng.lr_scheduler is not None and state["lr_scheduler"] is not None:
         eng.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    for key, value in state["counters"].items():
-        setattr(eng, key, value)
-    start_window(eng)
-    eng.logger.rebase(eng.global_steps)
+    restore_counters(eng, state["counters"])
     loader = eng.training_dataloader
     if loader is not None and state["data_sampler"] is not None:
         loader.load_state_dict(_sampler_state(state["data_sampler"], eng.comm.world_size,
