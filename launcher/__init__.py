@@ -5,7 +5,8 @@
     dslaunch --launcher slurm|openmpi ...                    # inside an allocation / with mpirun
 
 `dslaunch` (launcher/cli.py, whose docstring is the full manual) resolves the hosts and slots,
-starts one agent per node (`python -m launcher.agent`, launcher/agent.py) through the chosen
+starts one agent per node (`python -m launcher.agent`, launcher/agent.py; its dead man's switch,
+launcher/deadman.py, kills the ranks' process groups if the agent is killed) through the chosen
 runner (launcher/runners.py), hands them the control token and forwarded environment in a private
 file rather than on a command line (launcher/handoff.py), and supervises them over an authenticated
 control connection (launcher/control.py, launcher/supervisor.py). Each agent spawns its ranks with the standard environment (RANK,

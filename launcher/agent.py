@@ -5,7 +5,8 @@ Not meant to be typed by hand (`dslaunch --dry_run` prints the exact command lin
 1. connects back to `dslaunch` (`--control HOST:PORT`); losing that connection stops the node;
 2. spawns the node's ranks with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK,
    MASTER_ADDR, MASTER_PORT, CUDA_VISIBLE_DEVICES (and DSTRAIN_HEARTBEAT_ADDR with a hang timeout,
-   DSTRAIN_RESTART_COUNT always), each in its own process group;
+   DSTRAIN_RESTART_COUNT always), each in its own process group, after starting a dead man's
+   switch that kills those groups if the agent itself is killed outright (launcher/deadman.py);
 3. relays their output line by line with a rank prefix, or into per-rank log files;
 4. supervises: the first rank that exits non-zero, or no progress for `--hang_timeout` seconds, is
    reported to `dslaunch`, which stops every node; a `stop` from `dslaunch`, SIGTERM, SIGINT or SIGHUP
@@ -25,6 +26,7 @@ import sys
 import time
 
 from launcher.control import ConnectionLost, ControlClient
+from launcher.deadman import DeadManSwitch
 from launcher.handoff import read_launch_file
 from launcher.output import OutputRelay
 from launcher.ranks import (RankProcess, describe_returncode, literal_script_args, rank_environment,
@@ -92,6 +94,7 @@ class NodeAgent:
         self.kill_now = False  # dslaunch sent `kill`: no grace period
         self.control_lost = False
         self.heartbeat = None
+        self.deadman: DeadManSwitch | None = None
         if args.hang_timeout > 0:
             from launcher.hang import HeartbeatWatch
             self.heartbeat = HeartbeatWatch(args.hang_timeout)
@@ -112,17 +115,35 @@ class NodeAgent:
         placements = self.world.placements(self.node_rank)
         cores = core_sets(len(placements)) if self.args.bind_cores_to_rank else [None] * len(placements)
         command = rank_command(self.args)
+        self._start_deadman()
         for placement, core_set in zip(placements, cores):
             env = rank_environment(os.environ, placement, self.world, self.args.master_addr,
                                    self.args.master_port, extra)
             proc = spawn_rank(command, env, placement, core_set)
             self.ranks.append(proc)
+            if self.deadman:
+                self.deadman.arm(proc.popen.pid)  # the rank's group id is its pid (its own session)
             self.relay.add(placement.rank, proc.popen.stdout, proc.popen.stderr,
                            header=f"===== dslaunch attempt {self.args.attempt} =====")
         for proc in self.ranks:  # after every fork: the preexec hook must not race a thread
             proc.watch()
         if self.heartbeat:
             self.heartbeat.start([proc.rank for proc in self.ranks])
+
+    def _start_deadman(self):
+        """Before the first rank: if this agent is SIGKILLed, the switch kills the ranks' groups
+        (launcher/deadman.py); PDEATHSIG alone would orphan the ranks' children."""
+        try:
+            self.deadman = DeadManSwitch()
+        except OSError as err:
+            self.say(f"cannot start the dead man's switch ({err}); if this agent is killed outright, "
+                     "children of its ranks may outlive it")
+
+    def stop_everything(self):
+        """The last word of every exit: no rank group left behind, then the switch is disarmed."""
+        signal_rank_groups(self.ranks, signal.SIGKILL)
+        if self.deadman:
+            self.deadman.disarm()
 
     def run(self) -> int:
         """Supervises until the ranks finish, fail, hang, or a stop arrives; returns the exit status."""
@@ -269,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return agent.run()
     finally:
-        signal_rank_groups(agent.ranks, signal.SIGKILL)  # never leave a rank behind, whatever happened
+        agent.stop_everything()  # never leave a rank behind, whatever happened
 
 
 if __name__ == "__main__":

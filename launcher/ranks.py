@@ -110,7 +110,8 @@ def core_sets(local_world_size: int) -> list[list[int]]:
 
 
 def _die_with_parent():
-    """Linux: the kernel SIGKILLs the rank if its agent dies, even by SIGKILL (no orphans)."""
+    """Linux: the kernel SIGKILLs the rank if its agent dies, even by SIGKILL. Only the rank: its
+    children are killed by the agent's dead man's switch (launcher/deadman.py)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     except (OSError, AttributeError):

@@ -8,9 +8,9 @@ ranks' process groups at once and exits. Runner processes still alive `KILL_WAIT
 are SIGKILLed.
 
 [Note: the agent kills the rank groups, not dslaunch] A rank's children (data-loader workers)
-live in the rank's process group, which only the agent knows. SIGKILLing an agent first would
-take its ranks with it (PR_SET_PDEATHSIG) but orphan their children, so even the hurried path
-asks the agents, and SIGKILLs runner processes only once they had `KILL_WAIT_S` to do it.
+live in the rank's process group, which only the agent knows. So even the hurried path asks the
+agents, and SIGKILLs runner processes only once they had `KILL_WAIT_S` to do it; an agent killed
+anyway (here, or by anyone) leaves its dead man's switch (launcher/deadman.py) to kill the groups.
 """
 from __future__ import annotations
 

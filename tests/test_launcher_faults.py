@@ -131,3 +131,60 @@ def test_two_quick_signals_to_dslaunch_kill_every_rank_group_first(tmp_path, gap
             launcher.kill()
             launcher.wait(timeout=5)
         kill_leftovers(out)
+
+
+def job_processes(launcher, out: str, nranks: int) -> list[psutil.Process]:
+    """Every process under dslaunch once each rank's child is up: agent, dead man's switch, ranks,
+    the ranks' children. psutil.Process remembers each start time, so a recycled pid is never killed."""
+    for rank in range(nranks):
+        wait_for(lambda r=rank: os.path.exists(os.path.join(out, f"pids_rank{r}")), 30, f"rank {rank}'s child")
+    children = [int(open(os.path.join(out, f"pids_rank{rank}")).read().split()[1]) for rank in range(nranks)]
+    found = psutil.Process(launcher.pid).children(recursive=True)
+    assert set(children) <= {proc.pid for proc in found}
+    assert any("launcher.deadman" in " ".join(proc.cmdline()) for proc in found)
+    return found
+
+
+def still_running(procs: list[psutil.Process]) -> list[str]:
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(" ".join(proc.cmdline())[:120])
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.mark.parametrize("child_flags", [("--child_ignores_sigterm",), ()], ids=["child-ignores-term", "child"])
+@pytest.mark.parametrize("victim", ["agent", "dslaunch"])
+def test_a_launcher_killed_outright_takes_the_ranks_children_with_it(tmp_path, victim, child_flags):
+    """SIGKILL of the agent (the ranks die by PDEATHSIG; their children only through the dead man's
+    switch) or of dslaunch (the agents see the control connection close and stop the rank groups):
+    nothing of the job survives, as torchrun's process-group kill and a job scheduler expect."""
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    launcher = start_dslaunch("--nproc_per_node", "2", "--master_port", str(free_port()),
+                              RANK_WITH_CHILD, out, *child_flags)
+    procs = []
+    try:
+        procs = job_processes(launcher, out, 2)
+        agent = next(proc for proc in procs if "launcher.agent" in " ".join(proc.cmdline()))
+        (agent if victim == "agent" else psutil.Process(launcher.pid)).kill()
+        # killing an agent is immediate; a lost dslaunch means SIGTERM first, SIGKILL after the
+        # agent's 5 s grace for a child that ignores SIGTERM
+        bound = 5 + (5 if victim == "dslaunch" and child_flags else 0)
+        deadline = time.monotonic() + bound
+        while still_running(procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not still_running(procs), f"survived {bound} s after the {victim} was killed"
+    finally:
+        for proc in procs:  # whatever the outcome, no orphan outlives the test
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.communicate(timeout=10)
+        kill_leftovers(out)
