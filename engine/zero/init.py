@@ -35,6 +35,7 @@ from ..comm import Communicator
 from ..precision import model_dtype
 from offload.param_swap import SwappedChunk
 from .param_nvme import init_chunk_file
+from .init_edits import check_no_lost_edit, mark_placeholder, patch_init_functions
 from .stage3_params import chunk_tensor, full_shape, gather_full, padded_chunk, spec_of
 
 
@@ -100,6 +101,7 @@ class Init:
         self.chunk_file = init_chunk_file(cfg, self.comm.rank) if remote_device == "nvme" and enabled else None
         self._freed = 0  # bytes of full parameters freed since the heap was last handed back
         self._patched: list[tuple[type, str, object]] = []
+        self._placeholders: list[torch.nn.Parameter] = []  # partitioned here (init_edits.py's note)
 
     def partition(self, module: nn.Module) -> None:
         """Partition the parameters `module` holds directly (not its children's)."""
@@ -120,6 +122,15 @@ class Init:
                 p._z3_chunk = self.chunk_file.put(chunk) if self.chunk_file is not None else chunk
                 self._note_freed(p.numel() * p.element_size())
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                mark_placeholder(p)
+                self._placeholders.append(p)
+
+    @contextlib.contextmanager
+    def _filled_whole(self, params: list):
+        """`params` whole inside, rank 0's values kept (Module.apply, torch.nn.init: init_edits.py)."""
+        with GatheredParameters(params, modifier_rank=0, comm=self.comm):
+            yield
+        self._note_freed(sum(torch.Size(full_shape(p)).numel() * p.element_size() for p in params))
 
     def _note_freed(self, nbytes: int) -> None:
         """Full parameters were freed: hand the heap back every TRIM_BYTES (the note on Init's heap)."""
@@ -144,6 +155,8 @@ class Init:
                 if outermost:
                     object.__delattr__(module, "_z3_constructing")
             if outermost:
+                check_no_lost_edit(((f"'{n}'", p) for n, p in module.named_parameters()),
+                                   f"{type(module).__name__}.__init__")
                 ctx.partition(module)
         __init__._z3_wrapped = True
         self._patched.append((cls, "__init__", original))
@@ -170,13 +183,12 @@ class Init:
         def apply(module, fn):
             for child in module.children():
                 child.apply(fn)
-            params = list(module.parameters(recurse=False))
-            with GatheredParameters(params, modifier_rank=0, comm=ctx.comm):
+            with ctx._filled_whole(list(module.parameters(recurse=False))):
                 fn(module)
-            ctx._note_freed(sum(torch.Size(full_shape(p)).numel() * p.element_size() for p in params))
             return module
         self._patched.append((nn.Module, "apply", original_apply))
         nn.Module.apply = apply
+        self._patched += patch_init_functions(lambda p: ctx._filled_whole([p]))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -188,6 +200,10 @@ class Init:
         self._patched.clear()
         if self.chunk_file is not None:
             _return_freed_heap()
+        if exc[0] is None:  # an edit made in the block itself, after the model's construction
+            check_no_lost_edit(((f"of shape {tuple(p.ds_shape)}", p) for p in self._placeholders),
+                               "the code inside engine.zero.Init")
+        self._placeholders = []
 
 
 TRIM_BYTES = 64 << 20
@@ -256,6 +272,7 @@ class GatheredParameters(contextlib.ContextDecorator):
                     self._store(p, comm)
         for p in self._init_params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            mark_placeholder(p)  # edits inside the block were made whole: not lost (init_edits.py)
         for coordinator, group in self._held:
             coordinator.user_held[group.gid] -= 1
         for g in self._engine_groups:

@@ -1,0 +1,70 @@
+"""In-place edits of parameters that `zero.Init` has already partitioned.
+
+[Note: edits after partition] Init partitions a module's own parameters when that module's `__init__`
+returns. A parent's `__init__` that then re-initialises a child's weight in place — nanoGPT's
+`torch.nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))` over `self.named_parameters()` — acts on
+the empty placeholder, and the weight keeps the child's own initialisation. DeepSpeed's zero.Init
+behaves so, silently: the model then differs from the one the user wrote. Here:
+- inside Init, `torch.nn.init`'s in-place functions given a partitioned parameter gather it, run on the
+  full tensor and keep rank 0's result, as the wrapped `Module.apply` does. Every rank builds the same
+  model, so every rank makes the same calls (the gather is a collective). Every rank draws the same
+  amount of randomness, so the model, and the random state after it, equal a model built normally
+  from the same seed.
+- any other in-place change of a placeholder (`p.normal_()`, `p.mul_(...)`, an init function imported
+  before Init began) is found by the parameter's version counter, which every in-place op bumps and a
+  `p.data = ...` assignment does not. The module whose `__init__` made it raises, naming the parameter
+  and the fix. A change made through `p.data` bumps no counter and cannot be seen (docs/zero3.md).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+# torch.nn.init's functions that fill their tensor argument in place
+INPLACE_INIT = ("constant_", "dirac_", "eye_", "kaiming_normal_", "kaiming_uniform_", "normal_", "ones_",
+                "orthogonal_", "sparse_", "trunc_normal_", "uniform_", "xavier_normal_", "xavier_uniform_",
+                "zeros_")
+
+
+def mark_placeholder(p: torch.Tensor) -> None:
+    """`p` now holds its placeholder: the version any later in-place change would move on from."""
+    p._z3_version = p._version
+
+
+def _edited(p: torch.Tensor) -> bool:
+    return hasattr(p, "_z3_version") and p._version != p._z3_version and p.numel() == 0
+
+
+def check_no_lost_edit(named_params, where: str) -> None:
+    """Raise if one of the (name, parameter) pairs is a placeholder changed in place (module note)."""
+    for name, p in named_params:
+        if _edited(p):
+            raise RuntimeError(
+                f"engine.zero.Init: {where} changed parameter {name} in place after zero.Init had "
+                "partitioned it: the change reached an empty placeholder and would be lost. Initialise it "
+                "with a torch.nn.init function, in self.apply(fn), or inside "
+                "engine.zero.GatheredParameters(param, modifier_rank=0)")
+
+
+def patch_init_functions(gathered) -> list[tuple[object, str, object]]:
+    """Wrap torch.nn.init's in-place functions so that a partitioned parameter is filled whole inside
+    `gathered(param)` (module note). Returns (object, name, original) for each, to restore."""
+    patched = []
+    for name in INPLACE_INIT:
+        original = getattr(nn.init, name)
+        if getattr(original, "_z3_wrapped", False):  # a nested Init: the outer one's wrapper stands
+            continue
+
+        @functools.wraps(original)
+        def wrapper(tensor, *args, _original=original, **kwargs):
+            if not (hasattr(tensor, "_z3_chunk") and tensor.numel() == 0):
+                return _original(tensor, *args, **kwargs)
+            with gathered(tensor):
+                _original(tensor, *args, **kwargs)
+            return tensor
+        wrapper._z3_wrapped = True
+        patched.append((nn.init, name, original))
+        setattr(nn.init, name, wrapper)
+    return patched

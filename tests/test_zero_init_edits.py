@@ -1,0 +1,94 @@
+"""zero.Init and a parameter changed in place after its module was partitioned (engine/zero/init_edits.py).
+
+The oracle is the model built normally from the same seed: torch.equal for every parameter, and the
+random state after construction (the next draw) equal too. Changes Init cannot make whole are errors
+naming the parameter; an edit inside GatheredParameters is not one of them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import engine
+from tests.harness import run_distributed
+
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 10)
+        self.proj = nn.Linear(10, 6)
+
+
+class NanoStyle(nn.Module):
+    """nanoGPT's pattern: the parent re-initialises its children's weights in its own __init__."""
+
+    def __init__(self, edit: str = "init"):
+        super().__init__()
+        self.h = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(6, 3)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                if edit == "init":
+                    torch.nn.init.normal_(p, mean=0.0, std=0.02)
+                elif edit == "tensor_method":
+                    with torch.no_grad():
+                        p.mul_(2.0)
+        torch.nn.init.zeros_(self.head.bias)
+        torch.nn.init.xavier_uniform_(self.head.weight)
+
+
+def _full(model: nn.Module) -> dict:
+    with engine.zero.GatheredParameters(list(model.parameters())):
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _error(build) -> str:
+    try:
+        build()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _cases():
+    torch.manual_seed(0)
+    plain = {k: v.detach().clone() for k, v in NanoStyle().named_parameters()}
+    plain_next = torch.rand(4)
+    torch.manual_seed(0)
+    with engine.zero.Init(config=CONFIG):
+        model = NanoStyle()
+    init_next = torch.rand(4)
+    built = _full(model)
+
+    def method_edit():
+        with engine.zero.Init(config=CONFIG):
+            NanoStyle("tensor_method")
+
+    def block_edit():
+        with engine.zero.Init(config=CONFIG):
+            m = NanoStyle("none")
+            with torch.no_grad():
+                m.head.bias.add_(1.0)
+
+    with engine.zero.Init(config=CONFIG):
+        gathered_edit = NanoStyle("none")
+        with engine.zero.GatheredParameters([gathered_edit.head.bias], modifier_rank=0):
+            with torch.no_grad():
+                gathered_edit.head.bias.fill_(3.0)
+    return {"equal": {k: torch.equal(built[k], v) for k, v in plain.items()},
+            "rng": torch.equal(plain_next, init_next),
+            "method_edit": _error(method_edit), "block_edit": _error(block_edit),
+            "gathered_edit": _full(gathered_edit)["head.bias"]}
+
+
+def test_init_edits_after_partition_are_made_whole_or_refused():
+    for r in run_distributed(_cases, 2, timeout=90):
+        assert all(r["equal"].values()), r["equal"]  # the parent's torch.nn.init calls reached the weights
+        assert r["rng"]
+        assert "'h.0.proj.weight' in place" in r["method_edit"] and "NanoStyle.__init__" in r["method_edit"]
+        assert "of shape (3,) in place" in r["block_edit"], r["block_edit"]
+        assert torch.equal(r["gathered_edit"], torch.full((3,), 3.0))
