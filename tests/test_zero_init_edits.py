@@ -2,7 +2,8 @@
 
 The oracle is the model built normally from the same seed: torch.equal for every parameter, and the
 random state after construction (the next draw) equal too. Changes Init cannot make whole are errors
-naming the parameter; an edit inside GatheredParameters is not one of them.
+naming the parameter; an edit inside GatheredParameters is not one of them. Hugging Face models
+(transformers' `post_init` walk, `smart_apply`) are built equal to the plain model too.
 """
 from __future__ import annotations
 
@@ -54,6 +55,26 @@ def _error(build) -> str:
     return "no error"
 
 
+def _hf_models() -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    return {"gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                                        n_head=4, bos_token_id=0, eos_token_id=0)),
+            "llama": lambda: LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                          num_hidden_layers=2, num_attention_heads=4,
+                                                          num_key_value_heads=2, bos_token_id=0, eos_token_id=0))}
+
+
+def _differing(make) -> list[str]:
+    """The parameters of `make()` built in Init that differ from the plain model built from the same seed."""
+    torch.manual_seed(0)
+    plain = {k: v.detach().clone() for k, v in make().named_parameters()}
+    torch.manual_seed(0)
+    with engine.zero.Init(config=CONFIG):
+        model = make()
+    built = _full(model)
+    return [k for k, v in plain.items() if not torch.equal(built[k], v)] + [k for k in built if k not in plain]
+
+
 def _cases():
     torch.manual_seed(0)
     plain = {k: v.detach().clone() for k, v in NanoStyle().named_parameters()}
@@ -82,7 +103,8 @@ def _cases():
     return {"equal": {k: torch.equal(built[k], v) for k, v in plain.items()},
             "rng": torch.equal(plain_next, init_next),
             "method_edit": _error(method_edit), "block_edit": _error(block_edit),
-            "gathered_edit": _full(gathered_edit)["head.bias"]}
+            "gathered_edit": _full(gathered_edit)["head.bias"],
+            "hf": {name: _differing(make) for name, make in _hf_models().items()}}
 
 
 def test_init_edits_after_partition_are_made_whole_or_refused():
@@ -92,3 +114,4 @@ def test_init_edits_after_partition_are_made_whole_or_refused():
         assert "'h.0.proj.weight' in place" in r["method_edit"] and "NanoStyle.__init__" in r["method_edit"]
         assert "of shape (3,) in place" in r["block_edit"], r["block_edit"]
         assert torch.equal(r["gathered_edit"], torch.full((3,), 3.0))
+        assert r["hf"] == {"gpt2": [], "llama": []}, r["hf"]

@@ -35,7 +35,7 @@ from ..comm import Communicator
 from ..precision import model_dtype
 from offload.param_swap import SwappedChunk
 from .param_nvme import init_chunk_file
-from .init_edits import check_no_lost_edit, mark_placeholder, patch_init_functions
+from .init_edits import check_no_lost_edit, mark_placeholder, patch_init_functions, patch_smart_apply
 from .stage3_params import chunk_tensor, full_shape, gather_full, padded_chunk, spec_of
 
 
@@ -189,6 +189,7 @@ class Init:
         self._patched.append((nn.Module, "apply", original_apply))
         nn.Module.apply = apply
         self._patched += patch_init_functions(lambda p: ctx._filled_whole([p]))
+        self._patched += patch_smart_apply(ctx._filled_whole)
         return self
 
     def __exit__(self, *exc) -> None:

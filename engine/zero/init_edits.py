@@ -18,6 +18,7 @@ behaves so, silently: the model then differs from the one the user wrote. Here:
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn as nn
@@ -68,3 +69,29 @@ def patch_init_functions(gathered) -> list[tuple[object, str, object]]:
         patched.append((nn.init, name, original))
         setattr(nn.init, name, wrapper)
     return patched
+
+
+def _pretrained_model_class():
+    """transformers' PreTrainedModel if transformers is loaded (a model of it is being built), else None."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return getattr(modeling, "PreTrainedModel", None)
+
+
+def patch_smart_apply(filled_whole) -> list[tuple[object, str, object]]:
+    """Define `nn.Module.smart_apply` as transformers' walk with gathered parameters (module note)."""
+    def smart_apply(module: nn.Module, fn, *args):  # transformers 5 passes is_custom_code, 4.5x nothing
+        sub_model = _pretrained_model_class()
+        children = list(module.children())
+        for child in children:
+            own = sub_model is not None and isinstance(child, sub_model)
+            smart_apply(child, child._initialize_weights if own else fn, *args)
+        params = list(module.parameters(recurse=False))
+        for child in children:
+            if sub_model is None or not isinstance(child, sub_model):
+                params += child.parameters(recurse=False)
+        with filled_whole(list(dict.fromkeys(params))):
+            fn(module, *args)
+        return module
+    original = nn.Module.__dict__.get("smart_apply")
+    nn.Module.smart_apply = smart_apply
+    return [(nn.Module, "smart_apply", original)]
