@@ -3,7 +3,8 @@
 The oracle is the model built normally from the same seed: torch.equal for every parameter, and the
 random state after construction (the next draw) equal too. Changes Init cannot make whole are errors
 naming the parameter; an edit inside GatheredParameters is not one of them. Hugging Face models
-(transformers' `post_init` walk, `smart_apply`) are built equal to the plain model too.
+(transformers' `post_init` walk, `smart_apply`) are built equal to the plain model too, and
+`from_pretrained` inside Init (a model on the meta device) loads as outside it and trains the same.
 """
 from __future__ import annotations
 
@@ -75,7 +76,20 @@ def _differing(make) -> list[str]:
     return [k for k, v in plain.items() if not torch.equal(built[k], v)] + [k for k in built if k not in plain]
 
 
-def _cases():
+def _pretrained_step(saved: str, in_init: bool) -> tuple:
+    """(loss, parameters after one step) of `saved` loaded by from_pretrained, inside Init or not."""
+    from transformers import GPT2LMHeadModel
+    with engine.zero.Init(config=CONFIG, enabled=in_init):
+        model = GPT2LMHeadModel.from_pretrained(saved)
+    eng, _, _, _ = engine.initialize(model=model, config=CONFIG)
+    ids = torch.arange(16).reshape(2, 8) + 8 * torch.distributed.get_rank()
+    loss = eng(input_ids=ids, labels=ids).loss
+    eng.backward(loss)
+    eng.step()
+    return loss.item(), _full(eng.module)
+
+
+def _cases(saved: str):
     torch.manual_seed(0)
     plain = {k: v.detach().clone() for k, v in NanoStyle().named_parameters()}
     plain_next = torch.rand(4)
@@ -104,14 +118,20 @@ def _cases():
             "rng": torch.equal(plain_next, init_next),
             "method_edit": _error(method_edit), "block_edit": _error(block_edit),
             "gathered_edit": _full(gathered_edit)["head.bias"],
-            "hf": {name: _differing(make) for name, make in _hf_models().items()}}
+            "hf": {name: _differing(make) for name, make in _hf_models().items()},
+            "pretrained": [_pretrained_step(saved, in_init) for in_init in (True, False)]}
 
 
-def test_init_edits_after_partition_are_made_whole_or_refused():
-    for r in run_distributed(_cases, 2, timeout=90):
+def test_init_edits_after_partition_are_made_whole_or_refused(tmp_path):
+    torch.manual_seed(1)
+    _hf_models()["gpt2"]().save_pretrained(tmp_path)
+    for r in run_distributed(_cases, 2, args=(str(tmp_path),), timeout=120):
         assert all(r["equal"].values()), r["equal"]  # the parent's torch.nn.init calls reached the weights
         assert r["rng"]
         assert "'h.0.proj.weight' in place" in r["method_edit"] and "NanoStyle.__init__" in r["method_edit"]
         assert "of shape (3,) in place" in r["block_edit"], r["block_edit"]
         assert torch.equal(r["gathered_edit"], torch.full((3,), 3.0))
         assert r["hf"] == {"gpt2": [], "llama": []}, r["hf"]
+        (loss_init, after_init), (loss, after) = r["pretrained"]
+        assert loss_init == loss and after_init.keys() == after.keys()
+        assert all(torch.equal(after_init[k], v) for k, v in after.items())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 
 import torch
 import torch.nn as nn
@@ -37,6 +38,8 @@ from offload.param_swap import SwappedChunk
 from .param_nvme import init_chunk_file
 from .init_edits import check_no_lost_edit, mark_placeholder, patch_init_functions, patch_smart_apply
 from .stage3_params import chunk_tensor, full_shape, gather_full, padded_chunk, spec_of
+
+logger = logging.getLogger(__name__)
 
 
 def _subclasses(cls) -> list[type]:
@@ -102,11 +105,15 @@ class Init:
         self._freed = 0  # bytes of full parameters freed since the heap was last handed back
         self._patched: list[tuple[type, str, object]] = []
         self._placeholders: list[torch.nn.Parameter] = []  # partitioned here (init_edits.py's note)
+        self._warned_meta = False
 
     def partition(self, module: nn.Module) -> None:
         """Partition the parameters `module` holds directly (not its children's)."""
         for p in module._parameters.values():
             if p is None or hasattr(p, "ds_shape"):
+                continue
+            if p.is_meta:  # no values to partition (the note on meta parameters)
+                self._warn_meta(module)
                 continue
             with torch.no_grad():
                 # On the communicator's device: the broadcast needs it there, and so does the chunk kept
@@ -124,6 +131,19 @@ class Init:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 mark_placeholder(p)
                 self._placeholders.append(p)
+
+    def _warn_meta(self, module: nn.Module) -> None:
+        """[Note: meta parameters] transformers' `from_pretrained` builds its model on the meta device and
+        loads the checkpoint's tensors in their place afterwards, so inside Init there is nothing to
+        broadcast or chunk. Such parameters are left whole: the model loads as it would outside Init and
+        `engine.initialize` partitions it (the full model is then in memory on every rank while it
+        loads). Said once per Init."""
+        if not self._warned_meta:
+            self._warned_meta = True
+            logger.warning("engine.zero.Init: %s has parameters on the meta device (transformers' from_pretrained "
+                           "builds on meta); they are left whole and engine.initialize partitions them once "
+                           "loaded, so the full model is in memory on every rank while it loads",
+                           type(module).__name__)
 
     @contextlib.contextmanager
     def _filled_whole(self, params: list):
