@@ -15,6 +15,14 @@ pass; its gathers then go *on demand*, each preceded by a fixed-size all-gather 
 evaluation passes and while recording), which is how a rank-divergent forward — one rank running a
 module the others do not — becomes an error naming the modules on every rank instead of a hang. At
 the end of each training pass the ranks agree (one tiny all-reduce) whether to re-record the trace.
+[Note: the whole plan on every rank] Each rank issues every plan gather every training pass, also
+those of units it does not reach at the end of the plan (an MoE expert none of its tokens chose): the
+forward's remaining ones when its forward ends, the rest before the gradients are reduced (a rank
+waiting on a reduce-scatter must not owe the others a gather) and at the end of the pass. Without that
+the other ranks wait forever on gathers it never issues.
+[Note: one copy per group] Prefetch stops at a plan gather of a group that is gathered or in flight:
+issuing it then would hand the later gather to the earlier use (`max_reuse_distance` 0 and a large
+bucket: a unit's backward gather consumed by its forward), and backward would find the plan exhausted.
 Every data all-gather also carries the group id (stage3_params.py, note: tags), and a wait that times
 out names the module it was waiting for.
 [Note: no host reads per unit] Reading tags or ids back to the host on every gather would stall a GPU
@@ -78,6 +86,7 @@ class ParamCoordinator:
     def end_pass(self) -> None:
         """Drain every issued gather, release everything not persistent, settle the trace. Also after a
         backward that ran outside a pass (an evaluation forward came in between): nothing stays gathered."""
+        self.issue_rest_of_plan()
         for gid in list(self.pending):
             self._finish(self.groups[gid], unpack=False)
         for g in self.groups:
@@ -137,6 +146,18 @@ class ParamCoordinator:
         self._post(unit, "F")
         if unit == 0 and not torch.is_grad_enabled():
             self.end_pass()
+        elif unit == 0:
+            self.issue_rest_of_plan("F")
+
+    def issue_rest_of_plan(self, phase: str | None = None) -> None:
+        """Issue the plan gathers this rank has not issued (of `phase` only, if given): module note,
+        the whole plan on every rank. Not while off the plan: this rank gathers on demand then."""
+        if not (self.in_pass and self.training_pass and self.trace is not None and self.recording is None):
+            return
+        while not self.diverged and self.plan_ptr < len(self.plan):
+            if phase is not None and self.trace[self.plan[self.plan_ptr][0]][1] != phase:
+                return
+            self._issue_plan_entry()
 
     def pre_backward(self, unit: int) -> None:
         if self.held:
@@ -208,6 +229,8 @@ class ParamCoordinator:
             g = self.groups[self.plan[self.plan_ptr][1]]
             if ahead + g.numel > self.prefetch_numel or live + g.numel > self.max_live:
                 return
+            if g.gid in self.pending or g.gathered:
+                return  # its next gather waits for the release of this one (module note: one copy per group)
             self._issue_plan_entry()
             ahead += g.numel
             live += g.numel

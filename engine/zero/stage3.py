@@ -214,6 +214,10 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             self.coordinator.end_pass()
             self._trim()
 
+    def _reduce_remaining(self) -> None:
+        self.coordinator.issue_rest_of_plan()  # before waiting on reductions (prefetch.py: the whole plan)
+        super()._reduce_remaining()
+
     @torch.no_grad()
     def _gather_params(self) -> None:
         """After the step: gathered copies are stale (released); persistent parameters are refreshed."""
