@@ -54,6 +54,27 @@ class Chain(nn.Module):
 MOE_CASES = {"tail_forward": ([0., 0., 0.], {}), "tail_backward": ([1., 2., 2.], {"stage3_max_reuse_distance": 0})}
 
 
+class Stack(nn.Module):
+    """The root owns `inp` and `out` (212 elements) and is in use through the whole forward; each layer 272."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+# max_live_parameters -> the most elements gathered or in flight at once: the root and one layer (484)
+# when 600 leaves no room for a kept or prefetched layer; a limit below the units in use still gathers them.
+LIVE_CASES = {600: 484, 100: 484}
+
+
 def _moe_batches(rank1_route: list):
     """Step 0 (the recorded trace): both ranks reach every expert; later rank 1's tokens take `rank1_route`."""
     g = torch.Generator().manual_seed(0)
@@ -104,8 +125,39 @@ def _reuse0_default_bucket() -> list:
     return out
 
 
+def _stack_batches():
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(2 * MICRO, 8, generator=g), torch.randn(2 * MICRO, 4, generator=g)) for _ in range(STEPS)]
+
+
+def _live_limited(max_live: int) -> dict:
+    """Train Stack with the default reuse distance and prefetch bucket: the peak of gathered and in-flight
+    elements each step, seen at every unpack."""
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    eng = engine.initialize(model=Stack(), config=_config({"stage3_max_live_parameters": max_live}))[0]
+    co, peak = eng.zero_optimizer.coordinator, [0]
+
+    def watch(g, unpack):
+        def counted(out):
+            unpack(out)
+            peak[0] = max(peak[0], sum(h.numel for h in co.groups if h.gathered or h.gid in co.pending))
+        return counted
+    for g in co.groups:
+        g.unpack = watch(g, g.unpack)
+    peaks = []
+    for x, y in _stack_batches():
+        peak[0] = 0
+        for xm, ym in micro_batches(x, y, rank, 2, 1):
+            eng.backward(eng(xm, ym))
+        peaks.append(peak[0])
+        eng.step()
+    return {"master": _masters(eng), "peaks": peaks}
+
+
 def _cases() -> dict:
     out = {name: _moe_skipping_the_tail(*case) for name, case in MOE_CASES.items()}
+    out.update({f"live{n}": _live_limited(n) for n in LIVE_CASES})
     return {**out, "reuse0": _reuse0_default_bucket()}
 
 
@@ -114,14 +166,28 @@ def test_zero_stage3_plan():
     for name, (route, _) in MOE_CASES.items():
         _check_moe_tail([r[name] for r in results], route)
     _check_reuse0([r["reuse0"] for r in results])
+    for limit, peak in LIVE_CASES.items():
+        _check_live([r[f"live{limit}"] for r in results], peak)
+
+
+def _check_masters(results: list, model: nn.Module, batches: list) -> None:
+    ref, _, _ = reference_train(model, batches, lambda p: torch.optim.SGD(p, lr=LR))
+    for rank, r in enumerate(results):
+        for k, v in ref.named_parameters():
+            torch.testing.assert_close(r["master"][k], v.detach(), atol=1e-6, rtol=1e-5, msg=lambda m: f"{rank} {k}: {m}")
+
+
+def _check_live(results: list, peak: int) -> None:
+    torch.manual_seed(0)
+    _check_masters(results, Stack(), _stack_batches())
+    for rank, r in enumerate(results):
+        assert r["peaks"] == [peak] * STEPS, (rank, r["peaks"])
 
 
 def _check_moe_tail(results: list, route: list) -> None:
     torch.manual_seed(0)
-    ref, _, _ = reference_train(MoE(), _moe_batches(route), lambda p: torch.optim.SGD(p, lr=LR))
+    _check_masters(results, MoE(), _moe_batches(route))
     for rank, r in enumerate(results):
-        for k, v in ref.named_parameters():
-            torch.testing.assert_close(r["master"][k], v.detach(), atol=1e-6, rtol=1e-5, msg=lambda m: f"{rank} {k}: {m}")
         assert r["dropped"] == [False] * STEPS, (rank, r["dropped"])  # skipping units stays on the plan
 
 
