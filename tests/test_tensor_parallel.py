@@ -341,8 +341,8 @@ def _autotp_model_on_rank(kind: str):
 def _autotp_dropout_on_rank() -> dict:
     """AutoTP'd HF GPT-2 (eager attention: `F.dropout` on the probabilities of this rank's 2 heads,
     then on the replicated output), its block checkpointed: every dropout mask of one training step,
-    drawn in the forward and again in the recompute; and whether examples/gpt.py's SDPA dropout drew
-    from the model-parallel stream."""
+    drawn in the forward and again in the recompute; and the generator state examples/gpt.py's SDPA
+    dropout drew from, and the default one after its forward."""
     import engine.checkpointing as ac
     from engine.comm import Communicator
     from engine.tensor_parallel import ModelParallelUnit
@@ -374,17 +374,25 @@ def _autotp_dropout_on_rank() -> dict:
         model(input_ids=x, labels=x).loss.backward()
     finally:
         torch.nn.functional.dropout = dropout
-    tracker = ac.get_cuda_rng_tracker()
-    before = tracker.get_states()
-    gpt(x, x)
-    sdpa_drew = not torch.equal(before["model-parallel-rng"], tracker.get_states()["model-parallel-rng"])
+    sdpa_states, sdpa = [], F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        sdpa_states.append(torch.get_rng_state())  # what its dropout_p draws from
+        return sdpa(*args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = recording_sdpa
+    try:
+        gpt(x, x)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    masks += [sdpa_states[0], torch.get_rng_state()]  # the region's stream, then the default one after
     gathered = [[torch.empty_like(m) for _ in range(comm.world_size)] for m in masks]
     for out, m in zip(gathered, masks):
         torch.distributed.all_gather(out, m)
     ac.reset()
-    return {"shapes": [tuple(m.shape) for m in masks], "recompute_same": [torch.equal(m, masks[i + 3])
+    return {"shapes": [tuple(m.shape) for m in masks[:-2]], "recompute_same": [torch.equal(m, masks[i + 3])
             for i, m in enumerate(masks[:2])], "ranks_same": [torch.equal(*g) for g in gathered[:3]],
-            "sdpa_drew_from_the_model_parallel_stream": sdpa_drew}
+            "sdpa_stream_same": torch.equal(*gathered[-2]), "default_stream_same_after": torch.equal(*gathered[-1])}
 
 
 def test_autotp_dropout_differs_per_rank_inside_the_split_heads_and_replays_in_the_recompute(two_rank_results):
@@ -396,7 +404,8 @@ def test_autotp_dropout_differs_per_rank_inside_the_split_heads_and_replays_in_t
         assert r["shapes"] == [(2, 2, 16, 16), (2, 16, 32), (2, 16, 32), (2, 2, 16, 16), (2, 16, 32)], r
         assert r["recompute_same"] == [True, True], (rank, r)
         assert r["ranks_same"] == [False, True, True], (rank, r)
-        assert r["sdpa_drew_from_the_model_parallel_stream"], (rank, r)
+        # examples/gpt.py's SDPA dropout: a stream of its own per rank; the default stream agrees after
+        assert not r["sdpa_stream_same"] and r["default_stream_same_after"], (rank, r)
 
 
 AUTOTP_FIRST_BLOCK = {

@@ -7,7 +7,8 @@ topology's model group.
 - the region collectives, one autograd function each (mappings.py);
 - `tensor_parallel_grad_norm` and the share a whole-model norm adds up (grads.py);
 - dropout streams: `engine.checkpointing.get_cuda_rng_tracker` / `model_parallel_cuda_manual_seed`
-  (one tracker, shared with activation checkpointing).
+  (one tracker, shared with activation checkpointing), and the per-rank regions between a column- and
+  a row-parallel layer that AutoTP and `initialize` mark (dropout_region.py).
 Every layer takes `group=` (a ProcessGroup or Communicator); by default the topology's model group.
 See README.md, "Tensor parallelism".
 """

@@ -1,4 +1,4 @@
-"""Dropout inside the layers AutoTP shards draws from the model-parallel RNG stream.
+"""Dropout inside the layers AutoTP shards draws a different mask on every tensor rank.
 
 [Note: AutoTP's parallel regions] Between a column-parallel projection's output and the input of its
 row-parallel partner every tensor is partitioned: rank r holds heads (or hidden features) the other
@@ -6,25 +6,36 @@ ranks do not. Dropout there must draw a different mask on every tensor rank, as 
 independent masks per head; dropout on the replicated tensors outside must draw the same one (Megatron's
 rule; `ParallelSelfAttention` forks the tracker around its attention for the same reason). An
 unmodified model's forward (HF GPT-2's eager attention dropout, examples/gpt.py's SDPA `dropout_p`)
-cannot be edited, so AutoTP marks the region with hooks on the layers it made: a column-parallel
-layer's output switches the default generator to the tracked model-parallel stream, a row-parallel
-layer's input (and the end of their owner's forward, even one that raised) switches it back, the
-stream's new state kept in the tracker. Activation-checkpoint recomputes replay the tracker's states
-(`engine.checkpointing`), so a recompute draws the forward's masks. Only in training, and only once
-`model_parallel_cuda_manual_seed` made the stream (`initialize` does). Not covered: dropout on a
-partitioned tensor that a model draws before its first column-parallel projection or after a
-row-parallel one (no such tensor exists in the layouts AutoTP knows).
+cannot be edited, so the region is marked with hooks on the layers: a column-parallel layer's output
+switches the default generator to a region stream, a row-parallel layer's input (and the end of their
+owner's forward, even one that raised) switches it back. Only in training, and only once
+`model_parallel_cuda_manual_seed` seeded the tensor-parallel streams (`initialize` does).
+[Note: the region stream is a function of the default stream] At the region's entry one number is
+drawn from the default CPU generator (the same on the ranks of one model, so they stay in step) and,
+with the tensor rank mixed in, seeds the region's generator. Every activation-checkpoint recompute
+restores the default generators before it replays the forward — torch.utils.checkpoint's (HF's
+`gradient_checkpointing_enable`) as well as `engine.checkpointing`'s — so a recompute draws the
+forward's masks whichever one runs it. (A stream kept in the tracker, as before, advanced in the forward
+and was not rewound by torch's checkpoint: HF gradient checkpointing recomputed with other masks.)
+Not covered: dropout on a partitioned tensor that a model draws before its first column-parallel
+projection or after a row-parallel one (no such tensor exists in the layouts AutoTP knows), or between
+layers of different owners (docs/parallelism.md).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn as nn
 
 from ..activation_checkpointing.rng import MODEL_PARALLEL_RNG, _get_state, _set_state, get_cuda_rng_tracker
 
+_SEED_RANGE = 2**62
+_RANK_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct tensor ranks get distinct seeds from one draw
+
 
 class _Region:
-    """The default generator's state while the model-parallel stream is current, else None."""
+    """The default generator's state while a region stream is current, else None."""
 
     outer: torch.Tensor | None = None
 
@@ -32,24 +43,68 @@ class _Region:
 _REGION = _Region()
 
 
+def region_seed(tensor_rank: int) -> int:
+    """Draws once from the default CPU generator (replayed by every recompute): this rank's seed."""
+    draw = int(torch.randint(_SEED_RANGE, (1,), device="cpu").item())
+    return (draw + _RANK_STRIDE * tensor_rank) % 2**63
+
+
+def _seed_default_stream(seed: int) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)  # the current device's: where the dropout draws
+    else:
+        torch.default_generator.manual_seed(seed)
+
+
 def _enter(module: nn.Module, args, output) -> None:
-    tracker = get_cuda_rng_tracker()
-    if module.training and _REGION.outer is None and MODEL_PARALLEL_RNG in tracker.states:
+    if module.training and _REGION.outer is None and MODEL_PARALLEL_RNG in get_cuda_rng_tracker().states:
+        seed = region_seed(module.comm.rank)  # before the outer state is kept: the draw stays consumed
         _REGION.outer = _get_state()
-        _set_state(tracker.states[MODEL_PARALLEL_RNG])
+        _seed_default_stream(seed)
 
 
 def _leave(*_) -> None:
     if _REGION.outer is not None:
-        get_cuda_rng_tracker().states[MODEL_PARALLEL_RNG] = _get_state()
         _set_state(_REGION.outer)
         _REGION.outer = None
 
 
 def mark_parallel_region(owner: nn.Module, column: list[nn.Module], row: list[nn.Module]) -> None:
-    """Hook `owner`'s sharded layers so that dropout between them draws from the model-parallel stream."""
+    """Hook `owner`'s sharded layers so that dropout between them draws a stream of this tensor rank."""
+    if getattr(owner, "_tensor_parallel_region", False):  # marked already: one pair of hooks is enough
+        return
+    owner._tensor_parallel_region = True
     for layer in column:
         layer.register_forward_hook(_enter)
     for layer in row:
         layer.register_forward_pre_hook(_leave)
     owner.register_forward_hook(_leave, always_call=True)
+
+
+def mark_layer_regions(model: nn.Module) -> list[str]:
+    """A model built from this package's layers gets AutoTP's regions: every module whose forward runs
+    a `ColumnParallelLinear(gather_output=False)` child and a `RowParallelLinear(input_is_parallel=True)`
+    child (a user's block, an `nn.Sequential` MLP). `ParallelSelfAttention` forks its own stream and
+    `ParallelMLP` draws nothing; a `PipelineModule` or a `ModuleList` never runs its children as one
+    forward, so no hook could close the region. Returns the names of the modules marked; warns about a
+    module that holds a dropout beside a partitioned half without its partner (not made right)."""
+    from ..pipe.module import PipelineModule
+    from .attention import ParallelMLP, ParallelSelfAttention
+    from .layers import ColumnParallelLinear, RowParallelLinear
+    marked = []
+    for name, owner in model.named_modules():
+        if isinstance(owner, (ParallelSelfAttention, ParallelMLP, PipelineModule, nn.ModuleList, nn.ModuleDict)):
+            continue
+        children = list(owner.children())
+        column = [c for c in children if isinstance(c, ColumnParallelLinear) and not c.gather_output]
+        row = [c for c in children if isinstance(c, RowParallelLinear) and c.input_is_parallel]
+        if column and row:
+            mark_parallel_region(owner, column, row)
+            marked.append(name)
+        elif (column or row) and any(isinstance(c, nn.Dropout) and c.p > 0 for c in children):
+            warnings.warn(f"tensor parallelism: {name or type(model).__name__} ({type(owner).__name__}) holds a "
+                          f"dropout and a {'column' if column else 'row'}-parallel layer without its partner: a "
+                          "dropout on the partitioned tensor would draw the same mask on every tensor rank; put the "
+                          "pair in one module, or draw it inside engine.checkpointing.get_cuda_rng_tracker().fork()",
+                          stacklevel=2)
+    return marked

@@ -25,6 +25,7 @@ import schemas
 from ..comm import Communicator
 from ..topology import ProcessGroups, Topology, set_current
 from .autotp import shard_model
+from .dropout_region import mark_layer_regions
 from .group import ModelParallelUnit, tensor_parallel_comm
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_partitioned
 from .norm import agree_norm_over_tensor_parallel  # noqa: F401 - initialize's route to it (build.py)
@@ -89,6 +90,8 @@ def apply_tensor_parallel(model: nn.Module, cfg: schemas.Config, groups: Process
                                    "(inside a PipelineModule with topology=Topology(..., model=T), or after "
                                    "engine.topology.set_current), with T equal to the key"])
     replaced = [] if prebuilt else shard_model(model, comm, require_projections=not pipelined)
+    if prebuilt:  # AutoTP marked its own pairs; a model of this package's layers gets the same regions
+        mark_layer_regions(model)
     if pipelined:
         _require_some_stage_sharded(model, comm.device)
     ac.configure(mpu_=ModelParallelUnit(comm))
