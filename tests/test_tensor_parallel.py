@@ -205,6 +205,7 @@ def _two_rank_checks():
             "gpt_sparse": _guarded(_autotp_model_on_rank, "gpt_sparse"),
             "hf_gpt2": _guarded(_autotp_model_on_rank, "hf_gpt2"),
             "hf_llama": _guarded(_autotp_model_on_rank, "hf_llama"), "dropout": _guarded(_autotp_dropout_on_rank),
+            "hf_gpt2_cross": _guarded(_autotp_cross_attention_on_rank),
             "refusals": _guarded(_refusals),
             "initialize": {0: _initialize_on_rank(0)}}
 
@@ -338,6 +339,28 @@ def _autotp_model_on_rank(kind: str):
             "partitioned": sum(is_partitioned(p) for p in model.parameters())}
 
 
+def _autotp_cross_attention_on_rank() -> dict:
+    """HF GPT-2 with cross-attention (`q_attn` apart, `c_attn` fusing only k|v): AutoTP leaves that
+    attention whole and shards the rest; the loss and its input gradient equal the dense model's."""
+    import copy
+
+    from engine.comm import Communicator
+    from engine.tensor_parallel.autotp import shard_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=48, n_layer=1, n_head=4,
+                                       add_cross_attention=True, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
+    reference = copy.deepcopy(model)
+    replaced = shard_model(model, Communicator(None))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    encoder = [torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(2), requires_grad=True) for _ in range(2)]
+    losses = [m(input_ids=ids, labels=ids, encoder_hidden_states=e).loss for m, e in zip((model, reference), encoder)]
+    for loss in losses:
+        loss.backward()
+    return {"replaced": replaced, "loss": abs(losses[0].item() - losses[1].item()),
+            "encoder_grad": (encoder[0].grad - encoder[1].grad).abs().max().item()}
+
+
 def _autotp_dropout_on_rank() -> dict:
     """AutoTP'd HF GPT-2 (eager attention: `F.dropout` on the probabilities of this rank's 2 heads,
     then on the replicated output), its block checkpointed: every dropout mask of one training step,
@@ -406,6 +429,13 @@ def test_autotp_dropout_differs_per_rank_inside_the_split_heads_and_replays_in_t
         assert r["ranks_same"] == [False, True, True], (rank, r)
         # examples/gpt.py's SDPA dropout: a stream of its own per rank; the default stream agrees after
         assert not r["sdpa_stream_same"] and r["default_stream_same_after"], (rank, r)
+
+
+def test_autotp_leaves_gpt2_cross_attention_whole(two_rank_results):
+    for rank, r in enumerate(_checked(r["hf_gpt2_cross"]) for r in two_rank_results):
+        assert r["replaced"] == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
+                                 "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"], r["replaced"]
+        assert r["loss"] < MODEL_ATOL and r["encoder_grad"] < MODEL_ATOL, (rank, r)
 
 
 AUTOTP_FIRST_BLOCK = {

@@ -80,8 +80,11 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
     for owner_name, owner in list(model.named_modules()):
         children = {name: child for name, child in owner.named_children() if _is_projection(child)
                     and (name in COLUMN_PARALLEL or name in ROW_PARALLEL)}
-        # a row-parallel layer needs its input split by a column-parallel sibling: shard only pairs
-        if not (children.keys() & COLUMN_PARALLEL.keys() and children.keys() & set(ROW_PARALLEL)):
+        # a row-parallel layer needs its input split by a column-parallel sibling: shard only pairs.
+        # GPT-2's cross-attention fuses only k|v in `c_attn` and projects q in `q_attn`: cut as q|k|v it
+        # failed in forward with a shape error, so it stays whole (replicated, exact)
+        if not (children.keys() & COLUMN_PARALLEL.keys() and children.keys() & set(ROW_PARALLEL)) \
+                or getattr(owner, "is_cross_attention", False):
             continue
         sharded_attention, column, row = False, [], []
         if children.keys() & set(ATTENTION_PROJECTIONS):
