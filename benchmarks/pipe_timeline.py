@@ -1,7 +1,7 @@
 """A per-rank timeline of dstrain pipeline steps (bench_pipeline.py --timeline): the start and end of
 every computation torch's stage runs, every blocking wait on a send or receive, every posting of
-point-to-point ops, and the engine's phases around the schedule (pulling the batch, the batch-key
-broadcast, the schedule run, the reductions, the optimizer step with its norm agreement).
+point-to-point ops, and the engine's phases around the schedule (pulling the batch, the batch's
+agreement over the world, the schedule run, the reductions, the optimizer step with its norm agreement).
 
 Times are `time.perf_counter` (CLOCK_MONOTONIC on Linux): one clock for every process on a machine,
 so the ranks' timelines share an origin. This is a diagnostic, not the engine: it wraps the engine's

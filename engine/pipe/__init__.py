@@ -3,11 +3,13 @@ into stages, run by one of torch's schedules (`torch.distributed.pipelining`).
 
 - `PipelineModule`, `LayerSpec`, `TiedLayerSpec` (module.py); partitioning (partition.py);
 - `PipelineEngine.train_batch` / `eval_batch` (engine.py), what crosses a stage (boundary.py), the
-  once-per-step reduction and the world-wide gradient norm (reduction.py);
+  once-per-step reduction and the world-wide gradient norm (reduction.py); what every rank agrees on
+  before a batch runs: an iterator that ran out raises `DataExhausted` on all (batch_agreement.py);
 - `pipeline.schedule` and bubble accounting (schedule.py), the bubble measured in wall-clock time
   (stage_clock.py); `pipeline.pipe_partitioned` / `grad_partitioned` (partitioned_wire.py). See
   docs/parallelism.md.
 """
+from .batch_agreement import DataExhausted
 from .module import LayerSpec, PipelineModule, TiedLayerSpec
 
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["DataExhausted", "LayerSpec", "PipelineModule", "TiedLayerSpec"]

@@ -68,7 +68,7 @@ def signature(structure: Structure, tensors: tuple[torch.Tensor, ...]) -> tuple:
 
 
 def fingerprint(key) -> int:
-    """A 63-bit digest of a batch's signature, small enough to broadcast as one int64 (engine.py)."""
+    """A 63-bit digest of a batch's signature, one int64 of the batch's agreement (batch_agreement.py)."""
     structure, shapes = key
     text = repr((structure.to_wire(), tuple((tuple(shape), str(dtype)) for shape, dtype in shapes)))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1

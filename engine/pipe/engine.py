@@ -1,8 +1,9 @@
 """`PipelineEngine`: the engine of a `PipelineModule` (DeepSpeed's `PipelineEngine`).
 
 `train_batch(data_iter)` pulls `gradient_accumulation_steps` micro-batches (first and last stage
-both read the iterator: inputs go in at the first, labels to the loss at the last), runs them
-through torch's schedule named by `pipeline.schedule` (schedule.py), then, once per step:
+both read the iterator: inputs go in at the first, labels to the loss at the last), agrees with the
+world that the batch can run (batch_agreement.py: an iterator that ran out stops every rank), runs
+them through torch's schedule named by `pipeline.schedule` (schedule.py), then, once per step:
 1. tied weights' gradients are summed over their tie group (they stay equal after the step);
 2. the ZeRO optimizer of the data axis reduces what the micro-batches accumulated, once
    (stage 0 all-reduce, stages 1/2 reduce-scatter; reduction.py);
@@ -11,9 +12,9 @@ through torch's schedule named by `pipeline.schedule` (schedule.py), then, once 
 4. the step, LR schedule and counters, as `Engine.step` at a boundary.
 The loss returned — the mean over micro-batches and data-parallel ranks — is the same value on
 every stage; it reaches the other stages on the step's norm all-reduce (reduction.py's note), and the
-batch's input signature reaches them as one int64 (boundary.py's note): per step a pipeline adds two
-small collectives to the schedule's own sends. `forward`/`backward`/`step` are errors here: the
-schedule owns them.
+batch's input signature reaches them in the batch's agreement (batch_agreement.py's note): per step a
+pipeline adds two small collectives to the schedule's own sends. `forward`/`backward`/`step` are
+errors here: the schedule owns them.
 """
 from __future__ import annotations
 
@@ -27,37 +28,14 @@ from torch.utils import _pytree as pytree
 from ..comm import Communicator
 from ..engine import Engine
 from . import boundary, zero3
+from .batch_agreement import MIXED_BATCH, DataExhausted, agree_on_batch  # DataExhausted: its old home, kept
 from .partitioned_wire import PartitionedWire, partitioned
 from .probe import chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import LoggedStage, schedule_class
 from .stage_clock import StageClock, pipeline_idle
 
-_MIXED_BATCH = -1  # the batch key that says the first stage's micro-batches differ in nest or shape
-_RAN_OUT = -2  # the batch key that says the first stage's iterator ran out after 0 micro-batches (-3: after 1, ...)
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
-
-
-class DataExhausted(StopIteration):
-    """train_batch/eval_batch's data iterator ran out. A StopIteration, as DeepSpeed's (whose stages that
-    read data let the iterator's own escape), so a loop that stops on it keeps working; unlike DeepSpeed's,
-    it is raised on every stage, the ones that read no data included (the batch key tells them)."""
-
-
-def _ran_out(stage: int, pulled: int, m: int) -> DataExhausted:
-    return DataExhausted(f"stage {stage}: the pipeline's data iterator ran out after {pulled} of the "
-                         f"{m} micro-batches (gradient_accumulation_steps) of this train_batch/eval_batch; pass a "
-                         "new iterator for the next epoch (train_batch() without one repeats the training_data "
-                         "loader of engine.initialize)")
-
-
-def _check_batch_key(value: int, stage: int, m: int) -> None:
-    if value == _MIXED_BATCH:
-        raise ValueError("the micro-batches of one train_batch/eval_batch differ in nest or shape; a pipeline "
-                         "sizes its buffers per batch, so give one batch's micro-batches equal shapes "
-                         "(e.g. bucket sequences by length)")
-    if value <= _RAN_OUT:
-        raise _ran_out(stage, _RAN_OUT - value, m)
 
 
 def _repeating(loader):
@@ -106,6 +84,7 @@ class PipelineEngine(Engine):
         groups = module.process_groups
         self.groups = groups
         self.pipe_comm = Communicator(groups.pipe_group)
+        self._world_comm = Communicator(None)  # the topology's world: every batch's agreement (batch_agreement.py)
         self.stage_id = groups.coord.pipe
         self.num_stages = module.num_stages
         self.is_first_stage = self.stage_id == 0
@@ -181,9 +160,9 @@ class PipelineEngine(Engine):
         return loss * self._loss_factor if self._loss_factor != 1.0 else loss
 
     def _pull(self, data_iter, m: int):
-        """m micro-batches on the first and last stage: ((structure, tensors) of each input on the first
-        stage, else None; labels on the last, else None; None, or how many micro-batches there were when
-        the iterator ran out: the batch key tells the other stages, _batch_key)."""
+        """m micro-batches on the first and last stage, all before the schedule starts: ((structure,
+        tensors) of each input on the first stage, else None; labels on the last, else None; None, or how
+        many micro-batches there were when the iterator ran out: every rank learns it, _batch_key)."""
         if not (self.is_first_stage or self.is_last_stage):
             return None, None, None
         if data_iter is None:
@@ -216,38 +195,24 @@ class PipelineEngine(Engine):
             value = self._fingerprints[signature] = boundary.fingerprint(signature)
         return value
 
-    def _batch_key(self, inputs, short: int | None, m: int) -> tuple[int, object]:
-        """The first stage's input signature, as one int64 broadcast over the pipe group (boundary.py's
-        note): the key of the stages built for it, the same on every stage. The first stage does not
-        wait for the others to receive it (it returns the broadcast's work to wait on after the batch).
-        A mixed batch or an iterator that ran out on the first stage (`short`) is a key every stage
-        raises on, so none is left waiting for data. If only the last stage's iterator ran out, that
-        stage raises and the others, already in the schedule, wait for it: the launcher ends the job
-        on that rank's error (dslaunch, torchrun), or the process group's timeout does."""
-        key = torch.zeros(1, dtype=torch.int64, device=self.device)
-        if self.is_first_stage:
-            if short is not None:
-                value = _RAN_OUT - short
-            else:
-                signatures = {boundary.signature(*x) for x in inputs}
-                value = self._fingerprint(signatures.pop()) if len(signatures) == 1 else _MIXED_BATCH
-            key.fill_(value)
-            if value >= 0 and self.num_stages > 1:
-                return value, self.pipe_comm.broadcast(key, src=0, async_op=True)
-            if self.num_stages > 1:
-                self.pipe_comm.broadcast(key, src=0)  # every stage raises, none waits for data
-        else:
-            self.pipe_comm.broadcast(key, src=0)
-            value = int(key.item())
-        _check_batch_key(value, self.stage_id, m)
-        if short is not None:  # the last stage's own iterator ran out, the first stage's did not
-            raise _ran_out(self.stage_id, short, m)
-        return value, None
+    def _batch_key(self, inputs, short: int | None, m: int) -> int:
+        """The batch's key (its input signature, boundary.py's note), the same on every stage of this pipe
+        group, agreed with the world together with whether any reader's iterator ran out
+        (batch_agreement.py's note: every rank raises alike, before the batch changes anything)."""
+        key = None
+        if self.is_first_stage and short is None:
+            signatures = {boundary.signature(*x) for x in inputs}
+            key = self._fingerprint(signatures.pop()) if len(signatures) == 1 else MIXED_BATCH
+        return agree_on_batch(self._world_comm, self.groups, key, short, m)
 
-    def _run(self, data_iter, training: bool):
-        m = self.config.gradient_accumulation_steps
+    def _next_batch(self, data_iter, m: int) -> tuple:
+        """(key, inputs, labels) of the next batch, or DataExhausted on every rank (nothing changed yet)."""
         inputs, labels, short = self._pull(data_iter, m)
-        key, sending = self._batch_key(inputs, short, m)
+        return self._batch_key(inputs, short, m), inputs, labels
+
+    def _run(self, batch: tuple, training: bool):
+        key, inputs, labels = batch
+        m = self.config.gradient_accumulation_steps
         stages, sched, mods = self._schedule_for(key, training, m, inputs[0] if self.is_first_stage else None)
         self._last_chunk = mods.get(self.module.num_stages * self.module.virtual_stages - 1)
         self._actions.clear()
@@ -259,8 +224,6 @@ class PipelineEngine(Engine):
         sched._step_microbatches([x for _, x in inputs] if self.is_first_stage else None, None,
                                  labels if self.is_last_stage else None, losses if self.is_last_stage else None)
         self._clock.stop_step()
-        if sending is not None:
-            sending.wait()
         return stages, losses
 
     def _stage_loss(self, losses: list) -> torch.Tensor:
@@ -307,12 +270,13 @@ class PipelineEngine(Engine):
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """One optimizer step over gradient_accumulation_steps micro-batches; returns the mean loss."""
         self._require_optimizer("train_batch")
-        self.module.train()
         m = self.config.gradient_accumulation_steps
+        batch = self._next_batch(data_iter, m)  # first: an iterator that ran out leaves every state as it was
+        self.module.train()
         self._loss_factor = self.zero_optimizer.guard.scaler.loss_scale / m
         self.timers.start("forward")  # the schedule interleaves forward and backward: one timer
         zero3.hold(self.zero_optimizer)  # ZeRO-3: gathered once for all m micro-batches (zero3.py's note)
-        _, losses = self._run(data_iter, training=True)
+        _, losses = self._run(batch, training=True)
         self.timers.stop("forward")
         self.timers.start("allreduce")
         self.tied.all_reduce_grads(self.zero_optimizer)
@@ -336,11 +300,12 @@ class PipelineEngine(Engine):
                    reduce_output: str = "avg"):
         """Forward only over gradient_accumulation_steps micro-batches; the mean loss on every stage
         (and, with return_logits, the last stage's outputs per micro-batch; None elsewhere)."""
+        batch = self._next_batch(data_iter, self.config.gradient_accumulation_steps)
         self.module.eval()
         self._loss_factor = 1.0 / self.config.gradient_accumulation_steps
         zero3.hold(self.zero_optimizer)
         try:
-            stages, losses = self._run(data_iter, training=False)
+            stages, losses = self._run(batch, training=False)
         finally:
             zero3.release(self.zero_optimizer)
         loss = self._broadcast_loss(self._stage_loss(losses)) if compute_loss else None
