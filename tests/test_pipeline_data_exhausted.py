@@ -3,6 +3,8 @@ the stages that read no data, the other data-parallel replicas — raises `DataE
 reader ran out (first stage, last stage, one replica) and wherever (the step's first micro-batch or a later
 one, train_batch or eval_batch); nothing changed: training on with fresh iterators ends bit for bit where a
 run that never met the exhausted calls ends, with the same step counters, over a process group that works.
+The same for a mixed batch on one replica (ValueError everywhere) and an iterator that raises (its own
+error on that rank, DataReadFailed on the others).
 
 Each spawn trains two engines on the same batches: A meets the exhausted calls between its steps, B does
 not. A hang is the harness's timeout."""
@@ -40,24 +42,36 @@ def _iterator(eng, batch, micro: int):
     return iter(list(micro_batches(*batch, rank, dp, GAS))[:micro])
 
 
-def _exhausted_call(eng, batch, case) -> tuple[str, float, bool]:
+def _exhausted_call(eng, batch, case) -> tuple[str, float, bool, bool]:
     """One call whose iterator runs out on the readers `case` names: (kind, micro-batches the short readers
     get, {"first","last"}, data-parallel ranks or None for all); the other readers get the whole step. Kind
-    "mixed": the named readers' step is whole, but its last micro-batch one row short (refused everywhere)."""
-    from engine.pipe import DataExhausted
+    "mixed": the named readers' step is whole, but its last micro-batch one row short (refused everywhere);
+    "raises": their iterator raises where it would run out."""
+    from engine.pipe import DataExhausted, DataReadFailed
     kind, micro, readers, replicas = case
     role = ("first" if eng.is_first_stage else "") + ("last" if eng.is_last_stage else "")
     short = any(r in role for r in readers) and (replicas is None or eng.comm.rank in replicas)
-    data = list(_iterator(eng, batch, micro if short and kind != "mixed" else GAS))
+    data = list(_iterator(eng, batch, micro if short and kind in ("train", "eval") else GAS))
     if short and kind == "mixed":
         data[-1] = tuple(t[:-1] for t in data[-1])
+    data = _raising(data, micro) if short and kind == "raises" else iter(data)
     start = time.monotonic()
     try:
-        eng.eval_batch(iter(data)) if kind == "eval" else eng.train_batch(iter(data))
+        eng.eval_batch(data) if kind == "eval" else eng.train_batch(data)
         message = "no error"
-    except (DataExhausted, ValueError) as err:
+    except (DataExhausted, DataReadFailed, ValueError, BrokenSample) as err:
         message = str(err)
-    return message, time.monotonic() - start, _held(eng)
+    return message, time.monotonic() - start, _held(eng), short
+
+
+class BrokenSample(Exception):
+    pass
+
+
+def _raising(data: list, at: int):
+    """An iterator that raises at its micro-batch `at` (a DataLoader worker's error, say)."""
+    yield from data[:at]
+    raise BrokenSample("a broken sample")
 
 
 def _held(eng) -> bool:
@@ -92,10 +106,10 @@ def _run(stages: int, zero: int, cases: list) -> dict:
 # (kind, micro-batches the short readers get, which readers, which data-parallel ranks: None = all)
 ALL_SHORT = [("train", 0, {"first", "last"}, None), ("train", 1, {"first", "last"}, None),
              ("train", 1, {"last"}, None), ("train", 0, {"first"}, None), ("eval", 1, {"first", "last"}, None),
-             ("eval", 0, {"last"}, None)]
+             ("eval", 0, {"last"}, None), ("raises", 1, {"last"}, None)]
 ONE_REPLICA_SHORT = [("train", 1, {"first", "last"}, {1}), ("train", 0, {"last"}, {0}),
                      ("train", 1, {"first"}, {1}), ("eval", 0, {"first", "last"}, {0}),
-                     ("mixed", GAS, {"first"}, {1})]
+                     ("mixed", GAS, {"first"}, {1}), ("raises", 0, {"first"}, {0})]
 
 
 def _each(layouts: list) -> list:
@@ -121,10 +135,11 @@ def test_every_rank_raises_data_exhausted_at_once(results):
     world, per_rank = results
     for layout, (stages, _, cases) in enumerate(LAYOUTS[world]):
         for rank, r in enumerate(per_rank):
-            for (message, seconds, held), (kind, micro, _, _) in zip(r[layout]["errors"], cases, strict=True):
-                want = (f"stage {r[layout]['stage']}: the pipeline's data iterator ran out after {micro} of the "
-                        f"{GAS} micro-batches" if kind != "mixed" else "the micro-batches of one train_batch/"
-                        "eval_batch differ in nest or shape")
+            for (message, seconds, held, short), (kind, micro, _, _) in zip(r[layout]["errors"], cases, strict=True):
+                want = {"mixed": "the micro-batches of one train_batch/eval_batch differ in nest or shape",
+                        "raises": "a broken sample" if short else f"stage {r[layout]['stage']}: the data iterator "
+                        "of rank"}.get(kind, f"stage {r[layout]['stage']}: the pipeline's data iterator ran out "
+                                             f"after {micro} of the {GAS} micro-batches")
                 assert message.startswith(want), (rank, message)
                 assert "\n" not in message and seconds < 10
                 assert not held  # ZeRO-3 gathered nothing for the batch that did not run

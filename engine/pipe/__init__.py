@@ -9,7 +9,7 @@ into stages, run by one of torch's schedules (`torch.distributed.pipelining`).
   (stage_clock.py); `pipeline.pipe_partitioned` / `grad_partitioned` (partitioned_wire.py). See
   docs/parallelism.md.
 """
-from .batch_agreement import DataExhausted
+from .batch_agreement import DataExhausted, DataReadFailed
 from .module import LayerSpec, PipelineModule, TiedLayerSpec
 
-__all__ = ["DataExhausted", "LayerSpec", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["DataExhausted", "DataReadFailed", "LayerSpec", "PipelineModule", "TiedLayerSpec"]

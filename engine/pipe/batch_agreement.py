@@ -12,6 +12,8 @@ list anyway), so the check needs no message per micro-batch: after the pull, eve
 takes part in one all-reduce (MAX) of int64s, `1 + data × model` of them:
 - [0]: −(p·W + r) from a reader of global rank r that pulled only p < m micro-batches (W: the world
   size), −m·W from every other rank: the maximum names the fewest micro-batches pulled, and the rank;
+  a reader whose iterator raised (a DataLoader worker's error, a malformed batch) votes p = −1, which
+  outranks running out: it raises its own error, every other rank a `DataReadFailed` naming it;
 - [1 + g]: pipe group g's batch key (its first stage's input-signature fingerprint, ≥ 0, or
   MIXED_BATCH), the int64 minimum from every other rank: each rank reads its own group's.
 Every rank decides from the same vector, so all raise, or none: `DataExhausted` before anything ran
@@ -32,6 +34,7 @@ import torch
 from ..comm import Communicator
 
 MIXED_BATCH = -1  # a first stage's key: its micro-batches differ in nest or shape
+READ_FAILED = -1  # a reader's `pulled` when its iterator raised (module note)
 _NO_KEY = torch.iinfo(torch.int64).min  # what a rank that is no first stage contributes to a key's slot
 
 
@@ -42,10 +45,15 @@ class DataExhausted(StopIteration):
     replicas included — before the batch changed anything (module note)."""
 
 
+class DataReadFailed(RuntimeError):
+    """Another rank's data iterator raised; that rank raises the error itself (module note)."""
+
+
 def agree_on_batch(world: Communicator, groups, key: int | None, pulled: int | None, m: int) -> int:
     """This rank's pipe group's batch key, once the world agreed the batch can run (module note).
     `key`: this rank's, on a first stage (else None); `pulled`: the micro-batches this reader got when its
-    iterator ran out (else None). Raises DataExhausted or ValueError on every rank alike."""
+    iterator ran out, READ_FAILED when it raised (else None). Raises DataReadFailed, DataExhausted or
+    ValueError on every rank alike."""
     topo, coord = groups.topology, groups.coord
     size = world.world_size
     votes = torch.full((1 + topo.data * topo.model,), _NO_KEY, dtype=torch.int64, device=world.device)
@@ -55,6 +63,11 @@ def agree_on_batch(world: Communicator, groups, key: int | None, pulled: int | N
     world.all_reduce(votes, op=torch.distributed.ReduceOp.MAX)
     votes = votes.tolist()  # one host copy for all the checks
     fewest, rank = divmod(-votes[0], size)
+    if fewest == READ_FAILED:
+        where = topo.coord(rank)
+        raise DataReadFailed(f"stage {coord.pipe}: the data iterator of rank {rank} (stage {where.pipe}, "
+                             f"data-parallel rank {where.data}) raised (its error is in that rank's output); "
+                             "every rank stops here, nothing of the batch ran")
     if fewest < m:
         raise _ran_out(coord.pipe, fewest, m, rank, topo.coord(rank))
     if MIXED_BATCH in votes[1:]:

@@ -28,7 +28,8 @@ from torch.utils import _pytree as pytree
 from ..comm import Communicator
 from ..engine import Engine
 from . import boundary, zero3
-from .batch_agreement import MIXED_BATCH, DataExhausted, agree_on_batch  # DataExhausted: its old home, kept
+from .batch_agreement import (MIXED_BATCH, READ_FAILED, DataExhausted,  # DataExhausted: its old home, kept
+                              DataReadFailed, agree_on_batch)
 from .partitioned_wire import PartitionedWire, partitioned
 from .probe import chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
@@ -206,8 +207,16 @@ class PipelineEngine(Engine):
         return agree_on_batch(self._world_comm, self.groups, key, short, m)
 
     def _next_batch(self, data_iter, m: int) -> tuple:
-        """(key, inputs, labels) of the next batch, or DataExhausted on every rank (nothing changed yet)."""
-        inputs, labels, short = self._pull(data_iter, m)
+        """(key, inputs, labels) of the next batch, or DataExhausted on every rank (nothing changed yet).
+        A reader whose iterator raises tells the world first, which would otherwise wait for it."""
+        try:
+            inputs, labels, short = self._pull(data_iter, m)
+        except Exception:
+            try:
+                agree_on_batch(self._world_comm, self.groups, None, READ_FAILED, m)
+            except DataReadFailed:
+                pass  # the others raise that; this rank its own error
+            raise
         return self._batch_key(inputs, short, m), inputs, labels
 
     def _run(self, batch: tuple, training: bool):
