@@ -28,6 +28,7 @@ import sys
 import launcher
 
 DISARM = b"disarm"
+DISARM_WAIT_S = 5.0  # the switch needs milliseconds to read its last line and exit
 
 
 class DeadManSwitch:
@@ -47,8 +48,15 @@ class DeadManSwitch:
 
     def disarm(self):
         self._send(DISARM + b"\n")
-        self._popen.stdin.close()
-        self._popen.wait()
+        try:
+            self._popen.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self._popen.wait(timeout=DISARM_WAIT_S)
+        except subprocess.TimeoutExpired:  # never let the switch hold up the agent's exit
+            self._popen.kill()
+            self._popen.wait()
 
     def _send(self, line: bytes):
         try:
