@@ -87,7 +87,9 @@ def mark_layer_regions(model: nn.Module) -> list[str]:
     child (a user's block, an `nn.Sequential` MLP). `ParallelSelfAttention` forks its own stream and
     `ParallelMLP` draws nothing; a `PipelineModule` or a `ModuleList` never runs its children as one
     forward, so no hook could close the region. Returns the names of the modules marked; warns about a
-    module that holds a dropout beside a partitioned half without its partner (not made right)."""
+    module that holds a dropout beside a row-parallel layer whose column-parallel partner is elsewhere
+    (its split input cannot be told from a replicated one here: not made right). An unpaired column
+    layer is not warned about: it is most often a vocabulary-parallel LM head beside an embedding dropout."""
     from ..pipe.module import PipelineModule
     from .attention import ParallelMLP, ParallelSelfAttention
     from .layers import ColumnParallelLinear, RowParallelLinear
@@ -101,10 +103,10 @@ def mark_layer_regions(model: nn.Module) -> list[str]:
         if column and row:
             mark_parallel_region(owner, column, row)
             marked.append(name)
-        elif (column or row) and any(isinstance(c, nn.Dropout) and c.p > 0 for c in children):
+        elif row and any(isinstance(c, nn.Dropout) and c.p > 0 for c in children):
             warnings.warn(f"tensor parallelism: {name or type(model).__name__} ({type(owner).__name__}) holds a "
-                          f"dropout and a {'column' if column else 'row'}-parallel layer without its partner: a "
-                          "dropout on the partitioned tensor would draw the same mask on every tensor rank; put the "
-                          "pair in one module, or draw it inside engine.checkpointing.get_cuda_rng_tracker().fork()",
+                          "dropout and a RowParallelLinear(input_is_parallel=True) whose column-parallel partner is in "
+                          "another module: a dropout on its split input draws the same mask on every tensor rank; put "
+                          "the pair in one module, or draw it inside engine.checkpointing.get_cuda_rng_tracker().fork()",
                           stacklevel=2)
     return marked
