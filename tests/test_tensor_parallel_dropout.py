@@ -45,7 +45,7 @@ def _same_on_both_ranks(tensor: torch.Tensor) -> bool:
     return torch.equal(*gathered)
 
 
-def _gpt2_step(checkpointed: bool) -> dict:
+def _gpt2_step(checkpointed: bool, reentrant: bool = False) -> dict:
     """One forward and backward of an AutoTP'd HF GPT-2 (attention and residual dropout 0.5)."""
     import engine
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -54,7 +54,7 @@ def _gpt2_step(checkpointed: bool) -> dict:
                                        attn_pdrop=0.5, resid_pdrop=0.5, embd_pdrop=0.0, use_cache=False,
                                        attn_implementation="eager"))
     if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     eng, *_ = engine.initialize(model=model, config=TP_CONFIG)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with MaskRecorder() as masks:
@@ -64,16 +64,25 @@ def _gpt2_step(checkpointed: bool) -> dict:
     return {"loss": loss.detach(), "grads": grads, "masks": masks}
 
 
+def _against_plain(plain: dict, checkpointed: dict) -> dict:
+    forward = plain["masks"]
+    return {
+        "loss_equal": torch.equal(plain["loss"], checkpointed["loss"]),
+        "grads_equal": sorted(n for n, g in plain["grads"].items() if torch.equal(g, checkpointed["grads"][n])),
+        # the checkpointed run's forward, then its recomputes (the masks of the plain forward, per layer)
+        "recomputes_equal_forward": [any(torch.equal(m, r) for m in forward) for r in checkpointed["masks"]],
+        "recomputed": len(checkpointed["masks"]) - len(forward),
+    }
+
+
 def _gpt2_with_hf_gradient_checkpointing() -> dict:
-    plain, checkpointed = _gpt2_step(False), _gpt2_step(True)
+    plain = _gpt2_step(False)
     forward = plain["masks"]  # per layer: attention probabilities (2 local heads), attention out, MLP out
     return {
         "shapes": [tuple(m.shape) for m in forward],
-        "loss_equal": torch.equal(plain["loss"], checkpointed["loss"]),
-        "grads_equal": sorted(n for n, g in plain["grads"].items() if torch.equal(g, checkpointed["grads"][n])),
         "grads": sorted(plain["grads"]),
-        # the checkpointed run's forward, then its recomputes (the masks of the plain forward, per layer)
-        "recomputes_equal_forward": [any(torch.equal(m, r) for m in forward) for r in checkpointed["masks"]],
+        "non_reentrant": _against_plain(plain, _gpt2_step(True)),
+        "reentrant": _against_plain(plain, _gpt2_step(True, reentrant=True)),
         "ranks_same": [_same_on_both_ranks(m) for m in forward],
         "heads_same": torch.equal(forward[0][:, 0], forward[0][:, 1]),
     }
@@ -175,9 +184,11 @@ def test_hf_gradient_checkpointing_recomputes_the_forward_masks_under_autotp(res
     backward multiplies by other masks than the forward did and the gradient is silently wrong."""
     for rank, r in enumerate(_case(results, "gpt2")):
         assert r["shapes"] == [(2, 2, 16, 16), (2, 16, 32), (2, 16, 32)] * 2, r["shapes"]
-        assert r["loss_equal"], rank
-        assert r["grads_equal"] == r["grads"], (rank, sorted(set(r["grads"]) - set(r["grads_equal"])))
-        assert all(r["recomputes_equal_forward"]), (rank, r["recomputes_equal_forward"])
+        for flavour in ("non_reentrant", "reentrant"):
+            c = r[flavour]
+            assert c["loss_equal"], (rank, flavour)
+            assert c["grads_equal"] == r["grads"], (rank, flavour, sorted(set(r["grads"]) - set(c["grads_equal"])))
+            assert c["recomputed"] > 0 and all(c["recomputes_equal_forward"]), (rank, flavour, c)
         # split heads: another mask on each rank (and per head); replicated outputs: the same mask
         assert r["ranks_same"] == [False, True, True] * 2, (rank, r["ranks_same"])
         assert not r["heads_same"], rank
