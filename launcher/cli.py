@@ -65,7 +65,10 @@ Failures, restarts and hangs
     like any other failure.
     SIGINT/SIGTERM/SIGHUP to dslaunch stops every rank on every node; a second signal (Ctrl-C
     twice) skips the grace period: every rank's process group is SIGKILLed at once.
-    If dslaunch itself is killed, the agents notice the lost connection and stop their ranks.
+    If dslaunch itself is killed, the agents notice the lost connection and stop their ranks. If an
+    agent is killed outright (SIGKILL, the OOM killer), its ranks die with it and a small watcher it
+    started (launcher/deadman.py) kills each rank's process group: nothing the ranks started
+    (data-loader workers, subprocesses) outlives the job.
 
 Exit status
     0 on success; the first failing rank's exit code (128+N when killed by signal N); 124 after a
