@@ -188,64 +188,28 @@ def test_zero_stage3_matches_single_process(world, cases):
         _check([results[r][i] for r in range(world)], case, world, stage0)
 
 
-class SkipOnRank1(nn.Module):
-    """Three equal layers; rank 1 skips layer 1 (rank-divergent control flow)."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(13, 13) for _ in range(3))
-        self.out = nn.Linear(13, 5)
-
-    def forward(self, x, y):
-        for i, layer in enumerate(self.layers):
-            if not (i == 1 and torch.distributed.get_rank() == 1):
-                x = layer(x)
-        return nn.functional.mse_loss(self.out(x), y)
-
-
-def _divergent():
-    torch.manual_seed(0)
-    cfg = _config(1, "fp32", {"stage3_param_persistence_threshold": 0})
-    eng, _, _, _ = engine.initialize(model=SkipOnRank1(), config=cfg)
-    x, y = make_batches(1, MICRO)[0]
-    eng.backward(eng(x, y))
-
-
-def test_rank_divergent_forward_names_the_module():
-    with pytest.raises(RankFailed) as info:
-        run_distributed(_divergent, 2, timeout=60)
-    text = str(info.value)
-    assert "RankDivergenceError" in text and "'layers.1'" in text and "'layers.2'" in text, text
-
-
-class EqualSkipOnRank1(nn.Module):
-    """Three equal layers and nothing else, so every gather has the same size; rank 1 skips layer 1."""
+class EqualLayers(nn.Module):
+    """Three equal layers and nothing else, so every gather has the same size."""
 
     def __init__(self):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(13, 13) for _ in range(3))
 
-    def forward(self, x, y):
-        for i, layer in enumerate(self.layers):
-            if not (i == 1 and torch.distributed.get_rank() == 1):
-                x = layer(x)
-        return nn.functional.mse_loss(x[:, :5], y)
 
-
-def _divergent_eval():
+def _gather_different_layers():
+    """Outside a pass: rank 0 gathers layers.1 and rank 1 layers.2 (GatheredParameters is a collective)."""
     torch.manual_seed(0)
     cfg = _config(1, "fp32", {"stage3_param_persistence_threshold": 0})
-    eng, _, _, _ = engine.initialize(model=EqualSkipOnRank1(), config=cfg)
-    x, y = make_batches(1, MICRO)[0]
-    with torch.no_grad():
-        eng(x, y)
+    eng, _, _, _ = engine.initialize(model=EqualLayers(), config=cfg)
+    with engine.zero.GatheredParameters(eng.module.layers[1 + torch.distributed.get_rank()].weight):
+        pass
 
 
-def test_rank_divergent_evaluation_is_named_at_the_end_of_the_pass():
-    """Evaluation gathers compare group ids on the device and read them once per pass (prefetch.py's
-    note: no host reads per unit); a divergence is still an error naming the modules."""
+def test_rank_divergent_gathered_parameters_names_the_modules():
+    """Rank-divergent passes gather in request rounds and run each rank's own path
+    (tests/test_zero_stage3_plan.py); GatheredParameters on different parameters is an error naming both."""
     with pytest.raises(RankFailed) as info:
-        run_distributed(_divergent_eval, 2, timeout=60)
+        run_distributed(_gather_different_layers, 2, timeout=60)
     text = str(info.value)
     assert "RankDivergenceError" in text and "'layers.1'" in text and "'layers.2'" in text, text
 

@@ -6,6 +6,7 @@ gradient, so a lost or doubled gradient shows); gather counts come from the coor
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -49,11 +50,6 @@ class Chain(nn.Module):
         return nn.functional.mse_loss(x, y)
 
 
-# Rank 1's experts after step 0: expert 0 only skips the last forward units of the plan; experts 1 and 2
-# only, with max_reuse_distance 0, skip the last backward unit (its gather is owed before the reduction).
-MOE_CASES = {"tail_forward": ([0., 0., 0.], {}), "tail_backward": ([1., 2., 2.], {"stage3_max_reuse_distance": 0})}
-
-
 class Stack(nn.Module):
     """The root owns `inp` and `out` (212 elements) and is in use through the whole forward; each layer 272."""
 
@@ -75,13 +71,25 @@ class Stack(nn.Module):
 LIVE_CASES = {600: 484, 100: 484}
 
 
-def _moe_batches(rank1_route: list):
-    """Step 0 (the recorded trace): both ranks reach every expert; later rank 1's tokens take `rank1_route`."""
+# Rank 1's experts after step 0 (rank 0 reaches all three): expert 0 only skips the last forward units of
+# the plan; experts 1 and 2 only, with max_reuse_distance 0, skip the last backward unit (its gather is
+# owed before the reduction). "from_start": in step 0 too, so no trace is kept and every step gathers in
+# request rounds (gather_requests.py). Value: (rank 1's route, also in step 0?, zero config, trace
+# dropped after each step?).
+MOE_CASES = {"tail_forward": ([0., 0., 0.], False, {}, [False] * STEPS),
+             "tail_backward": ([1., 2., 2.], False, {"stage3_max_reuse_distance": 0}, [False] * STEPS),
+             "from_start": ([0., 0., 0.], True, {}, [True] * STEPS)}
+
+
+def _moe_batches(rank1_route: list, from_start: bool = False):
+    """Global batches: rank 0's tokens reach every expert; rank 1's take `rank1_route`, after step 0 (the
+    recorded trace, in which both reach every expert) unless `from_start`."""
     g = torch.Generator().manual_seed(0)
     out = []
     for step in range(STEPS):
         x, y = torch.randn(2 * MICRO, 8, generator=g), torch.randn(2 * MICRO, 4, generator=g)
-        x[:, -1] = torch.tensor([0., 1., 2.] * 2 if step == 0 else [0., 1., 2.] + rank1_route)
+        common = step == 0 and not from_start
+        x[:, -1] = torch.tensor([0., 1., 2.] * 2 if common else [0., 1., 2.] + rank1_route)
         out.append((x, y))
     return out
 
@@ -96,14 +104,14 @@ def _masters(eng) -> dict:
     return {k: safe_get_full_fp32_param(p).clone() for k, p in eng.module.named_parameters()}
 
 
-def _moe_skipping_the_tail(rank1_route: list, zero: dict) -> dict:
+def _moe_divergent(rank1_route: list, from_start: bool, zero: dict, _dropped: list) -> dict:
     """A prefetch bucket (300) smaller than the rest of the model: the other rank's prefetch waits on the
     skipped experts' gathers (prefetch.py's note: the whole plan on every rank)."""
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     eng = engine.initialize(model=MoE(), config=_config({"stage3_prefetch_bucket_size": 300, **zero}))[0]
     co, dropped = eng.zero_optimizer.coordinator, []
-    for x, y in _moe_batches(rank1_route):
+    for x, y in _moe_batches(rank1_route, from_start):
         for xm, ym in micro_batches(x, y, rank, 2, 1):
             eng.backward(eng(xm, ym))
         dropped.append(co.trace is None)
@@ -155,17 +163,48 @@ def _live_limited(max_live: int) -> dict:
     return {"master": _masters(eng), "peaks": peaks}
 
 
+# Evaluation passes: rank 0's tokens reach every expert, rank 1's only these (gather_requests.py's note).
+EVAL_ROUTES = [[0., 0., 0.], [2., 2., 2.], [1., 0., 1.]]
+
+
+def _eval_inputs(rank: int) -> list:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for route in EVAL_ROUTES:
+        x, y = torch.randn(2 * MICRO, 8, generator=g), torch.randn(2 * MICRO, 4, generator=g)
+        x[:, -1] = torch.tensor([0., 1., 2.] + route)
+        out.append((x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+    return out
+
+
+def _moe_evaluation() -> dict:
+    """Generation-style no_grad passes in which the ranks run different experts, then a training step."""
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    eng = engine.initialize(model=MoE(), config=_config({}))[0]
+    eng.module.eval()
+    with torch.no_grad():
+        losses = [float(eng(x, y)) for x, y in _eval_inputs(rank)]
+    eng.module.train()
+    x, y = _moe_batches([0., 0., 0.])[1]
+    for xm, ym in micro_batches(x, y, rank, 2, 1):
+        eng.backward(eng(xm, ym))
+    eng.step()
+    return {"losses": losses, "master": _masters(eng)}
+
+
 def _cases() -> dict:
-    out = {name: _moe_skipping_the_tail(*case) for name, case in MOE_CASES.items()}
+    out = {name: _moe_divergent(*case) for name, case in MOE_CASES.items()}
     out.update({f"live{n}": _live_limited(n) for n in LIVE_CASES})
-    return {**out, "reuse0": _reuse0_default_bucket()}
+    return {**out, "reuse0": _reuse0_default_bucket(), "eval": _moe_evaluation()}
 
 
 def test_zero_stage3_plan():
     results = run_distributed(_cases, 2, timeout=90)
-    for name, (route, _) in MOE_CASES.items():
-        _check_moe_tail([r[name] for r in results], route)
+    for name, (route, from_start, _, dropped) in MOE_CASES.items():
+        _check_moe_divergent([r[name] for r in results], _moe_batches(route, from_start), dropped)
     _check_reuse0([r["reuse0"] for r in results])
+    _check_moe_evaluation([r["eval"] for r in results])
     for limit, peak in LIVE_CASES.items():
         _check_live([r[f"live{limit}"] for r in results], peak)
 
@@ -184,11 +223,11 @@ def _check_live(results: list, peak: int) -> None:
         assert r["peaks"] == [peak] * STEPS, (rank, r["peaks"])
 
 
-def _check_moe_tail(results: list, route: list) -> None:
+def _check_moe_divergent(results: list, batches: list, dropped: list) -> None:
     torch.manual_seed(0)
-    _check_masters(results, MoE(), _moe_batches(route))
+    _check_masters(results, MoE(), batches)
     for rank, r in enumerate(results):
-        assert r["dropped"] == [False] * STEPS, (rank, r["dropped"])  # skipping units stays on the plan
+        assert r["dropped"] == dropped, (rank, r["dropped"])  # skipping units stays on the plan
 
 
 def _check_reuse0(results: list) -> None:
@@ -196,3 +235,14 @@ def _check_reuse0(results: list) -> None:
     for rank, steps in enumerate(results):
         for step, (fwd, bwd, dropped) in enumerate(steps):
             assert (fwd, bwd, dropped) == (layers, layers[::-1], False), (rank, step, fwd, bwd, dropped)
+
+
+def _check_moe_evaluation(results: list) -> None:
+    torch.manual_seed(0)
+    model = MoE().eval()
+    for rank, r in enumerate(results):
+        with torch.no_grad():
+            want = [float(model(x, y)) for x, y in _eval_inputs(rank)]
+        assert r["losses"] == pytest.approx(want, abs=1e-6), (rank, r["losses"], want)
+    torch.manual_seed(0)
+    _check_masters(results, MoE(), [_moe_batches([0., 0., 0.])[1]])

@@ -5,32 +5,39 @@
 post, forward or backward, unit) — as the *trace*. From the trace a dry run of the release policy
 derives the *plan*: the all-gathers of one pass in order, and after each post event which groups to
 keep (`max_reuse_distance`: the group is used again within that many parameter elements, and at most
-`max_live_parameters` elements stay gathered: note, live limit). Later training passes issue the plan's all-gathers
-ahead of use, up to `prefetch_bucket_size` elements in flight, asynchronously on their own process
-group, so they overlap compute and never queue behind gradient reduce-scatters.
+`max_live_parameters` elements stay gathered: note, live limit). Later training passes issue the
+plan's all-gathers ahead of use, up to `prefetch_bucket_size` elements in flight, asynchronously on
+their own process group, so they overlap compute and never queue behind gradient reduce-scatters.
 [Note: same collectives on every rank] Plan gathers are issued in plan order whatever this rank runs:
 a unit skipped on this rank (a branch not taken) only leaves an unused gather, released at pass end,
-so ranks never disagree on the sequence. A unit the trace does not expect ends prefetching for the
-pass; its gathers then go *on demand*, each preceded by a fixed-size all-gather of group ids (also in
-evaluation passes and while recording), which is how a rank-divergent forward — one rank running a
-module the others do not — becomes an error naming the modules on every rank instead of a hang. At
-the end of each training pass the ranks agree (one tiny all-reduce) whether to re-record the trace.
+so ranks never disagree on the sequence. Passes without a plan — evaluation, and the training pass
+that records the trace — gather in *request rounds* (gather_requests.py): every rank says which group
+it needs next and all gather every group asked for, so each rank runs its own path (an MoE expert
+only some ranks' tokens reach) and computes what it would alone. A recorded trace is kept only if
+every round was unanimous and every rank derived the same plan (one tiny all-gather per recording);
+else the next pass records again, so a model whose ranks keep diverging gathers in rounds throughout.
+A unit a plan pass does not expect ends prefetching on that rank; its gathers then go *on demand*,
+each preceded by a fixed-size all-gather of group ids compared at the end of the pass (note: no host
+reads per unit). The other ranks are still on the plan: if they did not leave it at the same point
+the collectives differ (an error naming the modules when sizes agree; gloo aborts on a size
+mismatch: docs/zero3.md, limits). At the end of each training pass the ranks agree (one tiny
+all-reduce) whether to re-record the trace.
 [Note: the whole plan on every rank] Each rank issues every plan gather every training pass, also
 those of units it does not reach at the end of the plan (an MoE expert none of its tokens chose): the
 forward's remaining ones when its forward ends, the rest before the gradients are reduced (a rank
 waiting on a reduce-scatter must not owe the others a gather) and at the end of the pass. Without that
-the other ranks wait forever on gathers it never issues.
+the other ranks wait forever on gathers it never issues. Request rounds end at the same two points.
 [Note: one copy per group] Prefetch stops at a plan gather of a group that is gathered or in flight:
 issuing it then would hand the later gather to the earlier use (`max_reuse_distance` 0 and a large
 bucket: a unit's backward gather consumed by its forward), and backward would find the plan exhausted.
 Every data all-gather also carries the group id (stage3_params.py, note: tags), and a wait that times
 out names the module it was waiting for.
 [Note: no host reads per unit] Reading tags or ids back to the host on every gather would stall a GPU
-run's CPU run-ahead, which is what prefetching lives on. So the blocking id check runs only while a
-trace is recorded (once per trace) and outside passes (GatheredParameters, saving); in other passes the
-ids go into a fixed-size async all-gather, tags and ids are compared on the device, and the pass's
-result is read once at its end, together with the re-record flag (one host read per training pass, none
-at world size 1). A mismatch found there raises before the optimizer step can apply mixed weights.
+run's CPU run-ahead, which is what prefetching lives on. So plan passes compare tags and ids on the
+device and read the result once at the pass's end, together with the re-record flag (one host read
+per training pass, none at world size 1); a mismatch found there raises before the optimizer step
+can apply mixed weights. Request rounds (evaluation, recording) and gathers outside passes
+(GatheredParameters, saving) read the ids at every gather: agreeing is what they are for.
 """
 from __future__ import annotations
 
@@ -38,11 +45,8 @@ from collections import Counter
 
 import torch
 
+from .gather_requests import RankDivergenceError, RequestRounds
 from .stage3_params import GatherGroup
-
-
-class RankDivergenceError(RuntimeError):
-    pass
 
 
 class ParamCoordinator:
@@ -60,6 +64,8 @@ class ParamCoordinator:
         # inside the block, e.g. generating with the weights gathered, used to leave them placeholders)
         self.user_held: Counter = Counter()
         self.in_pass = self.training_pass = self.in_backward = False
+        self.requests = RequestRounds(self)  # gather_requests.py's note
+        self.by_request = False  # this pass gathers in request rounds: every rank gathers on demand in it
         self.held = False  # a pipeline step holds every group gathered (engine/pipe/zero3.py)
         self.trace: list | None = None
         self.recording: list | None = None
@@ -82,11 +88,13 @@ class ParamCoordinator:
         self.gather_log = []
         if self.training_pass and self.trace is None:
             self.recording = []
+        self.by_request = not self.training_pass or self.recording is not None  # evaluation, or recording
+        self.requests.mixed = False
 
     def end_pass(self) -> None:
         """Drain every issued gather, release everything not persistent, settle the trace. Also after a
         backward that ran outside a pass (an evaluation forward came in between): nothing stays gathered."""
-        self.issue_rest_of_plan()
+        self.before_reduction()
         for gid in list(self.pending):
             self._finish(self.groups[gid], unpack=False)
         for g in self.groups:
@@ -104,8 +112,10 @@ class ParamCoordinator:
     def _settle_trace(self, checks: list) -> None:
         """One host read per training pass: re-record the trace? did any gather bring another group?"""
         if self.recording is not None:
-            self.trace, self.recording = self.recording, None
-            self.plan, self.keep = self._simulate(self.trace)
+            trace, self.recording = self.recording, None
+            plan, keep = self._simulate(trace)
+            if not self.requests.mixed and self._same_plan_everywhere(plan):  # else record the next pass
+                self.trace, self.plan, self.keep = trace, plan, keep
             return
         if self.comm.world_size == 1:  # a world of one cannot diverge from itself
             rerecord = self.diverged
@@ -120,6 +130,16 @@ class ParamCoordinator:
             self._raise_on_mismatch(checks, mismatched)
         if rerecord > 0:
             self.trace, self.plan, self.keep = None, [], {}
+
+    def _same_plan_everywhere(self, plan: list) -> bool:
+        """Plan gathers are issued without asking the other ranks: their plans must be one (a recorded
+        pass whose units differed between ranks while every gather agreed: a module inside a unit)."""
+        if self.comm.world_size == 1:
+            return True
+        mine = self.comm.zeros(1, dtype=torch.int64).fill_(hash(tuple(gid for _, gid in plan)) >> 2)
+        out = self.comm.empty(self.comm.world_size, dtype=torch.int64)
+        self.comm.all_gather(out, mine)
+        return len(set(out.tolist())) == 1
 
     @staticmethod
     def _mismatches(checks: list) -> torch.Tensor:
@@ -148,6 +168,14 @@ class ParamCoordinator:
             self.end_pass()
         elif unit == 0:
             self.issue_rest_of_plan("F")
+
+    def before_reduction(self) -> None:
+        """Once this rank's backward is done, before it waits on gradient reductions (or the pass ends):
+        it must owe the other ranks no gather, or they would wait on each other."""
+        self.issue_rest_of_plan()
+        if self.by_request:
+            self.by_request = False
+            self.requests.close()
 
     def issue_rest_of_plan(self, phase: str | None = None) -> None:
         """Issue the plan gathers this rank has not issued (of `phase` only, if given): module note,
@@ -206,7 +234,9 @@ class ParamCoordinator:
     # -- gathering -------------------------------------------------------------------------------
     def _need(self, g: GatherGroup, i: int | None) -> None:
         if g.gid not in self.pending and not g.gathered:
-            if i is None or not self._issue_through(g):
+            if self.by_request:
+                self.requests.gather(g)
+            elif i is None or not self._issue_through(g):
                 self._check_same_group(g)
                 self._issue(g)
         if g.gid in self.pending:

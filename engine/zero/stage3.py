@@ -215,7 +215,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             self._trim()
 
     def _reduce_remaining(self) -> None:
-        self.coordinator.issue_rest_of_plan()  # before waiting on reductions (prefetch.py: the whole plan)
+        self.coordinator.before_reduction()  # owe the other ranks no gather while waiting on them
         super()._reduce_remaining()
 
     @torch.no_grad()
