@@ -204,7 +204,8 @@ def _two_rank_checks():
     return {"layers": _guarded(_layers_on_rank), "gpt": _guarded(_autotp_model_on_rank, "gpt"),
             "gpt_sparse": _guarded(_autotp_model_on_rank, "gpt_sparse"),
             "hf_gpt2": _guarded(_autotp_model_on_rank, "hf_gpt2"),
-            "hf_llama": _guarded(_autotp_model_on_rank, "hf_llama"), "dropout": _guarded(_autotp_dropout_on_rank),
+            "hf_llama": _guarded(_autotp_model_on_rank, "hf_llama"),
+            "hf_bigcode": _guarded(_autotp_model_on_rank, "hf_bigcode"), "dropout": _guarded(_autotp_dropout_on_rank),
             "hf_gpt2_cross": _guarded(_autotp_cross_attention_on_rank),
             "refusals": _guarded(_refusals),
             "initialize": {0: _initialize_on_rank(0)}}
@@ -283,6 +284,14 @@ def _tiny_hf_gpt2():
     return GPT2LMHeadModel(cfg)
 
 
+def _tiny_hf_bigcode():
+    """GPTBigCode with multi-head attention: its fused c_attn is laid out head by head (autotp.py's note)."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+    cfg = GPTBigCodeConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, multi_query=False,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPTBigCodeForCausalLM(cfg)
+
+
 def _tiny_llama(num_key_value_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -310,7 +319,8 @@ def _autotp_model_on_rank(kind: str):
     from engine.tensor_parallel.layers import shard
     comm = Communicator(None)
     torch.manual_seed(0)
-    model = {"gpt": _tiny_gpt, "gpt_sparse": _tiny_sparse_gpt, "hf_gpt2": _tiny_hf_gpt2, "hf_llama": _tiny_llama}[kind]()
+    model = {"gpt": _tiny_gpt, "gpt_sparse": _tiny_sparse_gpt, "hf_gpt2": _tiny_hf_gpt2, "hf_llama": _tiny_llama,
+             "hf_bigcode": _tiny_hf_bigcode}[kind]()
     reference = copy.deepcopy(model)
     replaced = shard_model(model, comm)
     g = torch.Generator().manual_seed(1)
@@ -443,13 +453,16 @@ AUTOTP_FIRST_BLOCK = {
     "gpt_sparse": ["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc", "blocks.0.out"],
     "hf_gpt2": ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
                 "transformer.h.0.mlp.c_proj"],
+    "hf_bigcode": ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+                   "transformer.h.0.mlp.c_proj"],
     "hf_llama": [f"model.layers.0.self_attn.{n}_proj" for n in "qkvo"]
                 + [f"model.layers.0.mlp.{n}_proj" for n in ("gate", "up", "down")]}
 # sharded parameters of the 2-layer models: weights, plus column-parallel biases (row biases stay whole)
-AUTOTP_PARTITIONED = {"gpt": 2 * (4 + 2), "gpt_sparse": 2 * (4 + 2), "hf_gpt2": 2 * (4 + 2), "hf_llama": 2 * 7}
+AUTOTP_PARTITIONED = {"gpt": 2 * (4 + 2), "gpt_sparse": 2 * (4 + 2), "hf_gpt2": 2 * (4 + 2), "hf_bigcode": 2 * (4 + 2),
+                      "hf_llama": 2 * 7}
 
 
-@pytest.mark.parametrize("kind", ["gpt", "gpt_sparse", "hf_gpt2", "hf_llama"])  # transformers is a test extra: never skipped
+@pytest.mark.parametrize("kind", ["gpt", "gpt_sparse", "hf_gpt2", "hf_bigcode", "hf_llama"])  # transformers is a test extra: never skipped
 def test_autotp_model_equals_dense_after_sgd_steps(two_rank_results, kind):
     results = [_checked(r[kind]) for r in two_rank_results]
     expected = AUTOTP_FIRST_BLOCK[kind]

@@ -6,6 +6,13 @@ column-parallel (output features split) for the projections into the attention h
 hidden layer, row-parallel (input features split, one all-reduce) for the projections out of them.
 GPT-2's `c_attn` and examples/gpt.py's `qkv` fuse q|k|v and are split section by section
 (layers.py, note on fused projections); `Conv1D`'s transposed weight is handled by `from_dense`.
+[Note: per-head fused layout] The name says the projection is fused, not how: HF GPTBigCode's `c_attn`
+(multi_query=False) lays its output out head by head, [q_h k_h v_h] for each head h, where GPT-2's is
+three blocks q|k|v. Cut as three sections it gave each rank the wrong features of every head: the
+loss was 2.6e-3 off the dense model's at step 0, silently. A contiguous 1/T of a per-head layout is
+T whole heads, so such projections (`PER_HEAD_FUSED`, by the owner's class) are cut as one section.
+A fused projection of a model not listed is taken to be GPT-2's layout; the head counts it needs are
+checked, its layout cannot be.
 Embeddings, the LM head and norms stay whole (replicated; grads.py's note). Dropout between a
 column-parallel layer and its row-parallel partner draws per tensor rank (dropout_region.py).
 [Note: head counts] A module that owns a sharded attention projection runs on n_head/T heads: its
@@ -28,6 +35,8 @@ COLUMN_PARALLEL = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_pr
                    "c_attn": 3, "qkv": 3}
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "proj", "out")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv")
+# owner class -> its fused projections laid out head by head (note: per-head fused layout)
+PER_HEAD_FUSED = {"GPTBigCodeAttention": ("c_attn",)}
 HEAD_COUNT_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "split_size")
 
 
@@ -93,7 +102,8 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
             path = f"{owner_name}.{name}" if owner_name else name
             try:
                 if name in COLUMN_PARALLEL:
-                    layer = ColumnParallelLinear.from_dense(child, parts=COLUMN_PARALLEL[name], group=comm)
+                    parts = 1 if name in PER_HEAD_FUSED.get(type(owner).__name__, ()) else COLUMN_PARALLEL[name]
+                    layer = ColumnParallelLinear.from_dense(child, parts=parts, group=comm)
                 else:
                     layer = RowParallelLinear.from_dense(child, input_is_parallel=True, group=comm)
             except ValueError as err:
