@@ -205,7 +205,8 @@ def _two_rank_checks():
             "gpt_sparse": _guarded(_autotp_model_on_rank, "gpt_sparse"),
             "hf_gpt2": _guarded(_autotp_model_on_rank, "hf_gpt2"),
             "hf_llama": _guarded(_autotp_model_on_rank, "hf_llama"),
-            "hf_bigcode": _guarded(_autotp_model_on_rank, "hf_bigcode"), "dropout": _guarded(_autotp_dropout_on_rank),
+            "hf_bigcode": _guarded(_autotp_model_on_rank, "hf_bigcode"),
+            "hf_qwen3": _guarded(_autotp_model_on_rank, "hf_qwen3"), "dropout": _guarded(_autotp_dropout_on_rank),
             "hf_gpt2_cross": _guarded(_autotp_cross_attention_on_rank),
             "refusals": _guarded(_refusals),
             "initialize": {0: _initialize_on_rank(0)}}
@@ -292,6 +293,14 @@ def _tiny_hf_bigcode():
     return GPTBigCodeForCausalLM(cfg)
 
 
+def _tiny_qwen3():
+    """Qwen3: a per-head RMSNorm (q_norm, k_norm) inside the attention region (region_params.py's note)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=16)
+    return Qwen3ForCausalLM(cfg)
+
+
 def _tiny_llama(num_key_value_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -320,7 +329,7 @@ def _autotp_model_on_rank(kind: str):
     comm = Communicator(None)
     torch.manual_seed(0)
     model = {"gpt": _tiny_gpt, "gpt_sparse": _tiny_sparse_gpt, "hf_gpt2": _tiny_hf_gpt2, "hf_llama": _tiny_llama,
-             "hf_bigcode": _tiny_hf_bigcode}[kind]()
+             "hf_bigcode": _tiny_hf_bigcode, "hf_qwen3": _tiny_qwen3}[kind]()
     reference = copy.deepcopy(model)
     replaced = shard_model(model, comm)
     g = torch.Generator().manual_seed(1)
@@ -455,14 +464,16 @@ AUTOTP_FIRST_BLOCK = {
                 "transformer.h.0.mlp.c_proj"],
     "hf_bigcode": ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
                    "transformer.h.0.mlp.c_proj"],
+    "hf_qwen3": [f"model.layers.0.self_attn.{n}_proj" for n in "qkvo"]
+                + [f"model.layers.0.mlp.{n}_proj" for n in ("gate", "up", "down")],
     "hf_llama": [f"model.layers.0.self_attn.{n}_proj" for n in "qkvo"]
                 + [f"model.layers.0.mlp.{n}_proj" for n in ("gate", "up", "down")]}
 # sharded parameters of the 2-layer models: weights, plus column-parallel biases (row biases stay whole)
 AUTOTP_PARTITIONED = {"gpt": 2 * (4 + 2), "gpt_sparse": 2 * (4 + 2), "hf_gpt2": 2 * (4 + 2), "hf_bigcode": 2 * (4 + 2),
-                      "hf_llama": 2 * 7}
+                      "hf_qwen3": 2 * 7, "hf_llama": 2 * 7}
 
 
-@pytest.mark.parametrize("kind", ["gpt", "gpt_sparse", "hf_gpt2", "hf_bigcode", "hf_llama"])  # transformers is a test extra: never skipped
+@pytest.mark.parametrize("kind", ["gpt", "gpt_sparse", "hf_gpt2", "hf_bigcode", "hf_qwen3", "hf_llama"])  # transformers is a test extra: never skipped
 def test_autotp_model_equals_dense_after_sgd_steps(two_rank_results, kind):
     results = [_checked(r[kind]) for r in two_rank_results]
     expected = AUTOTP_FIRST_BLOCK[kind]

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..activation_checkpointing.rng import MODEL_PARALLEL_RNG, _get_state, _set_state, get_cuda_rng_tracker
+from .region_params import watch_region_parameters
 
 _SEED_RANGE = 2**62
 _RANK_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct tensor ranks get distinct seeds from one draw
@@ -79,6 +80,7 @@ def mark_parallel_region(owner: nn.Module, column: list[nn.Module], row: list[nn
     for layer in row:
         layer.register_forward_pre_hook(_leave)
     owner.register_forward_hook(_leave, always_call=True)
+    watch_region_parameters(owner, column, row)  # replicated parameters inside get the dense gradient
 
 
 def mark_layer_regions(model: nn.Module) -> list[str]:

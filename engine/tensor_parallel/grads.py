@@ -5,7 +5,8 @@ norms, a row-parallel layer's bias, embeddings AutoTP leaves whole) sees the sam
 output gradient on every rank: inputs to the partitioned region pass `copy_to_tensor_parallel_region`,
 whose backward all-reduces, and outputs leave through an all-reduce. So its gradient is the same on
 every rank with no extra collective (tests/test_tensor_parallel.py checks it bit for bit), and the
-data-parallel reduction keeps it so.
+data-parallel reduction keeps it so. Not so for one used *inside* a region (Qwen3's per-head q_norm):
+its gradient is this rank's heads' share, summed over the group by region_params.py.
 [Note: the global norm] ‖g‖² = Σ over partitioned parameters of their slices' squares, summed over the
 group, + Σ over replicated parameters counted once. `tensor_parallel_grad_norm_squared` returns this
 rank's share of that sum so the caller adds the shares with one all-reduce over the whole

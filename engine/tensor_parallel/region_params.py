@@ -1,0 +1,75 @@
+"""Replicated parameters used inside a parallel region: their gradient is a sum over tensor ranks.
+
+[Note: partial gradients] grads.py's rule — a replicated parameter's gradient agrees on every tensor
+rank by construction — holds for parameters outside the regions between a column-parallel layer and
+its row-parallel partner. A replicated parameter used inside one sees only this rank's heads: Qwen3's
+and Gemma 3's `q_norm` / `k_norm` (an RMSNorm over head_dim, applied to each head). Each rank's
+gradient is then its heads' share, and stepping it as it was trained every rank's copy differently:
+after 4 SGD steps Qwen3's q_norm weights were 2e-3 apart between the two tensor ranks, and the
+gradient was off by its own size. The dense gradient is the sum of the shares.
+
+Which parameters those are cannot be told from the module tree (examples/gpt.py's block holds its
+layer norms beside the projections, outside the regions). So it is seen in the forward: a region is
+open from a column-parallel layer's output to its row-parallel partner's input (or the end of their
+owner's forward). A child of the owner holding trainable parameters, other than the parallel layers,
+that runs while a region is open has its parameters' gradients summed over the tensor group by a
+gradient hook, before they are accumulated (so the ZeRO and data-parallel paths see the dense
+gradient), one small all-reduce per such parameter and backward. A recompute runs the same hooks.
+Not covered: a parameter the owner holds directly and uses inside a region (no forward of its own
+to see it by).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class _Open:
+    """Whether a parallel region is open now (the forward runs in one thread)."""
+
+    region = False
+
+
+_OPEN = _Open()
+
+
+def _open(*_) -> None:
+    _OPEN.region = True
+
+
+def _close(*_) -> None:
+    _OPEN.region = False
+
+
+def _summing_hook(comm):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()  # autograd may hold the incoming tensor elsewhere
+        comm.all_reduce(grad)
+        return grad
+    return hook
+
+
+def _watch(child: nn.Module, comm) -> None:
+    """Sum the gradients of `child`'s parameters over `comm` once it is seen running inside a region."""
+    def pre_hook(module, _args) -> None:
+        if not _OPEN.region:
+            return
+        for p in module.parameters():
+            if p.requires_grad and not getattr(p, "_tensor_parallel_summed", False):
+                p._tensor_parallel_summed = True
+                p.register_hook(_summing_hook(comm))
+    child.register_forward_pre_hook(pre_hook)
+
+
+def watch_region_parameters(owner: nn.Module, column: list[nn.Module], row: list[nn.Module]) -> None:
+    """Open and close `owner`'s regions and watch its other children (module note)."""
+    for layer in column:
+        layer.register_forward_hook(_open)
+    for layer in row:
+        layer.register_forward_pre_hook(_close)
+    owner.register_forward_hook(_close, always_call=True)
+    parallel = set(column) | set(row)
+    for child in owner.children():
+        inner = set(child.modules())
+        if child not in parallel and not inner & parallel and any(p.requires_grad for p in child.parameters()):
+            _watch(child, column[0].comm)
