@@ -71,25 +71,29 @@ class Stack(nn.Module):
 LIVE_CASES = {600: 484, 100: 484}
 
 
-# Rank 1's experts after step 0 (rank 0 reaches all three): expert 0 only skips the last forward units of
-# the plan; experts 1 and 2 only, with max_reuse_distance 0, skip the last backward unit (its gather is
-# owed before the reduction). "from_start": in step 0 too, so no trace is kept and every step gathers in
-# request rounds (gather_requests.py). Value: (rank 1's route, also in step 0?, zero config, trace
-# dropped after each step?).
-MOE_CASES = {"tail_forward": ([0., 0., 0.], False, {}, [False] * STEPS),
-             "tail_backward": ([1., 2., 2.], False, {"stage3_max_reuse_distance": 0}, [False] * STEPS),
-             "from_start": ([0., 0., 0.], True, {}, [True] * STEPS)}
+ALL = [0., 1., 2.]
+# Each case: (the experts each step's tokens reach on rank 0 and on rank 1, zero config, trace dropped
+# after each step?). tail_forward: rank 1 skips the last forward units of the plan recorded in step 0;
+# tail_backward (max_reuse_distance 0): it skips the last backward unit, whose gather it owes before the
+# reduction; from_start: the ranks differ in step 0 too, so no order is kept and every step gathers in
+# request rounds (gather_requests.py); unplanned: the order recorded in step 0 has no expert 0 and rank 0
+# reaches it in step 1 before experts 1 and 2, whose gathers rank 1 waits on (prefetch.py's note:
+# leaving the plan), so step 2 records again.
+MOE_CASES = {"tail_forward": ([(ALL, ALL), (ALL, [0., 0., 0.]), (ALL, [0., 0., 0.])], {}, [False] * STEPS),
+             "tail_backward": ([(ALL, ALL), (ALL, [1., 2., 2.]), (ALL, [1., 2., 2.])],
+                               {"stage3_max_reuse_distance": 0}, [False] * STEPS),
+             "from_start": ([(ALL, [0., 0., 0.])] * STEPS, {}, [True] * STEPS),
+             "unplanned": ([([1., 2., 2.], [2., 1., 1.]), (ALL, [1., 2., 2.]), ([1., 2., 2.], [2., 1., 1.])], {},
+                           [False, True, False])}
 
 
-def _moe_batches(rank1_route: list, from_start: bool = False):
-    """Global batches: rank 0's tokens reach every expert; rank 1's take `rank1_route`, after step 0 (the
-    recorded trace, in which both reach every expert) unless `from_start`."""
+def _moe_batches(routes: list) -> list:
+    """Global batches (rank 0's rows, then rank 1's) whose tokens reach the experts `routes` says."""
     g = torch.Generator().manual_seed(0)
     out = []
-    for step in range(STEPS):
+    for rank0, rank1 in routes:
         x, y = torch.randn(2 * MICRO, 8, generator=g), torch.randn(2 * MICRO, 4, generator=g)
-        common = step == 0 and not from_start
-        x[:, -1] = torch.tensor([0., 1., 2.] * 2 if common else [0., 1., 2.] + rank1_route)
+        x[:, -1] = torch.tensor(rank0 + rank1)
         out.append((x, y))
     return out
 
@@ -104,14 +108,14 @@ def _masters(eng) -> dict:
     return {k: safe_get_full_fp32_param(p).clone() for k, p in eng.module.named_parameters()}
 
 
-def _moe_divergent(rank1_route: list, from_start: bool, zero: dict, _dropped: list) -> dict:
+def _moe_divergent(routes: list, zero: dict, _dropped: list) -> dict:
     """A prefetch bucket (300) smaller than the rest of the model: the other rank's prefetch waits on the
     skipped experts' gathers (prefetch.py's note: the whole plan on every rank)."""
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     eng = engine.initialize(model=MoE(), config=_config({"stage3_prefetch_bucket_size": 300, **zero}))[0]
     co, dropped = eng.zero_optimizer.coordinator, []
-    for x, y in _moe_batches(rank1_route, from_start):
+    for x, y in _moe_batches(routes):
         for xm, ym in micro_batches(x, y, rank, 2, 1):
             eng.backward(eng(xm, ym))
         dropped.append(co.trace is None)
@@ -186,7 +190,7 @@ def _moe_evaluation() -> dict:
     with torch.no_grad():
         losses = [float(eng(x, y)) for x, y in _eval_inputs(rank)]
     eng.module.train()
-    x, y = _moe_batches([0., 0., 0.])[1]
+    x, y = _moe_batches([(ALL, [0., 0., 0.])])[0]
     for xm, ym in micro_batches(x, y, rank, 2, 1):
         eng.backward(eng(xm, ym))
     eng.step()
@@ -201,8 +205,8 @@ def _cases() -> dict:
 
 def test_zero_stage3_plan():
     results = run_distributed(_cases, 2, timeout=90)
-    for name, (route, from_start, _, dropped) in MOE_CASES.items():
-        _check_moe_divergent([r[name] for r in results], _moe_batches(route, from_start), dropped)
+    for name, (routes, _, dropped) in MOE_CASES.items():
+        _check_moe_divergent([r[name] for r in results], _moe_batches(routes), dropped)
     _check_reuse0([r["reuse0"] for r in results])
     _check_moe_evaluation([r["eval"] for r in results])
     for limit, peak in LIVE_CASES.items():
@@ -245,4 +249,4 @@ def _check_moe_evaluation(results: list) -> None:
             want = [float(model(x, y)) for x, y in _eval_inputs(rank)]
         assert r["losses"] == pytest.approx(want, abs=1e-6), (rank, r["losses"], want)
     torch.manual_seed(0)
-    _check_masters(results, MoE(), [_moe_batches([0., 0., 0.])[1]])
+    _check_masters(results, MoE(), _moe_batches([(ALL, [0., 0., 0.])]))

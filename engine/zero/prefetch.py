@@ -16,10 +16,11 @@ it needs next and all gather every group asked for, so each rank runs its own pa
 only some ranks' tokens reach) and computes what it would alone. A recorded trace is kept only if
 every round was unanimous and every rank derived the same plan (one tiny all-gather per recording);
 else the next pass records again, so a model whose ranks keep diverging gathers in rounds throughout.
-A unit a plan pass does not expect ends prefetching on that rank; its gathers then go *on demand*,
-each preceded by a fixed-size all-gather of group ids compared at the end of the pass (note: no host
-reads per unit). The other ranks are still on the plan: if they did not leave it at the same point
-the collectives differ (an error naming the modules when sizes agree; gloo aborts on a size
+A unit a plan pass does not expect ends prefetching on that rank. In forward, all ranks then switch
+to request rounds (note: leaving the plan, one tiny all-reduce at the end of each plan pass's
+forward). In backward the rank gathers *on demand*, each gather preceded by a fixed-size all-gather of
+group ids compared at the end of the pass (note: no host reads per unit); the others are still on the
+plan, so the collectives differ (an error naming the modules when sizes agree; gloo aborts on a size
 mismatch: docs/zero3.md, limits). At the end of each training pass the ranks agree (one tiny
 all-reduce) whether to re-record the trace.
 [Note: the whole plan on every rank] Each rank issues every plan gather every training pass, also
@@ -51,8 +52,9 @@ from .stage3_params import GatherGroup
 
 class ParamCoordinator:
     def __init__(self, units: list, hooks: list, groups: list[GatherGroup], comm, *, prefetch_numel: int,
-                 max_live_numel: int, max_reuse_distance: int):
+                 max_live_numel: int, max_reuse_distance: int, agree_comm=None):
         self.units, self.groups, self.comm = units, groups, comm
+        self.agree_comm = agree_comm or comm  # the end-of-forward agreement: not on `comm` (note: leaving the plan)
         self.group_of = {p: g for g in groups for p in g.params}
         self.unit_groups = [u.groups for u in units] + [gs for _, _, gs in hooks]
         self.unit_names = [u.name for u in units] + [name for name, _, _ in hooks]
@@ -89,6 +91,7 @@ class ParamCoordinator:
         if self.training_pass and self.trace is None:
             self.recording = []
         self.by_request = not self.training_pass or self.recording is not None  # evaluation, or recording
+        self.forward_agreed = self.by_request  # a plan pass agrees once, at the end of its forward
         self.requests.mixed = False
 
     def end_pass(self) -> None:
@@ -168,6 +171,30 @@ class ParamCoordinator:
             self.end_pass()
         elif unit == 0:
             self.issue_rest_of_plan("F")
+            self._agree_after_forward()
+
+    def _agree_after_forward(self) -> None:
+        """[Note: leaving the plan] A rank whose forward meets a unit the plan does not have at that point
+        (an expert no rank's tokens reached while the order was recorded) cannot gather it alone: the
+        others issue plan gathers without asking. So a plan pass's forward ends with one tiny all-reduce,
+        on the reduction group (the gather group's order differs between ranks here; no reduction runs in
+        forward), of (left the plan?, plan gathers issued). The rank that left joins it at once. If any rank
+        left, each issues the plan gathers up to the most any rank issued (unused), and the rest of the
+        pass, backward included, gathers in request rounds. A rank that leaves the plan in backward is not
+        covered (docs/zero3.md, limits): reductions are under way there."""
+        if self.forward_agreed or self.comm.world_size == 1:
+            return
+        self.forward_agreed = True
+        self._issue_plan_through_phase("F")  # the others' forwards need every forward gather
+        flag = self.agree_comm.zeros(2)
+        flag[0].fill_(float(self.diverged))
+        flag[1].fill_(float(self.plan_ptr))
+        self.agree_comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        left, issued = (int(v) for v in flag.tolist())
+        if left:
+            while self.plan_ptr < issued:
+                self._issue_plan_entry()
+            self.diverged = self.by_request = True
 
     def before_reduction(self) -> None:
         """Once this rank's backward is done, before it waits on gradient reductions (or the pass ends):
@@ -182,7 +209,11 @@ class ParamCoordinator:
         the whole plan on every rank. Not while off the plan: this rank gathers on demand then."""
         if not (self.in_pass and self.training_pass and self.trace is not None and self.recording is None):
             return
-        while not self.diverged and self.plan_ptr < len(self.plan):
+        if not self.diverged:
+            self._issue_plan_through_phase(phase)
+
+    def _issue_plan_through_phase(self, phase: str | None) -> None:
+        while self.plan_ptr < len(self.plan):
             if phase is not None and self.trace[self.plan[self.plan_ptr][0]][1] != phase:
                 return
             self._issue_plan_entry()
@@ -234,6 +265,8 @@ class ParamCoordinator:
     # -- gathering -------------------------------------------------------------------------------
     def _need(self, g: GatherGroup, i: int | None) -> None:
         if g.gid not in self.pending and not g.gathered:
+            if i is None and self.diverged and not self.in_backward:
+                self._agree_after_forward()  # this rank left the plan in forward (note: leaving the plan)
             if self.by_request:
                 self.requests.gather(g)
             elif i is None or not self._issue_through(g):

@@ -8,13 +8,13 @@ gives the same 16-bit weights. Full parameters exist only while their unit is co
 reuse, `max_reuse_distance`, `max_live_parameters`).
 Communication per step (ZeRO paper §7): all-gather Ψ before forward, Ψ again before backward,
 reduce-scatter Ψ of gradients as backward produces them (3Ψ), plus one all-gather of the persistent
-parameters after the step and two tiny all-reduces (the gradient norm; whether to re-record the
-trace, with the pass's tag check: prefetch.py's note). With the defaults (`max_reuse_distance` 1e9, as in DeepSpeed) a model that fits is gathered
+parameters after the step and three tiny all-reduces (the gradient norm; whether a rank left the plan
+in forward; whether to re-record the trace, with the pass's tag check: prefetch.py's notes). With the defaults (`max_reuse_distance` 1e9, as in DeepSpeed) a model that fits is gathered
 once per pass and kept through backward: 2Ψ.
 
 Parts: `stage3_units` (which module gathers what; hooks), `prefetch` (gather/release/prefetch by the
 recorded order), `stage3_params` (chunks, placeholders, gather groups), `init` (`zero.Init`,
-`GatheredParameters`), `stage3_save` (`save_16bit_model`). Gradients reuse stage 2's fixed-order
+`GatheredParameters`), `stage3_save` (`save_16bit_model`), `gather_requests` (gathering when ranks run different units). Gradients reuse stage 2's fixed-order
 reduce-scatter buckets into the fp32 partition gradient; the step, clipping and state reuse stage 1's.
 """
 from __future__ import annotations
@@ -123,7 +123,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         hooks = user_modules(module, units, group_of)
         self.coordinator = ParamCoordinator(
             units, hooks, groups, _gather_communicator(comm), prefetch_numel=int(zero.prefetch_bucket_size),
-            max_live_numel=int(zero.max_live_parameters), max_reuse_distance=int(zero.max_reuse_distance))
+            max_live_numel=int(zero.max_live_parameters), max_reuse_distance=int(zero.max_reuse_distance),
+            agree_comm=comm)
         self._hooks = []
         for u in units:
             self._hooks += install_hooks(u.module, u.index, self.coordinator)
