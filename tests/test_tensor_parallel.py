@@ -186,6 +186,15 @@ def _refusals() -> dict:
             engine.initialize(model=model, model_parameters=params, config={**base, **extra})
         except (schemas.ConfigError, ValueError) as err:
             found[name] = str(err)
+    from transformers import Olmo2Config, Olmo2ForCausalLM  # q_norm over the whole query projection
+    olmo = Olmo2ForCausalLM(Olmo2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=0,
+                                        eos_token_id=0))
+    eng, _, _, _ = engine.initialize(model=olmo, config=base)
+    try:
+        eng(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    except ValueError as err:
+        found["whole_width_norm"] = str(err)
     return found
 
 
@@ -833,6 +842,8 @@ def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):
         "key/value heads; use an autotp_size that divides them")
     assert "optimizer.type: OneBitAdam (a 1-bit optimizer) with tensor_parallel.autotp_size > 1 is not built" \
         in refusals["onebit"]
+    assert refusals["whole_width_norm"].startswith(  # not a shape error in OLMo2's forward
+        "tensor parallelism: Olmo2RMSNorm's weight (32,) runs between a column-parallel layer and its row-parallel")
 
 
 # fp16 with clipping on 2 model × 2 data at ZeRO-2 against the same-precision engine in one process:

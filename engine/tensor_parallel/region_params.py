@@ -17,6 +17,10 @@ gradient hook, before they are accumulated (so the ZeRO and data-parallel paths 
 gradient), one small all-reduce per such parameter and backward. A recompute runs the same hooks.
 Not covered: a parameter the owner holds directly and uses inside a region (no forward of its own
 to see it by).
+A child running inside a region with a parameter as wide as a column-parallel layer's whole output
+(or one fused section of it) works on every head at once — OLMo2's q_norm over the whole query
+projection, Cohere's per-head norm weights (heads × head_dim) — and cannot run on one rank's heads:
+it would fail with a shape error naming no layer. Its first forward raises instead, naming it.
 """
 from __future__ import annotations
 
@@ -49,11 +53,21 @@ def _summing_hook(comm):
     return hook
 
 
-def _watch(child: nn.Module, comm) -> None:
+def _refuse_whole_width(module: nn.Module, widths: set[int]) -> None:
+    for name, p in module.named_parameters():
+        if p.numel() in widths:
+            raise ValueError(f"tensor parallelism: {type(module).__name__}'s {name} {tuple(p.shape)} runs between a "
+                             "column-parallel layer and its row-parallel partner but spans every head, so it cannot run "
+                             "on one rank's heads; leave tensor_parallel.autotp_size at 1 for this model, or shard it "
+                             "with engine.tensor_parallel's layers")
+
+
+def _watch(child: nn.Module, comm, widths: set[int]) -> None:
     """Sum the gradients of `child`'s parameters over `comm` once it is seen running inside a region."""
     def pre_hook(module, _args) -> None:
         if not _OPEN.region:
             return
+        _refuse_whole_width(module, widths)
         for p in module.parameters():
             if p.requires_grad and not getattr(p, "_tensor_parallel_summed", False):
                 p._tensor_parallel_summed = True
@@ -69,7 +83,10 @@ def watch_region_parameters(owner: nn.Module, column: list[nn.Module], row: list
         layer.register_forward_pre_hook(_close)
     owner.register_forward_hook(_close, always_call=True)
     parallel = set(column) | set(row)
+    widths = set()  # a column layer's whole output and one fused section of it (module note)
+    for layer in column:
+        widths |= {layer.out_features, layer.out_features // getattr(layer.weight, "tensor_parallel_parts", 1)}
     for child in owner.children():
         inner = set(child.modules())
         if child not in parallel and not inner & parallel and any(p.requires_grad for p in child.parameters()):
-            _watch(child, column[0].comm)
+            _watch(child, column[0].comm, widths)
