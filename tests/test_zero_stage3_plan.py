@@ -1,5 +1,13 @@
-"""ZeRO-3's gather plan and prefetcher (engine/zero/prefetch.py) under data-dependent paths and limits.
+"""ZeRO-3's gather plan, prefetcher and request rounds (engine/zero/prefetch.py, gather_requests.py)
+under rank-divergent paths and memory limits.
 
+- An MoE whose experts run only for the tokens they get: a rank skipping the plan's last forward or
+  backward units, ranks differing while the order is recorded, a rank leaving the plan in forward, and
+  evaluation passes in which the ranks run different experts: each trains (evaluates) exactly.
+- `max_reuse_distance` 0 with the default bucket: each unit gathered once in forward and once in
+  backward, and the recorded order kept.
+- `max_live_parameters`: the peak of gathered and in-flight elements stays within it (units in use
+  excepted).
 Each case runs in one 2-rank spawn (`_cases`); a hang fails at the harness timeout. Values are compared
 with single-process training on the global batch (SGD, no clipping: the update is linear in the
 gradient, so a lost or doubled gradient shows); gather counts come from the coordinator's `gather_log`.

@@ -1,17 +1,19 @@
-"""ZeRO-3 on-demand gathers by request, for passes in which every rank gathers on demand.
+"""ZeRO-3 on-demand gathers by request, for passes in which every rank gathers on demand: evaluation,
+the training pass that records the order, and the rest of a pass in which a rank left the plan in
+forward (prefetch.py's notes).
 
-[Note: gathering by request] In an evaluation pass (no gradients) each rank runs the units its data
-takes it to: an MoE expert no token of this rank chose is not called here, but may be on another rank.
-So a rank cannot know which all-gathers the others will issue. Each on-demand gather is therefore a
-*round*: every rank all-gathers the id of the group it needs next (or DONE at the end of the pass) and
-reads them; then all ranks gather every group requested in that round, in id order, and a rank keeps
-only the one it asked for. A rank whose pass ended keeps answering rounds with DONE, serving the other
-ranks' gathers, until every rank sent DONE. Every rank thus issues the same collectives in the same
-order whatever each one runs, and each computes exactly what it would alone. The price is one host read
-of the ids per gather (a GPU's run-ahead stops there), which training passes on the plan avoid.
-A collective of the model's own (an all-to-all) between two units that only some ranks run is not
-covered: that rank waits in it while the others wait in a round; the process-group timeout names the
-module the waiting round was for.
+[Note: gathering by request] Each rank runs the units its data takes it to: an MoE expert no token of
+this rank chose is not called here, but may be on another rank. So a rank cannot know which
+all-gathers the others will issue. Each on-demand gather is therefore a *round*: every rank all-gathers
+the id of the group it needs next (or DONE) and reads them; then all ranks gather every group
+requested in that round, in id order, and a rank keeps only the one it asked for. A rank whose pass
+(or backward, before it waits on gradient reductions) has no gathers left keeps answering rounds with
+DONE, serving the other ranks' gathers, until every rank sent DONE. Every rank thus issues the same
+collectives in the same order whatever each one runs, and each computes exactly what it would alone.
+The price is one host read of the ids per gather (a GPU's run-ahead stops there), which training
+passes on the plan avoid. A collective of the model's own (an all-to-all) between two units that only
+some ranks run is not covered: that rank waits in it while the others wait in a round; the
+process-group timeout names the module the waiting round was for.
 """
 from __future__ import annotations
 
