@@ -190,6 +190,14 @@ def _refusals() -> dict:
     olmo = Olmo2ForCausalLM(Olmo2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=0,
                                         eos_token_id=0))
+    from transformers import GptOssConfig, GptOssForCausalLM  # attention sinks: one per head, held directly
+    oss = GptOssForCausalLM(GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                         num_experts_per_tok=1, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    try:
+        engine.initialize(model=oss, config=base)
+    except ValueError as err:
+        found["head_sized_own_parameter"] = str(err)
     eng, _, _, _ = engine.initialize(model=olmo, config=base)
     try:
         eng(input_ids=torch.zeros(1, 4, dtype=torch.long))
@@ -842,6 +850,8 @@ def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):
         "key/value heads; use an autotp_size that divides them")
     assert "optimizer.type: OneBitAdam (a 1-bit optimizer) with tensor_parallel.autotp_size > 1 is not built" \
         in refusals["onebit"]
+    assert refusals["head_sized_own_parameter"].startswith(
+        "tensor_parallel.autotp_size: model.layers.0.self_attn.sinks (4,) is sized by the attention heads")
     assert refusals["whole_width_norm"].startswith(  # not a shape error in OLMo2's forward
         "tensor parallelism: Olmo2RMSNorm's weight (32,) runs between a column-parallel layer and its row-parallel")
 

@@ -28,7 +28,7 @@ from ops.sparse_attention import SparseSelfAttention
 
 from ..comm import Communicator
 from .dropout_region import mark_parallel_region
-from .layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
+from .layers import ColumnParallelLinear, RowParallelLinear, dense_weight, is_conv1d
 
 # leaf name -> number of fused sections
 COLUMN_PARALLEL = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_proj": 1, "c_fc": 1, "fc": 1,
@@ -37,7 +37,8 @@ ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "proj", "out")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv")
 # owner class -> its fused projections laid out head by head (note: per-head fused layout)
 PER_HEAD_FUSED = {"GPTBigCodeAttention": ("c_attn",)}
-HEAD_COUNT_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "split_size")
+HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads")
+HEAD_COUNT_ATTRIBUTES = HEAD_COUNTS + ("split_size",)
 
 
 def _is_projection(module: nn.Module) -> bool:
@@ -64,6 +65,24 @@ def _check_config_head_counts(owner: nn.Module, world: int, where: str) -> None:
         listed = ", ".join(f"config.{a} = {v}" for a, v in counts.items())
         raise ValueError(f"tensor_parallel.autotp_size: {world} does not divide the head counts of {where} ({listed}): "
                          "each rank must hold whole query and key/value heads; use an autotp_size that divides them")
+
+
+def _refuse_head_wide_own_parameters(owner: nn.Module, projections: dict, where: str) -> None:
+    """A parameter the projections' owner holds directly is used in its forward, where no hook can
+    tell whether inside a region (region_params.py). One sized by the heads (GPT-OSS's attention
+    `sinks`, one per head) would meet one rank's heads with all of them: a bare shape error at best.
+    Refused here, naming it."""
+    config = getattr(owner, "config", None)
+    sizes = {getattr(src, a) for src in (owner, config) for a in HEAD_COUNTS
+             if isinstance(getattr(src, a, None), int)}
+    for name, child in projections.items():
+        if name in COLUMN_PARALLEL:
+            sizes.add(dense_weight(child).shape[0] // COLUMN_PARALLEL[name])
+    for name, p in owner.named_parameters(recurse=False):
+        if p.numel() in sizes:
+            raise ValueError(f"tensor_parallel.autotp_size: {where}.{name} {tuple(p.shape)} is sized by the attention "
+                             "heads AutoTP would split, and its module uses it directly; leave autotp_size at 1 for "
+                             "this model, or shard it with engine.tensor_parallel's layers")
 
 
 def _shard_sparse_attention(owner: nn.Module, comm: Communicator, where: str) -> None:
@@ -98,6 +117,7 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
         sharded_attention, column, row = False, [], []
         if children.keys() & set(ATTENTION_PROJECTIONS):
             _check_config_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
+            _refuse_head_wide_own_parameters(owner, children, owner_name or type(model).__name__)
         for name, child in children.items():
             path = f"{owner_name}.{name}" if owner_name else name
             try:
