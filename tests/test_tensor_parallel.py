@@ -198,11 +198,15 @@ def _refusals() -> dict:
         engine.initialize(model=oss, config=base)
     except ValueError as err:
         found["head_sized_own_parameter"] = str(err)
-    eng, _, _, _ = engine.initialize(model=olmo, config=base)
-    try:
-        eng(input_ids=torch.zeros(1, 4, dtype=torch.long))
-    except ValueError as err:
-        found["whole_width_norm"] = str(err)
+    from transformers import StableLmConfig, StableLmForCausalLM  # q_layernorm: one LayerNorm per head
+    stablelm = StableLmForCausalLM(StableLmConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=4, num_key_value_heads=2, qk_layernorm=True))
+    for name, model in (("whole_width_norm", olmo), ("per_head_norms", stablelm)):
+        eng, _, _, _ = engine.initialize(model=model, config=base)
+        try:
+            eng(input_ids=torch.zeros(1, 4, dtype=torch.long))
+        except ValueError as err:
+            found[name] = str(err)
     return found
 
 
@@ -854,6 +858,8 @@ def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):
         "tensor_parallel.autotp_size: model.layers.0.self_attn.sinks (4,) is sized by the attention heads")
     assert refusals["whole_width_norm"].startswith(  # not a shape error in OLMo2's forward
         "tensor parallelism: Olmo2RMSNorm's weight (32,) runs between a column-parallel layer and its row-parallel")
+    assert refusals["per_head_norms"].startswith(  # it trained silently wrong: rank 1's heads met heads 0-1's norms
+        "tensor parallelism: StableLmLayerNormPerHead's norms.0.weight ... norms.3.weight (4, one per head) run between")
 
 
 # fp16 with clipping on 2 model × 2 data at ZeRO-2 against the same-precision engine in one process:

@@ -20,7 +20,10 @@ to see it by).
 A child running inside a region with a parameter as wide as a column-parallel layer's whole output
 (or one fused section of it) works on every head at once — OLMo2's q_norm over the whole query
 projection, Cohere's per-head norm weights (heads × head_dim) — and cannot run on one rank's heads:
-it would fail with a shape error naming no layer. Its first forward raises instead, naming it.
+it would fail with a shape error naming no layer. Its first forward raises instead, naming it. So does
+one holding a parameter per head that together are that wide (StableLM's q_layernorm: a ModuleList of
+num_heads LayerNorms over head_dim, zipped with the heads it is given): on one rank's heads it ran
+without error, each rank's heads normalised by the first heads' norms, silently wrong.
 """
 from __future__ import annotations
 
@@ -54,12 +57,23 @@ def _summing_hook(comm):
 
 
 def _refuse_whole_width(module: nn.Module, widths: set[int]) -> None:
+    per_leaf: dict[str, list[str]] = {}  # `weight` -> every `norms.<i>.weight` (module note: one per head)
+    sizes: dict[str, int] = {}
     for name, p in module.named_parameters():
+        leaf = name.rpartition(".")[2]
+        per_leaf.setdefault(leaf, []).append(name)
+        sizes[leaf] = sizes.get(leaf, 0) + p.numel()
         if p.numel() in widths:
-            raise ValueError(f"tensor parallelism: {type(module).__name__}'s {name} {tuple(p.shape)} runs between a "
-                             "column-parallel layer and its row-parallel partner but spans every head, so it cannot run "
-                             "on one rank's heads; leave tensor_parallel.autotp_size at 1 for this model, or shard it "
-                             "with engine.tensor_parallel's layers")
+            _whole_width_error(module, f"{name} {tuple(p.shape)} runs")
+    for leaf, names in per_leaf.items():
+        if len(names) > 1 and sizes[leaf] in widths:
+            _whole_width_error(module, f"{names[0]} ... {names[-1]} ({len(names)}, one per head) run")
+
+
+def _whole_width_error(module: nn.Module, what: str):  # `what`: the parameter(s) and the verb
+    raise ValueError(f"tensor parallelism: {type(module).__name__}'s {what} between a column-parallel layer "
+                     "and its row-parallel partner, spanning every head, so it cannot run on one rank's heads; leave "
+                     "tensor_parallel.autotp_size at 1 for this model, or shard it with engine.tensor_parallel's layers")
 
 
 def _watch(child: nn.Module, comm, widths: set[int]) -> None:
