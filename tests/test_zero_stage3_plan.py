@@ -8,6 +8,8 @@ under rank-divergent paths and memory limits.
   backward, and the recorded order kept.
 - `max_live_parameters`: the peak of gathered and in-flight elements stays within it (units in use
   excepted).
+- Gradient buckets of one parameter each, a rank skipping an expert on the plan or in request rounds,
+  and a collective of the user's after each forward (`test_zero_stage3_divergent_reductions`).
 Each case runs in one 2-rank spawn (`_cases`); a hang fails at the harness timeout. Values are compared
 with single-process training on the global batch (SGD, no clipping: the update is linear in the
 gradient, so a lost or doubled gradient shows); gather counts come from the coordinator's `gather_log`.
@@ -37,14 +39,16 @@ class MoE(nn.Module):
         self.out = nn.Linear(16, 4)
 
     def forward(self, x, y):
-        h = torch.tanh(self.inp(x))
+        return nn.functional.mse_loss(self.out(self.mix(x, torch.tanh(self.inp(x)))), y)
+
+    def mix(self, x, h):
         route = x[:, -1].long()
         mixed = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
             rows = (route == e).nonzero()[:, 0]
             if len(rows):
                 mixed = mixed.index_put((rows,), expert(h[rows]))
-        return nn.functional.mse_loss(self.out(h + mixed), y)
+        return h + mixed
 
 
 class Chain(nn.Module):
@@ -258,3 +262,58 @@ def _check_moe_evaluation(results: list) -> None:
         assert r["losses"] == pytest.approx(want, abs=1e-6), (rank, r["losses"], want)
     torch.manual_seed(0)
     _check_masters(results, MoE(), _moe_batches([(ALL, [0., 0., 0.])]))
+
+
+class DeepMoE(MoE):
+    """MoE with layers between `inp` and the experts: after an expert's backward, units still gather."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return nn.functional.mse_loss(self.out(self.mix(x, h)), y)
+
+
+# (routes, zero config): buckets of one parameter each, so a bucket holding the gradient of an expert that
+# one rank skipped is reduced mid-backward on the other rank (prefetch.py's note: reductions wait).
+# on_plan: rank 1 skips expert 2, the first in backward, on the plan (max_reuse_distance 0: the layers
+# after it gather again in backward); by_request: the ranks differ from step 0, so every pass gathers in
+# request rounds, and a logged loss's all-reduce runs between forward and backward.
+REDUCTION_CASES = {"on_plan": ([(ALL, ALL), (ALL, [0., 1., 1.]), (ALL, [0., 1., 1.])],
+                               {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 300,
+                                "reduce_bucket_size": 16}),
+                   "by_request": ([(ALL, [0., 0., 0.])] * STEPS, {"reduce_bucket_size": 300, "overlap_comm": True})}
+
+
+def _divergent_reductions() -> dict:
+    rank, out = torch.distributed.get_rank(), {}
+    for name, (routes, zero) in REDUCTION_CASES.items():
+        torch.manual_seed(0)
+        eng = engine.initialize(model=DeepMoE(), config=_config(zero))[0]
+        for x, y in _moe_batches(routes):
+            for xm, ym in micro_batches(x, y, rank, 2, 1):
+                loss = eng(xm, ym)
+                torch.distributed.all_reduce(loss.detach().clone())  # logging; the other rank may still gather
+                eng.backward(loss)
+            eng.step()
+        out[name] = {"master": _masters(eng)}
+    eng.eval()  # an evaluation forward with gradients enabled, then a collective of the user's
+    x, y = _moe_batches([(ALL, [0., 0., 0.])])[0]
+    losses = [float(eng(xm, ym)) for xm, ym in micro_batches(x, y, rank, 2, 1)]
+    torch.distributed.all_reduce(torch.tensor(losses))
+    return out
+
+
+def test_zero_stage3_divergent_reductions():
+    """A rank that skipped an expert reduces its bucket only when its backward ends: the other ranks
+    must not wait on that reduction mid-backward while it still needs their gathers (it hung until the
+    process-group timeout), and request rounds end with each forward (a collective of the user's after it
+    hung)."""
+    results = run_distributed(_divergent_reductions, 2, timeout=90, env={"DSTRAIN_TIMEOUT": "20"})
+    for name, (routes, _) in REDUCTION_CASES.items():
+        torch.manual_seed(0)
+        _check_masters([r[name] for r in results], DeepMoE(), _moe_batches(routes))

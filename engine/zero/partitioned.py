@@ -183,8 +183,8 @@ class PartitionedZeroOptimizer:
             param.grad = None
             bucket.deferred = True
             return
-        if self.arrivals.discovering or bucket.deferred:  # packed at launch (arrivals.py's note)
-            self._hold(param)
+        if self.arrivals.discovering or bucket.deferred or self._reductions_wait_for_backward():  # packed at launch
+            self._hold(param)  # (arrivals.py's note; stage 3: prefetch.py's note on reductions that wait)
             bucket.deferred |= repeat
             return
         self._pack(bucket, param, self._take_grad(param))
@@ -194,6 +194,10 @@ class PartitionedZeroOptimizer:
             if nxt.pending > 0 or nxt.deferred:
                 break
             self._launch(nxt)
+
+    def _reductions_wait_for_backward(self) -> bool:
+        """Launch no bucket before this backward ends? (stage 3, when the ranks' paths differ)"""
+        return False
 
     def _hold(self, param: torch.nn.Parameter) -> None:
         """Keep `param`'s gradient aside (in the accumulation dtype, if one is set) and drop `.grad`, so

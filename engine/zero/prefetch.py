@@ -28,6 +28,15 @@ those of units it does not reach at the end of the plan (an MoE expert none of i
 forward's remaining ones when its forward ends, the rest before the gradients are reduced (a rank
 waiting on a reduce-scatter must not owe the others a gather) and at the end of the pass. Without that
 the other ranks wait forever on gathers it never issues. Request rounds end at the same two points.
+[Note: reductions wait] A gradient bucket is reduced once all its parameters have their gradient on
+this rank. A rank that skipped a unit lacks that unit's gradients until its backward ends, while the
+others reduce the bucket mid-backward and wait on it there, issuing no further plan gathers and
+answering no request rounds, which the first rank needs to finish its backward: a hang. So in a pass
+in which the ranks' forwards differed (a round that was not unanimous, forward's rounds ending
+included, or a rank that skipped events of the plan: the end-of-forward all-reduce carries that too),
+every rank holds its gradients and launches the buckets when its backward ends, owing no gather then:
+such a pass gives up the overlap and holds the whole gradient; passes whose ranks agree keep both. A
+unit skipped in backward only (one whose output gets no gradient on some rank) is not covered.
 [Note: one copy per group] Prefetch stops at a plan gather of a group that is gathered or in flight:
 issuing it then would hand the later gather to the earlier use (`max_reuse_distance` 0 and a large
 bucket: a unit's backward gather consumed by its forward), and backward would find the plan exhausted.
@@ -75,6 +84,8 @@ class ParamCoordinator:
         self.keep: dict[int, set] = {}
         self.cursor = self.plan_ptr = 0
         self.diverged = False
+        self.skipped = False  # this plan pass skipped events of the trace (a unit not reached here)
+        self.defer_reductions = False  # note: reductions wait
         self.gather_log: list[tuple[str, str]] = []  # (phase, group name) per all-gather, for tests
         self.checks: list[tuple[GatherGroup, torch.Tensor]] = []  # this pass's ids on the device (module note)
         self.read_ahead_groups = 0  # NVMe parameters: plan groups whose slots are read ahead (param_nvme.py)
@@ -86,12 +97,13 @@ class ParamCoordinator:
         self.in_pass, self.in_backward = True, False
         self.training_pass = torch.is_grad_enabled() and self.units[0].module.training
         self.cursor = self.plan_ptr = 0
-        self.diverged = False
+        self.diverged = self.skipped = False
         self.gather_log = []
         if self.training_pass and self.trace is None:
             self.recording = []
         self.by_request = not self.training_pass or self.recording is not None  # evaluation, or recording
         self.forward_agreed = self.by_request  # a plan pass agrees once, at the end of its forward
+        self.defer_reductions = False  # note: reductions wait
         self.requests.mixed = False
 
     def end_pass(self) -> None:
@@ -104,6 +116,7 @@ class ParamCoordinator:
             if g.gathered and not self.user_held[g.gid]:
                 g.release()
         self.active.clear()
+        self.defer_reductions = False
         settle = self.in_pass and self.training_pass
         self.in_pass = self.training_pass = self.in_backward = False
         checks, self.checks = self.checks, []
@@ -172,6 +185,9 @@ class ParamCoordinator:
         elif unit == 0:
             self.issue_rest_of_plan("F")
             self._agree_after_forward()
+            if self.by_request:  # rounds end with the forward too: between it and backward the user may
+                self.requests.close()  # run collectives of their own (a logged loss's all-reduce)
+                self.defer_reductions |= self.requests.mixed  # the ranks' paths differed (every rank knows)
 
     def _agree_after_forward(self) -> None:
         """[Note: leaving the plan] A rank whose forward meets a unit the plan does not have at that point
@@ -186,11 +202,13 @@ class ParamCoordinator:
             return
         self.forward_agreed = True
         self._issue_plan_through_phase("F")  # the others' forwards need every forward gather
-        flag = self.agree_comm.zeros(2)
+        flag = self.agree_comm.zeros(3)
         flag[0].fill_(float(self.diverged))
         flag[1].fill_(float(self.plan_ptr))
+        flag[2].fill_(float(self.skipped))
         self.agree_comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        left, issued = (int(v) for v in flag.tolist())
+        left, issued, skipped = (int(v) for v in flag.tolist())
+        self.defer_reductions = bool(left or skipped)  # note: reductions wait
         if left:
             while self.plan_ptr < issued:
                 self._issue_plan_entry()
@@ -241,6 +259,7 @@ class ParamCoordinator:
             return None
         for i in range(self.cursor, len(self.trace)):  # skipping ahead is fine (module note)
             if self.trace[i] == event:
+                self.skipped |= i > self.cursor
                 self.cursor = i + 1
                 return i
         self.diverged = True

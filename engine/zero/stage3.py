@@ -215,6 +215,9 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             self.coordinator.end_pass()
             self._trim()
 
+    def _reductions_wait_for_backward(self) -> bool:
+        return self.coordinator.defer_reductions  # prefetch.py's note: reductions wait
+
     def _reduce_remaining(self) -> None:
         self.coordinator.before_reduction()  # owe the other ranks no gather while waiting on them
         super()._reduce_remaining()
