@@ -3,13 +3,15 @@ the stages that read no data, the other data-parallel replicas — raises `DataE
 reader ran out (first stage, last stage, one replica) and wherever (the step's first micro-batch or a later
 one, train_batch or eval_batch); nothing changed: training on with fresh iterators ends bit for bit where a
 run that never met the exhausted calls ends, with the same step counters, over a process group that works.
-The same for a mixed batch on one replica (ValueError everywhere) and an iterator that raises (its own
-error on that rank, DataReadFailed on the others).
+The same for a mixed batch on one replica (ValueError everywhere), an iterator that raises (its own
+error on that rank, DataReadFailed on the others) and a first stage's batch without a key (a namedtuple:
+torch cannot serialise its tree spec; torch's error there, DataReadFailed elsewhere).
 
 Each spawn trains two engines on the same batches: A meets the exhausted calls between its steps, B does
 not. A hang is the harness's timeout."""
 from __future__ import annotations
 
+import collections
 import time
 
 import pytest
@@ -19,6 +21,7 @@ from tests.models import micro_batches
 from tests.pipe_models import global_batches, mlp_specs, mse
 
 LR, MICRO, GAS, STEPS = 0.1, 2, 2, 3
+Inputs = collections.namedtuple("Inputs", "x")  # a batch with no key: its tree spec has no serialised form
 
 
 def _config(zero: int) -> dict:
@@ -54,12 +57,14 @@ def _exhausted_call(eng, batch, case) -> tuple[str, float, bool, bool]:
     data = list(_iterator(eng, batch, micro if short and kind in ("train", "eval") else GAS))
     if short and kind == "mixed":
         data[-1] = tuple(t[:-1] for t in data[-1])
+    if short and kind == "no_key":
+        data = [(Inputs(x), y) for x, y in data]
     data = _raising(data, micro) if short and kind == "raises" else iter(data)
     start = time.monotonic()
     try:
         eng.eval_batch(data) if kind == "eval" else eng.train_batch(data)
         message = "no error"
-    except (DataExhausted, DataReadFailed, ValueError, BrokenSample) as err:
+    except (DataExhausted, DataReadFailed, ValueError, BrokenSample, NotImplementedError) as err:
         message = str(err)
     return message, time.monotonic() - start, _held(eng), short
 
@@ -106,7 +111,7 @@ def _run(stages: int, zero: int, cases: list) -> dict:
 # (kind, micro-batches the short readers get, which readers, which data-parallel ranks: None = all)
 ALL_SHORT = [("train", 0, {"first", "last"}, None), ("train", 1, {"first", "last"}, None),
              ("train", 1, {"last"}, None), ("train", 0, {"first"}, None), ("eval", 1, {"first", "last"}, None),
-             ("eval", 0, {"last"}, None), ("raises", 1, {"last"}, None)]
+             ("eval", 0, {"last"}, None), ("raises", 1, {"last"}, None), ("no_key", GAS, {"first"}, None)]
 ONE_REPLICA_SHORT = [("train", 1, {"first", "last"}, {1}), ("train", 0, {"last"}, {0}),
                      ("train", 1, {"first"}, {1}), ("eval", 0, {"first", "last"}, {0}),
                      ("mixed", GAS, {"first"}, {1}), ("raises", 0, {"first"}, {0})]
@@ -136,10 +141,12 @@ def test_every_rank_raises_data_exhausted_at_once(results):
     for layout, (stages, _, cases) in enumerate(LAYOUTS[world]):
         for rank, r in enumerate(per_rank):
             for (message, seconds, held, short), (kind, micro, _, _) in zip(r[layout]["errors"], cases, strict=True):
+                told = f"stage {r[layout]['stage']}: the data iterator of rank"  # DataReadFailed
                 want = {"mixed": "the micro-batches of one train_batch/eval_batch differ in nest or shape",
-                        "raises": "a broken sample" if short else f"stage {r[layout]['stage']}: the data iterator "
-                        "of rank"}.get(kind, f"stage {r[layout]['stage']}: the pipeline's data iterator ran out "
-                                             f"after {micro} of the {GAS} micro-batches")
+                        "raises": "a broken sample" if short else told,
+                        "no_key": "Can't serialize TreeSpec of namedtuple" if short else told,
+                        }.get(kind, f"stage {r[layout]['stage']}: the pipeline's data iterator ran out "
+                                    f"after {micro} of the {GAS} micro-batches")
                 assert message.startswith(want), (rank, message)
                 assert "\n" not in message and seconds < 10
                 assert not held  # ZeRO-3 gathered nothing for the batch that did not run

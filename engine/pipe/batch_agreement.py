@@ -12,7 +12,8 @@ list anyway), so the check needs no message per micro-batch: after the pull, eve
 takes part in one all-reduce (MAX) of int64s, `1 + data × model` of them:
 - [0]: −(p·W + r) from a reader of global rank r that pulled only p < m micro-batches (W: the world
   size), −m·W from every other rank: the maximum names the fewest micro-batches pulled, and the rank;
-  a reader whose iterator raised (a DataLoader worker's error, a malformed batch) votes p = −1, which
+  a reader whose iterator raised (a DataLoader worker's error, a malformed batch), or a first stage whose
+  batch has no key (a namedtuple: torch cannot serialise its tree spec), votes p = −1, which
   outranks running out: it raises its own error, every other rank a `DataReadFailed` naming it;
 - [1 + g]: pipe group g's batch key (its first stage's input-signature fingerprint, ≥ 0, or
   MIXED_BATCH), the int64 minimum from every other rank: each rank reads its own group's.

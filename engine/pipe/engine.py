@@ -163,7 +163,7 @@ class PipelineEngine(Engine):
     def _pull(self, data_iter, m: int):
         """m micro-batches on the first and last stage, all before the schedule starts: ((structure,
         tensors) of each input on the first stage, else None; labels on the last, else None; None, or how
-        many micro-batches there were when the iterator ran out: every rank learns it, _batch_key)."""
+        many micro-batches there were when the iterator ran out: every rank learns it, _next_batch)."""
         if not (self.is_first_stage or self.is_last_stage):
             return None, None, None
         if data_iter is None:
@@ -196,28 +196,28 @@ class PipelineEngine(Engine):
             value = self._fingerprints[signature] = boundary.fingerprint(signature)
         return value
 
-    def _batch_key(self, inputs, short: int | None, m: int) -> int:
-        """The batch's key (its input signature, boundary.py's note), the same on every stage of this pipe
-        group, agreed with the world together with whether any reader's iterator ran out
-        (batch_agreement.py's note: every rank raises alike, before the batch changes anything)."""
-        key = None
-        if self.is_first_stage and short is None:
-            signatures = {boundary.signature(*x) for x in inputs}
-            key = self._fingerprint(signatures.pop()) if len(signatures) == 1 else MIXED_BATCH
-        return agree_on_batch(self._world_comm, self.groups, key, short, m)
+    def _batch_key(self, inputs, short: int | None) -> int | None:
+        """This first stage's key of the batch (its input signature, boundary.py's note), None elsewhere;
+        agreed with the world in _next_batch, so it is the same on every stage of this pipe group."""
+        if not (self.is_first_stage and short is None):
+            return None
+        signatures = {boundary.signature(*x) for x in inputs}
+        return self._fingerprint(signatures.pop()) if len(signatures) == 1 else MIXED_BATCH
 
     def _next_batch(self, data_iter, m: int) -> tuple:
         """(key, inputs, labels) of the next batch, or DataExhausted on every rank (nothing changed yet).
-        A reader whose iterator raises tells the world first, which would otherwise wait for it."""
+        A reader whose iterator raises, or whose batch has no key (a namedtuple's tree spec cannot be
+        serialised), tells the world first, which would otherwise wait for it (batch_agreement.py's note)."""
         try:
             inputs, labels, short = self._pull(data_iter, m)
+            key = self._batch_key(inputs, short)
         except Exception:
             try:
                 agree_on_batch(self._world_comm, self.groups, None, READ_FAILED, m)
             except DataReadFailed:
                 pass  # the others raise that; this rank its own error
             raise
-        return self._batch_key(inputs, short, m), inputs, labels
+        return agree_on_batch(self._world_comm, self.groups, key, short, m), inputs, labels
 
     def _run(self, batch: tuple, training: bool):
         key, inputs, labels = batch
