@@ -2,7 +2,9 @@
 
 The oracle is the model built normally from the same seed: torch.equal for every parameter, and the
 random state after construction (the next draw) equal too. Changes Init cannot make whole are errors
-naming the parameter; an edit inside GatheredParameters is not one of them. Hugging Face models
+naming the parameter; an edit inside GatheredParameters is not one of them. torch's own
+`nn.MultiheadAttention`, which initialises its child's bias with an init function imported by name, is
+built equal to the plain layer. Hugging Face models
 (transformers' `post_init` walk, `smart_apply`) are built equal to the plain model too, and
 `from_pretrained` inside Init (a model on the meta device) loads as outside it and trains the same.
 """
@@ -119,6 +121,7 @@ def _cases(saved: str):
             "method_edit": _error(method_edit), "block_edit": _error(block_edit),
             "gathered_edit": _full(gathered_edit)["head.bias"],
             "hf": {name: _differing(make) for name, make in _hf_models().items()},
+            "torch_layer": _differing(lambda: nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)),
             "pretrained": [_pretrained_step(saved, in_init) for in_init in (True, False)]}
 
 
@@ -132,6 +135,7 @@ def test_init_edits_after_partition_are_made_whole_or_refused(tmp_path):
         assert "of shape (3,) in place" in r["block_edit"], r["block_edit"]
         assert torch.equal(r["gathered_edit"], torch.full((3,), 3.0))
         assert r["hf"] == {"gpt2": [], "llama": []}, r["hf"]
+        assert r["torch_layer"] == [], r["torch_layer"]  # MultiheadAttention zeroes out_proj.bias by an imported constant_
         (loss_init, after_init), (loss, after) = r["pretrained"]
         assert loss_init == loss and after_init.keys() == after.keys()
         assert all(torch.equal(after_init[k], v) for k, v in after.items())

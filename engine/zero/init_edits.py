@@ -10,8 +10,11 @@ behaves so, silently: the model then differs from the one the user wrote. Here:
   model, so every rank makes the same calls (the gather is a collective). Every rank draws the same
   amount of randomness, so the model, and the random state after it, equal a model built normally
   from the same seed.
-- any other in-place change of a placeholder (`p.normal_()`, `p.mul_(...)`, an init function imported
-  before Init began) is found by the parameter's version counter, which every in-place op bumps and a
+- the same functions imported by name into a module (`from torch.nn.init import constant_`: torch's own
+  `nn.MultiheadAttention` zeroes its child `out_proj.bias` so, after out_proj was partitioned) are
+  wrapped there too, for the block's duration.
+- any other in-place change of a placeholder (`p.normal_()`, `p.mul_(...)`, an init function kept under
+  another name) is found by the parameter's version counter, which every in-place op bumps and a
   `p.data = ...` assignment does not. The module whose `__init__` made it raises, naming the parameter
   and the fix. A change made through `p.data` bumps no counter and cannot be seen (docs/zero3.md).
 """
@@ -66,9 +69,16 @@ def patch_init_functions(gathered) -> list[tuple[object, str, object]]:
                 _original(tensor, *args, **kwargs)
             return tensor
         wrapper._z3_wrapped = True
-        patched.append((nn.init, name, original))
-        setattr(nn.init, name, wrapper)
+        for holder in [nn.init] + _importers(name, original):
+            patched.append((holder, name, original))
+            setattr(holder, name, wrapper)
     return patched
+
+
+def _importers(name: str, function) -> list:
+    """Loaded modules other than torch.nn.init that hold `function` as `name` (imported by name)."""
+    return [m for m in list(sys.modules.values())
+            if m is not nn.init and getattr(m, "__dict__", {}).get(name) is function]
 
 
 def _pretrained_model_class():
