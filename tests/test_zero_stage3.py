@@ -264,3 +264,54 @@ def test_a_forward_inside_gathered_parameters_keeps_them_gathered_and_the_edit()
     from tests.harness import run_distributed
     for rank, got in enumerate(run_distributed(_forward_inside_gathered, 2, timeout=120)):
         assert got == {"inside": (16, 16), "after": 0, "edited": True, "trained": True}, (rank, got)
+
+
+def _train_inside_gathered(reuse: int) -> list:
+    """Step 0 records the order; step 1 runs forward and backward inside GatheredParameters(modifier_rank=0)
+    of the first layer's weight, halved first; then the step. Returns the fp32 parameters after it."""
+    import engine
+    from engine.utils import safe_get_full_fp32_param
+    torch.manual_seed(0)
+    eng = engine.initialize(model=_held_model(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": reuse}})[0]
+    rank, w = torch.distributed.get_rank(), eng.module[0].weight
+    for step, (x, y) in enumerate(_held_batches()):
+        xm, ym = x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]
+        with engine.zero.GatheredParameters([w] if step == 1 else [], modifier_rank=0):
+            if step == 1:
+                with torch.no_grad():
+                    w.mul_(0.5)
+            eng.backward(torch.nn.functional.mse_loss(eng(xm), ym))
+        eng.step()
+    return [safe_get_full_fp32_param(p).clone() for p in eng.module.parameters()]
+
+
+def _held_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh())
+
+
+def _held_batches() -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(2)]
+
+
+@pytest.mark.parametrize("reuse", [0, 10**9])
+def test_a_training_step_inside_gathered_parameters_keeps_the_edit(reuse):
+    """The plan's gather of a group a GatheredParameters block holds was unpacked over the block's values:
+    forward or backward ran with the weight before the edit, and the exit stored that (the edit was lost)."""
+    from tests.harness import run_distributed
+    torch.manual_seed(0)
+    model = _held_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(_held_batches()):
+        if step == 1:
+            with torch.no_grad():
+                model[0].weight.mul_(0.5)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for rank, got in enumerate(run_distributed(_train_inside_gathered, 2, args=(reuse,), timeout=120)):
+        for p, want in zip(got, model.parameters()):
+            torch.testing.assert_close(p, want.detach(), atol=1e-6, rtol=1e-5, msg=lambda m: f"rank {rank}: {m}")

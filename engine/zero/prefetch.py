@@ -352,8 +352,8 @@ class ParamCoordinator:
             tags = g.tags_of(out)
             if any(t != g.gid for t in tags):
                 raise self._divergence(g, tags)
-        if unpack:
-            g.unpack(out)
+        if unpack and not (g.gathered and self.user_held[g.gid]):  # a GatheredParameters block's values are
+            g.unpack(out)  # the user's (an edit with modifier_rank): a plan gather of the group must not undo them
 
     def _deferred_checks(self) -> bool:
         """Compare ids on the device and read them at pass end (module note: no host reads per unit)?"""
