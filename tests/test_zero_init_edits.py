@@ -91,6 +91,19 @@ def _pretrained_step(saved: str, in_init: bool) -> tuple:
     return loss.item(), _full(eng.module)
 
 
+def _initialized_inside() -> bool:
+    """engine.initialize inside the Init block (its Engine.__init__ is wrapped too), then an edit: kept?"""
+    from engine.utils import safe_get_full_fp32_param
+    config = {**CONFIG, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    with engine.zero.Init(config=config):
+        model = NanoStyle("none")
+        engine.initialize(model=model, config=config)
+        with engine.zero.GatheredParameters([model.head.bias], modifier_rank=0):
+            with torch.no_grad():
+                model.head.bias.fill_(2.0)
+    return torch.equal(safe_get_full_fp32_param(model.head.bias), torch.full((3,), 2.0))
+
+
 def _cases(saved: str):
     torch.manual_seed(0)
     plain = {k: v.detach().clone() for k, v in NanoStyle().named_parameters()}
@@ -122,6 +135,7 @@ def _cases(saved: str):
             "gathered_edit": _full(gathered_edit)["head.bias"],
             "hf": {name: _differing(make) for name, make in _hf_models().items()},
             "torch_layer": _differing(lambda: nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)),
+            "initialized_inside": _initialized_inside(),
             "pretrained": [_pretrained_step(saved, in_init) for in_init in (True, False)]}
 
 
@@ -135,6 +149,7 @@ def test_init_edits_after_partition_are_made_whole_or_refused(tmp_path):
         assert "of shape (3,) in place" in r["block_edit"], r["block_edit"]
         assert torch.equal(r["gathered_edit"], torch.full((3,), 3.0))
         assert r["hf"] == {"gpt2": [], "llama": []}, r["hf"]
+        assert r["initialized_inside"]  # the engine's own writes to its placeholders are not lost edits
         assert r["torch_layer"] == [], r["torch_layer"]  # MultiheadAttention zeroes out_proj.bias by an imported constant_
         (loss_init, after_init), (loss, after) = r["pretrained"]
         assert loss_init == loss and after_init.keys() == after.keys()

@@ -38,7 +38,10 @@ def mark_placeholder(p: torch.Tensor) -> None:
 
 
 def _edited(p: torch.Tensor) -> bool:
-    return hasattr(p, "_z3_version") and p._version != p._z3_version and p.numel() == 0
+    """A placeholder changed in place, while no engine owns it (an engine's own writes, e.g. the broadcast
+    that syncs a model at initialize, touch an empty tensor and are not edits)."""
+    return (hasattr(p, "_z3_version") and p._version != p._z3_version and p.numel() == 0
+            and not hasattr(p, "_z3_owner"))
 
 
 def check_no_lost_edit(named_params, where: str) -> None:
