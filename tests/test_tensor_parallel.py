@@ -227,7 +227,9 @@ def _two_rank_checks():
             "hf_gpt2": _guarded(_autotp_model_on_rank, "hf_gpt2"),
             "hf_llama": _guarded(_autotp_model_on_rank, "hf_llama"),
             "hf_bigcode": _guarded(_autotp_model_on_rank, "hf_bigcode"),
-            "hf_qwen3": _guarded(_autotp_model_on_rank, "hf_qwen3"), "dropout": _guarded(_autotp_dropout_on_rank),
+            "hf_qwen3": _guarded(_autotp_model_on_rank, "hf_qwen3"),
+            "stray_projection_call": _guarded(_stray_projection_call),
+            "dropout": _guarded(_autotp_dropout_on_rank),
             "hf_gpt2_cross": _guarded(_autotp_cross_attention_on_rank),
             "refusals": _guarded(_refusals),
             "initialize": {0: _initialize_on_rank(0)}}
@@ -377,6 +379,30 @@ def _autotp_model_on_rank(kind: str):
         param_err = max(param_err, _err(p.detach(), full.detach()))
     return {"replaced": replaced, "loss": loss_err, "norm": norm_err, "params": param_err,
             "partitioned": sum(is_partitioned(p) for p in model.parameters())}
+
+
+def _stray_projection_call() -> dict:
+    """A sharded projection called outside its block's forward (inspecting its output) leaves no region
+    open for the block's next forward: its layer norms' gradients stay the dense ones (summed over the
+    ranks they would be T times too large; the whole-width check would refuse ln1)."""
+    import copy
+
+    from engine.comm import Communicator
+    from engine.tensor_parallel.autotp import shard_model
+    torch.manual_seed(0)
+    model = _tiny_gpt()
+    reference = copy.deepcopy(model)
+    shard_model(model, Communicator(None))
+    with torch.no_grad():
+        model.blocks[0].qkv(torch.randn(2, 8, model.blocks[0].ln1.normalized_shape[0]))
+    x = torch.randint(0, 64, (2, 8))
+    losses = []
+    for m in (model, reference):
+        loss = m(x, x)
+        loss.backward()
+        losses.append(loss.item())
+    pairs = zip(model.blocks[0].ln1.parameters(), reference.blocks[0].ln1.parameters())
+    return {"ln1_grad": max(_err(a.grad, b.grad) for a, b in pairs), "losses": losses}
 
 
 def _autotp_cross_attention_on_rank() -> dict:
@@ -841,6 +867,11 @@ def test_an_inf_on_one_tensor_rank_skips_the_step_everywhere(request, world, sta
         assert r["changed"] == [True, False, True] and r["skipped"] == 1, r
         assert r["scales"][INF_STEP] == r["scales"][0] / 2, r  # the dynamic loss scale backed off
     assert len({tuple(r["scales"]) for r in overflow}) == 1, overflow
+
+
+def test_a_projection_called_outside_its_block_leaves_no_region_open(two_rank_results):
+    for r in two_rank_results:
+        assert _checked(r["stray_projection_call"])["ln1_grad"] < MODEL_ATOL, r["stray_projection_call"]
 
 
 def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..activation_checkpointing.rng import MODEL_PARALLEL_RNG, _get_state, _set_state, get_cuda_rng_tracker
-from .region_params import watch_region_parameters
+from .region_params import OwnerRunning, watch_region_parameters
 
 _SEED_RANGE = 2**62
 _RANK_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct tensor ranks get distinct seeds from one draw
@@ -75,12 +75,13 @@ def mark_parallel_region(owner: nn.Module, column: list[nn.Module], row: list[nn
     if getattr(owner, "_tensor_parallel_region", False):  # marked already: one pair of hooks is enough
         return
     owner._tensor_parallel_region = True
+    running = OwnerRunning(owner)  # only inside the owner's forward (region_params.py)
     for layer in column:
-        layer.register_forward_hook(_enter)
+        layer.register_forward_hook(lambda module, args, output: running.on and _enter(module, args, output))
     for layer in row:
         layer.register_forward_pre_hook(_leave)
     owner.register_forward_hook(_leave, always_call=True)
-    watch_region_parameters(owner, column, row)  # replicated parameters inside get the dense gradient
+    watch_region_parameters(owner, column, row, running)  # replicated parameters inside get the dense gradient
 
 
 def mark_layer_regions(model: nn.Module) -> list[str]:

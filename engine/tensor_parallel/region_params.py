@@ -89,10 +89,28 @@ def _watch(child: nn.Module, comm, widths: set[int]) -> None:
     child.register_forward_pre_hook(pre_hook)
 
 
-def watch_region_parameters(owner: nn.Module, column: list[nn.Module], row: list[nn.Module]) -> None:
-    """Open and close `owner`'s regions and watch its other children (module note)."""
+class OwnerRunning:
+    """Whether the owner's forward is running: a column-parallel layer called outside it (a user
+    inspecting its output) opens no region, so it neither marks the block's layer norms nor switches
+    the random stream for the user's next draws (dropout_region.py)."""
+
+    def __init__(self, owner: nn.Module):
+        self.on = False
+        owner.register_forward_pre_hook(self._start)
+        owner.register_forward_hook(self._stop, always_call=True)
+
+    def _start(self, *_) -> None:
+        self.on = True
+
+    def _stop(self, *_) -> None:
+        self.on = False
+
+
+def watch_region_parameters(owner: nn.Module, column: list[nn.Module], row: list[nn.Module],
+                            running: OwnerRunning) -> None:
+    """Open and close `owner`'s regions while its forward runs and watch its other children (module note)."""
     for layer in column:
-        layer.register_forward_hook(_open)
+        layer.register_forward_hook(lambda *_: running.on and _open())
     for layer in row:
         layer.register_forward_pre_hook(_close)
     owner.register_forward_hook(_close, always_call=True)
