@@ -8,8 +8,9 @@ gives the same 16-bit weights. Full parameters exist only while their unit is co
 reuse, `max_reuse_distance`, `max_live_parameters`).
 Communication per step (ZeRO paper §7): all-gather Ψ before forward, Ψ again before backward,
 reduce-scatter Ψ of gradients as backward produces them (3Ψ), plus one all-gather of the persistent
-parameters after the step and three tiny all-reduces (the gradient norm; whether a rank left the plan
-in forward; whether to re-record the trace, with the pass's tag check: prefetch.py's notes). With the defaults (`max_reuse_distance` 1e9, as in DeepSpeed) a model that fits is gathered
+parameters after the step and tiny all-reduces: one per micro-step's forward (whether a rank left
+the plan), one per micro-step at its end (whether to re-record the trace, with the pass's tag check:
+prefetch.py's notes) and one per step (the gradient norm); three per step without accumulation. With the defaults (`max_reuse_distance` 1e9, as in DeepSpeed) a model that fits is gathered
 once per pass and kept through backward: 2Ψ.
 
 Parts: `stage3_units` (which module gathers what; hooks), `prefetch` (gather/release/prefetch by the
