@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..activation_checkpointing.rng import MODEL_PARALLEL_RNG, _get_state, _set_state, get_cuda_rng_tracker
-from .region_params import OwnerRunning, watch_region_parameters
+from .region_params import close_region, open_region, watch_region_children
 
 _SEED_RANGE = 2**62
 _RANK_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct tensor ranks get distinct seeds from one draw
@@ -70,18 +70,44 @@ def _leave(*_) -> None:
         _REGION.outer = None
 
 
+class _OwnerRunning:
+    """Whether the owner's forward is running: a column-parallel layer called outside it (a user
+    inspecting its output) opens no region, so it neither marks the block's layer norms
+    (region_params.py) nor switches the random stream for the user's next draws."""
+
+    on = False
+
+
 def mark_parallel_region(owner: nn.Module, column: list[nn.Module], row: list[nn.Module]) -> None:
-    """Hook `owner`'s sharded layers so that dropout between them draws a stream of this tensor rank."""
+    """Hook `owner`'s sharded layers: between them dropout draws a stream of this tensor rank, and a
+    replicated parameter used there gets the dense gradient (region_params.py)."""
     if getattr(owner, "_tensor_parallel_region", False):  # marked already: one pair of hooks is enough
         return
     owner._tensor_parallel_region = True
-    running = OwnerRunning(owner)  # only inside the owner's forward (region_params.py)
+    running = _OwnerRunning()
+
+    def start(*_) -> None:
+        running.on = True
+
+    def opened(module, args, output) -> None:
+        if running.on:
+            open_region()
+            _enter(module, args, output)
+
+    def closed(*_) -> None:
+        close_region()
+        _leave()
+
+    def end(*_) -> None:
+        running.on = False
+        closed()
+    owner.register_forward_pre_hook(start)
     for layer in column:
-        layer.register_forward_hook(lambda module, args, output: running.on and _enter(module, args, output))
+        layer.register_forward_hook(opened)
     for layer in row:
-        layer.register_forward_pre_hook(_leave)
-    owner.register_forward_hook(_leave, always_call=True)
-    watch_region_parameters(owner, column, row, running)  # replicated parameters inside get the dense gradient
+        layer.register_forward_pre_hook(closed)
+    owner.register_forward_hook(end, always_call=True)
+    watch_region_children(owner, column, row)
 
 
 def mark_layer_regions(model: nn.Module) -> list[str]:

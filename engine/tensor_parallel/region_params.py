@@ -32,7 +32,8 @@ import torch.nn as nn
 
 
 class _Open:
-    """Whether a parallel region is open now (the forward runs in one thread)."""
+    """Whether a parallel region is open now (the forward runs in one thread). dropout_region.py's
+    `mark_parallel_region` opens and closes it with the same hooks that switch the dropout stream."""
 
     region = False
 
@@ -40,11 +41,11 @@ class _Open:
 _OPEN = _Open()
 
 
-def _open(*_) -> None:
+def open_region() -> None:
     _OPEN.region = True
 
 
-def _close(*_) -> None:
+def close_region() -> None:
     _OPEN.region = False
 
 
@@ -77,7 +78,8 @@ def _whole_width_error(module: nn.Module, what: str):  # `what`: the parameter(s
 
 
 def _watch(child: nn.Module, comm, widths: set[int]) -> None:
-    """Sum the gradients of `child`'s parameters over `comm` once it is seen running inside a region."""
+    """Sum the gradients of `child`'s parameters over `comm` once it is seen running inside a region;
+    the hook then removes itself (the parameters' shapes and hooks are set for good: nothing per forward)."""
     def pre_hook(module, _args) -> None:
         if not _OPEN.region:
             return
@@ -86,34 +88,12 @@ def _watch(child: nn.Module, comm, widths: set[int]) -> None:
             if p.requires_grad and not getattr(p, "_tensor_parallel_summed", False):
                 p._tensor_parallel_summed = True
                 p.register_hook(_summing_hook(comm))
-    child.register_forward_pre_hook(pre_hook)
+        handle.remove()
+    handle = child.register_forward_pre_hook(pre_hook)
 
 
-class OwnerRunning:
-    """Whether the owner's forward is running: a column-parallel layer called outside it (a user
-    inspecting its output) opens no region, so it neither marks the block's layer norms nor switches
-    the random stream for the user's next draws (dropout_region.py)."""
-
-    def __init__(self, owner: nn.Module):
-        self.on = False
-        owner.register_forward_pre_hook(self._start)
-        owner.register_forward_hook(self._stop, always_call=True)
-
-    def _start(self, *_) -> None:
-        self.on = True
-
-    def _stop(self, *_) -> None:
-        self.on = False
-
-
-def watch_region_parameters(owner: nn.Module, column: list[nn.Module], row: list[nn.Module],
-                            running: OwnerRunning) -> None:
-    """Open and close `owner`'s regions while its forward runs and watch its other children (module note)."""
-    for layer in column:
-        layer.register_forward_hook(lambda *_: running.on and _open())
-    for layer in row:
-        layer.register_forward_pre_hook(_close)
-    owner.register_forward_hook(_close, always_call=True)
+def watch_region_children(owner: nn.Module, column: list[nn.Module], row: list[nn.Module]) -> None:
+    """Watch `owner`'s children other than its parallel layers (module note)."""
     parallel = set(column) | set(row)
     widths = set()  # a column layer's whole output and one fused section of it (module note)
     for layer in column:
