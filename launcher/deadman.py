@@ -66,16 +66,17 @@ class DeadManSwitch:
             pass
 
 
-def kill_groups(pgids: list[int]) -> int:
-    """SIGKILLs each group; the number of groups that still had members."""
-    killed = 0
+def signal_groups(pgids: list[int], sig: int) -> int:
+    """Sends `sig` to each process group; the number of groups that still had members (the agent's
+    `signal_rank_groups` sends through here too)."""
+    reached = 0
     for pgid in pgids:
         try:
-            os.killpg(pgid, signal.SIGKILL)
-            killed += 1
+            os.killpg(pgid, sig)
+            reached += 1
         except (ProcessLookupError, PermissionError):
             pass
-    return killed
+    return reached
 
 
 def main(argv: list[str]) -> int:
@@ -88,7 +89,7 @@ def main(argv: list[str]) -> int:
             return 0
         if line.isdigit():
             pgids.append(int(line))
-    killed = kill_groups(pgids)
+    killed = signal_groups(pgids, signal.SIGKILL)
     if killed:
         try:
             os.write(2, f"dslaunch: agent {agent_pid} died; killed {killed} rank process group(s) "

@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from launcher.deadman import signal_groups
 from launcher.world import RankPlacement, WorldInfo
 
 # Engines of other launchers read these before RANK; a rank started by an agent under mpirun must
@@ -134,11 +135,7 @@ def spawn_rank(command: list[str], env: dict[str, str], placement: RankPlacement
 
 def signal_rank_groups(ranks: list[RankProcess], sig: int):
     """Sends `sig` to each rank's whole process group, including children of exited ranks."""
-    for proc in ranks:
-        try:
-            os.killpg(proc.popen.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    signal_groups([proc.popen.pid for proc in ranks], sig)
 
 
 def stop_ranks(ranks: list[RankProcess], grace_s: float, pump, hurried=lambda: False) -> None:
