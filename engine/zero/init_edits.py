@@ -58,7 +58,7 @@ def check_no_lost_edit(named_params, where: str) -> None:
 def patch_init_functions(gathered) -> list[tuple[object, str, object]]:
     """Wrap torch.nn.init's in-place functions so that a partitioned parameter is filled whole inside
     `gathered(param)` (module note). Returns (object, name, original) for each, to restore."""
-    patched = []
+    patched, importers = [], _importers()
     for name in INPLACE_INIT:
         original = getattr(nn.init, name)
         if getattr(original, "_z3_wrapped", False):  # a nested Init: the outer one's wrapper stands
@@ -72,16 +72,25 @@ def patch_init_functions(gathered) -> list[tuple[object, str, object]]:
                 _original(tensor, *args, **kwargs)
             return tensor
         wrapper._z3_wrapped = True
-        for holder in [nn.init] + _importers(name, original):
+        for holder in [nn.init] + importers.get(name, []):
             patched.append((holder, name, original))
             setattr(holder, name, wrapper)
     return patched
 
 
-def _importers(name: str, function) -> list:
-    """Loaded modules other than torch.nn.init that hold `function` as `name` (imported by name)."""
-    return [m for m in list(sys.modules.values())
-            if m is not nn.init and getattr(m, "__dict__", {}).get(name) is function]
+def _importers() -> dict[str, list]:
+    """INPLACE_INIT name -> the loaded modules other than torch.nn.init that hold torch's function under
+    that name (imported by name), from one pass over sys.modules."""
+    functions = {name: getattr(nn.init, name) for name in INPLACE_INIT}
+    found: dict[str, list] = {}
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if module is nn.init or not isinstance(namespace, dict):
+            continue
+        for name, function in functions.items():
+            if namespace.get(name) is function:
+                found.setdefault(name, []).append(module)
+    return found
 
 
 def _pretrained_model_class():
