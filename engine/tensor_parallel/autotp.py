@@ -28,7 +28,7 @@ from ops.sparse_attention import SparseSelfAttention
 
 from ..comm import Communicator
 from .dropout_region import mark_parallel_region
-from .layers import ColumnParallelLinear, RowParallelLinear, dense_weight, is_conv1d
+from .layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 
 # leaf name -> number of fused sections
 COLUMN_PARALLEL = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_proj": 1, "c_fc": 1, "fc": 1,
@@ -67,17 +67,13 @@ def _check_config_head_counts(owner: nn.Module, world: int, where: str) -> None:
                          "each rank must hold whole query and key/value heads; use an autotp_size that divides them")
 
 
-def _refuse_head_wide_own_parameters(owner: nn.Module, projections: dict, where: str) -> None:
-    """A parameter the projections' owner holds directly is used in its forward, where no hook can
-    tell whether inside a region (region_params.py). One sized by the heads (GPT-OSS's attention
-    `sinks`, one per head) would meet one rank's heads with all of them: a bare shape error at best.
-    Refused here, naming it."""
+def _refuse_per_head_own_parameters(owner: nn.Module, where: str) -> None:
+    """A parameter the projections' owner holds directly, one per head (GPT-OSS's attention `sinks`),
+    would meet one rank's heads with all of them: a bare shape error at best. Refused here, naming it.
+    Other own parameters are found where they are used, in the first forward (own_params.py)."""
     config = getattr(owner, "config", None)
     sizes = {getattr(src, a) for src in (owner, config) for a in HEAD_COUNTS
              if isinstance(getattr(src, a, None), int)}
-    for name, child in projections.items():
-        if name in COLUMN_PARALLEL:
-            sizes.add(dense_weight(child).shape[0] // COLUMN_PARALLEL[name])
     for name, p in owner.named_parameters(recurse=False):
         if p.numel() in sizes:
             raise ValueError(f"tensor_parallel.autotp_size: {where}.{name} {tuple(p.shape)} is sized by the attention "
@@ -117,7 +113,7 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
         sharded_attention, column, row = False, [], []
         if children.keys() & set(ATTENTION_PROJECTIONS):
             _check_config_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
-            _refuse_head_wide_own_parameters(owner, children, owner_name or type(model).__name__)
+            _refuse_per_head_own_parameters(owner, owner_name or type(model).__name__)
         for name, child in children.items():
             path = f"{owner_name}.{name}" if owner_name else name
             try:

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 
 from ..activation_checkpointing.rng import MODEL_PARALLEL_RNG, _get_state, _set_state, get_cuda_rng_tracker
-from .region_params import close_region, open_region, watch_region_children
+from .own_params import watch_own_parameters
+from .region_params import close_region, column_widths, open_region, watch_region_children
 
 _SEED_RANGE = 2**62
 _RANK_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct tensor ranks get distinct seeds from one draw
@@ -107,7 +108,9 @@ def mark_parallel_region(owner: nn.Module, column: list[nn.Module], row: list[nn
     for layer in row:
         layer.register_forward_pre_hook(closed)
     owner.register_forward_hook(end, always_call=True)
-    watch_region_children(owner, column, row)
+    widths = column_widths(column)
+    watch_region_children(owner, column, row, widths)
+    watch_own_parameters(owner, column, row, widths)
 
 
 def mark_layer_regions(model: nn.Module) -> list[str]:

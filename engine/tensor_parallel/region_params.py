@@ -15,8 +15,8 @@ owner's forward). A child of the owner holding trainable parameters, other than 
 that runs while a region is open has its parameters' gradients summed over the tensor group by a
 gradient hook, before they are accumulated (so the ZeRO and data-parallel paths see the dense
 gradient), one small all-reduce per such parameter and backward. A recompute runs the same hooks.
-Not covered: a parameter the owner holds directly and uses inside a region (no forward of its own
-to see it by).
+A parameter the owner holds directly has no forward of its own to see it by: own_params.py finds
+where it is used in the autograd graph of the owner's first forward.
 A child running inside a region with a parameter as wide as a column-parallel layer's whole output
 (or one fused section of it) works on every head at once — OLMo2's q_norm over the whole query
 projection, Cohere's per-head norm weights (heads × head_dim) — and cannot run on one rank's heads:
@@ -41,6 +41,10 @@ class _Open:
 _OPEN = _Open()
 
 
+def region_is_open() -> bool:
+    return _OPEN.region
+
+
 def open_region() -> None:
     _OPEN.region = True
 
@@ -55,6 +59,13 @@ def _summing_hook(comm):
         comm.all_reduce(grad)
         return grad
     return hook
+
+
+def sum_gradient_over(p: torch.Tensor, comm) -> None:
+    """Sum `p`'s gradient over the tensor group `comm` in every backward from now on (once per parameter)."""
+    if p.requires_grad and not getattr(p, "_tensor_parallel_summed", False):
+        p._tensor_parallel_summed = True
+        p.register_hook(_summing_hook(comm))
 
 
 def _refuse_whole_width(module: nn.Module, widths: set[int]) -> None:
@@ -85,19 +96,23 @@ def _watch(child: nn.Module, comm, widths: set[int]) -> None:
             return
         _refuse_whole_width(module, widths)
         for p in module.parameters():
-            if p.requires_grad and not getattr(p, "_tensor_parallel_summed", False):
-                p._tensor_parallel_summed = True
-                p.register_hook(_summing_hook(comm))
+            sum_gradient_over(p, comm)
         handle.remove()
     handle = child.register_forward_pre_hook(pre_hook)
 
 
-def watch_region_children(owner: nn.Module, column: list[nn.Module], row: list[nn.Module]) -> None:
-    """Watch `owner`'s children other than its parallel layers (module note)."""
-    parallel = set(column) | set(row)
-    widths = set()  # a column layer's whole output and one fused section of it (module note)
+def column_widths(column: list[nn.Module]) -> set[int]:
+    """A column layer's whole output and one fused section of it (module note)."""
+    widths = set()
     for layer in column:
         widths |= {layer.out_features, layer.out_features // getattr(layer.weight, "tensor_parallel_parts", 1)}
+    return widths
+
+
+def watch_region_children(owner: nn.Module, column: list[nn.Module], row: list[nn.Module],
+                          widths: set[int]) -> None:
+    """Watch `owner`'s children other than its parallel layers (module note)."""
+    parallel = set(column) | set(row)
     for child in owner.children():
         inner = set(child.modules())
         if child not in parallel and not inner & parallel and any(p.requires_grad for p in child.parameters()):

@@ -1,0 +1,144 @@
+"""Parameters a region's owner holds directly: where its forward uses them is read from the autograd graph.
+
+[Note: own parameters] region_params.py sees a child used inside a column→row region by the child's
+own forward. A parameter the owner holds itself has no forward to see it by: a per-head-dim scale
+applied to every head of q (DiffLlama's `lambda_q1`, a learned temperature), a bias added to the
+column projection's output. Used inside a region, each tensor rank's gradient is its heads' share
+(a per-head-dim scale on 4 heads split over 2 ranks: each rank's gradient was half the dense one's
+and the copies drifted apart, silently), so it is summed over the tensor group like a child's.
+Used only before the first column-parallel projection or after a row-parallel one it is replicated
+data with the dense gradient on every rank: nothing to do (an `out_bias` of the hidden size added
+after o_proj was refused at initialize for being as wide as a column projection: a false refusal).
+Used in both, the gradient is a share plus a whole, which neither summing nor leaving can make
+the dense one: refused with an error naming it.
+Which: at the owner's first forward with gradients enabled (a recompute counts) the autograd graph is
+walked once. The column layers' outputs, the row layers' outputs and the owner's inputs cut it into
+segments; the walks back from the row layers' inputs cover the regions, the walks back from the
+owner's output (its first tensor: HF attention returns its partitioned attention weights second) and
+from the column layers' inputs cover the rest. The hooks then remove themselves: a forward after that
+costs nothing. An owner without trainable parameters of its own gets no hooks at all.
+A parameter spanning the column projection's whole output used inside a region meets one rank's
+share of it: torch raises a shape error that names no parameter; the note added to it names them.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn as nn
+
+from .region_params import region_is_open, sum_gradient_over
+
+
+def _grad_nodes(tensors) -> list:
+    return [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+
+def _first_tensor(output):
+    while isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    return output
+
+
+def _leaves(roots: list, stops: set) -> set[int]:
+    """ids of the leaf tensors (AccumulateGrad nodes) reachable from `roots` without crossing a stop."""
+    found, seen, todo = set(), set(), list(roots)
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+class _Graph:
+    """The nodes one forward of the owner recorded (module note)."""
+
+    def __init__(self):
+        self.armed = False
+        self.stops, self.inside_roots, self.outside_roots = set(), [], []
+
+
+def _refuse_mixed(owner: nn.Module, name: str, p: torch.Tensor):
+    raise ValueError(f"tensor parallelism: {type(owner).__name__}.{name} {tuple(p.shape)} is used both inside a "
+                     "column→row region (on this rank's heads) and outside it (on the whole width): its gradient is a "
+                     "share plus a whole, which no reduction makes the dense one; use it on one side only, or leave "
+                     "tensor_parallel.autotp_size at 1 for this model")
+
+
+def _refuse_whole_width(owner: nn.Module, name: str, p: torch.Tensor):
+    raise ValueError(f"tensor parallelism: {type(owner).__name__}.{name} {tuple(p.shape)} spans a column-parallel "
+                     "layer's whole output and is used inside the region on one rank's share of it; leave "
+                     "tensor_parallel.autotp_size at 1 for this model, or shard it with engine.tensor_parallel's layers")
+
+
+def watch_own_parameters(owner: nn.Module, column: list[nn.Module], row: list[nn.Module], widths: set[int]) -> None:
+    """Find where `owner`'s own trainable parameters are used at its first forward with gradients
+    (module note); sum the gradients of those used inside a region over the tensor group."""
+    own = {name: p for name, p in owner.named_parameters(recurse=False) if p.requires_grad}
+    if not own:
+        return
+    comm, graph, handles = column[0].comm, _Graph(), []
+    wide = [name for name, p in own.items() if p.numel() in widths]
+
+    def start(module, args, kwargs) -> None:
+        graph.armed = torch.is_grad_enabled()
+        if graph.armed:
+            graph.stops |= set(_grad_nodes([*args, *kwargs.values()]))
+
+    def column_output(module, args, output) -> None:
+        if graph.armed:
+            graph.stops |= set(_grad_nodes([output]))
+            graph.outside_roots += _grad_nodes(args[:1])
+
+    def row_input(module, args) -> None:
+        if graph.armed:
+            graph.inside_roots += _grad_nodes(args[:1])
+
+    def row_output(module, args, output) -> None:
+        if graph.armed:
+            graph.stops |= set(_grad_nodes([output]))
+
+    def end(module, args, output) -> None:
+        if not graph.armed:
+            return
+        graph.armed = False
+        inside = _leaves(graph.inside_roots, graph.stops)
+        outside = _leaves(graph.outside_roots + _grad_nodes([_first_tensor(output)]), graph.stops)
+        graph.stops, graph.inside_roots, graph.outside_roots = set(), [], []  # the graph is the caller's
+        for name, p in own.items():
+            if id(p) in inside and id(p) in outside:
+                _refuse_mixed(owner, name, p)
+            if id(p) in inside and name in wide:
+                _refuse_whole_width(owner, name, p)
+        for name, p in own.items():
+            if id(p) in inside:
+                sum_gradient_over(p, comm)
+        for handle in handles:
+            handle.remove()
+
+    handles.append(owner.register_forward_pre_hook(start, with_kwargs=True))
+    handles += [layer.register_forward_hook(column_output) for layer in column]
+    handles += [layer.register_forward_pre_hook(row_input) for layer in row]
+    handles += [layer.register_forward_hook(row_output) for layer in row]
+    handles.append(owner.register_forward_hook(end))
+    if wide:
+        _note_whole_width_failures(owner, wide)
+
+
+def _note_whole_width_failures(owner: nn.Module, wide: list[str]) -> None:
+    """A shape error raised inside a region of an owner holding whole-width parameters gets a note
+    naming them (module note); the region flag is still set: the owner's end hook runs after this one."""
+    def noted(module, args, output) -> None:
+        error = sys.exc_info()[1]
+        if error is not None and region_is_open() and not getattr(error, "_tensor_parallel_noted", False):
+            error._tensor_parallel_noted = True
+            error.add_note(f"tensor parallelism: {type(owner).__name__} holds {', '.join(wide)}, as wide as a "
+                           "column-parallel layer's whole output; used inside the region it meets one rank's share "
+                           "of it. Leave tensor_parallel.autotp_size at 1 for this model, or shard it with "
+                           "engine.tensor_parallel's layers")
+    owner.register_forward_hook(noted, always_call=True, prepend=True)
