@@ -22,14 +22,29 @@ class DistributedDataLoader:
         self.dataset = dataset
         self.sampler = DistributedSampler(dataset, num_replicas=dp_world_size, rank=dp_rank,
                                           shuffle=shuffle, seed=seed, drop_last=drop_last)
-        generator = torch.Generator()
-        generator.manual_seed(seed)
-        self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
-                                 collate_fn=collate_fn, drop_last=drop_last, num_workers=num_workers,
-                                 generator=generator)
+        self._loader_args = {"sampler": self.sampler, "collate_fn": collate_fn, "drop_last": drop_last,
+                             "num_workers": num_workers, "seed": seed}
+        self.loader = self._build(micro_batch_size)
         self.epoch = 0
         self.batches_in_epoch = 0  # handed out in the current epoch
         self._skip = 0  # batches to skip after a resume
+        self._passing = False  # a pass (an iterator) is under way
+
+    def _build(self, micro_batch_size: int) -> DataLoader:
+        args = dict(self._loader_args)
+        generator = torch.Generator()
+        generator.manual_seed(args.pop("seed"))
+        return DataLoader(self.dataset, batch_size=micro_batch_size, generator=generator, **args)
+
+    def set_micro_batch_size(self, micro_batch_size: int, caller: str) -> None:
+        """Yield `micro_batch_size` samples per batch from the next pass on (engine/batch_size.py). Within a
+        pass it is an error: the pass's position, and a checkpoint's record of it, count batches of one size."""
+        if self._passing:
+            raise RuntimeError(f"{caller}({micro_batch_size}): the training data loader engine.initialize() built "
+                               f"is in the middle of a pass ({self.batches_in_epoch} of {len(self)} batches of "
+                               f"{self.loader.batch_size} handed out); change the micro batch between passes, or "
+                               "iterate a loader of your own")
+        self.loader = self._build(micro_batch_size)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -40,11 +55,15 @@ class DistributedDataLoader:
         self.sampler.set_epoch(self.epoch)
         skip, self._skip = self._skip, 0
         self.batches_in_epoch = 0
-        for i, batch in enumerate(self.loader):
-            if i < skip:
-                continue
-            self.batches_in_epoch = i + 1
-            yield batch
+        self._passing = True
+        try:
+            for i, batch in enumerate(self.loader):
+                if i < skip:
+                    continue
+                self.batches_in_epoch = i + 1
+                yield batch
+        finally:  # also when the pass is left (a `break` closes the generator)
+            self._passing = False
         self.epoch += 1
         self.batches_in_epoch = 0
 

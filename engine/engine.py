@@ -11,6 +11,7 @@ import gc
 import torch
 
 from . import heartbeat
+from .batch_size import set_train_batch_size, set_train_micro_batch_size
 from .dist import global_rank
 from .monitor import StepLogger, Timers
 from .checkpoint.restore import restore_counters
@@ -50,6 +51,25 @@ class Engine(torch.nn.Module):
         self.logger = StepLogger(config.steps_per_print, global_rank(), config.train_batch_size)
         self.metrics = TrainingMetrics(config, comm, module)  # engine/monitors: monitors, MFU, profiler
         self.monitor = self.metrics.monitor  # DeepSpeed's `engine.monitor.write_events([...])`
+
+    # [Note: window start] Setting `micro_steps` (here, a checkpoint's restore_counters) starts an
+    # accumulation window there, and so does a batch-size change (batch_size.py): the boundary is
+    # counted from the window's start, not from micro-step 0, so a new gradient_accumulation_steps
+    # gives whole windows of the new size whatever the micro-steps before it.
+    @property
+    def micro_steps(self) -> int:
+        return self._micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self._micro_steps = self._window_start = value
+
+    def start_window(self) -> None:
+        self._window_start = self._micro_steps
+
+    def micro_steps_in_window(self) -> int:
+        """Micro-steps taken in the current accumulation window (0 at a boundary)."""
+        return (self._micro_steps - self._window_start) % self.config.gradient_accumulation_steps
 
     @property
     def device(self) -> torch.device:
@@ -91,7 +111,7 @@ class Engine(torch.nn.Module):
             raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first")
         if self.is_gradient_accumulation_boundary():
             self._boundary_step()
-        self.micro_steps += 1
+        self._micro_steps += 1
         self._boundary_override = None
 
     def _boundary_step(self) -> None:
@@ -166,7 +186,7 @@ class Engine(torch.nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return self.micro_steps_in_window() + 1 == self.config.gradient_accumulation_steps
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary for the current micro-step (DeepSpeed's name and meaning)."""
@@ -199,6 +219,14 @@ class Engine(torch.nn.Module):
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """New global batch: gradient_accumulation_steps changes, the micro-batch stays (batch_size.py)."""
+        set_train_batch_size(self, train_batch_size)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """New micro-batch: gradient_accumulation_steps stays, train_batch_size follows (batch_size.py)."""
+        set_train_micro_batch_size(self, micro_batch_size)
 
     # -- checkpoints (engine/checkpoint; docs/checkpoints.md) ------------------------------------
     @property
