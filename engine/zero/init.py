@@ -11,7 +11,7 @@
 outermost `__init__` of a module returns, the parameters it registered directly are broadcast from rank
 0 (so all ranks agree whatever their random state), this rank keeps its dim-0 chunk (`p._z3_chunk`,
 padded, in the config's model dtype), and `p.data` becomes an empty placeholder (`p.ds_shape` keeps
-the shape). So at most one module's own parameters exist in full at a time. `Module.apply` is wrapped
+the shape; the placeholder keeps its number of dimensions, stage3_params.placeholder). So at most one module's own parameters exist in full at a time. `Module.apply` is wrapped
 too (`override_module_apply`): `fn` sees each module's parameters gathered, and rank 0's result is
 kept — which is what makes `self.apply(init_weights)` at the end of a model's `__init__` work.
 `initialize()` then builds the stage-3 partition from the chunks without materializing the model.
@@ -37,7 +37,8 @@ from ..precision import model_dtype
 from offload.param_swap import SwappedChunk
 from .param_nvme import init_chunk_file
 from .init_edits import check_no_lost_edit, mark_placeholder, patch_init_functions, patch_smart_apply
-from .stage3_params import chunk_tensor, full_shape, gather_full, padded_chunk, spec_of
+from .param_copy import copyable_when_partitioned
+from .stage3_params import chunk_tensor, full_shape, gather_full, padded_chunk, placeholder, spec_of
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,9 @@ class Init:
                     chunk = chunk.to(self.chunk_device).pin_memory() if self.pin else chunk.to(self.chunk_device)
                 p._z3_chunk = self.chunk_file.put(chunk) if self.chunk_file is not None else chunk
                 self._note_freed(p.numel() * p.element_size())
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.data = placeholder(tuple(p.ds_shape), p.dtype, p.device)
                 mark_placeholder(p)
+                copyable_when_partitioned(p)  # param_copy.py: nn.TransformerEncoder's clones, EMA copies
                 self._placeholders.append(p)
 
     def _warn_meta(self, module: nn.Module) -> None:
@@ -292,7 +294,7 @@ class GatheredParameters(contextlib.ContextDecorator):
                     comm.broadcast(p.data, src=self.modifier_rank)
                     self._store(p, comm)
         for p in self._init_params:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.data = placeholder(full_shape(p), p.dtype, p.device)
             mark_placeholder(p)  # edits inside the block were made whole: not lost (init_edits.py)
         for coordinator, group in self._held:
             coordinator.user_held[group.gid] -= 1

@@ -32,6 +32,7 @@ from ..comm import Communicator
 from .arrivals import ArrivalLog
 from .grad_swap import swaps_gradients
 from .param_nvme import wants_param_nvme
+from .param_copy import copyable_when_partitioned
 from .partition import REDUCE_DEPTH, InFlight, RankMajorLayout
 from .prefetch import ParamCoordinator
 from .stage0 import reduction_settings
@@ -141,6 +142,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self._trim = HostMemoryTrimmer(limit=sum(g.numel * g.fulls[0].element_size() for g in groups if g.fulls))
         for p in module.parameters():
             p._z3_owner = self  # GatheredParameters finds the stage through it
+            copyable_when_partitioned(p)  # a deepcopy is refused (param_copy.py's note)
             if hasattr(p, "_z3_chunk"):
                 del p._z3_chunk  # copied into the flat partition (or frozen_chunks)
 

@@ -1,8 +1,9 @@
 """ZeRO stage 3 parameter storage: per-rank chunks, gather groups, and the placeholder protocol.
 
 [Note: where a parameter lives] A stage-3 parameter `p` keeps its full shape in `p.ds_shape`. Between
-uses `p.data` is an empty placeholder (shape [0]); this rank's chunk lives in the fp32 flat partition
-(trainable parameters: it is the master weight) or in `frozen_chunks` (frozen parameters, model dtype).
+uses `p.data` is an empty placeholder (`placeholder`: shape (0, *ds_shape[1:])); this rank's chunk
+lives in the fp32 flat partition (trainable parameters: it is the master weight) or in
+`frozen_chunks` (frozen parameters, model dtype).
 Parameters of at most `param_persistence_threshold` elements stay full on every rank ("persistent")
 and are refreshed from the master after each step.
 [Note: full storage] Each partitioned parameter owns one full-size tensor whose storage is resized to
@@ -27,6 +28,16 @@ TAG = 2  # trailing elements per rank in every all-gather
 
 def full_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The empty tensor a partitioned parameter holds between uses: no element, but the full shape's
+    number of dimensions and trailing sizes. Code that reads `p.dim()` while a model is built
+    (nn.Transformer's `if p.dim() > 1: xavier_uniform_(p)`, nanoGPT's weight-decay groups) or a fan-in
+    (`nn.Linear.reset_parameters`) then sees the real parameter's; a [0] placeholder made that loop skip
+    every partitioned weight silently. Dim 0 is 0: code reading `p.shape[0]` or `p.numel()` of a
+    placeholder still gets 0 (docs/zero3.md)."""
+    return torch.empty((0, *shape[1:]) if len(shape) else (0,), dtype=dtype, device=device)
 
 
 def spec_of(shape: tuple[int, ...], world: int) -> ChunkSpec:
@@ -149,17 +160,18 @@ class GatherGroup:
         specs = [spec_of(full_shape(p), world) for p in params]
         self.layout = RankMajorLayout(params + [None], specs + [ChunkSpec(world, TAG, 1)], world)
         self.numel = sum(s.rows * s.row_numel for s in specs)
-        self.placeholder = torch.empty(0, dtype=self.dtype, device=params[0].device)
+        self.device = params[0].device
+        self.placeholders = [placeholder(full_shape(p), self.dtype, params[0].device) for p in params]
         self.fulls = [torch.empty(full_shape(p), dtype=self.dtype, device=params[0].device) for p in params]
         self.nbytes = [f.untyped_storage().nbytes() for f in self.fulls]
         for f in self.fulls:
             f.untyped_storage().resize_(0)
         self.gathered = False
-        self.tag = torch.tensor([gid // 256, gid % 256], dtype=self.dtype, device=self.placeholder.device)
+        self.tag = torch.tensor([gid // 256, gid % 256], dtype=self.dtype, device=self.device)
 
     def send_buffer(self) -> torch.Tensor:
         """This rank's segment: every chunk (cast to the model dtype) and the tag."""
-        send = torch.empty(self.layout.segment, dtype=self.dtype, device=self.placeholder.device)
+        send = torch.empty(self.layout.segment, dtype=self.dtype, device=self.device)
         try:
             copy_chunks(self.layout.segment_slots(send), self.sources.open() + [self.tag])
         finally:
@@ -167,7 +179,7 @@ class GatherGroup:
         return send
 
     def output_buffer(self) -> torch.Tensor:
-        return torch.empty(self.layout.numel, dtype=self.dtype, device=self.placeholder.device)
+        return torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
 
     def tag_ids(self, out: torch.Tensor) -> torch.Tensor:
         """The group id each rank sent, from a finished all-gather's output: a new int64 tensor on its
@@ -191,8 +203,8 @@ class GatherGroup:
         self.gathered = True
 
     def release(self) -> None:
-        for p, f in zip(self.params, self.fulls):
-            p.data = self.placeholder
+        for p, f, empty in zip(self.params, self.fulls, self.placeholders):
+            p.data = empty
             f.untyped_storage().resize_(0)
         self.gathered = False
 

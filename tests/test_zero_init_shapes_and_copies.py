@@ -1,0 +1,110 @@
+"""zero.Init and construction code that reads a partitioned parameter's shape or copies it
+(engine/zero/stage3_params.py `placeholder`, engine/zero/param_copy.py).
+
+`nn.Transformer` is the canonical case of both: `nn.TransformerEncoder` deep-copies its partitioned
+layer (`_get_clones`), and `_reset_parameters` re-initialises `if p.dim() > 1`. Oracles: the model built
+normally from the same seed (torch.equal per parameter), nanoGPT-style weight-decay groups chosen by
+`p.dim()` (same parameters in each), and plain single-process SGD on the global batch (weight decay on the
+decay group, gradient_clipping 0), fp32 atol 1e-6 after STEPS steps. A copy made inside Init before
+initialize (an EMA) equals the model as built and is untouched by training; a deepcopy of the engine's
+module is refused, and the way its message names gives the trained weights.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import engine
+from tests.harness import run_distributed
+from tests.models import make_batches, micro_batches
+
+STEPS = 2
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0, "zero_allow_untested_optimizer": True,
+          "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        src = x.view(x.shape[0], 4, 8)
+        return nn.functional.mse_loss(self.head(self.body(src, src).mean(1)), y)
+
+
+def _groups(model: nn.Module, decay: float = 0.5) -> list[dict]:
+    """nanoGPT's configure_optimizers: weight decay on the parameters with 2 or more dimensions."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _full(model: nn.Module) -> dict:
+    with engine.zero.GatheredParameters(list(model.parameters())):
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _train(eng, batches) -> None:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for x, y in batches:
+        for xm, ym in micro_batches(x, y, rank, world, 1):
+            eng.backward(eng(xm, ym))
+        eng.step()
+
+
+def _deepcopy_error(module: nn.Module) -> str:
+    try:
+        copy.deepcopy(module)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _cases(batches):
+    torch.manual_seed(0)
+    plain_model = TinyTransformer()
+    plain = {k: v.detach().clone() for k, v in plain_model.named_parameters()}
+    plain_decay = len(_groups(plain_model)[0]["params"])
+    torch.manual_seed(0)
+    with engine.zero.Init(config=CONFIG):
+        model = TinyTransformer()
+        ema = copy.deepcopy(model)  # an EMA / reference copy made before initialize
+    decay = len(_groups(model)[0]["params"])
+    built, ema_built = _full(model), _full(ema)
+    eng, _, _, _ = engine.initialize(model=model, model_parameters=_groups(model), config=CONFIG)
+    _train(eng, batches)
+    plain_eng, _, _, _ = engine.initialize(model=TinyTransformer(), config=CONFIG)  # built outside Init
+    refused = [_deepcopy_error(eng.module), _deepcopy_error(plain_eng.module)]
+    rebuilt = TinyTransformer()  # the way the refusal names
+    with engine.zero.GatheredParameters(list(eng.module.parameters())):
+        rebuilt.load_state_dict(eng.module.state_dict())
+    return {"built": [k for k, v in plain.items() if not torch.equal(built[k], v)],
+            "ema": [k for k, v in plain.items() if not torch.equal(ema_built[k], v)],
+            "ema_after": [k for k, v in _full(ema).items() if not torch.equal(plain[k], v)],
+            "decay": (decay, plain_decay), "refused": refused,
+            "trained": _full(eng.module), "rebuilt": dict(rebuilt.named_parameters())}
+
+
+def test_transformer_built_in_init_equals_plain_and_copies_are_exact_or_refused():
+    batches = make_batches(STEPS, 4, d_in=32)
+    torch.manual_seed(0)
+    plain = TinyTransformer()
+    opt = torch.optim.SGD(_groups(plain), lr=0.1)  # the single-process reference on the global batch
+    for x, y in batches:
+        plain(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ref = dict(plain.named_parameters())
+    for r in run_distributed(_cases, 2, args=(batches,), timeout=180):
+        assert r["built"] == [], r["built"]  # _reset_parameters' xavier_uniform_ reached every weight
+        assert r["decay"][0] == r["decay"][1] > 0, r["decay"]  # p.dim() of a placeholder is the weight's
+        assert r["ema"] == [] and r["ema_after"] == [], (r["ema"], r["ema_after"])
+        assert all("copy.deepcopy" in e and "GatheredParameters" in e for e in r["refused"]), r["refused"]
+        for k, v in ref.items():
+            torch.testing.assert_close(r["trained"][k], v.detach(), rtol=0, atol=1e-6, msg=k)
+            torch.testing.assert_close(r["rebuilt"][k].detach(), v.detach(), rtol=0, atol=1e-6, msg=k)
