@@ -228,6 +228,22 @@ class Engine(torch.nn.Module):
         """New micro-batch: gradient_accumulation_steps stays, train_batch_size follows (batch_size.py)."""
         set_train_micro_batch_size(self, micro_batch_size)
 
+    # -- memory between phases (RLHF, evaluation) --------------------------------------------------
+    def empty_partition_cache(self) -> None:
+        """ZeRO-3: release every gathered parameter, back to this rank's partition (a no-op at other
+        stages, as in DeepSpeed). A forward in training mode with grad enabled keeps its parameters gathered
+        for a backward (an evaluation or generation forward in that mode, a loss computed only to be logged):
+        released here, not at the next forward. A backward that does follow gathers them again (the same
+        gradients, bit for bit). Groups a `GatheredParameters` block holds stay; unlike DeepSpeed, persistent
+        parameters (below `stage3_param_persistence_threshold`) stay full, as they are between every step."""
+        coordinator = getattr(self.zero_optimizer, "coordinator", None)  # only stage 3 has one
+        if coordinator is None:
+            return
+        coordinator.end_pass()  # what the next forward does to a pass without backward (zero/prefetch.py)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the released blocks back to the device, as DeepSpeed does
+
     # -- checkpoints (engine/checkpoint; docs/checkpoints.md) ------------------------------------
     @property
     def checkpoint_io(self):
