@@ -119,8 +119,9 @@ class UserBlock(nn.Module):
 
 
 class UnpairedRow(nn.Module):
-    """A dropout and a row-parallel layer whose column-parallel partner is in another module: no
-    module runs both, so no region can be marked (warned about at initialize, not made right)."""
+    """A dropout and a row-parallel layer whose column-parallel partner is in another module (BERT's
+    `Output` beside its `Intermediate`): the smallest module running both owns the pair; across a
+    ModuleList's entries none does (warned about at initialize, not made right)."""
 
     def __init__(self):
         from engine.tensor_parallel import RowParallelLinear
@@ -132,6 +133,21 @@ class UnpairedRow(nn.Module):
         return self.out(self.drop(x))
 
 
+class LayerList(nn.Module):
+    """The same pair as entries of a ModuleList, run one after the other: no one module's forward runs
+    both (a PipelineModule's stages alike)."""
+
+    def __init__(self):
+        from engine.tensor_parallel import ColumnParallelLinear
+        super().__init__()
+        self.layers = nn.ModuleList([ColumnParallelLinear(16, 64), UnpairedRow()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def _user_block_of_dstrain_layers() -> dict:
     import engine
     from engine.tensor_parallel import ColumnParallelLinear
@@ -140,7 +156,8 @@ def _user_block_of_dstrain_layers() -> dict:
     torch.manual_seed(0)
     # the vocabulary-parallel head's column layer beside an embedding dropout is not warned about
     head = nn.Sequential(nn.Dropout(0.5), ColumnParallelLinear(16, 64))
-    model = nn.Sequential(UserBlock(), nn.Sequential(ColumnParallelLinear(16, 64), UnpairedRow()), head)
+    model = nn.Sequential(UserBlock(), nn.Sequential(ColumnParallelLinear(16, 64), UnpairedRow()), LayerList(),
+                          head)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eng, *_ = engine.initialize(model=model, config=TP_CONFIG)
@@ -206,11 +223,13 @@ def test_llama_attention_dropout_differs_per_tensor_rank_and_per_layer(results):
 
 def test_a_block_of_dstrain_layers_gets_the_parallel_region_at_initialize(results):
     """A user's column → dropout → row block (no AutoTP: the model is sharded already) draws its own
-    hidden-feature mask per rank and the same output mask; a dropout beside an unpaired row-parallel
-    layer is named in a warning."""
+    hidden-feature mask per rank and the same output mask; so does a column layer and a dropout → row
+    layer held by two modules of one nn.Sequential (before 2026-12-07: one mask on both ranks' hidden
+    features); a dropout beside a row-parallel layer whose partner is in another ModuleList entry is
+    named in a warning."""
     for rank, r in enumerate(_case(results, "user")):
-        # the block's hidden and output masks; then the unpaired row's (the case not made right: one
-        # mask on both ranks) and the head's input (replicated)
-        assert r["ranks_same"] == [False, True, True, True], rank
+        # the block's hidden and output masks; the Sequential's pair (split input); the ModuleList's
+        # pair (the case not made right: one mask on both ranks); the head's input (replicated)
+        assert r["ranks_same"] == [False, True, False, True, True], rank
         assert r["default_stream_same_after"], rank
-        assert len(r["warnings"]) == 1 and "1.1 (UnpairedRow)" in r["warnings"][0], r["warnings"]
+        assert len(r["warnings"]) == 1 and "2.layers.1 (UnpairedRow)" in r["warnings"][0], r["warnings"]

@@ -8,7 +8,9 @@ initialize used to refuse), and whose MLP multiplies its hidden features by its 
 without momentum or clipping (the update is linear in the gradient): every gradient of the first step,
 per parameter (this rank's slice of a sharded one), and every parameter after STEPS steps, fp32,
 atol 1e-5 (summation order only). An own parameter used on both sides of a region is refused naming
-it; one as wide as a column layer's output used inside fails in torch with a note naming it.
+it; one as wide as a column layer's output used inside fails in torch with a note naming it. A pair
+built from dstrain's layers in two modules of one nn.Sequential (BERT's Intermediate / Output): a gain
+beside the column layer gets the dense gradient.
 """
 from __future__ import annotations
 
@@ -113,6 +115,36 @@ def _equals_dense() -> dict:
     return {"grad": grad_err, "param": param_err, "loss": loss_err}
 
 
+class _Intermediate(nn.Module):
+    """BERT's layout of an MLP built from dstrain's layers: the column layer and a gain on its output in
+    one module, the row layer in the next (dropout_region.py's note: their Sequential owns the pair)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, 2 * D)
+        self.gain = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        return F.gelu(self.up(x)) * self.gain
+
+
+def _split_pair_equals_dense() -> dict:
+    from engine.comm import Communicator
+    from engine.tensor_parallel.dropout_region import mark_layer_regions
+    from engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    comm = Communicator(None)
+    torch.manual_seed(0)
+    reference = nn.Sequential(_Intermediate(), nn.Sequential(nn.Linear(2 * D, D)))
+    model = copy.deepcopy(reference)
+    model[0].up = ColumnParallelLinear.from_dense(model[0].up, group=comm)
+    model[1][0] = RowParallelLinear.from_dense(model[1][0], input_is_parallel=True, group=comm)
+    marked = mark_layer_regions(model)
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(1))
+    for m in (model, reference):
+        m(x).pow(2).sum().backward()
+    return {"marked": marked, "gain": (model[0].gain.grad - reference[0].gain.grad).abs().item()}
+
+
 def _refusals() -> dict:
     from engine.comm import Communicator
     from engine.tensor_parallel.autotp import shard_model
@@ -129,7 +161,7 @@ def _refusals() -> dict:
 
 
 def _two_ranks() -> dict:
-    return {"dense": _equals_dense(), "refusals": _refusals()}
+    return {"dense": _equals_dense(), "split": _split_pair_equals_dense(), "refusals": _refusals()}
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +177,11 @@ def test_own_parameters_inside_and_outside_a_region_train_as_the_dense_model(res
         bad = {n: e for n, e in r["param"].items() if e > ATOL}
         assert not bad, f"rank {rank}: parameters after {STEPS} steps off the dense model's: {bad}"
         assert r["loss"] < ATOL, (rank, r["loss"])
+
+
+def test_a_parameter_beside_the_column_layer_of_a_pair_split_over_two_modules_is_summed(results):
+    for r in results:
+        assert r["split"]["marked"] == [""] and r["split"]["gain"] < ATOL, r["split"]
 
 
 def test_an_own_parameter_used_on_both_sides_of_a_region_is_refused_by_name(results):

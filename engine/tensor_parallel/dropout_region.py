@@ -114,31 +114,55 @@ def mark_parallel_region(owner: nn.Module, column: list[nn.Module], row: list[nn
 
 
 def mark_layer_regions(model: nn.Module) -> list[str]:
-    """A model built from this package's layers gets AutoTP's regions: every module whose forward runs
-    a `ColumnParallelLinear(gather_output=False)` child and a `RowParallelLinear(input_is_parallel=True)`
-    child (a user's block, an `nn.Sequential` MLP). `ParallelSelfAttention` forks its own stream and
-    `ParallelMLP` draws nothing; a `PipelineModule` or a `ModuleList` never runs its children as one
-    forward, so no hook could close the region. Returns the names of the modules marked; warns about a
-    module that holds a dropout beside a row-parallel layer whose column-parallel partner is elsewhere
-    (its split input cannot be told from a replicated one here: not made right). An unpaired column
-    layer is not warned about: it is most often a vocabulary-parallel LM head beside an embedding dropout."""
+    """A model built from this package's layers gets AutoTP's regions. [Note: the smallest module that
+    runs the pair] A `ColumnParallelLinear(gather_output=False)` and a `RowParallelLinear(input_is_parallel=
+    True)` are paired by the smallest module whose forward runs both: their common parent (a user's block,
+    an `nn.Sequential` MLP) or one above (BERT's layout: an `Intermediate` holding the column layer and an
+    `Output` holding a dropout and the row layer, both in one `nn.Sequential`; the dropout on the split
+    hidden features drew one mask on every tensor rank when only a common parent could own the pair).
+    `ParallelSelfAttention` forks its own stream and `ParallelMLP` draws nothing; a `PipelineModule` or a
+    `ModuleList` never runs its children as one forward, so no hook could close a region there: the pairs
+    left open below one are not paired across it, and a row layer among them beside a dropout is warned
+    about (its split input cannot be told from a replicated one). Returns the names of the modules marked.
+    An unpaired column layer is not warned about: it is most often a vocabulary-parallel LM head beside an
+    embedding dropout."""
+    marked: list[str] = []
+    _, unpaired = _pair_below(model, "", marked)
+    _warn_unpaired_rows(unpaired)
+    return marked
+
+
+def _pair_below(module: nn.Module, name: str, marked: list[str]) -> tuple[list, list]:
+    """The column layers and the (row layer, its parent's name, its parent) of `module`'s subtree that no
+    smaller module pairs; marks `module` as their owner when it holds both kinds (note: the smallest
+    module that runs the pair). `module` is no parallel layer itself."""
     from ..pipe.module import PipelineModule
     from .attention import ParallelMLP, ParallelSelfAttention
     from .layers import ColumnParallelLinear, RowParallelLinear
-    marked = []
-    for name, owner in model.named_modules():
-        if isinstance(owner, (ParallelSelfAttention, ParallelMLP, PipelineModule, nn.ModuleList, nn.ModuleDict)):
-            continue
-        children = list(owner.children())
-        column = [c for c in children if isinstance(c, ColumnParallelLinear) and not c.gather_output]
-        row = [c for c in children if isinstance(c, RowParallelLinear) and c.input_is_parallel]
-        if column and row:
-            mark_parallel_region(owner, column, row)
-            marked.append(name)
-        elif row and any(isinstance(c, nn.Dropout) and c.p > 0 for c in children):
-            warnings.warn(f"tensor parallelism: {name or type(model).__name__} ({type(owner).__name__}) holds a "
-                          "dropout and a RowParallelLinear(input_is_parallel=True) whose column-parallel partner is in "
-                          "another module: a dropout on its split input draws the same mask on every tensor rank; put "
-                          "the pair in one module, or draw it inside engine.checkpointing.get_cuda_rng_tracker().fork()",
-                          stacklevel=2)
-    return marked
+    column, row = [], []
+    for child_name, child in module.named_children():
+        if isinstance(child, ColumnParallelLinear):
+            column += [] if child.gather_output else [child]
+        elif isinstance(child, RowParallelLinear):
+            row += [(child, name, module)] if child.input_is_parallel else []
+        elif not isinstance(child, (ParallelSelfAttention, ParallelMLP)):
+            c, r = _pair_below(child, f"{name}.{child_name}" if name else child_name, marked)
+            column, row = column + c, row + r
+    if isinstance(module, (PipelineModule, nn.ModuleList, nn.ModuleDict)):
+        _warn_unpaired_rows(row)
+        return [], []
+    if column and row:
+        mark_parallel_region(module, column, [layer for layer, _, _ in row])
+        marked.append(name)
+        return [], []
+    return column, row
+
+
+def _warn_unpaired_rows(rows: list) -> None:
+    for _, parent_name, parent in rows:
+        if any(isinstance(c, nn.Dropout) and c.p > 0 for c in parent.children()):
+            warnings.warn(f"tensor parallelism: {parent_name or 'the model'} ({type(parent).__name__}) holds a dropout "
+                          "and a RowParallelLinear(input_is_parallel=True) whose column-parallel partner no one "
+                          "module's forward runs with it (across a PipelineModule's stages or a ModuleList's entries): "
+                          "a dropout on its split input draws the same mask on every tensor rank; put the pair in one "
+                          "module, or draw it inside engine.checkpointing.get_cuda_rng_tracker().fork()", stacklevel=3)

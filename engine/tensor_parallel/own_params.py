@@ -1,7 +1,8 @@
 """Parameters a region's owner holds directly: where its forward uses them is read from the autograd graph.
 
 [Note: own parameters] region_params.py sees a child used inside a column→row region by the child's
-own forward. A parameter the owner holds itself has no forward to see it by: a per-head-dim scale
+own forward. A parameter the owner holds itself (or through a child that holds one of the pair's
+layers too: dropout_region.py's BERT layout) has no forward to see it by: a per-head-dim scale
 applied to every head of q (DiffLlama's `lambda_q1`, a learned temperature), a bias added to the
 column projection's output. Used inside a region, each tensor rank's gradient is its heads' share
 (a per-head-dim scale on 4 heads split over 2 ranks: each rank's gradient was half the dense one's
@@ -27,6 +28,7 @@ import sys
 import torch
 import torch.nn as nn
 
+from .layers import ColumnParallelLinear, RowParallelLinear
 from .region_params import region_is_open, sum_gradient_over
 
 
@@ -76,10 +78,24 @@ def _refuse_whole_width(owner: nn.Module, name: str, p: torch.Tensor):
                      "tensor_parallel.autotp_size at 1 for this model, or shard it with engine.tensor_parallel's layers")
 
 
+def _own_parameters(owner: nn.Module, parallel: list[nn.Module]) -> dict[str, nn.Parameter]:
+    """The trainable parameters the owner holds itself, or through a child that also holds one of its
+    parallel layers (dropout_region.py's note: the smallest module that runs the pair); a child without
+    parallel layers is region_params.py's. The parallel layers' own parameters are theirs."""
+    layers = [m for m in owner.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    taken = {id(p) for m in layers for p in m.parameters()}
+    own = {name: p for name, p in owner.named_parameters(recurse=False) if p.requires_grad}
+    for child_name, child in owner.named_children():
+        if set(child.modules()) & set(parallel):
+            own.update({f"{child_name}.{name}": p for name, p in child.named_parameters()
+                        if p.requires_grad and id(p) not in taken})
+    return own
+
+
 def watch_own_parameters(owner: nn.Module, column: list[nn.Module], row: list[nn.Module], widths: set[int]) -> None:
     """Find where `owner`'s own trainable parameters are used at its first forward with gradients
     (module note); sum the gradients of those used inside a region over the tensor group."""
-    own = {name: p for name, p in owner.named_parameters(recurse=False) if p.requires_grad}
+    own = _own_parameters(owner, column + row)
     if not own:
         return
     comm, graph, handles = column[0].comm, _Graph(), []
