@@ -464,6 +464,22 @@ class SwappedPartition:
             raise
         self.commit(scalars, has_state=bool(with_state))
 
+    def load_master(self, chunks: Iterable[dict]) -> None:
+        """Replace the committed master from chunks as `load_chunks` takes them (ascending, covering
+        [0, numel) once) that carry no optimizer state, keeping the state and its scalars: a load of the
+        weights alone, which without offload leaves the optimizer's state as it was. In place in the
+        committed slot, as `write_master`."""
+        pos = 0
+        for chunk in chunks:
+            if chunk["state"]:
+                raise ValueError("load_master: a chunk carries optimizer state; load it with load_chunks")
+            if chunk["start"] != pos:
+                raise ValueError(f"load_master: expected element {pos} next, chunk gives {chunk['start']}")
+            self.write_master(pos, chunk["master"][:chunk["end"] - pos])
+            pos = chunk["end"]
+        if pos != self.numel:
+            raise ValueError(f"load_master: chunks end at element {pos}, numel is {self.numel}")
+
     def close(self) -> None:
         """Finish outstanding writes and delete this partition's swap files."""
         try:

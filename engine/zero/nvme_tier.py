@@ -22,6 +22,8 @@ the inner optimizer of that group's partitions.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 import ops
@@ -189,15 +191,25 @@ class NvmeOptimizerTier:
         load), when it is the partition store's copy (partition_store.py's note: master in the tier)."""
         return not self.parts[key].master_deferred
 
-    def load_chunks(self, key: tuple, chunks) -> None:
-        """Load `key`'s partition from chunks and refresh its send image (the partition store) from them."""
-        store = self.partition.store
+    def load_chunks(self, key: tuple, chunks, keep_state: bool = True) -> None:
+        """Load `key`'s partition from chunks and refresh its send image (the partition store) from them.
+        Chunks without optimizer state (a checkpoint loaded with `load_optimizer_states=False` or
+        `load_module_only`) replace only the master where the files hold state: it is kept, as the
+        configured optimizer keeps its state without offload. `keep_state=False` drops it instead
+        (`optimizer.load_state_dict` of a state dict without state, as torch's drops it)."""
+        store, part = self.partition.store, self.parts[key]
+        chunks = iter(chunks)
+        first = next(chunks, None)
+        chunks = itertools.chain([] if first is None else [first], chunks)
 
         def through(chunks):
             for chunk in chunks:
-                store.write_image(key, chunk["start"], chunk["master"])  # load_chunks writes the master
+                store.write_image(key, chunk["start"], chunk["master"])  # the part writes the master
                 yield chunk
-        self.parts[key].load_chunks(through(chunks))
+        if keep_state and first is not None and not first["state"] and part.has_state:
+            part.load_master(through(chunks))
+        else:
+            part.load_chunks(through(chunks))
 
     def close(self) -> None:
         """Delete the swap files and the job's swap directory (also done at exit by SwapDir)."""
