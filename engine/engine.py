@@ -12,6 +12,7 @@ import torch
 
 from . import heartbeat
 from .batch_size import set_train_batch_size, set_train_micro_batch_size
+from .compile import compile_module
 from .dist import global_rank
 from .monitor import StepLogger, Timers
 from .checkpoint.restore import restore_counters
@@ -227,6 +228,16 @@ class Engine(torch.nn.Module):
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """New micro-batch: gradient_accumulation_steps stays, train_batch_size follows (batch_size.py)."""
         set_train_micro_batch_size(self, micro_batch_size)
+
+    # -- compilation (engine/compile.py) ------------------------------------------------------------
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """Compile the module in place with torch.compile (DeepSpeed's `engine.compile`; engine/compile.py)."""
+        compile_module(self, backend, compile_kwargs, schedule, compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_compiled", False)
 
     # -- memory between phases (RLHF, evaluation) --------------------------------------------------
     def empty_partition_cache(self) -> None:
