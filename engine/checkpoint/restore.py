@@ -21,6 +21,7 @@ from .placement import coordinates, global_rank_and_world, model_degree, stage_u
 from .reader import FragmentSource, load_torch, verify
 from .snapshot import module_entries
 from .rank_state import load_rank_state
+from .resume_checks import check_optimizer, warn_if_mid_window_load
 from .state import adapter_for, set_rng_state
 
 
@@ -162,6 +163,8 @@ def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states:
     held = set(trainable.values()) | set(entries)
     _check_names(src, held, load_module_strict, stage_union(eng, held))
     load_state = load_optimizer_states and not load_module_only
+    if load_state and adapter is not None:
+        check_optimizer(path, src.meta, eng)
     layouts = tensor_shards.live_layouts(eng.module, coordinates(eng).model, model_degree(eng))
     tensor_shards.refuse_transposed_targets(eng.module, src)
     source = tensor_shards.LocalShards(src, layouts) if layouts else src  # a rank's own shards (its note)
@@ -172,6 +175,7 @@ def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states:
     state = load_torch(path / fmt.ENGINE_STATE, mmap=False)
     if not load_module_only:
         _load_engine_state(eng, state, load_state, load_lr_scheduler_states)
+        warn_if_mid_window_load(path, state)
         if load_state:
             load_rank_state(eng, src, *global_rank_and_world())
         _restore_rng(src, comm)

@@ -30,6 +30,7 @@ from . import format as fmt
 from . import tensor_shards
 from .placement import coordinates, merge_tables, model_degree
 from .rank_state import save_rank_state
+from .resume_checks import optimizer_record, warn_if_mid_window_save, window_record
 from .state import FP32, MODULE, adapter_for, rng_state, row_kinds, rows_of
 from .writer import Snapshot, new_nonce
 
@@ -198,6 +199,7 @@ def _engine_state(eng, client_state) -> dict:
             **loader.state_dict(), "world_size": eng.comm.world_size,
             "micro_batch": eng.config.train_micro_batch_size_per_gpu},
         "client_state": client_state or {},
+        "window": window_record(eng),  # resume_checks.py
     }
 
 
@@ -241,6 +243,7 @@ def _metadata(eng, tag, gathered: list[dict], world: int) -> dict:
             "coordinates": coords,  # global rank r's [pipe, data, model] (placement.py's note)
             "zero_stage": getattr(eng.zero_optimizer, "stage", 0),
             "precision": precision_name(eng.config), "counters": counters(eng),
+            "optimizer": optimizer_record(eng),  # resume_checks.py
             "params": params, "aliases": aliases, "state_dict_keys": keys,
             "config": fmt.redact_secrets(eng.config.to_dict())}  # a world-readable file (format.py's note)
 
@@ -287,6 +290,7 @@ def _snapshot(eng, adapter, save_dir, tag, client_state, save_latest, keep_last,
              "aliases": aliases, "keys": list(eng.module.state_dict().keys())}
     gathered = world_comm.all_gather_object(((tag, nonce), table))
     _validate_tags([g[0][0] for g in gathered], tag_validation)
+    warn_if_mid_window_save(eng, tag)
     snap = Snapshot(Path(save_dir), tag, gathered[0][0][1], rank,
                     {"format": fmt.FORMAT_NAME, "rank": rank, "world_size": world, "tag": tag,
                      "coord": table["coord"], "tensors": tensors, "rng": rng_state(),

@@ -1,0 +1,129 @@
+"""A checkpoint that would not resume as the run that saved it goes on says so, at save or at load.
+
+- Saved in the middle of a gradient-accumulation window (after micro-step 1 of 2): the checkpoint holds
+  no gradient, so a resume starts a new window after the micro-batch already drawn and ends a step
+  short of the run that went on (measured: 3 global steps against 4 after the same 5 micro-steps,
+  weights 0.035 apart). Both the save and the load warn, naming the window; a save at a boundary
+  and its load stay quiet.
+- Saved by one optimizer and loaded into an engine whose optimizer keeps other state (Lion's exp_avg
+  into AdamW): a CheckpointError at load naming metadata.json and the fix (`load_optimizer_states=False`),
+  not a KeyError at the next step (Lion -> AdamW) or Adam's moments and betas taken silently as
+  Lion's (AdamW -> Lion). An optimizer with the same state (AdamW -> Adam) loads, and
+  `load_optimizer_states=False` takes the weights of a mismatched one.
+2 ranks, ZeRO stages 0 and 2, fp32.
+"""
+from __future__ import annotations
+
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+import engine
+from engine.checkpoint.format import CheckpointError
+from tests.harness import run_distributed
+from tests.models import OddMLP
+from tests.worlds import new_world
+
+STAGES = (0, 2)
+
+
+def _dataset():
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(80, 13, generator=g), torch.randn(80, 5, generator=g))
+
+
+def _engine(stage: int, optimizer: str = "AdamW", gas: int = 1):
+    torch.manual_seed(0)
+    cfg = {"train_batch_size": 8, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+           "optimizer": {"type": optimizer, "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
+    eng, _, loader, _ = engine.initialize(model=OddMLP(), config=cfg, training_data=_dataset())
+    return eng, iter(loader)
+
+
+def _micro_steps(eng, batches, n: int) -> None:
+    for _ in range(n):
+        x, y = next(batches)
+        eng.backward(eng(x, y))
+        eng.step()
+
+
+def _warnings_of(call) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught if "accumulation window" in str(w.message)]
+
+
+def _window_case(root: str, stage: int) -> dict:
+    eng, batches = _engine(stage, gas=2)
+    _micro_steps(eng, batches, 2)
+    at_boundary = _warnings_of(lambda: eng.save_checkpoint(root, tag="boundary"))
+    _micro_steps(eng, batches, 1)
+    mid_window = _warnings_of(lambda: eng.save_checkpoint(root, tag="mid"))
+    fresh, _ = _engine(stage, gas=2)
+    load_boundary = _warnings_of(lambda: fresh.load_checkpoint(root, tag="boundary"))
+    load_mid = _warnings_of(lambda: fresh.load_checkpoint(root, tag="mid"))
+    return {"save_boundary": at_boundary, "save_mid": mid_window, "load_boundary": load_boundary,
+            "load_mid": load_mid}
+
+
+def _attempt(call):
+    try:
+        call()
+        return None
+    except CheckpointError as e:
+        return str(e)
+
+
+def _optimizer_case(root: str, stage: int) -> dict:
+    out = {}
+    for saved, loaded in (("Lion", "AdamW"), ("AdamW", "Lion"), ("AdamW", "Adam")):
+        eng, batches = _engine(stage, saved)
+        _micro_steps(eng, batches, 2)
+        eng.save_checkpoint(f"{root}/{saved}")
+        target, batches = _engine(stage, loaded)
+        error = _attempt(lambda: target.load_checkpoint(f"{root}/{saved}"))
+        if error is not None:  # the weights alone still load, and training goes on
+            target.load_checkpoint(f"{root}/{saved}", load_optimizer_states=False)
+            _micro_steps(target, batches, 1)
+        out[(saved, loaded)] = error
+    return out
+
+
+def _run(root: str) -> dict:
+    import torch.distributed as dist
+    rank, out = dist.get_rank(), {}
+    for stage in STAGES:
+        new_world(f"{root}/world_window{stage}", rank, 2)
+        out[("window", stage)] = _window_case(f"{root}/window{stage}", stage)
+        new_world(f"{root}/world_optimizer{stage}", rank, 2)
+        out[("optimizer", stage)] = _optimizer_case(f"{root}/optimizer{stage}", stage)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with tempfile.TemporaryDirectory() as root:
+        return run_distributed(_run, 2, args=(root,), timeout=300)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_save_inside_an_accumulation_window_warns_at_save_and_load(runs, stage):
+    rank0, rank1 = (r[("window", stage)] for r in runs)
+    assert rank0["save_boundary"] == [] and rank0["load_boundary"] == []
+    assert len(rank0["save_mid"]) == 1 and "micro-step 1 of 2" in rank0["save_mid"][0]
+    assert len(rank0["load_mid"]) == 1 and "micro-step 1 of 2" in rank0["load_mid"][0]
+    assert rank1["save_mid"] == [] and rank1["load_mid"] == []  # one warning per job, from rank 0
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_optimizer_state_of_another_kind_is_refused_at_load(runs, stage):
+    for per_rank in runs:
+        errors = per_rank[("optimizer", stage)]
+        assert errors[("AdamW", "Adam")] is None  # the same state: loads
+        for saved, loaded in (("Lion", "AdamW"), ("AdamW", "Lion")):
+            error = errors[(saved, loaded)]
+            assert error is not None and "metadata.json" in error and "load_optimizer_states=False" in error
+            assert saved in error and loaded in error and "\n" not in error
