@@ -13,6 +13,7 @@ import torch
 from . import heartbeat
 from .batch_size import set_train_batch_size, set_train_micro_batch_size
 from .compile import compile_module
+from .offload_states import OffloadedStates
 from .dist import global_rank
 from .monitor import StepLogger, Timers
 from .checkpoint.restore import restore_counters
@@ -40,6 +41,7 @@ class Engine(torch.nn.Module):
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._last_loss: torch.Tensor | None = None
+        self._offloaded = OffloadedStates(self)  # engine.offload_states() (offload_states.py)
         # frozen when the optimizer's partitions and buckets were built (_check_still_frozen)
         self._frozen_at_build = [p for p in module.parameters() if not p.requires_grad]
         self._trained: frozenset | None = None  # the parameters the ZeRO optimizer trains (zero_grad)
@@ -79,6 +81,7 @@ class Engine(torch.nn.Module):
 
     # -- the training loop -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._offloaded.require_for_forward()
         self.timers.start("forward")
         if self._cast_inputs is not None:
             args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
@@ -90,6 +93,7 @@ class Engine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate `loss / gradient_accumulation_steps`; at the boundary, reduce gradients."""
         self._require_optimizer("backward")
+        self._offloaded.require("backward")
         boundary = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         self.zero_optimizer.before_backward(boundary)
         gas = self.config.gradient_accumulation_steps
@@ -108,6 +112,7 @@ class Engine(torch.nn.Module):
     def step(self) -> None:
         """Call after every micro-batch; acts only at the gradient-accumulation boundary."""
         self._require_optimizer("step")
+        self._offloaded.require("step")
         if self._in_no_sync:
             raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first")
         if self.is_gradient_accumulation_boundary():
@@ -255,6 +260,16 @@ class Engine(torch.nn.Module):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the released blocks back to the device, as DeepSpeed does
 
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> dict[str, int]:
+        """Move ZeRO-1/2/3 states (`include`: OffloadStateTypeEnum values; None: all) off the accelerator to
+        host memory (DeepSpeed's call; engine/offload_states.py). Returns the bytes moved per state."""
+        return self._offloaded.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> dict[str, int]:
+        """Bring back what `offload_states` moved, bit for bit. Returns the bytes moved per state."""
+        return self._offloaded.reload(non_blocking)
+
     # -- checkpoints (engine/checkpoint; docs/checkpoints.md) ------------------------------------
     @property
     def checkpoint_io(self):
@@ -268,6 +283,7 @@ class Engine(torch.nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
         """Call on every rank. Each rank writes its shards; the tag (default `global_step{N}`) becomes
         visible, and `latest` names it, only once every rank finished. Returns True."""
+        self._offloaded.require("save_checkpoint")
         return self.checkpoint_io.save(save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
@@ -308,6 +324,7 @@ class Engine(torch.nn.Module):
         """Call on every rank: rank 0 writes the full model state dict in the model's dtype (gathered at
         ZeRO stage 3 when `stage3_gather_16bit_weights_on_model_save`; engine/zero/stage3_save.py)."""
         from .zero.stage3_save import save_16bit_model
+        self._offloaded.require("save_16bit_model")
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     # -- state ----------------------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""engine.offload_states() / reload_states() (DeepSpeed 0.19's names): at ZeRO stages 1-3 every state
+named by `include` leaves its buffer (the storage of each tensor is 0 bytes while away, its bytes in a
+host buffer: the engine reports the bytes moved per state, equal to the tensors' own), a forward runs
+with the optimizer's states away (the RLHF generation phase), a backward is an error naming
+reload_states, and after the reload every state is back bit for bit and training continues exactly as
+a run that never offloaded. Stage 0, an unknown include value, device "nvme" are errors naming them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.models import OddMLP, make_batches, micro_batches
+
+WORLD, STEPS = 2, 4
+STATES = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
+
+
+def _config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 40}}
+
+
+def _states(eng) -> dict[str, list[torch.Tensor]]:
+    """Each state's tensors, read from the engine's ZeRO optimizer independently of offload_states.py."""
+    zopt = eng.zero_optimizer
+    return {"hp_params": list(zopt.partition.flat.values()),
+            "lp_params": [p.data for p in zopt.params],
+            "lp_grads": list(zopt.partition.flat_grad.values()),
+            "optim_states": [t for s in zopt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)],
+            "contiguous_grad_buffer": []}
+
+
+def _nbytes(ts) -> int:
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in ts}.values())
+
+
+def _run(stage: int, offload: bool) -> dict:
+    import engine
+    torch.manual_seed(0)
+    eng, *_ = engine.initialize(model=OddMLP(), config=_config(stage))
+    rank, world = eng.comm.rank, eng.comm.world_size
+    out = {}
+    for step, (x, y) in enumerate(make_batches(STEPS, 2 * world)):
+        (xm, ym), = micro_batches(x, y, rank, world, 1)
+        if offload and step == STEPS // 2:
+            before = {k: [t.detach().clone() for t in ts] for k, ts in _states(eng).items()}
+            held = {k: _nbytes(ts) for k, ts in _states(eng).items()}
+            out["only_optim"] = eng.offload_states(include=["optim_states"])
+            out["rest"] = eng.offload_states()  # what is not away yet
+            out["away_bytes"] = {k: _nbytes(ts) for k, ts in _states(eng).items()}
+            with pytest.raises(RuntimeError) as err:
+                eng(xm, ym)  # the parameters are away too
+            out["forward_error"] = str(err.value)
+            out["reload"] = eng.reload_states()
+            out["held"] = held
+            out["exact"] = all(torch.equal(a, b) for k, ts in _states(eng).items() for a, b in zip(ts, before[k]))
+            # the RLHF pattern: optimizer state and gradients away while the model runs forward
+            eng.offload_states(include=["optim_states", "lp_grads"], pin_memory=False)
+            with torch.no_grad():
+                out["generated"] = float(eng(xm, ym))
+            with pytest.raises(RuntimeError) as err:
+                eng.backward(eng(xm, ym))
+            out["backward_error"] = str(err.value)
+            eng.reload_states()
+        eng.backward(eng(xm, ym))
+        eng.step()
+    with engine.zero.GatheredParameters(list(eng.module.parameters())):
+        out["params"] = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+    out["optim"] = [t.clone() for t in _states(eng)["optim_states"]]
+    return out
+
+
+def _all():
+    return {stage: (_run(stage, True), _run(stage, False)) for stage in (1, 2, 3)}
+
+
+def test_offloaded_states_leave_their_buffers_and_come_back_exactly():
+    for per_rank in run_distributed(_all, WORLD, timeout=300):
+        for stage, (r, plain) in per_rank.items():
+            held = r["held"]
+            assert held["optim_states"] > 0 and held["hp_params"] > 0 and held["lp_grads"] > 0
+            assert r["only_optim"] == {"optim_states": held["optim_states"]}
+            moved = {**r["only_optim"], **r["rest"]}
+            assert moved == held, stage  # every byte the states hold, and no storage counted twice
+            if stage == 3:
+                assert 0 < held["lp_params"] < held["hp_params"]  # the persistent parameters only
+            assert r["away_bytes"] == dict.fromkeys(STATES, 0)  # the buffers are freed while away
+            assert r["reload"] == held
+            assert r["exact"], stage
+            assert "forward() while engine.offload_states() moved" in r["forward_error"]
+            assert "lp_params" in r["forward_error"] and "reload_states()" in r["forward_error"]
+            assert "backward() while engine.offload_states() moved optim_states, lp_grads" in r["backward_error"]
+            assert r["generated"] > 0
+            for n, p in r["params"].items():
+                assert torch.equal(p, plain["params"][n]), f"stage {stage} {n}"
+            assert all(torch.equal(a, b) for a, b in zip(r["optim"], plain["optim"]))
+
+
+def _errors() -> dict:
+    import engine
+    out = {}
+    eng, *_ = engine.initialize(model=OddMLP(), config=_config(0))
+    with pytest.raises(RuntimeError) as err:
+        eng.offload_states()
+    out["stage0"] = str(err.value)
+    eng, *_ = engine.initialize(model=OddMLP(), config=_config(2))
+    for kwargs in ({"include": ["optim_states", "master_weights"]}, {"device": "nvme"}, {"device": "gpu"}):
+        with pytest.raises(ValueError) as err:
+            eng.offload_states(**kwargs)
+        out[str(kwargs)] = str(err.value)
+    return out
+
+
+def test_unsupported_stage_include_and_device_are_errors():
+    r = run_distributed(_errors, 1, timeout=120)[0]
+    assert "needs ZeRO stage 1, 2 or 3" in r["stage0"] and "zero_optimization.stage 0" in r["stage0"]
+    assert "include value 'master_weights' is not one of 'optim_states'" in r[str({"include": ["optim_states",
+                                                                                               "master_weights"]})]
+    assert "device \"nvme\" is not supported" in r[str({"device": "nvme"})]
+    assert "device 'gpu' is not one of 'none', 'cpu', 'nvme'" in r[str({"device": "gpu"})]
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
