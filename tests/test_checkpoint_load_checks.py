@@ -10,7 +10,10 @@
   not a KeyError at the next step (Lion -> AdamW) or Adam's moments and betas taken silently as
   Lion's (AdamW -> Lion). An optimizer with the same state (AdamW -> Adam) loads, and
   `load_optimizer_states=False` takes the weights of a mismatched one.
-2 ranks, ZeRO stages 0 and 2, fp32.
+- Saved in one precision and loaded in another: the loss scaler is the new precision's, from its config.
+  It was the saved one: a bf16 checkpoint gave an fp16 engine bf16's static scale of 1 (no dynamic
+  scaling: fp16 gradients underflow), an fp16 one gave a bf16 engine fp16's dynamic scale of 256.
+2 ranks, ZeRO stages 0 and 2, fp32 (and bf16/fp16 for the scaler).
 """
 from __future__ import annotations
 
@@ -34,18 +37,22 @@ def _dataset():
     return torch.utils.data.TensorDataset(torch.randn(80, 13, generator=g), torch.randn(80, 5, generator=g))
 
 
-def _engine(stage: int, optimizer: str = "AdamW", gas: int = 1):
+PRECISIONS = {"fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}, "bf16": {"bf16": {"enabled": True}}}
+
+
+def _engine(stage: int, optimizer: str = "AdamW", gas: int = 1, precision: str | None = None):
     torch.manual_seed(0)
-    cfg = {"train_batch_size": 8, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+    cfg = {**PRECISIONS.get(precision, {}), "train_batch_size": 8, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
            "optimizer": {"type": optimizer, "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
     eng, _, loader, _ = engine.initialize(model=OddMLP(), config=cfg, training_data=_dataset())
     return eng, iter(loader)
 
 
 def _micro_steps(eng, batches, n: int) -> None:
+    dtype = eng.module.l1.weight.dtype
     for _ in range(n):
         x, y = next(batches)
-        eng.backward(eng(x, y))
+        eng.backward(eng(x.to(dtype), y.to(dtype)))
         eng.step()
 
 
@@ -92,6 +99,20 @@ def _optimizer_case(root: str, stage: int) -> dict:
     return out
 
 
+def _scaler_case(root: str, stage: int) -> dict:
+    """The scaler after loading each precision's checkpoint into the other, and a fresh engine's."""
+    out = {}
+    for saved, loaded in (("bf16", "fp16"), ("fp16", "bf16")):
+        eng, batches = _engine(stage, precision=saved)
+        _micro_steps(eng, batches, 2)
+        eng.save_checkpoint(f"{root}/{saved}")
+        target, _ = _engine(stage, precision=loaded)
+        fresh = target.zero_optimizer.guard.scaler.state_dict()
+        target.load_checkpoint(f"{root}/{saved}")
+        out[(saved, loaded)] = (target.zero_optimizer.guard.scaler.state_dict(), fresh)
+    return out
+
+
 def _run(root: str) -> dict:
     import torch.distributed as dist
     rank, out = dist.get_rank(), {}
@@ -100,6 +121,8 @@ def _run(root: str) -> dict:
         out[("window", stage)] = _window_case(f"{root}/window{stage}", stage)
         new_world(f"{root}/world_optimizer{stage}", rank, 2)
         out[("optimizer", stage)] = _optimizer_case(f"{root}/optimizer{stage}", stage)
+        new_world(f"{root}/world_scaler{stage}", rank, 2)
+        out[("scaler", stage)] = _scaler_case(f"{root}/scaler{stage}", stage)
     return out
 
 
@@ -127,3 +150,12 @@ def test_optimizer_state_of_another_kind_is_refused_at_load(runs, stage):
             error = errors[(saved, loaded)]
             assert error is not None and "metadata.json" in error and "load_optimizer_states=False" in error
             assert saved in error and loaded in error and "\n" not in error
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_load_in_another_precision_keeps_the_new_precisions_loss_scaler(runs, stage):
+    for per_rank in runs:
+        cases = per_rank[("scaler", stage)]
+        for (saved, loaded), (got, fresh) in cases.items():
+            assert got == fresh, f"{saved} checkpoint into {loaded}: scaler {got}, the {loaded} config's {fresh}"
+        assert cases[("bf16", "fp16")][0]["dynamic"] and cases[("bf16", "fp16")][0]["cur_scale"] == 256.0

@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from ..precision import precision_name
 from ..tensor_parallel.layers import is_partitioned
 from . import format as fmt
 from . import tensor_shards
@@ -134,10 +135,13 @@ def restore_counters(eng, counters: dict) -> None:
     eng.logger.rebase(eng.global_steps)
 
 
-def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
+def _load_engine_state(eng, state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                       saved_precision: str | None) -> None:
     zopt = eng.zero_optimizer
     if load_optimizer_states and zopt is not None:
-        if state["guard"] is not None:
+        # A loss scaler belongs to its precision: another one's (bf16's static 1 in an fp16 engine: no
+        # dynamic scaling; fp16's dynamic 256 in a bf16 one) is not loaded; the config's stays.
+        if state["guard"] is not None and saved_precision == precision_name(eng.config):
             zopt.guard.load_state_dict(state["guard"])
         _restore_param_groups(eng, state["param_groups"])
     if load_lr_scheduler_states and eng.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -174,7 +178,7 @@ def load_into(eng, path, load_module_strict: bool = True, load_optimizer_states:
     _load_module_entries(source, entries, adapter)
     state = load_torch(path / fmt.ENGINE_STATE, mmap=False)
     if not load_module_only:
-        _load_engine_state(eng, state, load_state, load_lr_scheduler_states)
+        _load_engine_state(eng, state, load_state, load_lr_scheduler_states, src.meta.get("precision"))
         warn_if_mid_window_load(path, state)
         if load_state:
             load_rank_state(eng, src, *global_rank_and_world())
