@@ -151,3 +151,19 @@ def varying_length_batches(steps: int, batch: int, seed: int = 0):
         seq = 5 if step % 2 == 0 else 7
         out.append((torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g)))
     return out
+
+
+def trained_state(pm, eng) -> dict:
+    """One rank's parameters and step counters (the LR shows the scheduler's step count)."""
+    return {"params": {n: p.detach().clone() for n, p in pm.named_parameters()},
+            "counters": (eng.global_steps, eng.micro_steps, eng.skipped_steps, eng.get_lr())}
+
+
+def assert_trained_alike(a: dict, b: dict, losses: tuple) -> None:
+    """Engines A and B (each `{"params", "counters"}` of one rank) ended bit for bit alike, with the same
+    losses on the way (a run that met failing calls between its steps, and one that did not)."""
+    assert a["counters"] == b["counters"]
+    assert a["params"].keys() == b["params"].keys()
+    for name in a["params"]:
+        assert a["params"][name].equal(b["params"][name]), name
+    assert losses[0] == losses[1]

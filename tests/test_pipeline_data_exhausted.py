@@ -18,7 +18,7 @@ import pytest
 
 from tests.harness import run_distributed
 from tests.models import micro_batches
-from tests.pipe_models import global_batches, mlp_specs, mse
+from tests.pipe_models import assert_trained_alike, global_batches, mlp_specs, mse, trained_state
 
 LR, MICRO, GAS, STEPS = 0.1, 2, 2, 3
 Inputs = collections.namedtuple("Inputs", "x")  # a batch with no key: its tree spec has no serialised form
@@ -85,11 +85,6 @@ def _held(eng) -> bool:
     return coordinator is not None and coordinator.held
 
 
-def _state(pm, eng) -> dict:
-    return {"params": {n: p.detach().clone() for n, p in pm.named_parameters()},
-            "counters": (eng.global_steps, eng.micro_steps, eng.skipped_steps, eng.get_lr())}
-
-
 def _run(stages: int, zero: int, cases: list) -> dict:
     """Engine A meets `cases` (one before each step, cycling), then trains STEPS batches; B only trains."""
     pm_a, eng_a = _engine(stages, zero)
@@ -104,7 +99,7 @@ def _run(stages: int, zero: int, cases: list) -> dict:
     b_losses = [float(eng_b.train_batch(_iterator(eng_b, b, GAS))) for b in [batches[i // 2 % STEPS] for i in
                                                                               range(len(cases)) if i % 2]]
     b_losses += [float(eng_b.train_batch(_iterator(eng_b, b, GAS))) for b in batches[:STEPS]]
-    return {"errors": errors, "a": _state(pm_a, eng_a), "b": _state(pm_b, eng_b), "stage": eng_a.stage_id,
+    return {"errors": errors, "a": trained_state(pm_a, eng_a), "b": trained_state(pm_b, eng_b), "stage": eng_a.stage_id,
             "losses": (losses + a_losses, b_losses)}
 
 
@@ -156,9 +151,4 @@ def test_training_on_after_the_exhausted_calls_is_bit_for_bit_a_run_without_them
     world, per_rank = results
     for layout in range(len(LAYOUTS[world])):
         for r in per_rank:
-            a, b = r[layout]["a"], r[layout]["b"]
-            assert a["counters"] == b["counters"]
-            assert a["params"].keys() == b["params"].keys()
-            for name in a["params"]:
-                assert a["params"][name].equal(b["params"][name]), name
-            assert r[layout]["losses"][0] == r[layout]["losses"][1]
+            assert_trained_alike(r[layout]["a"], r[layout]["b"], r[layout]["losses"])

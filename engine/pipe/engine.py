@@ -12,9 +12,10 @@ them through torch's schedule named by `pipeline.schedule` (schedule.py), then, 
 4. the step, LR schedule and counters, as `Engine.step` at a boundary.
 The loss returned — the mean over micro-batches and data-parallel ranks — is the same value on
 every stage; it reaches the other stages on the step's norm all-reduce (reduction.py's note), and the
-batch's input signature reaches them in the batch's agreement (batch_agreement.py's note): per step a
-pipeline adds two small collectives to the schedule's own sends. `forward`/`backward`/`step` are
-errors here: the schedule owns them.
+batch's input signature reaches them in the batch's agreement (batch_agreement.py's note), and whether
+a stage's user code raised inside the schedule in one int64 after it (stage_failure.py's note: every
+rank raises, none waits for the failed stage's sends): per step a pipeline adds three small collectives
+to the schedule's own sends. `forward`/`backward`/`step` are errors here: the schedule owns them.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from .partitioned_wire import PartitionedWire, partitioned
 from .probe import chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import LoggedStage, schedule_class
+from .stage_failure import FailureRecord, agree_on_outcome, substitute_loss, substitute_outputs
 from .stage_clock import StageClock, pipeline_idle
 
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
@@ -62,9 +64,17 @@ class _ChunkModule(torch.nn.Module):
         self.pipe_module, self.chunk, self.device = pipe_module, chunk, device
         self.in_structure: boundary.Structure | None = None
         self.out_structure: boundary.Structure | None = None
+        self.out_examples: tuple | None = None  # the probe's outputs: a failed forward's stand-in's shapes
+        self.failure: FailureRecord | None = None  # set for each schedule run (stage_failure.py)
 
     def forward(self, *tensors):
-        out = self.pipe_module.run_chunk(self.chunk, boundary.unflatten(self.in_structure, tensors))
+        try:
+            out = self.pipe_module.run_chunk(self.chunk, boundary.unflatten(self.in_structure, tensors))
+        except Exception as err:  # noqa: BLE001 - kept and raised after the schedule (stage_failure.py's note)
+            if self.out_examples is None or self.failure is None:  # the probe's run: no shapes to stand in yet
+                raise
+            self.failure.keep(err)
+            return substitute_outputs(self.out_examples, tensors, self.parameters())
         structure, flat = boundary.flatten(out)
         if self.out_structure is None:  # the probe's run (probe.py)
             self.out_structure = structure
@@ -109,6 +119,7 @@ class PipelineEngine(Engine):
         self._clock = StageClock(self.device)  # the last batch's span and computations (stage_clock.py)
         self._last_chunk = None  # the last chunk's module on the last stage (its out_structure feeds the loss)
         self._loss_factor = 1.0  # set per batch: the fp16 loss scale / micro-batches (see _loss)
+        self._failure = FailureRecord()  # user code's error in this batch's schedule (stage_failure.py)
 
     # -- the schedule ---------------------------------------------------------------------------
     def _schedule_for(self, key: int, training: bool, m: int, first_input):
@@ -144,6 +155,7 @@ class PipelineEngine(Engine):
         """torch's stage of one chunk, built from the probe's examples; with partitioned boundaries its
         receive buffers are slices (partitioned_wire.py)."""
         wire, examples = None, {"input_args": inputs, "output_args": outputs}
+        mod.out_examples = outputs
         if self._model_comm is not None:
             pipe = self.config.pipeline
             wire = PartitionedWire(self._model_comm, pipe.pipe_partitioned, pipe.grad_partitioned)
@@ -156,8 +168,12 @@ class PipelineEngine(Engine):
         """torch's loss hook on the last stage: the user's loss of the rebuilt output, divided by the
         micro-batch count (the mean over micro-batches) and times the fp16 loss scale when training."""
         with self._clock.busy():
-            loss = self.module.loss_fn(boundary.unflatten(self._last_chunk.out_structure, tuple(flat_output)),
-                                       labels)
+            try:
+                loss = self.module.loss_fn(boundary.unflatten(self._last_chunk.out_structure, tuple(flat_output)),
+                                           labels)
+            except Exception as err:  # noqa: BLE001 - kept and raised after the schedule (stage_failure.py)
+                self._failure.keep(err)
+                loss = substitute_loss(flat_output)
         return loss * self._loss_factor if self._loss_factor != 1.0 else loss
 
     def _pull(self, data_iter, m: int):
@@ -225,6 +241,9 @@ class PipelineEngine(Engine):
         stages, sched, mods = self._schedule_for(key, training, m, inputs[0] if self.is_first_stage else None)
         self._last_chunk = mods.get(self.module.num_stages * self.module.virtual_stages - 1)
         self._actions.clear()
+        self._failure = FailureRecord()
+        for mod in mods.values():
+            mod.failure = self._failure
         for st in stages:
             st.has_backward = training
             st.clear_runtime_states()
@@ -287,6 +306,12 @@ class PipelineEngine(Engine):
         zero3.hold(self.zero_optimizer)  # ZeRO-3: gathered once for all m micro-batches (zero3.py's note)
         _, losses = self._run(batch, training=True)
         self.timers.stop("forward")
+        try:
+            agree_on_outcome(self._world_comm, self.groups, self._failure)
+        except Exception:
+            self.zero_optimizer.zero_grad()  # the batch leaves nothing behind (stage_failure.py's note)
+            zero3.release(self.zero_optimizer)
+            raise
         self.timers.start("allreduce")
         self.tied.all_reduce_grads(self.zero_optimizer)
         self.tied.measure_duplicates(self.zero_optimizer, self.zero_optimizer.guard.scaler.loss_scale)
@@ -315,6 +340,7 @@ class PipelineEngine(Engine):
         zero3.hold(self.zero_optimizer)
         try:
             stages, losses = self._run(batch, training=False)
+            agree_on_outcome(self._world_comm, self.groups, self._failure)
         finally:
             zero3.release(self.zero_optimizer)
         loss = self._broadcast_loss(self._stage_loss(losses)) if compute_loss else None

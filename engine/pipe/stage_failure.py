@@ -1,0 +1,89 @@
+"""An error raised inside the schedule on one stage stops every rank of the world, each naming it.
+
+[Note: a failing stage keeps the schedule's sends] Inside torch's schedule every stage waits for its
+neighbours' activations and gradients. A stage whose user code raised (the loss_fn on the last stage,
+a layer's forward on any stage) and let the error escape posted none of its remaining sends: the
+stage before it waited for a gradient, the one after for an activation, and the rest of the world in
+the next collective, until dslaunch or the process-group timeout ended the job (30 minutes under
+NCCL), with the error in one rank's log. Interrupting the others' waits from outside (aborting the
+process group) is not something NCCL supports cleanly and would leave the job without a group. So the
+failing stage keeps its part of the schedule: the error is kept, and in its place the chunk returns
+zeros shaped as the probe's outputs (probe.py), the loss hook a zero loss, both attached to the graph
+(zero times the inputs or parameters) so the backward passes still run and send zeros. Every stage
+finishes the batch's schedule; then one all-reduce of one int64 over the world (this rank's global
+rank if it failed, −1 if not; MAX) tells every rank whether, and where. If any stage failed, each
+rank drops the batch's gradients (nothing steps, no counter moves) and raises: the failing rank its
+own error, every other rank a `StageFailed` naming the failing stage, its rank and the error (the
+text comes in one all_gather_object, only then).
+Cost: that all-reduce per train_batch/eval_batch; the schedule's micro-batches add nothing (a try
+around user code). Measured in docs/parallelism.md. Not covered: an error in a backward pass (a hook
+raising inside autograd: torch's stage keeps no state to resume from), and in the probe's forward
+(the first batch of each new input shape), which still leave the other stages waiting.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StageFailed(RuntimeError):
+    """Another stage's user code raised inside the schedule; that rank raises the error itself."""
+
+
+class FailureRecord:
+    """The first error user code raised on this rank during one schedule run."""
+
+    def __init__(self):
+        self.error: BaseException | None = None
+
+    def keep(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+
+
+def _anchor(tensors) -> torch.Tensor | None:
+    """Zero, attached to the graph of the tensors that need a gradient (None if none does)."""
+    attached = [t.sum() * 0 for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    return sum(attached[1:], attached[0]) if attached else None
+
+
+def substitute_outputs(examples: tuple, inputs: tuple, params) -> tuple:
+    """Zeros shaped as the chunk's outputs, attached to its inputs or parameters (module note)."""
+    anchor = _anchor(list(inputs)) if torch.is_grad_enabled() else None
+    if anchor is None and torch.is_grad_enabled():
+        anchor = _anchor(list(params))
+    out = []
+    for example in examples:
+        zeros = torch.zeros_like(example)
+        if anchor is not None and example.is_floating_point() and example.requires_grad:
+            zeros = zeros + anchor.to(zeros.dtype)
+        out.append(zeros)
+    return tuple(out)
+
+
+def substitute_loss(flat_output) -> torch.Tensor:
+    """A zero loss attached to the last chunk's outputs (module note)."""
+    anchor = _anchor(list(flat_output))
+    if anchor is not None:
+        return anchor
+    return torch.zeros((), device=next(t.device for t in flat_output if isinstance(t, torch.Tensor)))
+
+
+def agree_on_outcome(world, groups, failure: FailureRecord) -> None:
+    """After the schedule: every rank learns whether a stage failed; if one did, every rank raises (module
+    note). The caller drops the batch's gradients first."""
+    vote = torch.full((1,), groups.rank if failure.error is not None else -1, dtype=torch.int64,
+                      device=world.device)
+    world.all_reduce(vote, op=torch.distributed.ReduceOp.MAX)
+    failed = int(vote.item())
+    if failed < 0:
+        return
+    mine = failure.error
+    texts = world.all_gather_object(None if mine is None else f"{type(mine).__name__}: {mine}".split("\n")[0])
+    if mine is not None:
+        mine.add_note(f"stage {groups.coord.pipe} (rank {groups.rank}): every rank of the pipeline stopped after "
+                      "this batch's schedule; its gradients were dropped, no step was taken")
+        raise mine
+    where = groups.topology.coord(failed)
+    raise StageFailed(f"stage {groups.coord.pipe}: stage {where.pipe} (rank {failed}, data-parallel rank "
+                      f"{where.data}) raised inside the schedule: {texts[failed]}; every rank stops here, the "
+                      "batch's gradients were dropped and no step was taken")

@@ -1,0 +1,150 @@
+"""An error raised by user code inside a pipeline's schedule on one stage (engine/pipe/stage_failure.py):
+the loss_fn on the last stage, a layer's forward on the stage holding it, in train_batch and eval_batch,
+at the step's first micro-batch or a later one, on every replica or on one. Every rank of the world
+raises at once (a hang is the harness's timeout; each call must end within seconds): the failing rank
+its own error, every other rank a StageFailed naming the failing stage, its rank and the error. Nothing
+changed: training on ends bit for bit where a run that never met the failing calls ends, with the same
+step counters.
+
+Each spawn trains two engines on the same batches: A meets the failing calls after its first step (the
+probe's forward, which this does not cover, has run by then), B does not."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.nn as nn
+
+from tests.harness import run_distributed
+from tests.models import micro_batches
+from tests.pipe_models import assert_trained_alike, global_batches, mlp_specs, mse, trained_state
+
+LR, MICRO, GAS, STEPS = 0.1, 2, 2, 3
+ARMED = {"loss": None, "forward": None}  # micro-batch (call count) at which the user code raises, or None
+CALLS = {"loss": 0, "forward": 0}
+
+
+class BadLabel(ValueError):
+    pass
+
+
+class BadActivation(ValueError):
+    pass
+
+
+def _counted(kind: str) -> bool:
+    """Whether this call of `kind`'s user code is the armed one."""
+    CALLS[kind] += 1
+    return ARMED[kind] is not None and CALLS[kind] - 1 == ARMED[kind]
+
+
+def raising_mse(out, y):
+    if _counted("loss"):
+        raise BadLabel("a bad label")
+    return mse(out, y)
+
+
+class Checker(nn.Module):
+    """A layer with no parameters whose forward raises when armed (a user's assertion on its input)."""
+
+    def forward(self, x):
+        if self.training and _counted("forward"):
+            raise BadActivation("an activation out of range")
+        return x
+
+
+def _engine(stages: int, zero: int):
+    import engine
+    from engine.pipe import PipelineModule
+    pm = PipelineModule(mlp_specs(4) + [Checker()] + mlp_specs(4), num_stages=stages, loss_fn=raising_mse,
+                        seed_layers=True, partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": zero},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_max_lr": LR,
+                                                           "warmup_num_steps": 4}}}  # no step at lr 0
+    eng, *_ = engine.initialize(model=pm, config=config)
+    return pm, eng
+
+
+def _iterator(eng, batch):
+    return iter(list(micro_batches(*batch, eng.comm.rank, eng.comm.world_size, GAS)))
+
+
+def _failing_call(eng, pm, batch, case) -> dict:
+    """(kind "loss"/"forward", micro-batch, "train"/"eval", data-parallel ranks armed or None for all)."""
+    kind, micro, call, replicas = case
+    armed = replicas is None or eng.groups.coord.data in replicas
+    CALLS.update(loss=0, forward=0)
+    ARMED[kind] = micro if armed else None
+    start = time.monotonic()
+    try:
+        eng.eval_batch(_iterator(eng, batch)) if call == "eval" else eng.train_batch(_iterator(eng, batch))
+        message = "no error"
+    except Exception as err:  # noqa: BLE001 - the test reads its type and text
+        message = f"{type(err).__name__}: {err}"
+        notes = getattr(err, "__notes__", [])
+    finally:
+        ARMED[kind] = None
+    holds = any(isinstance(m, Checker) for m in pm.modules()) if kind == "forward" else eng.is_last_stage
+    return {"message": message, "notes": notes if message != "no error" else [], "seconds": time.monotonic() - start,
+            "raised_here": armed and holds}
+
+
+def _run(stages: int, zero: int, cases: list) -> dict:
+    pm_a, eng_a = _engine(stages, zero)
+    batches = global_batches(STEPS + 2, MICRO * GAS * eng_a.comm.world_size, False)
+    losses_a = [float(eng_a.train_batch(_iterator(eng_a, batches[0])))]
+    calls = [_failing_call(eng_a, pm_a, batches[-1], case) for case in cases]
+    losses_a += [float(eng_a.train_batch(_iterator(eng_a, b))) for b in batches[1:STEPS + 1]]
+    pm_b, eng_b = _engine(stages, zero)
+    losses_b = [float(eng_b.train_batch(_iterator(eng_b, b))) for b in batches[:STEPS + 1]]
+    return {"calls": calls, "a": trained_state(pm_a, eng_a), "b": trained_state(pm_b, eng_b), "stage": eng_a.stage_id,
+            "rank": eng_a.groups.rank, "data": eng_a.groups.coord.data, "losses": (losses_a, losses_b)}
+
+
+ALL = [("loss", 1, "train", None), ("forward", 0, "train", None), ("loss", 0, "eval", None),
+       ("forward", 1, "train", None)]
+ONE_REPLICA = [("loss", 1, "train", {1}), ("forward", 0, "train", {0})]
+LAYOUTS = {3: [(3, 0, ALL)], 4: [(2, 3, ONE_REPLICA)]}  # 3 stages; 2 stages × 2 replicas at ZeRO-3
+
+
+def _each(layouts: list) -> list:
+    return [_run(*layout) for layout in layouts]
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def results(request):
+    world = request.param
+    return world, run_distributed(_each, world_size=world, args=(LAYOUTS[world],), timeout=60 + 30 * world)
+
+
+ORIGINAL = {"loss": "BadLabel: a bad label", "forward": "BadActivation: an activation out of range"}
+
+
+def test_every_rank_raises_at_once_naming_the_failing_stage(results):
+    world, per_rank = results
+    for layout, (_, _, cases) in enumerate(LAYOUTS[world]):
+        for i, (kind, _, _, _) in enumerate(cases):
+            calls = [r[layout]["calls"][i] for r in per_rank]
+            failing = [(r[layout]["stage"], r[layout]["rank"], r[layout]["data"]) for r, c in zip(per_rank, calls)
+                       if c["raised_here"]]
+            assert len(failing) == 1, (kind, failing)
+            stage, rank, data = failing[0]
+            for r, call in zip(per_rank, calls):
+                assert call["seconds"] < 10, call
+                if call["raised_here"]:
+                    assert call["message"] == ORIGINAL[kind], call
+                    assert len(call["notes"]) == 1 and "every rank of the pipeline stopped" in call["notes"][0]
+                else:
+                    assert call["message"] == (
+                        f"StageFailed: stage {r[layout]['stage']}: stage {stage} (rank {rank}, data-parallel rank "
+                        f"{data}) raised inside the schedule: {ORIGINAL[kind]}; every "
+                        "rank stops here, the batch's gradients were dropped and no step was taken"), call
+
+
+def test_training_on_after_the_failing_calls_is_bit_for_bit_a_run_without_them(results):
+    world, per_rank = results
+    for layout in range(len(LAYOUTS[world])):
+        for r in per_rank:
+            assert_trained_alike(r[layout]["a"], r[layout]["b"], r[layout]["losses"])
