@@ -3,7 +3,9 @@ named by `include` leaves its buffer (the storage of each tensor is 0 bytes whil
 host buffer: the engine reports the bytes moved per state, equal to the tensors' own), a forward runs
 with the optimizer's states away (the RLHF generation phase), a backward is an error naming
 reload_states, and after the reload every state is back bit for bit and training continues exactly as
-a run that never offloaded. Stage 0, an unknown include value, device "nvme" are errors naming them."""
+a run that never offloaded (fp32 at stages 1-3, bf16 at stage 2). With offload_optimizer the host's
+states are left out, as DeepSpeed; stage 0, an unknown include value, device "nvme" and offload_param
+are errors naming them."""
 from __future__ import annotations
 
 import pytest
@@ -16,10 +18,10 @@ WORLD, STEPS = 2, 4
 STATES = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 
 
-def _config(stage: int) -> dict:
+def _config(stage: int, bf16: bool = False, **zero) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 40}}
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "bf16": {"enabled": bf16},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 40, **zero}}
 
 
 def _states(eng) -> dict[str, list[torch.Tensor]]:
@@ -36,14 +38,16 @@ def _nbytes(ts) -> int:
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in ts}.values())
 
 
-def _run(stage: int, offload: bool) -> dict:
+def _run(stage: int, offload: bool, bf16: bool = False) -> dict:
     import engine
     torch.manual_seed(0)
-    eng, *_ = engine.initialize(model=OddMLP(), config=_config(stage))
+    eng, *_ = engine.initialize(model=OddMLP(), config=_config(stage, bf16))
     rank, world = eng.comm.rank, eng.comm.world_size
     out = {}
     for step, (x, y) in enumerate(make_batches(STEPS, 2 * world)):
         (xm, ym), = micro_batches(x, y, rank, world, 1)
+        if bf16:  # bf16 weights (the 16-bit lp_params; hp_params stay fp32)
+            xm, ym = xm.bfloat16(), ym.bfloat16()
         if offload and step == STEPS // 2:
             before = {k: [t.detach().clone() for t in ts] for k, ts in _states(eng).items()}
             held = {k: _nbytes(ts) for k, ts in _states(eng).items()}
@@ -73,10 +77,13 @@ def _run(stage: int, offload: bool) -> dict:
 
 
 def _all():
-    return {stage: (_run(stage, True), _run(stage, False)) for stage in (1, 2, 3)}
+    runs = {stage: (_run(stage, True), _run(stage, False)) for stage in (1, 2, 3)}
+    runs["bf16 stage 2"] = (_run(2, True, bf16=True), _run(2, False, bf16=True))
+    return runs
 
 
 def test_offloaded_states_leave_their_buffers_and_come_back_exactly():
+    trainable = sum(p.numel() for p in OddMLP().parameters() if p.requires_grad)
     for per_rank in run_distributed(_all, WORLD, timeout=300):
         for stage, (r, plain) in per_rank.items():
             held = r["held"]
@@ -86,6 +93,8 @@ def test_offloaded_states_leave_their_buffers_and_come_back_exactly():
             assert moved == held, stage  # every byte the states hold, and no storage counted twice
             if stage == 3:
                 assert 0 < held["lp_params"] < held["hp_params"]  # the persistent parameters only
+            else:  # the full trainable weights: fp32, or bf16 beside the fp32 master partition
+                assert held["lp_params"] == trainable * (2 if stage == "bf16 stage 2" else 4)
             assert r["away_bytes"] == dict.fromkeys(STATES, 0)  # the buffers are freed while away
             assert r["reload"] == held
             assert r["exact"], stage
@@ -110,6 +119,17 @@ def _errors() -> dict:
         with pytest.raises(ValueError) as err:
             eng.offload_states(**kwargs)
         out[str(kwargs)] = str(err.value)
+    # offload_optimizer "cpu": master weights and optimizer state live on the host already (DeepSpeed)
+    eng, *_ = engine.initialize(model=OddMLP(), config=_config(2, offload_optimizer={"device": "cpu"}))
+    (x, y), = make_batches(1, 2)
+    eng.backward(eng(x, y))
+    eng.step()
+    out["cpu_optimizer"] = sorted(eng.offload_states())
+    eng.reload_states()
+    eng, *_ = engine.initialize(model=OddMLP(), config=_config(3, offload_param={"device": "cpu"}))
+    with pytest.raises(RuntimeError) as err:
+        eng.offload_states()
+    out["offload_param"] = str(err.value)
     return out
 
 
@@ -120,6 +140,8 @@ def test_unsupported_stage_include_and_device_are_errors():
                                                                                                "master_weights"]})]
     assert "device \"nvme\" is not supported" in r[str({"device": "nvme"})]
     assert "device 'gpu' is not one of 'none', 'cpu', 'nvme'" in r[str({"device": "gpu"})]
+    assert r["cpu_optimizer"] == ["contiguous_grad_buffer", "lp_grads", "lp_params"]
+    assert "with zero_optimization.offload_param is not supported" in r["offload_param"]
 
 
 if __name__ == "__main__":
