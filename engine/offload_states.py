@@ -7,7 +7,8 @@ DeepSpeed: its stage 0 optimizers have no such method):
 - "hp_params": the fp32 master partition flats (at stage 3 also what the parameter gathers read);
 - "lp_params": the trainable parameters' own storage (stages 1-2: the full model weights; stage 3: the
   persistent parameters; the gathered ones are released first, `empty_partition_cache`, as DeepSpeed);
-- "lp_grads": the fp32 gradient partition flats;
+- "lp_grads": the fp32 gradient partition flats, and inside an accumulation window the gradients it
+  accumulated so far (stage 1 keeps them in `.grad` until the boundary);
 - "optim_states": the optimizer's state tensors (exp_avg, ...);
 - "contiguous_grad_buffer": the reduce buckets' send buffers; dstrain drops each one when its
   reduction finished (zero/partitioned.py's note: freeing), so between steps there is none to move.
@@ -58,8 +59,9 @@ def _tensors(zopt, state: OffloadStateTypeEnum) -> list[torch.Tensor]:
         return [f.detach() for f in zopt.partition.flat.values()]
     if state is OffloadStateTypeEnum.lp_params:
         return [p.data for p in zopt.params]
-    if state is OffloadStateTypeEnum.lp_grads:
-        return [g for g in zopt.partition.flat_grad.values() if not g.is_meta]
+    if state is OffloadStateTypeEnum.lp_grads:  # and, inside an accumulation window, the window so far
+        window = [p.grad for p in zopt.params if p.grad is not None] + list(getattr(zopt, "_accum", {}).values())
+        return [g for g in zopt.partition.flat_grad.values() if not g.is_meta] + window
     if state is OffloadStateTypeEnum.optim_states:
         return [t for s in zopt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return [b.send for b in zopt.buckets if b.send is not None]

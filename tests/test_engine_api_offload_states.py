@@ -107,6 +107,46 @@ def test_offloaded_states_leave_their_buffers_and_come_back_exactly():
             assert all(torch.equal(a, b) for a, b in zip(r["optim"], plain["optim"]))
 
 
+def _mid_window(stage: int, offload: bool) -> dict:
+    """gas 2: offload after the window's first micro-step, reload, finish the window."""
+    import engine
+    torch.manual_seed(0)
+    eng, *_ = engine.initialize(model=OddMLP(), config={**_config(stage), "gradient_accumulation_steps": 2})
+    rank, world = eng.comm.rank, eng.comm.world_size
+    out = {}
+    for step, (x, y) in enumerate(make_batches(3, 4 * world)):
+        for k, (xm, ym) in enumerate(micro_batches(x, y, rank, world, 2)):
+            eng.backward(eng(xm, ym))
+            eng.step()
+            if offload and step == 1 and k == 0:
+                window = [p.grad.clone() for p in eng.zero_optimizer.params if p.grad is not None]
+                out["moved"] = eng.offload_states(include=["lp_grads"])["lp_grads"]
+                out["window_bytes"] = sum(g.numel() * g.element_size() for g in window)
+                out["window_away"] = _nbytes([p.grad for p in eng.zero_optimizer.params if p.grad is not None])
+                eng.reload_states()
+                out["window_back"] = all(torch.equal(a, p.grad) for a, p in
+                                         zip(window, [p for p in eng.zero_optimizer.params if p.grad is not None]))
+    out["params"] = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+    return out
+
+
+def _mid_windows():
+    return {stage: (_mid_window(stage, True), _mid_window(stage, False)) for stage in (1, 2)}
+
+
+def test_offload_inside_an_accumulation_window_moves_the_window_so_far():
+    for per_rank in run_distributed(_mid_windows, WORLD, timeout=300):
+        for stage, (r, plain) in per_rank.items():
+            flat_grad = r["moved"] - r["window_bytes"]
+            if stage == 1:  # the window's gradients wait in .grad until the boundary reduces them
+                assert r["window_bytes"] > 0 and flat_grad > 0
+                assert r["window_away"] == 0 and r["window_back"]
+            else:  # stage 2 reduced them into the partition gradient already
+                assert r["window_bytes"] == 0
+            for n, p in r["params"].items():
+                assert torch.equal(p, plain["params"][n]), f"stage {stage} {n}"
+
+
 def _errors() -> dict:
     import engine
     out = {}
