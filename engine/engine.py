@@ -93,7 +93,6 @@ class Engine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate `loss / gradient_accumulation_steps`; at the boundary, reduce gradients."""
         self._require_optimizer("backward")
-        self._offloaded.require("backward")
         boundary = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         self.zero_optimizer.before_backward(boundary)
         gas = self.config.gradient_accumulation_steps
@@ -112,7 +111,6 @@ class Engine(torch.nn.Module):
     def step(self) -> None:
         """Call after every micro-batch; acts only at the gradient-accumulation boundary."""
         self._require_optimizer("step")
-        self._offloaded.require("step")
         if self._in_no_sync:
             raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first")
         if self.is_gradient_accumulation_boundary():
@@ -187,6 +185,7 @@ class Engine(torch.nn.Module):
         if self.zero_optimizer is None:
             raise RuntimeError(f"engine.{what}() needs an optimizer: set \"optimizer\" in the config "
                                "or pass optimizer= to engine.initialize()")
+        self._offloaded.require(what)  # backward, step, a pipeline's train_batch read every state
 
     # -- accumulation ---------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -147,6 +147,37 @@ def test_offload_inside_an_accumulation_window_moves_the_window_so_far():
                 assert torch.equal(p, plain["params"][n]), f"stage {stage} {n}"
 
 
+def _pipe_run(offload: bool) -> dict:
+    import engine
+    from engine.pipe import PipelineModule
+    from tests.pipe_models import global_batches, mlp_specs, mse
+    pm = PipelineModule(mlp_specs(6), num_stages=2, loss_fn=mse, seed_layers=True, partition_method="uniform")
+    eng, *_ = engine.initialize(model=pm, config={**_config(1), "gradient_accumulation_steps": 2})
+    out = {}
+    for i, (x, y) in enumerate(global_batches(4, 4, tied=False)):
+        if offload and i == 2:
+            out["moved"] = sum(eng.offload_states().values())
+            with pytest.raises(RuntimeError) as err:
+                eng.train_batch(iter(list(micro_batches(x, y, 0, 1, 2))))
+            out["error"] = str(err.value)
+            eng.reload_states()
+        eng.train_batch(iter(list(micro_batches(x, y, 0, 1, 2))))
+    out["params"] = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    return out
+
+
+def _pipe_runs():
+    return _pipe_run(True), _pipe_run(False)
+
+
+def test_pipeline_engine_offloads_and_refuses_train_batch_until_reloaded():
+    for r, plain in run_distributed(_pipe_runs, WORLD, timeout=300):
+        assert r["moved"] > 0
+        assert "engine.train_batch() while engine.offload_states() moved" in r["error"]
+        for n, p in r["params"].items():
+            assert torch.equal(p, plain["params"][n]), n
+
+
 def _errors() -> dict:
     import engine
     out = {}
