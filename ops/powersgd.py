@@ -139,4 +139,14 @@ class PowerSGD:
     def load_state_dict(self, state: dict) -> None:
         self.steps = state["steps"]
         self._errors = {k: e.float().clone() for k, e in state["errors"].items()}
-        self._qs = {k: [_row_major_t(q) for q in qs] for k, qs in state["qs"].items()}
+        self._qs = {k: _packed(qs) for k, qs in state["qs"].items()}
+
+
+def _packed(qs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A bucket's Qs as a step leaves them: transposes of consecutive r × m blocks of one buffer
+    (reduce_'s `second`). BLAS rounds M·Q by where Q lies (its alignment picks the kernel), so Qs loaded
+    each into a buffer of its own made a resumed run differ from the uninterrupted one in the last bit."""
+    if not qs:
+        return []
+    flat = torch.cat([q.T.reshape(-1) for q in qs])
+    return [part.view(q.shape[1], q.shape[0]).T for part, q in zip(flat.split([q.numel() for q in qs]), qs)]
