@@ -10,7 +10,8 @@ per parameter (this rank's slice of a sharded one), and every parameter after ST
 atol 1e-5 (summation order only). An own parameter used on both sides of a region is refused naming
 it; one as wide as a column layer's output used inside fails in torch with a note naming it. A pair
 built from dstrain's layers in two modules of one nn.Sequential (BERT's Intermediate / Output): a gain
-beside the column layer gets the dense gradient.
+beside the column layer gets the dense gradient. HF DiffLlama (its own lambda_q1.. inside the attention
+region, and heads paired h with h + H/2: autotp.py's note on paired heads) the same way.
 """
 from __future__ import annotations
 
@@ -86,12 +87,21 @@ def _dense_slice(p: nn.Parameter, full: torch.Tensor, comm) -> torch.Tensor:
         if is_partitioned(p) else full
 
 
-def _equals_dense() -> dict:
+def _tiny_diffllama():
+    """HF DiffLlama: its own lambda_q1.. (head_dim) inside the region, and heads paired h with h + H/2."""
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+    model = DiffLlamaForCausalLM(DiffLlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D,
+                                                 num_hidden_layers=2, num_attention_heads=HEADS,
+                                                 num_key_value_heads=HEADS, max_position_embeddings=16))
+    return model, lambda m, ids: m(input_ids=ids, labels=ids).loss
+
+
+def _equals_dense(kind: str) -> dict:
     from engine.comm import Communicator
     from engine.tensor_parallel.autotp import shard_model
     comm = Communicator(None)
     torch.manual_seed(0)
-    model = _Net()
+    model, loss_of = _tiny_diffllama() if kind == "diffllama" else (_Net(), lambda m, ids: m(ids))
     reference = copy.deepcopy(model)
     shard_model(model, comm)
     dense = dict(reference.named_parameters())
@@ -100,7 +110,7 @@ def _equals_dense() -> dict:
     grad_err, loss_err = {}, 0.0
     for step in range(STEPS):
         ids = torch.randint(0, VOCAB, (4, 12), generator=g)
-        losses = [m(ids) for m in (model, reference)]
+        losses = [loss_of(m, ids) for m in (model, reference)]
         for loss in losses:
             loss.backward()
         loss_err = max(loss_err, abs(losses[0].item() - losses[1].item()))
@@ -161,7 +171,7 @@ def _refusals() -> dict:
 
 
 def _two_ranks() -> dict:
-    return {"dense": _equals_dense(), "split": _split_pair_equals_dense(), "refusals": _refusals()}
+    return {"dense": _equals_dense("net"), "diffllama": _equals_dense("diffllama"), "split": _split_pair_equals_dense(), "refusals": _refusals()}
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +179,14 @@ def results():
     return run_distributed(_two_ranks, world_size=2, timeout=120)
 
 
-def test_own_parameters_inside_and_outside_a_region_train_as_the_dense_model(results):
-    for rank, r in enumerate(r["dense"] for r in results):
-        assert set(r["grad"]) >= {"attn.0.head_scale", "attn.0.out_bias", "mlp.0.gain"}, r["grad"].keys()
+OWN = {"dense": {"attn.0.head_scale", "attn.0.out_bias", "mlp.0.gain"},
+       "diffllama": {"model.layers.0.self_attn.lambda_q1", "model.layers.1.self_attn.lambda_k2"}}
+
+
+@pytest.mark.parametrize("kind", sorted(OWN))
+def test_own_parameters_inside_and_outside_a_region_train_as_the_dense_model(results, kind):
+    for rank, r in enumerate(r[kind] for r in results):
+        assert set(r["grad"]) >= OWN[kind], r["grad"].keys()
         bad = {n: e for n, e in r["grad"].items() if e > ATOL}
         assert not bad, f"rank {rank}: first-step gradients off the dense model's: {bad}"
         bad = {n: e for n, e in r["param"].items() if e > ATOL}

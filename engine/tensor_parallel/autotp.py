@@ -10,7 +10,12 @@ GPT-2's `c_attn` and examples/gpt.py's `qkv` fuse q|k|v and are split section by
 (multi_query=False) lays its output out head by head, [q_h k_h v_h] for each head h, where GPT-2's is
 three blocks q|k|v. Cut as three sections it gave each rank the wrong features of every head: the
 loss was 2.6e-3 off the dense model's at step 0, silently. A contiguous 1/T of a per-head layout is
-T whole heads, so such projections (`PER_HEAD_FUSED`, by the owner's class) are cut as one section.
+T whole heads, so such projections (`OWNER_SECTIONS`, by the owner's class) are cut as one section.
+[Note: paired heads] HF DiffLlama's attention pairs head h with head h + H/2 (`torch.chunk(..., 2)` over
+the head axis, of v's key/value heads and of the attention output). A contiguous 1/T of the heads pairs
+them differently: its loss was 1.7e-2 off the dense model's at step 0, silently. Its q, k and v
+projections are cut as two sections (rank r holds the r-th 1/T of each half), so its own chunks pair
+the dense model's heads; o_proj's input, one feature block per pair, is cut whole.
 A fused projection of a model not listed is taken to be GPT-2's layout; the head counts it needs are
 checked, its layout cannot be.
 Embeddings, the LM head and norms stay whole (replicated; grads.py's note). Dropout between a
@@ -35,8 +40,9 @@ COLUMN_PARALLEL = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_pr
                    "c_attn": 3, "qkv": 3}
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "proj", "out")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv")
-# owner class -> its fused projections laid out head by head (note: per-head fused layout)
-PER_HEAD_FUSED = {"GPTBigCodeAttention": ("c_attn",)}
+# owner class -> {projection: sections} where the name's default is wrong (notes: per-head fused layout,
+# paired heads)
+OWNER_SECTIONS = {"GPTBigCodeAttention": {"c_attn": 1}, "DiffLlamaAttention": {"q_proj": 2, "k_proj": 2, "v_proj": 2}}
 HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads")
 HEAD_COUNT_ATTRIBUTES = HEAD_COUNTS + ("split_size",)
 
@@ -118,7 +124,7 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
             path = f"{owner_name}.{name}" if owner_name else name
             try:
                 if name in COLUMN_PARALLEL:
-                    parts = 1 if name in PER_HEAD_FUSED.get(type(owner).__name__, ()) else COLUMN_PARALLEL[name]
+                    parts = OWNER_SECTIONS.get(type(owner).__name__, {}).get(name, COLUMN_PARALLEL[name])
                     layer = ColumnParallelLinear.from_dense(child, parts=parts, group=comm)
                 else:
                     layer = RowParallelLinear.from_dense(child, input_is_parallel=True, group=comm)
