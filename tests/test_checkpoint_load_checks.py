@@ -13,6 +13,8 @@
 - Saved in one precision and loaded in another: the loss scaler is the new precision's, from its config.
   It was the saved one: a bf16 checkpoint gave an fp16 engine bf16's static scale of 1 (no dynamic
   scaling: fp16 gradients underflow), an fp16 one gave a bf16 engine fp16's dynamic scale of 256.
+- `latest` naming a tag that is gone: a CheckpointError naming `latest` (it was a warning and a fresh
+  start, also for checkpoint.auto_resume).
 2 ranks, ZeRO stages 0 and 2, fp32 (and bf16/fp16 for the scaler).
 """
 from __future__ import annotations
@@ -159,3 +161,21 @@ def test_a_load_in_another_precision_keeps_the_new_precisions_loss_scaler(runs, 
         for (saved, loaded), (got, fresh) in cases.items():
             assert got == fresh, f"{saved} checkpoint into {loaded}: scaler {got}, the {loaded} config's {fresh}"
         assert cases[("bf16", "fp16")][0]["dynamic"] and cases[("bf16", "fp16")][0]["cur_scale"] == 256.0
+
+
+def test_latest_naming_a_missing_tag_is_an_error_not_a_fresh_start(tmp_path):
+    """`latest` names a tag whose directory is gone (deleted by hand, or a crash while a tag was saved
+    again): a CheckpointError naming `latest` and the tags there. It was a warning and (None, None), so a
+    job with checkpoint.auto_resume started again from step 0."""
+    from engine.checkpoint.format import write_latest
+    from engine.checkpoint.reader import resolve
+    (tmp_path / "global_step2").mkdir()
+    (tmp_path / "global_step2" / "manifest.json").write_text("{}")
+    write_latest(tmp_path, "global_step4")
+    with pytest.raises(CheckpointError) as e:
+        resolve(tmp_path, None)
+    message = str(e.value)
+    assert str(tmp_path / "latest") in message and "global_step4" in message and "global_step2" in message
+    assert "\n" not in message
+    with pytest.warns(UserWarning, match="does not exist"):  # a tag asked for by name: DeepSpeed's (None, None)
+        assert resolve(tmp_path, "global_step9") is None

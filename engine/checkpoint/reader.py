@@ -26,13 +26,19 @@ _OK = 2 ** 62
 def resolve(load_dir, tag: str | None) -> Path | None:
     """The tag directory to load, or None (with a warning) when there is nothing to load."""
     load_dir = Path(load_dir)
-    if tag is None:
+    from_latest = tag is None
+    if from_latest:
         tag = fmt.read_latest(load_dir)
         if tag is None:
             warnings.warn(f"no checkpoint to load: {load_dir / fmt.LATEST} does not exist; "
                           "pass tag= to load a specific one", stacklevel=3)
             return None
     path = fmt.tag_path(load_dir, str(tag), f"load_checkpoint({str(load_dir)!r}, tag={tag!r})")
+    if from_latest and not path.is_dir():  # a lost checkpoint, not "nothing saved yet": auto_resume restarted at 0
+        tags = ", ".join(fmt.committed_tags(load_dir)) or "none"
+        raise fmt.CheckpointError(f"{load_dir / fmt.LATEST}: names tag {tag!r}, which is not in {load_dir} (tags "
+                                  f"there: {tags}); pass tag= to load one of them, or delete {fmt.LATEST} to "
+                                  "start afresh")
     if not path.is_dir():
         warnings.warn(f"no checkpoint to load: {path} does not exist", stacklevel=3)
         return None
