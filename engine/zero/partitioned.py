@@ -195,6 +195,10 @@ class PartitionedZeroOptimizer:
                 break
             self._launch(nxt)
 
+    def _backward_anchors(self) -> list:
+        """(gradient edge, zero gradient) pairs that backward runs from together with the loss (stage 3)."""
+        return []
+
     def _reductions_wait_for_backward(self) -> bool:
         """Launch no bucket before this backward ends? (stage 3, when the ranks' paths differ)"""
         return False
@@ -292,7 +296,13 @@ class PartitionedZeroOptimizer:
         if self._armed:
             self.arrivals.before_reducing_backward(loss)
         scale = self.guard.scaler.loss_scale
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        loss = loss * scale if scale != 1.0 else loss
+        anchors = self._backward_anchors()
+        if anchors:  # stage 3: every unit that ran forward runs backward (anchors.py)
+            torch.autograd.backward([loss] + [edge for edge, _ in anchors], [None] + [zero for _, zero in anchors],
+                                    retain_graph=retain_graph)
+        else:
+            loss.backward(retain_graph=retain_graph)
         self._micro_steps += 1
         if self._armed:
             self._reduce_remaining()

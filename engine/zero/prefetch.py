@@ -18,11 +18,13 @@ every round was unanimous and every rank derived the same plan (one tiny all-gat
 else the next pass records again, so a model whose ranks keep diverging gathers in rounds throughout.
 A unit a plan pass does not expect ends prefetching on that rank. In forward, all ranks then switch
 to request rounds (note: leaving the plan, one tiny all-reduce at the end of each plan pass's
-forward). In backward the rank gathers *on demand*, each gather preceded by a fixed-size all-gather of
-group ids compared at the end of the pass (note: no host reads per unit); the others are still on the
-plan, so the collectives differ (an error naming the modules when sizes agree; gloo aborts on a size
-mismatch: docs/zero3.md, limits). At the end of each training pass the ranks agree (one tiny
-all-reduce) whether to re-record the trace.
+forward). Backward runs the units forward ran, on every rank (anchors.py), so it leaves the plan
+only where forward did. Should it still (a backward order that autograd schedules differently on
+some rank), the rank gathers *on demand*, each gather preceded by a fixed-size all-gather of group ids
+compared at the end of the pass (note: no host reads per unit); the others are still on the plan, so
+the collectives differ (an error naming the modules when sizes agree; gloo aborts on a size mismatch:
+docs/zero3.md, limits). At the end of each training pass the ranks agree (one tiny all-reduce)
+whether to re-record the trace.
 [Note: the whole plan on every rank] Each rank issues every plan gather every training pass, also
 those of units it does not reach at the end of the plan (an MoE expert none of its tokens chose): the
 forward's remaining ones when its forward ends, the rest before the gradients are reduced (a rank
@@ -36,7 +38,8 @@ in which the ranks' forwards differed (a round that was not unanimous, forward's
 included, or a rank that skipped events of the plan: the end-of-forward all-reduce carries that too),
 every rank holds its gradients and launches the buckets when its backward ends, owing no gather then:
 such a pass gives up the overlap and holds the whole gradient; passes whose ranks agree keep both. A
-unit skipped in backward only (one whose output gets no gradient on some rank) is not covered.
+unit skipped in backward only (one whose output gets no gradient on some rank) cannot happen in a
+training pass (anchors.py); a backward outside its pass waits for its end (note there).
 [Note: one copy per group] Prefetch stops at a plan gather of a group that is gathered or in flight:
 issuing it then would hand the later gather to the earlier use (`max_reuse_distance` 0 and a large
 bucket: a unit's backward gather consumed by its forward), and backward would find the plan exhausted.
@@ -55,6 +58,7 @@ from collections import Counter
 
 import torch
 
+from .anchors import BackwardAnchors
 from .gather_requests import RankDivergenceError, RequestRounds
 from .stage3_params import GatherGroup
 
@@ -89,6 +93,7 @@ class ParamCoordinator:
         self.gather_log: list[tuple[str, str]] = []  # (phase, group name) per all-gather, for tests
         self.checks: list[tuple[GatherGroup, torch.Tensor]] = []  # this pass's ids on the device (module note)
         self.read_ahead_groups = 0  # NVMe parameters: plan groups whose slots are read ahead (param_nvme.py)
+        self.anchors = BackwardAnchors()  # this training pass's unit outputs (anchors.py)
 
     # -- pass boundaries ---------------------------------------------------------------------------
     def _begin_pass(self) -> None:
@@ -105,6 +110,7 @@ class ParamCoordinator:
         self.forward_agreed = self.by_request  # a plan pass agrees once, at the end of its forward
         self.defer_reductions = False  # note: reductions wait
         self.requests.mixed = False
+        self.anchors.clear()
 
     def end_pass(self) -> None:
         """Drain every issued gather, release everything not persistent, settle the trace. Also after a
@@ -117,18 +123,24 @@ class ParamCoordinator:
                 g.release()
         self.active.clear()
         self.defer_reductions = False
-        settle = self.in_pass and self.training_pass
+        self.anchors.clear()
+        settle, complete = self.in_pass and self.training_pass, self.in_backward
         self.in_pass = self.training_pass = self.in_backward = False
         checks, self.checks = self.checks, []
         if settle:
-            self._settle_trace(checks)
+            self._settle_trace(checks, complete)
         elif checks:
             self._raise_on_mismatch(checks, self._mismatches(checks).any().item())
 
-    def _settle_trace(self, checks: list) -> None:
-        """One host read per training pass: re-record the trace? did any gather bring another group?"""
+    def _settle_trace(self, checks: list, complete: bool) -> None:
+        """One host read per training pass: re-record the trace? did any gather bring another group?
+        A recording that ended before its backward (an evaluation forward came in between: note, a
+        backward outside its pass) is dropped on every rank: a plan without backward would send a later
+        pass's backward off it, gathering on demand where the ranks may differ."""
         if self.recording is not None:
             trace, self.recording = self.recording, None
+            if not complete:
+                return
             plan, keep = self._simulate(trace)
             if not self.requests.mixed and self._same_plan_everywhere(plan):  # else record the next pass
                 self.trace, self.plan, self.keep = trace, plan, keep
@@ -236,11 +248,36 @@ class ParamCoordinator:
                 return
             self._issue_plan_entry()
 
+    def note_outputs(self, tensors: list) -> None:
+        """A unit's outputs: anchored in training passes (anchors.py's note)."""
+        if not self.held and self.in_pass and self.training_pass:
+            self.anchors.note(tensors)
+
+    def backward_anchors(self) -> list:
+        """(gradient edge, zero gradient) for each unit output of this training pass (anchors.py)."""
+        anchors = self.anchors.take()
+        return anchors if self.in_pass and self.training_pass else []
+
     def pre_backward(self, unit: int) -> None:
         if self.held:
             return
+        if not self.in_backward and not (self.in_pass and self.training_pass):
+            self._begin_backward_outside_pass()
         self.in_backward = True
         self._pre(unit, "B")
+
+    def _begin_backward_outside_pass(self) -> None:
+        """[Note: a backward outside its pass] An evaluation forward between a training forward and its
+        backward (a validation loss, a generation) began a pass of its own, which ended the training
+        pass: its backward then runs outside any training pass, against no plan. Each of its gathers is
+        a request round (gather_requests.py) and its gradient reductions wait for its end (note:
+        reductions wait), as in a pass whose ranks diverged: this backward may run different units on
+        different ranks (an MoE's experts), and nothing was agreed about it. Every rank ran the same
+        evaluation forward, so every rank's backward begins here. Before, its gathers were on demand,
+        each checked at once: the first expert one rank ran and another did not raised
+        RankDivergenceError."""
+        self.by_request = self.defer_reductions = True
+        self.requests.mixed = False
 
     def post_backward(self, unit: int) -> None:
         if self.held:

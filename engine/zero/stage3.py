@@ -218,6 +218,9 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             self.coordinator.end_pass()
             self._trim()
 
+    def _backward_anchors(self) -> list:
+        return self.coordinator.backward_anchors()
+
     def _reductions_wait_for_backward(self) -> bool:
         return self.coordinator.defer_reductions  # prefetch.py's note: reductions wait
 

@@ -123,6 +123,7 @@ def install_hooks(module: nn.Module, index: int, coordinator) -> list:
         coordinator.post_forward(index)
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            coordinator.note_outputs(tensors)
             call = {"done": False}
 
             def pre_backward(grad):
