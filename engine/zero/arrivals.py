@@ -124,6 +124,13 @@ def may_arrive_twice(loss: torch.Tensor, tracked=None) -> bool:
     return pieces_reason(loss, tracked) is not None
 
 
+def _delivers_once(cls) -> bool:
+    """dstrain's marked Functions, and torch.compile's AOTAutograd graphs (`engine.compile()`): their
+    backward runs the compiled backward graph once, no backward of its own."""
+    return getattr(cls, "delivers_gradients_once", False) or (
+        cls.__name__ == "CompiledFunction" and cls.__module__.startswith("torch._functorch."))
+
+
 def pieces_reason(loss: torch.Tensor, tracked=None) -> str | None:
     """What in `loss`'s graph may deliver a parameter's gradient in pieces, or None: a Python Function node
     that may run a backward of its own, or a parameter used in two places among dstrain's reentrant
@@ -137,8 +144,7 @@ def pieces_reason(loss: torch.Tensor, tracked=None) -> str | None:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and \
-                not getattr(node._forward_cls, "delivers_gradients_once", False):
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and not _delivers_once(node._forward_cls):
             used = region_params.recorded(node)
             if used is None:
                 return f"a {type(node).__name__} node (a Python autograd Function that may run a backward of its own)"
