@@ -207,6 +207,35 @@ def test_state_streams_out_and_loads_at_other_boundaries(tmp_path):
         second.close()
 
 
+def test_load_master_replaces_the_weights_and_keeps_the_state(tmp_path):
+    """A load of the weights alone (a checkpoint loaded with load_optimizer_states=False): in memory the
+    optimizer's state is kept and only the parameter changes; `load_master` does that to the files, from
+    chunks cut at boundaries the partition has never seen. (`load_chunks` of such chunks drops the state.)"""
+    make = OPTIMIZERS["adamw-fused"]
+    master, grads = data(steps=6)
+    loaded = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1))
+    param = torch.nn.Parameter(master.clone())
+    optimizer = make([param])
+    for k, grad in enumerate(grads):
+        if k == 3:
+            param.data.copy_(loaded)
+        param.grad = grad.clone()
+        optimizer.step()
+    swapped = Swapped(tmp_path, make, NUMEL, 1000, pipeline=(True, True))
+    try:
+        swapped.part.initialize(lambda s, e: master[s:e])
+        for grad in grads[:3]:
+            swapped.step(grad)
+        swapped.part.load_master({"start": s, "end": min(s + 1536, NUMEL), "master": loaded[s:s + 1536],
+                                  "state": {}, "scalars": {}} for s in range(0, NUMEL, 1536))
+        for grad in grads[3:]:
+            swapped.step(grad)
+        assert torch.equal(swapped.model, param.detach())
+        assert_state_equal(swapped.part, optimizer.state[param])
+    finally:
+        swapped.close()
+
+
 def _frozen_rows(frozen, kind: str, numel: int) -> torch.Tensor:
     return torch.cat(list(frozen.rows(kind, 0, numel)))
 

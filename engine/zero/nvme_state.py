@@ -56,7 +56,7 @@ def install_state_dict_hooks(tier) -> list:
             scalars = {k: v for k, v in loaded.items() if k not in rows}
             master = tier.partition.store.read(key, 0, flat.numel())  # load_state_dict wrote it there
             tier.load_chunks(key, [{"start": 0, "end": flat.numel(), "master": master, "state": rows,
-                                    "scalars": scalars}], keep_state=False)  # no state loaded: none kept, as torch's
+                                    "scalars": scalars}])
 
     return [optimizer.register_state_dict_post_hook(with_swapped_state),
             optimizer.register_load_state_dict_post_hook(into_swap_files)]

@@ -191,12 +191,12 @@ class NvmeOptimizerTier:
         load), when it is the partition store's copy (partition_store.py's note: master in the tier)."""
         return not self.parts[key].master_deferred
 
-    def load_chunks(self, key: tuple, chunks, keep_state: bool = True) -> None:
+    def load_chunks(self, key: tuple, chunks, keep_state: bool = False) -> None:
         """Load `key`'s partition from chunks and refresh its send image (the partition store) from them.
-        Chunks without optimizer state (a checkpoint loaded with `load_optimizer_states=False` or
-        `load_module_only`) replace only the master where the files hold state: it is kept, as the
-        configured optimizer keeps its state without offload. `keep_state=False` drops it instead
-        (`optimizer.load_state_dict` of a state dict without state, as torch's drops it)."""
+        Chunks without optimizer state leave none (a checkpoint saved before the first step, a state dict
+        without state: the in-memory optimizer's state is replaced by the empty one); with `keep_state`
+        they replace only the master and the state the files hold is kept, as a load with
+        `load_optimizer_states=False` or `load_module_only` keeps the in-memory optimizer's."""
         store, part = self.partition.store, self.parts[key]
         chunks = iter(chunks)
         first = next(chunks, None)
