@@ -6,8 +6,9 @@ its own error, every other rank a StageFailed naming the failing stage, its rank
 changed: training on ends bit for bit where a run that never met the failing calls ends, with the same
 step counters.
 
-Each spawn trains two engines on the same batches: A meets the failing calls after its first step (the
-probe's forward, which this does not cover, has run by then), B does not."""
+A forward that raises in the probe (the first batch of a new shape: probe.py) the same way.
+Each spawn trains two engines on the same batches: A meets the failing calls after its first step (so
+the probe of the usual shape has run), B does not."""
 from __future__ import annotations
 
 import time
@@ -72,8 +73,11 @@ def _iterator(eng, batch):
 
 
 def _failing_call(eng, pm, batch, case) -> dict:
-    """(kind "loss"/"forward", micro-batch, "train"/"eval", data-parallel ranks armed or None for all)."""
+    """(kind "loss"/"forward", micro-batch, "train"/"eval", data-parallel ranks armed or None for all);
+    "probe": a batch of a new shape, whose probe forward (micro-batch 0) raises in the Checker."""
     kind, micro, call, replicas = case
+    if kind == "probe":
+        kind, batch = "forward", global_batches(1, (MICRO + 1) * GAS * eng.comm.world_size, False)[0]
     armed = replicas is None or eng.groups.coord.data in replicas
     CALLS.update(loss=0, forward=0)
     ARMED[kind] = micro if armed else None
@@ -104,8 +108,8 @@ def _run(stages: int, zero: int, cases: list) -> dict:
 
 
 ALL = [("loss", 1, "train", None), ("forward", 0, "train", None), ("loss", 0, "eval", None),
-       ("forward", 1, "train", None)]
-ONE_REPLICA = [("loss", 1, "train", {1}), ("forward", 0, "train", {0})]
+       ("forward", 1, "train", None), ("probe", 0, "train", None)]
+ONE_REPLICA = [("loss", 1, "train", {1}), ("forward", 0, "train", {0}), ("probe", 0, "train", {1})]
 LAYOUTS = {3: [(3, 0, ALL)], 4: [(2, 3, ONE_REPLICA)]}  # 3 stages; 2 stages × 2 replicas at ZeRO-3
 
 
@@ -119,7 +123,8 @@ def results(request):
     return world, run_distributed(_each, world_size=world, args=(LAYOUTS[world],), timeout=60 + 30 * world)
 
 
-ORIGINAL = {"loss": "BadLabel: a bad label", "forward": "BadActivation: an activation out of range"}
+ORIGINAL = {"loss": "BadLabel: a bad label", "forward": "BadActivation: an activation out of range",
+            "probe": "BadActivation: an activation out of range"}
 
 
 def test_every_rank_raises_at_once_naming_the_failing_stage(results):

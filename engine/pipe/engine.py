@@ -32,7 +32,7 @@ from . import boundary, zero3
 from .batch_agreement import (MIXED_BATCH, READ_FAILED, DataExhausted,  # DataExhausted: its old home, kept
                               DataReadFailed, agree_on_batch)
 from .partitioned_wire import PartitionedWire, partitioned
-from .probe import chunk_examples
+from .probe import ProbeFailed, chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import LoggedStage, schedule_class
 from .stage_failure import FailureRecord, agree_on_outcome, substitute_loss, substitute_outputs
@@ -238,10 +238,15 @@ class PipelineEngine(Engine):
     def _run(self, batch: tuple, training: bool):
         key, inputs, labels = batch
         m = self.config.gradient_accumulation_steps
-        stages, sched, mods = self._schedule_for(key, training, m, inputs[0] if self.is_first_stage else None)
+        self._failure = FailureRecord()
+        try:
+            stages, sched, mods = self._schedule_for(key, training, m, inputs[0] if self.is_first_stage else None)
+        except ProbeFailed as failed:  # no schedule for this batch; the world learns of it after (probe.py)
+            if failed.error is not None:
+                self._failure.keep(failed.error)
+            return [], []
         self._last_chunk = mods.get(self.module.num_stages * self.module.virtual_stages - 1)
         self._actions.clear()
-        self._failure = FailureRecord()
         for mod in mods.values():
             mod.failure = self._failure
         for st in stages:

@@ -15,10 +15,12 @@ rank if it failed, −1 if not; MAX) tells every rank whether, and where. If any
 rank drops the batch's gradients (nothing steps, no counter moves) and raises: the failing rank its
 own error, every other rank a `StageFailed` naming the failing stage, its rank and the error (the
 text comes in one all_gather_object, only then).
+A forward that raises in the probe (the first batch of each new input shape) runs no schedule at all
+(probe.py's note) and is told to the world by the same all-reduce.
 Cost: that all-reduce per train_batch/eval_batch; the schedule's micro-batches add nothing (a try
 around user code). Measured in docs/parallelism.md. Not covered: an error in a backward pass (a hook
-raising inside autograd: torch's stage keeps no state to resume from), and in the probe's forward
-(the first batch of each new input shape), which still leave the other stages waiting.
+raising inside autograd: torch's stage keeps no state to resume from), which still leaves the other
+stages waiting.
 """
 from __future__ import annotations
 
