@@ -71,6 +71,22 @@ def test_compiled_engine_trains_as_the_uncompiled_one_at_every_stage():
                                            msg=f"stage {stage} backend {backend} parameter {n}")
 
 
+def _inductor():
+    import torch._dynamo
+    plain = _train(0, None)
+    torch._dynamo.reset()
+    return plain, _train(0, "inductor")
+
+
+def test_inductor_the_default_backend_trains_as_uncompiled():
+    """Inductor generates C++ (gcc here) and fuses ops, so its sums round differently: close, not equal."""
+    plain, compiled = run_distributed(_inductor, 1, timeout=600)[0]
+    assert compiled["compiled"] and compiled["frames"] > 0
+    assert compiled["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-6)
+    for n, p in compiled["params"].items():
+        torch.testing.assert_close(p, plain["params"][n], rtol=1e-5, atol=1e-6, msg=f"parameter {n}")
+
+
 def _refusals() -> dict:
     import engine
     from engine.pipe import PipelineModule
