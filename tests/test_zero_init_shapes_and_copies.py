@@ -3,9 +3,10 @@
 
 `nn.Transformer` is the canonical case of both: `nn.TransformerEncoder` deep-copies its partitioned
 layer (`_get_clones`), and `_reset_parameters` re-initialises `if p.dim() > 1`. Oracles: the model built
-normally from the same seed (torch.equal per parameter), nanoGPT-style weight-decay groups chosen by
-`p.dim()` (same parameters in each), and plain single-process SGD on the global batch (weight decay on the
-decay group, gradient_clipping 0), fp32 atol 1e-6 after STEPS steps. A copy made inside Init before
+normally from the same seed (torch.equal per parameter; also a parent calling its child's
+`reset_parameters()`), nanoGPT-style weight-decay groups chosen by `p.dim()` (same parameters in each),
+and plain single-process SGD on the global batch (weight decay on the decay group, gradient_clipping 0),
+fp32 atol 1e-6 after STEPS steps. A copy made inside Init before
 initialize (an EMA) equals the model as built and is untouched by training; a deepcopy of the engine's
 module is refused, and the way its message names gives the trained weights.
 """
@@ -35,6 +36,15 @@ class TinyTransformer(nn.Module):
     def forward(self, x, y):
         src = x.view(x.shape[0], 4, 8)
         return nn.functional.mse_loss(self.head(self.body(src, src).mean(1)), y)
+
+
+class ResetChild(nn.Module):
+    """A parent re-running its partitioned child's own init: torch's fan-in reads the placeholder's dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.a.reset_parameters()
 
 
 def _groups(model: nn.Module, decay: float = 0.5) -> list[dict]:
@@ -83,7 +93,13 @@ def _cases(batches):
     rebuilt = TinyTransformer()  # the way the refusal names
     with engine.zero.GatheredParameters(list(eng.module.parameters())):
         rebuilt.load_state_dict(eng.module.state_dict())
+    torch.manual_seed(1)
+    plain_reset = ResetChild().state_dict()
+    torch.manual_seed(1)
+    with engine.zero.Init(config=CONFIG):
+        reset = _full(ResetChild())
     return {"built": [k for k, v in plain.items() if not torch.equal(built[k], v)],
+            "reset": [k for k, v in plain_reset.items() if not torch.equal(reset[k], v)],
             "ema": [k for k, v in plain.items() if not torch.equal(ema_built[k], v)],
             "ema_after": [k for k, v in _full(ema).items() if not torch.equal(plain[k], v)],
             "decay": (decay, plain_decay), "refused": refused,
@@ -102,6 +118,7 @@ def test_transformer_built_in_init_equals_plain_and_copies_are_exact_or_refused(
     ref = dict(plain.named_parameters())
     for r in run_distributed(_cases, 2, args=(batches,), timeout=180):
         assert r["built"] == [], r["built"]  # _reset_parameters' xavier_uniform_ reached every weight
+        assert r["reset"] == [], r["reset"]  # nn.Linear.reset_parameters on a partitioned child
         assert r["decay"][0] == r["decay"][1] > 0, r["decay"]  # p.dim() of a placeholder is the weight's
         assert r["ema"] == [] and r["ema_after"] == [], (r["ema"], r["ema_after"])
         assert all("copy.deepcopy" in e and "GatheredParameters" in e for e in r["refused"]), r["refused"]
