@@ -13,7 +13,8 @@ outermost `__init__` of a module returns, the parameters it registered directly 
 padded, in the config's model dtype), and `p.data` becomes an empty placeholder (`p.ds_shape` keeps
 the shape; the placeholder keeps its number of dimensions, stage3_params.placeholder). So at most one
 module's own parameters exist in full at a time. `Module.apply` is wrapped too
-(`override_module_apply`): `fn` sees each module's parameters gathered, and rank 0's result is kept — which is what makes `self.apply(init_weights)` at the end of a model's `__init__` work.
+(`override_module_apply`): `fn` sees each module's parameters gathered, and rank 0's result is kept —
+which is what makes `self.apply(init_weights)` at the end of a model's `__init__` work.
 `initialize()` then builds the stage-3 partition from the chunks without materializing the model.
 [Note: which group] Without `data_parallel_group` the parameters are partitioned over the data axis of
 the current topology when one splits the world further (tensor parallelism, set with
