@@ -290,6 +290,7 @@ class Engine(torch.nn.Module):
                         load_module_only: bool = False):
         """Call on every rank, at any world size and ZeRO stage. Returns (path, client_state), or
         (None, None) with a warning when there is no checkpoint to load."""
+        self._offloaded.require("load_checkpoint")
         return self.checkpoint_io.load(load_dir, tag, load_module_strict, load_optimizer_states,
                                        load_lr_scheduler_states, load_module_only)
 
@@ -329,6 +330,7 @@ class Engine(torch.nn.Module):
     # -- state ----------------------------------------------------------------------------------
     def training_state_dict(self) -> dict:
         """Everything a resumed run needs besides the data: module, optimizer wrapper, schedule, counters."""
+        self._offloaded.require("training_state_dict")
         return {
             "module": self.module.state_dict(),
             "zero_optimizer": self.zero_optimizer.state_dict() if self.zero_optimizer else None,
@@ -338,6 +340,7 @@ class Engine(torch.nn.Module):
         }
 
     def load_training_state_dict(self, state: dict, strict: bool = True) -> None:
+        self._offloaded.require("load_training_state_dict")
         self.module.load_state_dict(state["module"], strict=strict)
         if self.zero_optimizer is not None and state.get("zero_optimizer") is not None:
             self.zero_optimizer.load_state_dict(state["zero_optimizer"])

@@ -67,6 +67,9 @@ def _run(stage: int, offload: bool, bf16: bool = False) -> dict:
             with pytest.raises(RuntimeError) as err:
                 eng.backward(eng(xm, ym))
             out["backward_error"] = str(err.value)
+            for call in (eng.training_state_dict, lambda: eng.save_checkpoint("unused")):
+                with pytest.raises(RuntimeError, match="call engine.reload_states"):
+                    call()
             eng.reload_states()
         eng.backward(eng(xm, ym))
         eng.step()
