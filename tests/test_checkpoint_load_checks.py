@@ -15,12 +15,15 @@
   scaling: fp16 gradients underflow), an fp16 one gave a bf16 engine fp16's dynamic scale of 256.
 - `latest` naming a tag that is gone: a CheckpointError naming `latest` (it was a warning and a fresh
   start, also for checkpoint.auto_resume).
+- A client_state that a weights_only load would refuse fails the save on every rank, before any file is
+  written (it raised on rank 0 only, and a job that caught it hung at its next collective).
 2 ranks, ZeRO stages 0 and 2, fp32 (and bf16/fp16 for the scaler).
 """
 from __future__ import annotations
 
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,3 +182,33 @@ def test_latest_naming_a_missing_tag_is_an_error_not_a_fresh_start(tmp_path):
     assert "\n" not in message
     with pytest.warns(UserWarning, match="does not exist"):  # a tag asked for by name: DeepSpeed's (None, None)
         assert resolve(tmp_path, "global_step9") is None
+
+
+class _Opaque:
+    """A client_state value torch.load(weights_only=True) refuses."""
+
+
+def _refused_client_state(root: str) -> dict:
+    """Every rank's answer to a save whose client_state rank 0 refuses, and that the job goes on: a
+    training step (a collective) after the caught error, then a good save."""
+    eng, batches = _engine(0)
+    _micro_steps(eng, batches, 1)
+    eng.save_checkpoint(root, tag="good")
+    try:
+        eng.save_checkpoint(root, tag="bad", client_state={"obj": _Opaque()})
+        error = None
+    except TypeError as e:
+        error = str(e)
+    _micro_steps(eng, batches, 1)
+    eng.save_checkpoint(root, tag="after")
+    return {"error": error, "latest": (Path(root) / "latest").read_text()}
+
+
+def test_a_refused_client_state_fails_the_save_on_every_rank(tmp_path):
+    """It raised on rank 0 only: the other ranks went on writing and waited in the commit's exchange for
+    rank 0, which had left the save, so a job that caught the error hung at its next collective."""
+    for result in run_distributed(_refused_client_state, 2, args=(str(tmp_path),), timeout=120):
+        assert result["error"] is not None and "client_state" in result["error"] and "_Opaque" in result["error"]
+        assert "\n" not in result["error"] and "\x1b" not in result["error"]
+        assert result["latest"] == "after"
+    assert not (tmp_path / "bad").exists()

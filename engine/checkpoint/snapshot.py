@@ -19,6 +19,7 @@ training thread only enqueues them: they are ordered before the next step's kern
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,16 +208,21 @@ def counters(eng) -> dict:
     return {k: getattr(eng, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
 
 
-def check_loadable(obj, what: str) -> None:
-    """Fail at save, not at load, when `obj` would need code execution to unpickle (weights_only)."""
+def loadable_problem(obj, what: str) -> str | None:
+    """Why `obj` could not be loaded back (it would need code execution to unpickle: weights_only), or
+    None. Asked at save, not at load."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     buf.seek(0)
     try:
         torch.load(buf, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any refusal means the checkpoint could not be loaded
-        raise TypeError(f"{what} holds objects a weights_only load refuses; keep it to tensors, numbers, "
-                        f"strings, lists and dicts ({str(e).splitlines()[0]})") from None
+        lines = str(e).splitlines()
+        reason = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
+        reason = re.sub(r"\x1b\[[0-9;]*m", "", reason).strip()  # torch's text has terminal colour codes
+        return (f"{what} holds objects a weights_only load refuses; keep it to tensors, numbers, strings, "
+                f"lists and dicts ({reason})")
+    return None
 
 
 def _described(eng, adapter, index: dict, trainable: dict, entries: dict, degree: int) -> dict:
@@ -288,7 +294,12 @@ def _snapshot(eng, adapter, save_dir, tag, client_state, save_latest, keep_last,
     table = {"coord": list(coord), "index": index,
              "described": _described(eng, adapter, index, trainable, entries, degree),
              "aliases": aliases, "keys": list(eng.module.state_dict().keys())}
-    gathered = world_comm.all_gather_object(((tag, nonce), table))
+    # Refused on rank 0 (which writes it), raised on every rank: the others would write and then wait in
+    # the commit's exchange for a rank 0 that left the save (a job that caught the error hung).
+    problem = loadable_problem(client_state or {}, "client_state") if rank == 0 else None
+    gathered = world_comm.all_gather_object(((tag, nonce, problem), table))
+    if gathered[0][0][2] is not None:
+        raise TypeError(gathered[0][0][2])
     _validate_tags([g[0][0] for g in gathered], tag_validation)
     warn_if_mid_window_save(eng, tag)
     snap = Snapshot(Path(save_dir), tag, gathered[0][0][1], rank,
@@ -300,7 +311,6 @@ def _snapshot(eng, adapter, save_dir, tag, client_state, save_latest, keep_last,
                     nbytes=sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)))
     if rank == 0:
         snap.engine_state = _engine_state(eng, client_state)
-        check_loadable(snap.engine_state["client_state"], "client_state")
         snap.metadata = _metadata(eng, tag, [g[1] for g in gathered], world)
     return snap
 
