@@ -164,7 +164,10 @@ def _user_block_of_dstrain_layers() -> dict:
     x = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
     with MaskRecorder() as masks:
         eng(x)
+    from engine.tensor_parallel import ParallelSelfAttention
+    from engine.tensor_parallel.dropout_region import mark_layer_regions
     return {"ranks_same": [_same_on_both_ranks(m) for m in masks],
+            "root_attention_marked": mark_layer_regions(ParallelSelfAttention(16, 2)),  # it forks its own stream
             "default_stream_same_after": _same_on_both_ranks(torch.get_rng_state()),
             "warnings": [str(w.message) for w in caught if "tensor parallelism" in str(w.message)]}
 
@@ -231,5 +234,6 @@ def test_a_block_of_dstrain_layers_gets_the_parallel_region_at_initialize(result
         # the block's hidden and output masks; the Sequential's pair (split input); the ModuleList's
         # pair (the case not made right: one mask on both ranks); the head's input (replicated)
         assert r["ranks_same"] == [False, True, False, True, True], rank
+        assert r["root_attention_marked"] == [], rank
         assert r["default_stream_same_after"], rank
         assert len(r["warnings"]) == 1 and "2.layers.1 (UnpairedRow)" in r["warnings"][0], r["warnings"]

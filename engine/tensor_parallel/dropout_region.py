@@ -139,13 +139,15 @@ def _pair_below(module: nn.Module, name: str, marked: list[str]) -> tuple[list, 
     from ..pipe.module import PipelineModule
     from .attention import ParallelMLP, ParallelSelfAttention
     from .layers import ColumnParallelLinear, RowParallelLinear
+    if isinstance(module, (ParallelSelfAttention, ParallelMLP)):  # the model itself may be one
+        return [], []
     column, row = [], []
     for child_name, child in module.named_children():
         if isinstance(child, ColumnParallelLinear):
             column += [] if child.gather_output else [child]
         elif isinstance(child, RowParallelLinear):
             row += [(child, name, module)] if child.input_is_parallel else []
-        elif not isinstance(child, (ParallelSelfAttention, ParallelMLP)):
+        else:
             c, r = _pair_below(child, f"{name}.{child_name}" if name else child_name, marked)
             column, row = column + c, row + r
     if isinstance(module, (PipelineModule, nn.ModuleList, nn.ModuleDict)):
