@@ -19,7 +19,8 @@ forward's masks whichever one runs it. (A stream kept in the tracker, as before,
 and was not rewound by torch's checkpoint: HF gradient checkpointing recomputed with other masks.)
 Not covered: dropout on a partitioned tensor that a model draws before its first column-parallel
 projection or after a row-parallel one (no such tensor exists in the layouts AutoTP knows), or between
-layers of different owners (docs/parallelism.md).
+layers that no one module's forward runs together (a ModuleList's entries, a PipelineModule's stages:
+mark_layer_regions' note; docs/parallelism.md).
 """
 from __future__ import annotations
 
