@@ -68,7 +68,9 @@ class DistributedDataLoader:
         self.batches_in_epoch = 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        # A position loaded but not yet skipped (no pass since) is still the position: a save right after
+        # a load said batch 0 and replayed the epoch.
+        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch or self._skip}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume where `state` was taken: the same epoch after its batches handed out, or the next epoch

@@ -212,3 +212,18 @@ def test_a_refused_client_state_fails_the_save_on_every_rank(tmp_path):
         assert "\n" not in result["error"] and "\x1b" not in result["error"]
         assert result["latest"] == "after"
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_loaded_data_position_is_saved_again_before_any_batch():
+    """A checkpoint loaded and saved again before the next pass (a job converting a checkpoint to another
+    world size, a save right after a resume) keeps the data position. The loader's state said batch 0 of
+    the epoch until a pass consumed the pending skip, so that save replayed the epoch from its start."""
+    from engine.data import DistributedDataLoader
+    dataset = torch.utils.data.TensorDataset(torch.arange(16))
+    whole = [b[0].tolist() for b in DistributedDataLoader(dataset, 2, 0, 1, seed=1)]
+    resumed = DistributedDataLoader(dataset, 2, 0, 1, seed=1)
+    resumed.load_state_dict({"epoch": 0, "batches_in_epoch": 3})
+    again = DistributedDataLoader(dataset, 2, 0, 1, seed=1)
+    again.load_state_dict(resumed.state_dict())
+    assert resumed.state_dict() == {"epoch": 0, "batches_in_epoch": 3}
+    assert [b[0].tolist() for b in again] == whole[3:]

@@ -20,14 +20,9 @@ from . import format as fmt
 from .placement import global_rank_and_world
 
 
-def window_position(eng) -> int:
-    """Micro-steps taken in the current accumulation window (0 at a boundary)."""
-    in_window = getattr(eng, "micro_steps_in_window", None)  # counts from the window's start (engine.py)
-    return in_window() if in_window is not None else eng.micro_steps % eng.config.gradient_accumulation_steps
-
-
 def window_record(eng) -> dict:
-    return {"micro_step": window_position(eng), "of": eng.config.gradient_accumulation_steps}
+    """Micro-steps taken in the current accumulation window (0 at a boundary), and the window's size."""
+    return {"micro_step": eng.micro_steps_in_window(), "of": eng.config.gradient_accumulation_steps}
 
 
 def _window_text(window: dict) -> str:
