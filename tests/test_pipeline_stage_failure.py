@@ -54,14 +54,14 @@ class Checker(nn.Module):
         return x
 
 
-def _engine(stages: int, zero: int):
+def _engine(stages: int, zero: int, schedule: str):
     import engine
     from engine.pipe import PipelineModule
     pm = PipelineModule(mlp_specs(4) + [Checker()] + mlp_specs(4), num_stages=stages, loss_fn=raising_mse,
-                        seed_layers=True, partition_method="uniform")
+                        seed_layers=True, partition_method="uniform", virtual_stages=1 if schedule == "1f1b" else 2)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
-              "gradient_clipping": 0.0, "zero_optimization": {"stage": zero},
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": zero}, "pipeline": {"schedule": schedule},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_max_lr": LR,
                                                            "warmup_num_steps": 4}}}  # no step at lr 0
     eng, *_ = engine.initialize(model=pm, config=config)
@@ -95,13 +95,13 @@ def _failing_call(eng, pm, batch, case) -> dict:
             "raised_here": armed and holds}
 
 
-def _run(stages: int, zero: int, cases: list) -> dict:
-    pm_a, eng_a = _engine(stages, zero)
+def _run(stages: int, zero: int, cases: list, schedule: str = "1f1b") -> dict:
+    pm_a, eng_a = _engine(stages, zero, schedule)
     batches = global_batches(STEPS + 2, MICRO * GAS * eng_a.comm.world_size, False)
     losses_a = [float(eng_a.train_batch(_iterator(eng_a, batches[0])))]
     calls = [_failing_call(eng_a, pm_a, batches[-1], case) for case in cases]
     losses_a += [float(eng_a.train_batch(_iterator(eng_a, b))) for b in batches[1:STEPS + 1]]
-    pm_b, eng_b = _engine(stages, zero)
+    pm_b, eng_b = _engine(stages, zero, schedule)
     losses_b = [float(eng_b.train_batch(_iterator(eng_b, b))) for b in batches[:STEPS + 1]]
     return {"calls": calls, "a": trained_state(pm_a, eng_a), "b": trained_state(pm_b, eng_b), "stage": eng_a.stage_id,
             "rank": eng_a.groups.rank, "data": eng_a.groups.coord.data, "losses": (losses_a, losses_b)}
@@ -110,7 +110,9 @@ def _run(stages: int, zero: int, cases: list) -> dict:
 ALL = [("loss", 1, "train", None), ("forward", 0, "train", None), ("loss", 0, "eval", None),
        ("forward", 1, "train", None), ("probe", 0, "train", None)]
 ONE_REPLICA = [("loss", 1, "train", {1}), ("forward", 0, "train", {0}), ("probe", 0, "train", {1})]
-LAYOUTS = {3: [(3, 0, ALL)], 4: [(2, 3, ONE_REPLICA)]}  # 3 stages; 2 stages × 2 replicas at ZeRO-3
+# 2 stages of 2 chunks each under zero_bubble (its input-gradient step sends what autograd.grad gives);
+# 3 stages; 2 stages × 2 replicas at ZeRO-3
+LAYOUTS = {2: [(2, 0, ALL, "zero_bubble")], 3: [(3, 0, ALL)], 4: [(2, 3, ONE_REPLICA)]}
 
 
 def _each(layouts: list) -> list:
@@ -129,7 +131,7 @@ ORIGINAL = {"loss": "BadLabel: a bad label", "forward": "BadActivation: an activ
 
 def test_every_rank_raises_at_once_naming_the_failing_stage(results):
     world, per_rank = results
-    for layout, (_, _, cases) in enumerate(LAYOUTS[world]):
+    for layout, (_, _, cases, *_) in enumerate(LAYOUTS[world]):
         for i, (kind, _, _, _) in enumerate(cases):
             calls = [r[layout]["calls"][i] for r in per_rank]
             failing = [(r[layout]["stage"], r[layout]["rank"], r[layout]["data"]) for r, c in zip(per_rank, calls)

@@ -43,8 +43,10 @@ class FailureRecord:
 
 
 def _anchor(tensors) -> torch.Tensor | None:
-    """Zero, attached to the graph of the tensors that need a gradient (None if none does)."""
-    attached = [t.sum() * 0 for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    """Zero, attached to the graph of the tensors that need a gradient (None if none does). Multiplied
+    before the sum, so each tensor's gradient is a dense zero tensor: the sum's alone is an expanded
+    scalar, which a stage sends as is and gloo refuses (zero_bubble's input-gradient step)."""
+    attached = [(t * 0).sum() for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
     return sum(attached[1:], attached[0]) if attached else None
 
 
@@ -55,7 +57,7 @@ def substitute_outputs(examples: tuple, inputs: tuple, params) -> tuple:
         anchor = _anchor(list(params))
     out = []
     for example in examples:
-        zeros = torch.zeros_like(example)
+        zeros = torch.zeros(example.shape, dtype=example.dtype, device=example.device)  # contiguous: sent as is
         if anchor is not None and example.is_floating_point() and example.requires_grad:
             zeros = zeros + anchor.to(zeros.dtype)
         out.append(zeros)
