@@ -17,6 +17,8 @@
   start, also for checkpoint.auto_resume).
 - A client_state that a weights_only load would refuse fails the save on every rank, before any file is
   written (it raised on rank 0 only, and a job that caught it hung at its next collective).
+- A rank file that cannot be written (a full disk) on one rank, or rank 0's commit failing, fails the
+  save on every rank (it raised on that rank only, and a job that caught it hung likewise).
 2 ranks, ZeRO stages 0 and 2, fp32 (and bf16/fp16 for the scaler).
 """
 from __future__ import annotations
@@ -227,3 +229,43 @@ def test_a_loaded_data_position_is_saved_again_before_any_batch():
     again.load_state_dict(resumed.state_dict())
     assert resumed.state_dict() == {"epoch": 0, "batches_in_epoch": 3}
     assert [b[0].tolist() for b in again] == whole[3:]
+
+
+def _failed_write(root: str, where: str) -> dict:
+    """Rank 1's rank file cannot be written (a full disk, say), or rank 0's commit fails, in a save that
+    each rank catches; then a training step (a collective) and a good save."""
+    import errno
+
+    import torch.distributed as dist
+
+    from engine.checkpoint import writer
+    eng, batches = _engine(0)
+    _micro_steps(eng, batches, 1)
+    eng.save_checkpoint(root, tag="good")
+    name, rank = {"write": ("_save_file", 1), "commit": ("_commit", 0)}[where]
+    real = getattr(writer, name)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    if dist.get_rank() == rank:
+        setattr(writer, name, full_disk)
+    try:
+        eng.save_checkpoint(root, tag="bad")
+        error = None
+    except (OSError, RuntimeError) as e:
+        error = str(e)
+    setattr(writer, name, real)
+    _micro_steps(eng, batches, 1)
+    eng.save_checkpoint(root, tag="after")
+    return {"error": error, "latest": (Path(root) / "latest").read_text()}
+
+
+@pytest.mark.parametrize("where, rank", [("write", 1), ("commit", 0)])
+def test_a_write_that_fails_on_one_rank_fails_the_save_on_every_rank(tmp_path, where, rank):
+    """It raised on that rank only: the others waited in the commit's exchange (or its final barrier) for
+    it, so a job that caught the error hung at its next collective. No `bad` tag appears."""
+    for result in run_distributed(_failed_write, 2, args=(str(tmp_path), where), timeout=120):
+        assert result["error"] is not None and f"rank {rank}: " in result["error"]
+        assert "No space left" in result["error"] and "\n" not in result["error"]
+        assert result["latest"] == "after"
+    assert not (tmp_path / "bad").exists()

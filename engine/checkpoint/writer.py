@@ -84,24 +84,51 @@ def write_and_commit(snap: Snapshot, comm: Communicator) -> None:
     if snap.ready is not None:
         snap.ready.synchronize()
     tmp = fmt.tmp_dir(snap.save_dir, snap.tag, snap.nonce)
-    tmp.mkdir(parents=True, exist_ok=True)
+    entries, error = {}, None
     try:
-        entries = {fmt.rank_file(snap.rank): _save_file(tmp / fmt.rank_file(snap.rank), snap.rank_content,
-                                                        _kill_after(snap), snap.streams)}
+        _write_files(snap, tmp, entries)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it (below), then it is raised
+        error = e
+    # [Note: failed writes] Each rank's outcome goes into the exchange, so a write that fails on one rank
+    # fails the save on all: raised on that rank alone, the others waited here for it, and a job that
+    # caught the error hung at its next collective. Nothing is committed; `latest` keeps the last tag.
+    gathered = _agree(comm, snap, error, (entries,),
+                      f"nothing was committed: {snap.save_dir / fmt.LATEST} names what it named before")
+    error = None
+    if snap.rank == 0:
+        try:
+            manifest = {name: entry for (per_rank,) in gathered for name, entry in per_rank.items()}
+            manifest[fmt.METADATA] = fmt.write_json(tmp / fmt.METADATA, snap.metadata)
+            fmt.write_json(tmp / fmt.MANIFEST, {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION,
+                                                "files": manifest})
+            fmt.fsync_dir(tmp)
+            _commit(snap, tmp)
+        except Exception as e:  # noqa: BLE001 - as above: every rank raises it
+            error = e
+    # also the final barrier: no rank returns before the tag is visible
+    _agree(comm, snap, error, (), "its commit did not finish; the tags committed before are untouched")
+
+
+def _agree(comm: Communicator, snap: Snapshot, error: BaseException | None, payload: tuple, after: str) -> list:
+    """Exchange each rank's `payload` and outcome (note: failed writes); raise on every rank if one failed."""
+    gathered = comm.all_gather_object((*payload, None if error is None else f"rank {snap.rank}: {error}"))
+    failed = [item[-1] for item in gathered if item[-1] is not None]
+    if failed:
+        raise RuntimeError(f"checkpoint {snap.save_dir / snap.tag} not saved ({'; '.join(failed)}); {after}") from error
+    return [item[:-1] for item in gathered]
+
+
+def _write_files(snap: Snapshot, tmp: Path, entries: dict) -> None:
+    """This rank's files into `tmp`, their manifest entries into `entries`."""
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        entries[fmt.rank_file(snap.rank)] = _save_file(tmp / fmt.rank_file(snap.rank), snap.rank_content,
+                                                        _kill_after(snap), snap.streams)
     finally:
         if snap.release is not None:  # the rank file is the snapshot copies' only reader
             snap.release()
     if snap.rank == 0:
         entries[fmt.ENGINE_STATE] = _save_file(tmp / fmt.ENGINE_STATE, snap.engine_state)
-    gathered = comm.all_gather_object(entries)
-    if snap.rank == 0:
-        manifest = {name: entry for per_rank in gathered for name, entry in per_rank.items()}
-        manifest[fmt.METADATA] = fmt.write_json(tmp / fmt.METADATA, snap.metadata)
-        fmt.write_json(tmp / fmt.MANIFEST, {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION,
-                                            "files": manifest})
-        fmt.fsync_dir(tmp)
-        _commit(snap, tmp)
-    comm.barrier()
 
 
 def _commit(snap: Snapshot, tmp: Path) -> None:
