@@ -17,6 +17,8 @@
   start, also for checkpoint.auto_resume).
 - A client_state that a weights_only load would refuse fails the save on every rank, before any file is
   written (it raised on rank 0 only, and a job that caught it hung at its next collective).
+- Ranks saving under different tags (tag_validation Warn, the default) save one whole checkpoint under
+  rank 0's tag (each wrote into its own tag's directory: `latest` named a checkpoint missing rank 1's file).
 - A rank file that cannot be written (a full disk) on one rank, or rank 0's commit failing, fails the
   save on every rank (it raised on that rank only, and a job that caught it hung likewise).
 2 ranks, ZeRO stages 0 and 2, fp32 (and bf16/fp16 for the scaler).
@@ -269,3 +271,25 @@ def test_a_write_that_fails_on_one_rank_fails_the_save_on_every_rank(tmp_path, w
         assert "No space left" in result["error"] and "\n" not in result["error"]
         assert result["latest"] == "after"
     assert not (tmp_path / "bad").exists()
+
+
+def _disagreeing_tags(root: str) -> dict:
+    import torch.distributed as dist
+    eng, batches = _engine(0)
+    _micro_steps(eng, batches, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng.save_checkpoint(root, tag=f"t{dist.get_rank()}")  # checkpoint.tag_validation: Warn (the default)
+    eng.load_checkpoint(root)
+    return {"warnings": [str(w.message) for w in caught if "tag" in str(w.message)],
+            "latest": (Path(root) / "latest").read_text()}
+
+
+def test_ranks_saving_under_different_tags_save_one_whole_checkpoint(tmp_path):
+    """With tag_validation Warn each rank wrote into its own tag's directory and rank 0 committed its tag
+    without rank 1's file: `latest` named a checkpoint that failed verification ("rank_00001.pt: missing").
+    Now every rank saves under rank 0's tag, and the warning says so."""
+    for result in run_distributed(_disagreeing_tags, 2, args=(str(tmp_path),), timeout=120):
+        assert result["latest"] == "t0"
+        assert len(result["warnings"]) == 1 and "rank 0's tag 't0'" in result["warnings"][0]
+    assert not (tmp_path / "t1").exists()

@@ -301,6 +301,7 @@ def _snapshot(eng, adapter, save_dir, tag, client_state, save_latest, keep_last,
     if gathered[0][0][2] is not None:
         raise TypeError(gathered[0][0][2])
     _validate_tags([g[0][0] for g in gathered], tag_validation)
+    tag = gathered[0][0][0]  # rank 0's, the committer's: each rank's own put its file in another directory
     warn_if_mid_window_save(eng, tag)
     snap = Snapshot(Path(save_dir), tag, gathered[0][0][1], rank,
                     {"format": fmt.FORMAT_NAME, "rank": rank, "world_size": world, "tag": tag,
@@ -355,4 +356,4 @@ def _validate_tags(tags: list[str], policy: str) -> None:
     if policy == "Fail":
         raise ValueError(msg)
     import warnings
-    warnings.warn(msg, stacklevel=3)
+    warnings.warn(f"{msg}; every rank saves under rank 0's tag {tags[0]!r}", stacklevel=3)
