@@ -150,9 +150,10 @@ class OffloadedStates:
             raise RuntimeError(f"engine.{call}() while engine.offload_states() moved {', '.join(away)} off the "
                                "device; call engine.reload_states() first")
 
-    def require_for_forward(self) -> None:
-        """A forward reads the parameters; at stage 3 its gathers read the master partition."""
+    def require_for_forward(self, call: str = "forward") -> None:
+        """A forward (`call`: a pipeline's eval_batch) reads the parameters; at stage 3 its gathers read
+        the master partition."""
         needed = (OffloadStateTypeEnum.lp_params,)
         if self.eng.config.zero_optimization.stage == 3:
             needed += (OffloadStateTypeEnum.hp_params,)
-        self.require("forward", needed)
+        self.require(call, needed)

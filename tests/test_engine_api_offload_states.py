@@ -161,6 +161,9 @@ def _pipe_run(offload: bool) -> dict:
         if offload and i == 2:
             out["moved"] = sum(eng.offload_states().values())
             with pytest.raises(RuntimeError) as err:
+                eng.eval_batch(iter(list(micro_batches(x, y, 0, 1, 2))))
+            out["eval_error"] = str(err.value)
+            with pytest.raises(RuntimeError) as err:
                 eng.train_batch(iter(list(micro_batches(x, y, 0, 1, 2))))
             out["error"] = str(err.value)
             eng.reload_states()
@@ -173,10 +176,11 @@ def _pipe_runs():
     return _pipe_run(True), _pipe_run(False)
 
 
-def test_pipeline_engine_offloads_and_refuses_train_batch_until_reloaded():
+def test_pipeline_engine_offloads_and_refuses_train_and_eval_batch_until_reloaded():
     for r, plain in run_distributed(_pipe_runs, WORLD, timeout=300):
         assert r["moved"] > 0
         assert "engine.train_batch() while engine.offload_states() moved" in r["error"]
+        assert "engine.eval_batch() while engine.offload_states() moved" in r["eval_error"]
         for n, p in r["params"].items():
             assert torch.equal(p, plain["params"][n]), n
 

@@ -339,6 +339,7 @@ class PipelineEngine(Engine):
                    reduce_output: str = "avg"):
         """Forward only over gradient_accumulation_steps micro-batches; the mean loss on every stage
         (and, with return_logits, the last stage's outputs per micro-batch; None elsewhere)."""
+        self._offloaded.require_for_forward("eval_batch")  # before the batch's agreement: every rank raises
         batch = self._next_batch(data_iter, self.config.gradient_accumulation_steps)
         self.module.eval()
         self._loss_factor = 1.0 / self.config.gradient_accumulation_steps
