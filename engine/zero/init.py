@@ -39,7 +39,8 @@ from offload.param_swap import SwappedChunk
 from .param_nvme import init_chunk_file
 from .init_edits import check_no_lost_edit, mark_placeholder, patch_init_functions, patch_smart_apply
 from .param_copy import copyable_when_partitioned
-from .stage3_params import chunk_tensor, full_shape, gather_full, padded_chunk, placeholder, spec_of
+from .stage3_params import (chunk_tensor, full_shape, gather_full, padded_chunk, placeholder, replaced_error,
+                            spec_of)
 
 logger = logging.getLogger(__name__)
 
@@ -307,12 +308,21 @@ class GatheredParameters(contextlib.ContextDecorator):
     @staticmethod
     def _store(p: torch.nn.Parameter, comm: Communicator) -> None:
         zopt = getattr(p, "_z3_owner", None)
+        resized = tuple(p.shape) != full_shape(p)
         if zopt is not None:
+            if resized:
+                raise RuntimeError(replaced_error(p, "after engine.initialize partitioned it"))
             zopt.store_param(p)
         elif hasattr(p, "_z3_chunk"):
+            if resized:  # stage3_params.py's note: resized in the block
+                p.ds_shape = p.shape  # every rank ran the same code: the broadcast above had one shape
             chunk = padded_chunk(p.data, spec_of(full_shape(p), comm.world_size), comm.rank)
-            if isinstance(p._z3_chunk, SwappedChunk):  # remote_device "nvme": back into its file
+            if isinstance(p._z3_chunk, SwappedChunk) and resized:  # remote_device "nvme": a new slot
+                p._z3_chunk = p._z3_chunk.file.put(chunk)
+            elif isinstance(p._z3_chunk, SwappedChunk):  # back into its file
                 p._z3_chunk.store(chunk)
+            elif resized:
+                p._z3_chunk = chunk.to(p._z3_chunk.device)
             else:
                 p._z3_chunk.copy_(chunk)
 

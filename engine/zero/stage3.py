@@ -37,8 +37,8 @@ from .partition import REDUCE_DEPTH, InFlight, RankMajorLayout
 from .prefetch import ParamCoordinator
 from .stage0 import reduction_settings
 from .stage2 import ZeroStage2Optimizer
-from .stage3_params import (GatherGroup, Stage3Partition, chunk_tensor, full_shape, gather_full, local_chunk,
-                            padded_chunk, partition_numel, spec_of)
+from .stage3_params import (GatherGroup, Stage3Partition, check_not_replaced, chunk_tensor, full_shape, gather_full,
+                            local_chunk, padded_chunk, partition_numel, replaced_error, spec_of)
 from .stage3_frozen import FrozenChunks
 from .stage3_units import discover_units, install_hooks, user_modules
 from .partition_store import GroupSources
@@ -105,6 +105,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
                  gradient_predivide_factor: float = 1.0, communication_data_type: str | None = None,
                  grad_accum_dtype: str | None = None, ignore_unused_parameters: bool = True,
                  param_names: dict | None = None, tier=None):
+        for name, p in module.named_parameters():
+            check_not_replaced(p, name)  # a zero.Init chunk of another shape (stage3_params.py's note: resized)
         self.optimizer, self.comm, self.guard, self.module = optimizer, comm, guard, module
         self.clip, self.scaling, self.comm_dtype = reduction_settings(
             comm.world_size, gradient_clipping, prescale_gradients, gradient_predivide_factor, communication_data_type)
@@ -121,6 +123,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self.persistent = self._choose_persistent(units, zero)
         self.frozen_chunks = FrozenChunks()  # stage3_frozen.py's note
         groups = self._build_groups(units)
+        self._persistent_shapes = [(p, tuple(p.shape)) for p in self.persistent]  # see backward
         group_of = {p: g for g in groups for p in g.params}
         hooks = user_modules(module, units, group_of)
         self.coordinator = ParamCoordinator(
@@ -212,6 +215,9 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
 
     # -- backward and step ------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        for p, shape in self._persistent_shapes:  # whole, so nothing else sees a resize (stage3_params.py's note)
+            if tuple(p.shape) != shape:
+                raise RuntimeError(replaced_error(p, "after engine.initialize partitioned it", was=shape))
         try:
             super().backward(loss, retain_graph=retain_graph)
         finally:

@@ -40,6 +40,28 @@ def placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty((0, *shape[1:]) if len(shape) else (0,), dtype=dtype, device=device)
 
 
+def replaced_error(p: torch.nn.Parameter, when: str, was: tuple | None = None) -> str:
+    """[Note: resized in the block] A partitioned parameter whose data was replaced by a tensor of another
+    shape (transformers' `resize_token_embeddings` assigns `weight.data` the new embedding; outside
+    DeepSpeed it reads the old size from the placeholder, 0 rows, and fills the new rows with the mean of
+    none: NaN) cannot keep its partition. Inside `GatheredParameters(..., modifier_rank=0)` on a module
+    built in `Init` and not yet given to `engine.initialize`, the new tensor is partitioned at its new
+    shape on exit (rank 0's values); anywhere else the replacement is refused with this message."""
+    return (f"ZeRO-3: a parameter of shape {tuple(was or full_shape(p))} was given data of shape "
+            f"{tuple(p.shape)} {when} (transformers' resize_token_embeddings does this); resize it before "
+            "engine.initialize, with its full weights gathered on every rank: with engine.zero.GatheredParameters("
+            "[model.get_input_embeddings().weight, *model.get_output_embeddings().parameters()], modifier_rank=0): "
+            "model.resize_token_embeddings(n)")
+
+
+def check_not_replaced(p: torch.nn.Parameter, name: str) -> None:
+    """`engine.initialize` of a module built in `zero.Init`: each partitioned parameter still holds its
+    placeholder (note: resized in the block)."""
+    if hasattr(p, "_z3_chunk") and p.numel() and tuple(p.shape) != full_shape(p):
+        raise RuntimeError(replaced_error(p, f"({name}) after engine.zero.Init partitioned it, outside "
+                                             "GatheredParameters(..., modifier_rank=0)"))
+
+
 def spec_of(shape: tuple[int, ...], world: int) -> ChunkSpec:
     rows = shape[0] if len(shape) else 1
     numel = 1
@@ -197,6 +219,11 @@ class GatherGroup:
         for f, n in zip(self.fulls, self.nbytes):
             if f.untyped_storage().nbytes() != n:
                 f.untyped_storage().resize_(n)
+        if not self.gathered:
+            for p, empty in zip(self.params, self.placeholders):
+                if p.shape != empty.shape:  # replaced while released (note: resized in the block)
+                    raise RuntimeError(replaced_error(p, f"in module '{self.name}' after engine.initialize "
+                                                         "partitioned it"))
         self.layout.unpack(out, self.fulls)
         for p, f in zip(self.params, self.fulls):
             p.data = f
