@@ -106,7 +106,9 @@ class SwappedPartition:
         self._files = {(key, slot): swap_dir.file(f"{name}.{key}.{slot}.swp")
                        for key in [MASTER, *self.state_keys] for slot in range(slots)}
         self._slot = 0
-        self._overwritten: set[str] = set()  # slots=1: keys written in place since the last commit (module note)
+        # slots=1: key -> end of the elements written in place since the last commit (module note); every
+        # pass writes its sub-groups in ascending order, so the elements from there on are still committed
+        self._overwritten: dict[str, int] = {}
         self._has_state = False  # false until the first step (or a load) wrote optimizer state
         self._initial: Optional[Callable[[int, int], torch.Tensor]] = None  # deferred master (module note)
         self._scalars: list[dict] = [{} for _ in self.groups]
@@ -167,9 +169,11 @@ class SwappedPartition:
         """The swap file of `key` in logical slot `slot` (one file for both with slots=1: module note)."""
         return self._files[key, slot % self.slots]
 
-    def _check_committed(self, read: dict) -> None:
-        """Refuse to read, as the committed state, a key a failed step overwrote in place (slots=1)."""
-        stale = sorted(key for key, slot in read.items() if slot == self._slot and key in self._overwritten)
+    def _check_committed(self, read: dict, start: int = 0) -> None:
+        """Refuse to read, as the committed state from element `start` on, a key a failed step (or a
+        pass in progress: a load reads each sub-group's master before writing it) overwrote in place
+        there (slots=1)."""
+        stale = sorted(key for key, slot in read.items() if slot == self._slot and self._overwritten.get(key, 0) > start)
         if stale:
             named = MASTER if MASTER in stale else stale[0]
             raise OffloadIOError(f"{self._file(named, self._slot)}: the optimizer state {stale} was partly "
@@ -198,7 +202,8 @@ class SwappedPartition:
         try:
             pairs = [((key, 1 - self._slot), buf) for key, buf in zip(keys, buffers) if key in write]
             if self.slots == 1:
-                self._overwritten.update(key for (key, _), _ in pairs)
+                for (key, _), _ in pairs:
+                    self._overwritten[key] = max(self._overwritten.get(key, 0), self.groups[k][1])
             handles = self._transfer(k, [f for f, _ in pairs], [b for _, b in pairs], write=True)
         except BaseException:
             self._release(buffers)
@@ -398,7 +403,7 @@ class SwappedPartition:
     def _master_transfer(self, op: Callable, values: torch.Tensor, start: int) -> None:
         """`op` (the I/O engine's read or write) of `values` at master elements [start, start + len(values))
         of the committed slot, one request per sub-group it meets, all waited for."""
-        self._check_committed({MASTER: self._slot})
+        self._check_committed({MASTER: self._slot}, start)
         path, stop = self._file(MASTER, self._slot), start + values.numel()
         for handle in [op(path, values[a - start:b - start], at) for a, b, at in self._master_runs(start, stop)]:
             handle.wait()

@@ -262,7 +262,12 @@ def _reshard_loads(ckpt: str, nvme_path: str) -> dict:
     """Each 2-rank checkpoint at 1 rank (other partition boundaries), into its own tiers and without offload."""
     out = {}
     for tag, (stage, tier, extra) in RESHARD.items():
-        for name, offload in (("none", {}), ("nvme", tier(nvme_path))):
+        variants = [("none", {}), ("nvme", tier(nvme_path))]
+        if tag == "nvme-bf16":  # in place (swap_slots 1): the load reads each master range before writing it
+            one_slot = tier(nvme_path)
+            one_slot["offload_optimizer"] = {**one_slot["offload_optimizer"], "swap_slots": 1}
+            variants.append(("nvme-slot1", one_slot))
+        for name, offload in variants:
             eng = _engine(stage, offload, seed=1, extra=extra)
             eng.load_checkpoint(ckpt, tag=tag)
             _train(eng, BATCHES[SAVE_AT:])
@@ -340,6 +345,8 @@ def test_nvme_checkpoints_reshard_into_their_tiers_as_into_no_offload(one_rank, 
     _close(got["params"], want["params"], 0, f"1 rank {tag}: the NVMe tiers vs no offload")
     if stage < 3:
         _close(got["module"], want["module"], 0, f"1 rank {tag}, the module's weights")
+    if (tag, "nvme-slot1") in one_rank["reshard"]:
+        _close(one_rank["reshard"][(tag, "nvme-slot1")]["params"], want["params"], 0, f"1 rank {tag}, swap_slots 1")
 
 
 def _equal_states(got: dict, want: dict, what: str) -> None:

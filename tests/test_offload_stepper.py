@@ -236,6 +236,41 @@ def test_load_master_replaces_the_weights_and_keeps_the_state(tmp_path):
         swapped.close()
 
 
+def test_one_slot_load_reads_the_master_ranges_it_has_not_written_yet(tmp_path):
+    """A checkpoint load with the master in the files only (stages 1-2 in 16-bit training: the 16-bit
+    send image, engine/zero/partition_store.py) reads each sub-group's committed master just before
+    `load_chunks` writes it. In place (slots=1) the ranges not yet written are still the committed state:
+    the reads are not refused, and the loaded run steps on exactly."""
+    make = OPTIMIZERS["adamw-fused"]
+    master, grads = data(steps=6)
+    want, want_state = reference(make, master, grads)
+    first = Swapped(tmp_path, make, NUMEL, 1000)
+    second = Swapped(tmp_path, make, NUMEL, 1000, pipeline=(True, True), buffers=12, slots=1)
+    try:
+        first.part.initialize(lambda s, e: master[s:e])
+        second.part.initialize(lambda s, e: torch.zeros(e - s))
+        for grad in grads[:3]:
+            first.step(grad)
+            second.step(grad)  # state of its own, which the load replaces
+
+        def reading(chunks):  # as engine/checkpoint/nvme.py's _chunks: the target's master, then the rows
+            for c in chunks:
+                if c["start"] > 0:  # what the load wrote already is no committed state: still refused
+                    with pytest.raises(OffloadIOError, match="partly overwritten"):
+                        second.part.read_master(c["start"] - 1, c["start"])
+                base = second.part.read_master(c["start"], c["end"])
+                base.copy_(c["master"])
+                yield {**c, "master": base}
+        second.part.load_chunks(reading(first.part.state_chunks()))
+        for grad in grads[3:]:
+            second.step(grad)
+        assert torch.equal(second.model, want)
+        assert_state_equal(second.part, want_state)
+    finally:
+        first.close()
+        second.close()
+
+
 def _frozen_rows(frozen, kind: str, numel: int) -> torch.Tensor:
     return torch.cat(list(frozen.rows(kind, 0, numel)))
 
