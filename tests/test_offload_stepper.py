@@ -87,6 +87,14 @@ def assert_state_equal(part: SwappedPartition, want_state: dict):
     assert seen == part.numel
 
 
+def steps_on_exactly(swapped: Swapped, grads, want: torch.Tensor, want_state: dict) -> None:
+    """`swapped` takes these steps and ends where the in-memory optimizer did, weights and state."""
+    for grad in grads:
+        swapped.step(grad)
+    assert torch.equal(swapped.model, want)
+    assert_state_equal(swapped.part, want_state)
+
+
 @pytest.mark.parametrize("pipeline", [(False, False), (True, True)], ids=["sequential", "pipelined"])
 @pytest.mark.parametrize("sub_group", [1000, 1536, NUMEL, 8192], ids=["divides", "not-dividing", "equal", "larger"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -198,10 +206,7 @@ def test_state_streams_out_and_loads_at_other_boundaries(tmp_path):
                     yield {"start": lo, "end": hi, "master": c["master"][a:b], "scalars": c["scalars"],
                            "state": {k: v[a:b] for k, v in c["state"].items()}}
         second.part.load_chunks(recut(first.part.state_chunks()))
-        for grad in grads[3:]:
-            second.step(grad)
-        assert torch.equal(second.model, want)
-        assert_state_equal(second.part, want_state)
+        steps_on_exactly(second, grads[3:], want, want_state)
     finally:
         first.close()
         second.close()
@@ -262,10 +267,7 @@ def test_one_slot_load_reads_the_master_ranges_it_has_not_written_yet(tmp_path):
                 base.copy_(c["master"])
                 yield {**c, "master": base}
         second.part.load_chunks(reading(first.part.state_chunks()))
-        for grad in grads[3:]:
-            second.step(grad)
-        assert torch.equal(second.model, want)
-        assert_state_equal(second.part, want_state)
+        steps_on_exactly(second, grads[3:], want, want_state)
     finally:
         first.close()
         second.close()
