@@ -17,7 +17,7 @@ looks up before the class's):
 from __future__ import annotations
 
 import copy
-import types
+import weakref
 
 import torch
 
@@ -26,7 +26,25 @@ from offload.param_swap import SwappedChunk
 
 def copyable_when_partitioned(p: torch.nn.Parameter) -> None:
     """Give partitioned `p` the `__deepcopy__` of the module note."""
-    p.__deepcopy__ = types.MethodType(_deepcopy, p)
+    p.__deepcopy__ = _CopyHook(p)
+
+
+class _CopyHook:
+    """`p.__deepcopy__`. It refers to `p` weakly, and pickles as a hook bound to nothing: a strong
+    reference from `p`'s own attributes back to `p` made pickle restore the parameter without them."""
+
+    def __init__(self, p: torch.nn.Parameter | None):
+        self.ref = weakref.ref(p) if p is not None else None
+
+    def __call__(self, memo: dict) -> torch.nn.Parameter:
+        p = self.ref() if self.ref is not None else None
+        if p is None:
+            raise RuntimeError("copy.deepcopy of a ZeRO-3 partitioned parameter restored from a pickle: its chunk "
+                               "is one rank's; gather it with engine.zero.GatheredParameters and copy the full tensor")
+        return _deepcopy(p, memo)
+
+    def __reduce__(self):
+        return _CopyHook, (None,)
 
 
 def _deepcopy(p: torch.nn.Parameter, memo: dict) -> torch.nn.Parameter:
