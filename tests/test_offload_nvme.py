@@ -316,3 +316,60 @@ def test_adam_without_bias_correction_steps_swapped_equal_to_no_offload(tmp_path
         for name, want in result["none"]["params"].items():
             got = result[NVME]["params"][name]
             assert torch.equal(got, want), f"rank {rank} {name}: max |diff| {(got - want).abs().max().item():.3e}"
+
+
+def _failed_step(nvme_path: str) -> dict:
+    """2 AdamW steps, then a step whose third sub-group's gradient read raises (as a disk error would),
+    then 2 more steps, against the same 4 good steps without NVMe: the master reads between the failure
+    and the next step (checkpoints, safe_get_*) and the run after it."""
+    from engine.utils import safe_get_full_fp32_param
+    from tests.models import OddMLP, make_batches, micro_batches
+    import engine
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for name in ("none", "nvme"):
+        zero = {"stage": 2} if name == "none" else {
+            "stage": 2, "sub_group_size": 64, "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}}
+        torch.manual_seed(0)
+        eng = engine.initialize(model=OddMLP(), config={
+            "train_batch_size": 4 * world, "gradient_clipping": 0.0, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}}})[0]
+        params = lambda: {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters() if p.requires_grad}
+        batches = make_batches(5, 4 * world)
+        for i, (x, y) in enumerate(batches):
+            (xm, ym), = micro_batches(x, y, rank, world, 1)
+            loss = eng(xm, ym)
+            eng.backward(loss)
+            if i != 2:
+                eng.step()
+                continue
+            if name == "nvme":
+                tier, reader = eng.zero_optimizer.nvme, eng.zero_optimizer.nvme.grad_reader
+                before = params()
+
+                def failing(key, read=reader):
+                    good = read(key)
+                    return lambda s, e: good(s, e) if s < 128 else (_ for _ in ()).throw(OSError("disk gone"))
+                tier.grad_reader = failing
+                try:
+                    eng.step()
+                except OSError as err:
+                    out["error"] = str(err)
+                tier.grad_reader = reader
+                out["after_failure"], out["before"] = params(), before
+            eng.zero_grad()
+        out[name] = params()
+        eng.destroy()
+    return out
+
+
+def test_a_step_that_fails_halfway_leaves_the_committed_master_everywhere(tmp_path):
+    """The swap files keep the previous state (two slots); what the gathers and checkpoints read (the host
+    flat) must too, or a checkpoint saved after the failure holds half-stepped weights with the old moments."""
+    from tests.harness import run_distributed
+    for rank, result in enumerate(run_distributed(_failed_step, 2, args=(str(tmp_path),), timeout=120)):
+        assert result["error"] == "disk gone", result.get("error")
+        for n, want in result["before"].items():
+            assert torch.equal(result["after_failure"][n], want), f"rank {rank} {n}: changed by the failed step"
+        for n, want in result["none"].items():
+            assert torch.equal(result["nvme"][n], want), f"rank {rank} {n}: the run after the failure differs"

@@ -154,8 +154,28 @@ class NvmeOptimizerTier:
                 return
             for key, part in self.parts.items():
                 self.step_elementwise(key, part)
+        except BaseException:
+            self._restore_send_image()
+            raise
         finally:  # the last sub-group's write-back (offload/param_swap.py's note: write-behind)
             self.partition.store.flush()
+
+    def _restore_send_image(self) -> None:
+        """A step that failed halfway left the files' committed state as it was (two slots), but the
+        sub-groups stepped before the failure had already updated the send image (the host flat or the
+        parameter files), which the gathers, checkpoints and safe_get_* read as the master: put the
+        committed master back there. Best effort: the step's own error is the one raised; in place
+        (swap_slots 1) the master is refused until a load anyway."""
+        store = self.partition.store
+        try:
+            store.flush()
+            for key, part in self.parts.items():
+                if self.holds_master(key):  # fast_init's first step: the deferred master is the flat (docs)
+                    for s, e in part.groups:
+                        store.write_image(key, s, part.read_master(s, e))
+            store.flush()
+        except Exception:  # noqa: BLE001 - the step's error is what the user needs to see
+            pass
 
     def step_elementwise(self, key: tuple, part: SwappedPartition) -> None:
         """Flat `key`'s step by the inner copy of the optimizer, sub-group by sub-group; the updated
