@@ -166,6 +166,26 @@ def _nvme_save_and_load(ckpt: str, nvme_path: str, uninterrupted: dict) -> dict:
         out[name] = _params(eng)
         eng.destroy()
     out["stateless"] = _stateless_loads(ckpt, nvme_path)
+    out["weights_only"] = _weights_only_loads(ckpt, nvme_path)
+    return out
+
+
+WEIGHTS_ONLY = {"load_optimizer_states=False": {"load_optimizer_states": False},
+                "load_module_only": {"load_module_only": True}}
+
+
+def _weights_only_loads(ckpt: str, nvme_path: str) -> dict:
+    """The NVMe checkpoint's weights loaded into engines that trained 2 steps, leaving their optimizer
+    state alone: every tier keeps its own moments and step count, as without offload."""
+    out = {}
+    for how, kwargs in WEIGHTS_ONLY.items():
+        for name, offload in (("none", {}), ("cpu", OPT_CPU), ("nvme", _nvme(nvme_path))):
+            eng = _engine(2, offload, seed=1)
+            _train(eng, BATCHES[:2])
+            eng.load_checkpoint(ckpt, tag="nvme", **kwargs)
+            _train(eng, BATCHES[SAVE_AT:])
+            out[how, name] = _params(eng)
+            eng.destroy()
     return out
 
 
@@ -327,6 +347,14 @@ def test_nvme_load_of_a_checkpoint_without_optimizer_state_leaves_none_as_withou
         got = result["nvme"]["stateless"]
         _close(got["cpu"], got["none"], 0, f"rank {rank}: CPU offload vs no offload")
         _close(got["nvme"], got["none"], 0, f"rank {rank}: NVMe offload vs no offload")
+
+
+@pytest.mark.parametrize("how", WEIGHTS_ONLY)
+def test_nvme_weights_only_load_keeps_the_optimizer_state_as_without_offload(two_ranks, how):
+    for rank, result in enumerate(two_ranks):
+        got = result["nvme"]["weights_only"]
+        _close(got[how, "cpu"], got[how, "none"], 0, f"rank {rank} {how}: CPU offload vs no offload")
+        _close(got[how, "nvme"], got[how, "none"], 0, f"rank {rank} {how}: NVMe offload vs no offload")
 
 
 @pytest.mark.parametrize("tag", RESHARD)

@@ -202,8 +202,10 @@ class NvmeAdapter(PartitionedAdapter):
 
     def finish_load(self) -> None:
         """The loaded rows go into the swap files and the host flats, sub-group by sub-group; the
-        configured optimizer keeps no state (nvme_tier.py's note). Without optimizer state
-        (load_optimizer_states=False) the stepper restarts it: it has no "replace the master only"."""
+        configured optimizer keeps no state (nvme_tier.py's note). A load that leaves the optimizer state
+        alone (load_optimizer_states=False, load_module_only) replaces the master only and keeps the state
+        the files hold, as the in-memory optimizer keeps its own; a load of a checkpoint saved before the
+        first step replaces the state with none, as without offload."""
         for key in self.part.flat:
-            self.nvme.load_chunks(key, self._chunks(key))
+            self.nvme.load_chunks(key, self._chunks(key), keep_state=not self._load_state)
         self._pending = {}
