@@ -44,6 +44,9 @@ class DistributedDataLoader:
                                f"is in the middle of a pass ({self.batches_in_epoch} of {len(self)} batches of "
                                f"{self.loader.batch_size} handed out); change the micro batch between passes, or "
                                "iterate a loader of your own")
+        # A position loaded and not yet skipped counts batches of the old size: kept in samples (rounded
+        # down, as restore.py's _sampler_state), else a warm-up re-applied after a resume skipped data.
+        self._skip = self._skip * self.loader.batch_size // micro_batch_size
         self.loader = self._build(micro_batch_size)
 
     def __len__(self) -> int:

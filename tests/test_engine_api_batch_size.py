@@ -128,6 +128,30 @@ def test_engine_built_loader_yields_the_new_micro_batch_from_its_next_pass():
     assert r["recorded"] == 3
 
 
+
+def _resumed_position(save_dir: str) -> dict:
+    """A warm-up run saved at micro-batch 4 after 2 batches; the resumed run starts at the config's micro 2,
+    loads, and sets micro 4 again before its first pass: its first batch is the saving run's third."""
+    import engine
+    dataset = torch.utils.data.TensorDataset(torch.arange(48, dtype=torch.float32))
+    cfg = {**_config(0), "gradient_accumulation_steps": 1}
+    eng, _, loader, _ = engine.initialize(model=OddMLP(), config={**cfg, "train_micro_batch_size_per_gpu": 4},
+                                          training_data=dataset)
+    it = iter(loader)
+    next(it), next(it)
+    eng.save_checkpoint(save_dir, tag="warm")
+    want = next(it)[0].tolist()
+    del it
+    eng, _, loader, _ = engine.initialize(model=OddMLP(), config=cfg, training_data=dataset)
+    eng.load_checkpoint(save_dir, tag="warm")
+    eng.set_train_micro_batch_size(4)
+    return {"want": want, "got": next(iter(loader))[0].tolist()}
+
+
+def test_a_loaded_position_is_kept_in_samples_when_the_micro_batch_changes(tmp_path):
+    r = run_distributed(_resumed_position, 1, args=(str(tmp_path),), timeout=120)[0]
+    assert r["got"] == r["want"]  # it skipped 4 batches of the new 4 (the position in batches of 2)
+
 # -- the pipeline engine: train_batch pulls the new number of micro-batches -----------------------------
 PIPE_GAS = [2, 4, 1, 3]  # 1 < stages: the 1F1B schedule falls back to GPipe's order
 
