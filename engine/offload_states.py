@@ -76,6 +76,8 @@ class OffloadedStates:
 
     def __init__(self, eng):
         self.eng = eng
+        if eng.zero_optimizer is not None:  # safe_get_* reach the engine's states through their owner
+            eng.zero_optimizer.offloaded_states = self  # (engine/utils.py)
         self.moved: dict[OffloadStateTypeEnum, list[tuple[torch.UntypedStorage, torch.Tensor]]] = {}
         self._storages: set[int] = set()  # storages moved under any state (a storage is moved once)
 
@@ -143,11 +145,12 @@ class OffloadedStates:
             torch.cuda.synchronize(self.eng.device)
         return report
 
-    def require(self, call: str, needed: tuple[OffloadStateTypeEnum, ...] | None = None) -> None:
+    def require(self, call: str, needed: tuple[OffloadStateTypeEnum, ...] | None = None,
+                owner: str = "engine.") -> None:
         """`call` reads states: an error naming them while they are away (`needed` None: every state)."""
         away = [s.value for s, pairs in self.moved.items() if pairs and (needed is None or s in needed)]
         if away:
-            raise RuntimeError(f"engine.{call}() while engine.offload_states() moved {', '.join(away)} off the "
+            raise RuntimeError(f"{owner}{call}() while engine.offload_states() moved {', '.join(away)} off the "
                                "device; call engine.reload_states() first")
 
     def require_for_forward(self, call: str = "forward") -> None:

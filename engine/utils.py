@@ -26,8 +26,15 @@ def tag_parameters(zero_optimizer, params) -> None:
         setattr(p, OWNER_ATTR, zero_optimizer)
 
 
-def _owner(param: torch.nn.Parameter):
-    return getattr(param, OWNER_ATTR, None)
+def _owner(param: torch.nn.Parameter, call: str, state: str):
+    """`param`'s ZeRO optimizer; an error naming reload_states while `state` is away (engine.offload_states:
+    torch's 'setStorage ... out of bounds' otherwise)."""
+    zopt = getattr(param, OWNER_ATTR, None)
+    away = getattr(zopt, "offloaded_states", None)
+    if away is not None:
+        from .offload_states import OffloadStateTypeEnum
+        away.require(call, (OffloadStateTypeEnum(state),), owner="engine.utils.")
+    return zopt
 
 
 def _stage0_master(zopt, param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -39,7 +46,7 @@ def _stage0_master(zopt, param: torch.nn.Parameter) -> torch.nn.Parameter:
 
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
-    zopt = _owner(param)
+    zopt = _owner(param, "safe_get_full_fp32_param", "hp_params")
     if zopt is None:
         return None
     if hasattr(zopt, "full_fp32_param"):
@@ -48,7 +55,7 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    zopt = _owner(param)
+    zopt = _owner(param, "safe_get_full_grad", "lp_grads")
     if zopt is None:
         return None
     if hasattr(zopt, "full_grad"):
@@ -58,7 +65,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str):
-    zopt = _owner(param)
+    zopt = _owner(param, "safe_get_full_optimizer_state", "optim_states")
     if zopt is None:
         return None
     if hasattr(zopt, "full_optimizer_state"):
@@ -69,7 +76,7 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
 
 def _local(param: torch.nn.Parameter, method: str, *args):
     """This rank's rows of `param` (a partitioned stage's fragment; stage 0 holds whole tensors)."""
-    zopt = _owner(param)
+    zopt = _owner(param, f"safe_get_{method}", "optim_states" if args else "hp_params")
     if zopt is None:
         return None
     if hasattr(zopt, method):

@@ -150,6 +150,47 @@ def test_offload_inside_an_accumulation_window_moves_the_window_so_far():
                 assert torch.equal(p, plain["params"][n]), f"stage {stage} {n}"
 
 
+
+def _safe_gets(stage: int) -> dict:
+    """engine.utils.safe_get_* while the state each reads is away (and while another one is), and after."""
+    import engine
+    from engine.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                              safe_get_local_fp32_param, safe_get_local_optimizer_state)
+    torch.manual_seed(0)
+    eng, *_ = engine.initialize(model=OddMLP(), config=_config(stage))
+    rank, world = eng.comm.rank, eng.comm.world_size
+    for x, y in make_batches(2, 2 * world):
+        (xm, ym), = micro_batches(x, y, rank, world, 1)
+        eng.backward(eng(xm, ym))
+        eng.step()
+    p = next(eng.module.parameters())
+    calls = {"hp_params": (lambda: safe_get_full_fp32_param(p), lambda: safe_get_local_fp32_param(p)),
+             "optim_states": (lambda: safe_get_full_optimizer_state(p, "exp_avg"),
+                              lambda: safe_get_local_optimizer_state(p, "exp_avg")),
+             "lp_grads": (lambda: safe_get_full_grad(p),)}
+    before = {state: [f() for f in fs] for state, fs in calls.items()}
+    out = {"errors": [], "others_read": True}
+    for state, fs in calls.items():
+        eng.offload_states(include=[state])
+        for f in fs:
+            with pytest.raises(RuntimeError) as err:
+                f()
+            out["errors"].append(str(err.value))
+        others = [f() for other, gs in calls.items() if other != state for f in gs]  # not away: read
+        out["others_read"] &= all(o is None or torch.is_tensor(o) for o in others)
+        eng.reload_states()
+    out["back"] = all(torch.equal(a, f()) if torch.is_tensor(a) else a == f()
+                      for state, fs in calls.items() for a, f in zip(before[state], fs))
+    return out
+
+
+def test_safe_get_helpers_name_reload_states_while_their_state_is_away():
+    for stage in (2, 3):
+        r = run_distributed(_safe_gets, 1, args=(stage,), timeout=200)[0]
+        assert len(r["errors"]) == 5 and r["others_read"] and r["back"], stage
+        for error in r["errors"]:
+            assert error.startswith("engine.utils.safe_get_") and "call engine.reload_states() first" in error, error
+
 def _pipe_run(offload: bool) -> dict:
     import engine
     from engine.pipe import PipelineModule
