@@ -48,6 +48,8 @@ class DistributedDataLoader:
         # down, as restore.py's _sampler_state), else a warm-up re-applied after a resume skipped data.
         self._skip = self._skip * self.loader.batch_size // micro_batch_size
         self.loader = self._build(micro_batch_size)
+        if self._skip:
+            self._next_epoch_if_done()
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -80,5 +82,9 @@ class DistributedDataLoader:
         when they were all of it (a checkpoint taken at an epoch's last step; resumed as its first pass,
         that would be an empty one: an epoch lost, and a pipeline's repeating loader ended)."""
         self.epoch, self._skip, self.batches_in_epoch = int(state["epoch"]), int(state["batches_in_epoch"]), 0
+        self._next_epoch_if_done()
+
+    def _next_epoch_if_done(self) -> None:
+        """A position to skip to that is the epoch's end (all its batches) resumes with the next epoch."""
         if self._skip >= len(self):
             self.epoch, self._skip = self.epoch + 1, 0

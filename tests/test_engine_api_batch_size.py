@@ -152,6 +152,18 @@ def test_a_loaded_position_is_kept_in_samples_when_the_micro_batch_changes(tmp_p
     r = run_distributed(_resumed_position, 1, args=(str(tmp_path),), timeout=120)[0]
     assert r["got"] == r["want"]  # it skipped 4 batches of the new 4 (the position in batches of 2)
 
+
+def test_a_loaded_position_that_is_the_epochs_end_at_the_new_micro_batch_goes_on_with_the_next_epoch():
+    from engine.data import DistributedDataLoader
+    dataset = torch.utils.data.TensorDataset(torch.arange(10, dtype=torch.float32))
+    loader = DistributedDataLoader(dataset, 3, 0, 1, seed=0, drop_last=True)
+    loader.load_state_dict({"epoch": 0, "batches_in_epoch": 2})  # 6 of the epoch's 9 samples
+    loader.set_micro_batch_size(6, "engine.set_train_micro_batch_size")  # one batch of 6: all of them
+    fresh = DistributedDataLoader(dataset, 6, 0, 1, seed=0, drop_last=True)
+    next(iter(fresh))
+    want = next(iter(fresh))[0].tolist()  # epoch 1's batch
+    assert [b[0].tolist() for b in loader] == [want]  # not an empty pass (a pipeline's loader ended)
+
 # -- the pipeline engine: train_batch pulls the new number of micro-batches -----------------------------
 PIPE_GAS = [2, 4, 1, 3]  # 1 < stages: the 1F1B schedule falls back to GPipe's order
 
