@@ -39,6 +39,13 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
     return module.weight.t() if is_conv1d(module) else module.weight
 
 
+def dense_features(module: nn.Module) -> tuple[int, int]:
+    """(out, in) of an `nn.Linear` or HF `Conv1D`, also one built in `engine.zero.Init` (its weight a
+    placeholder of shape (0, *rest) between uses; `ds_shape` keeps the full one: zero/stage3_params.py)."""
+    shape = tuple(getattr(module.weight, "ds_shape", module.weight.shape))
+    return (shape[1], shape[0]) if is_conv1d(module) else (shape[0], shape[1])
+
+
 def _mark_conv1d_origin(weight: nn.Parameter, dense: nn.Module) -> None:
     """A shard of a `Conv1D` is kept (out, in) like any other; `tensor_parallel_transposed` says that the
     dense model holds its transpose, so a checkpoint records and reloads it in the dense orientation
@@ -109,7 +116,7 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, module: nn.Module, parts: int = 1, gather_output: bool = False, group=None):
-        out_features, in_features = dense_weight(module).shape
+        out_features, in_features = dense_features(module)
         return cls(in_features, out_features, gather_output=gather_output, parts=parts, group=group, _dense=module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +151,7 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, module: nn.Module, input_is_parallel: bool = True, group=None):
-        out_features, in_features = dense_weight(module).shape
+        out_features, in_features = dense_features(module)
         return cls(in_features, out_features, input_is_parallel=input_is_parallel, group=group, _dense=module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
