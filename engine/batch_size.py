@@ -18,7 +18,8 @@ Where dstrain differs, and why:
 - The data loader `initialize()` built yields the new micro-batch from its next pass; DeepSpeed leaves
   its loader at the old size, so the samples a step counts and those it trains on disagree. Changing
   the micro-batch while a pass of that loader is under way is an error (its position, and a
-  checkpoint's record of it, are counted in micro-batches of one size).
+  checkpoint's record of it, are counted in micro-batches of one size); a position loaded from a
+  checkpoint and not yet reached is kept in samples (a resumed warm-up that sets its micro-batch again).
 """
 from __future__ import annotations
 
