@@ -29,12 +29,13 @@ def build_mup(name: str) -> Callable[[list, Any], torch.optim.Optimizer]:
         except ImportError:
             raise schemas.ConfigError([f"optimizer.type: {name} needs the mup package, which is not installed; "
                                        "pip install --no-deps mup (README: mup)"]) from None
-        missing = [tuple(p.shape) for group in groups for p in (group["params"] if isinstance(group, dict) else [group])
-                   if not hasattr(p, "infshape")]
+        flat = [p for group in groups for p in (group["params"] if isinstance(group, dict) else [group])]
+        missing = [tuple(p.shape) for p in flat if not hasattr(p, "infshape")]
         if missing:
             raise schemas.ConfigError([f"optimizer.type: {name}: {len(missing)} parameter(s) have no mup base shape "
                                        f"(first: shape {missing[0]}); call mup.set_base_shapes(model, base_model) "
                                        "before engine.initialize"])
+        _refuse_placeholder_shapes(name, flat)
         kwargs = torch_kwargs(params)
         kwargs.setdefault("lr", 1e-3)  # mup reads it (process_param_groups); torch's default for all three
         try:
@@ -43,3 +44,20 @@ def build_mup(name: str) -> Callable[[list, Any], torch.optim.Optimizer]:
             raise schemas.ConfigError([f"optimizer.params: mup.{name} (torch.optim.{MUP_IMPLS[name]}) refused "
                                        f"them: {exc}"]) from None
     return build
+
+
+def _refuse_placeholder_shapes(name: str, params: list) -> None:
+    """[Note: base shapes of a model built in zero.Init] `mup.set_base_shapes` reads `p.shape`; on a
+    parameter zero.Init partitioned that is the placeholder's (0, *rest) (zero/stage3_params.py), so dim 0
+    counted as a width of multiplier 0 (a first layer's width_mult 0: MuSGD's lr times 0) or a finite
+    output dim became a width (a readout stepped as matrix-like), silently. The real sizes cannot be told
+    from such an infshape afterwards: refused, naming the way to read the full shapes."""
+    wrong = [(tuple(p.ds_shape), tuple(d.dim for d in p.infshape)) for p in params
+             if hasattr(p, "ds_shape") and tuple(d.dim for d in p.infshape) != tuple(p.ds_shape)]
+    if wrong:
+        full, seen = wrong[0]
+        raise schemas.ConfigError([
+            f"optimizer.type: {name}: mup.set_base_shapes read the empty placeholder of {len(wrong)} parameter(s) "
+            f"that engine.zero.Init partitioned (first: shape {full}, its infshape {seen}); call it with them "
+            "gathered: with engine.zero.GatheredParameters(list(model.parameters()), modifier_rank=0): "
+            "mup.set_base_shapes(model, base_model)"])
