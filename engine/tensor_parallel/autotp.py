@@ -43,6 +43,8 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv")
 # owner class -> {projection: sections} where the name's default is wrong (notes: per-head fused layout,
 # paired heads)
 OWNER_SECTIONS = {"GPTBigCodeAttention": {"c_attn": 1}, "DiffLlamaAttention": {"q_proj": 2, "k_proj": 2, "v_proj": 2}}
+# owner class -> heads per pair: a rank must hold whole pairs (note: paired heads)
+PAIRED_HEADS = {"DiffLlamaAttention": 2}
 HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads")
 HEAD_COUNT_ATTRIBUTES = HEAD_COUNTS + ("split_size",)
 
@@ -67,10 +69,13 @@ def _check_config_head_counts(owner: nn.Module, world: int, where: str) -> None:
     config = getattr(owner, "config", None)
     counts = {a: getattr(config, a) for a in ("num_attention_heads", "num_key_value_heads")
               if isinstance(getattr(config, a, None), int)}
-    if any(value % world for value in counts.values()):
+    pair = PAIRED_HEADS.get(type(owner).__name__, 1)  # DiffLlama: else a rank's chunk(2) met one head or 1.5
+    if any(value % (world * pair) for value in counts.values()):
         listed = ", ".join(f"config.{a} = {v}" for a, v in counts.items())
+        whole = "query and key/value heads" if pair == 1 else \
+            f"pairs of query and key/value heads (head h with h + H/2: each count must divide by {pair} x {world})"
         raise ValueError(f"tensor_parallel.autotp_size: {world} does not divide the head counts of {where} ({listed}): "
-                         "each rank must hold whole query and key/value heads; use an autotp_size that divides them")
+                         f"each rank must hold whole {whole}; use an autotp_size that divides them")
 
 
 def _refuse_per_head_own_parameters(owner: nn.Module, where: str) -> None:
