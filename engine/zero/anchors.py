@@ -46,3 +46,13 @@ class BackwardAnchors:
                 zero = zeros[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
             out.append((edge, zero.expand(shape)))
         return out
+
+
+def backward_from(loss: torch.Tensor, anchors: list, retain_graph: bool) -> None:
+    """Backward from the loss and from each (gradient edge, zero gradient) anchor (module note); from the
+    loss alone where there is none (stages 1-2, evaluation, a backward outside its pass)."""
+    if not anchors:
+        loss.backward(retain_graph=retain_graph)
+        return
+    torch.autograd.backward([loss] + [edge for edge, _ in anchors], [None] + [zero for _, zero in anchors],
+                            retain_graph=retain_graph)

@@ -35,6 +35,7 @@ from ops.state_layout import ELEMENTWISE, declared_layout
 
 from ..comm import Communicator
 from ..precision import DTYPES, NonFiniteGuard
+from .anchors import backward_from
 from .arrivals import ArrivalLog
 from .grad_swap import norm_ranges
 from .partition import REDUCE_DEPTH, InFlight, PartitionedParams, RankMajorLayout, land_slots, split_runs
@@ -297,12 +298,7 @@ class PartitionedZeroOptimizer:
             self.arrivals.before_reducing_backward(loss)
         scale = self.guard.scaler.loss_scale
         loss = loss * scale if scale != 1.0 else loss
-        anchors = self._backward_anchors()
-        if anchors:  # stage 3: every unit that ran forward runs backward (anchors.py)
-            torch.autograd.backward([loss] + [edge for edge, _ in anchors], [None] + [zero for _, zero in anchors],
-                                    retain_graph=retain_graph)
-        else:
-            loss.backward(retain_graph=retain_graph)
+        backward_from(loss, self._backward_anchors(), retain_graph)  # stage 3 anchors every unit (anchors.py)
         self._micro_steps += 1
         if self._armed:
             self._reduce_remaining()

@@ -5,7 +5,7 @@
 post, forward or backward, unit) — as the *trace*. From the trace a dry run of the release policy
 derives the *plan*: the all-gathers of one pass in order, and after each post event which groups to
 keep (`max_reuse_distance`: the group is used again within that many parameter elements, and at most
-`max_live_parameters` elements stay gathered: note, live limit). Later training passes issue the
+`max_live_parameters` elements stay gathered: release_plan.py, note: live limit). Later training passes issue the
 plan's all-gathers ahead of use, up to `prefetch_bucket_size` elements in flight, asynchronously on
 their own process group, so they overlap compute and never queue behind gradient reduce-scatters.
 [Note: same collectives on every rank] Plan gathers are issued in plan order whatever this rank runs:
@@ -59,6 +59,7 @@ from collections import Counter
 import torch
 
 from .anchors import BackwardAnchors
+from .release_plan import ReleasePlanner
 from .gather_requests import RankDivergenceError, RequestRounds
 from .stage3_params import GatherGroup
 
@@ -141,7 +142,7 @@ class ParamCoordinator:
             trace, self.recording = self.recording, None
             if not complete:
                 return
-            plan, keep = self._simulate(trace)
+            plan, keep = ReleasePlanner(self.unit_groups, self.groups, self.max_live, self.max_reuse).simulate(trace)
             if not self.requests.mixed and self._same_plan_everywhere(plan):  # else record the next pass
                 self.trace, self.plan, self.keep = trace, plan, keep
             return
@@ -453,67 +454,3 @@ class ParamCoordinator:
         for g in self.groups:
             if g.gathered:
                 g.release()
-
-    # -- the dry run that turns a trace into a plan ------------------------------------------------
-    def _simulate(self, trace: list) -> tuple[list, dict]:
-        gathered: set = set()
-        active: Counter = Counter()
-        kept_at: dict = {}  # gid -> the post event whose keep set holds it (while it is kept)
-        plan, keep = [], {}
-        for i, (kind, _, unit) in enumerate(trace):
-            if kind == "pre":
-                new = [g for g in dict.fromkeys(self.unit_groups[unit]) if g.gid not in gathered]
-                self._evict_for(trace, i, sum(g.numel for g in new), gathered, active, kept_at, keep)
-                for g in self.unit_groups[unit]:
-                    active[g.gid] += 1
-                for g in new:
-                    plan.append((i, g.gid))
-                    gathered.add(g.gid)
-                continue
-            keep[i] = set()
-            for g in self.unit_groups[unit]:
-                active[g.gid] = max(0, active[g.gid] - 1)
-                live = sum(self.groups[x].numel for x in gathered)
-                if active[g.gid] == 0 and g.gid in gathered:
-                    if live <= self.max_live and self._reused_within(trace, i, g.gid):
-                        keep[i].add(g.gid)
-                        kept_at[g.gid] = i
-                    else:
-                        gathered.discard(g.gid)
-        return plan, keep
-
-    def _evict_for(self, trace: list, i: int, need: int, gathered: set, active: Counter, kept_at: dict,
-                   keep: dict) -> None:
-        """[Note: live limit] Before event i gathers `need` elements, un-keep kept groups (those used
-        again farthest ahead first) until `max_live` holds or none is left: the post event that kept one
-        releases it instead. Groups in use are never evicted, so a unit larger than the limit is still
-        gathered."""
-        def live() -> int:
-            return sum(self.groups[x].numel for x in gathered)
-        idle = [gid for gid in gathered if not active[gid]]
-        idle.sort(key=lambda gid: self._next_use(trace, i, gid), reverse=True)
-        for gid in idle:
-            if live() + need <= self.max_live:
-                return
-            keep[kept_at.pop(gid)].discard(gid)
-            gathered.discard(gid)
-
-    def _next_use(self, trace: list, i: int, gid: int) -> int:
-        for j in range(i, len(trace)):
-            if trace[j][0] == "pre" and any(g.gid == gid for g in self.unit_groups[trace[j][2]]):
-                return j
-        return len(trace)
-
-    def _reused_within(self, trace: list, i: int, gid: int) -> bool:
-        """Is group `gid` used again within `max_reuse_distance` parameter elements after event i?"""
-        distance = 0
-        for kind, _, unit in trace[i + 1:]:
-            if kind != "pre":
-                continue
-            groups = self.unit_groups[unit]
-            if any(g.gid == gid for g in groups):
-                return distance < self.max_reuse
-            distance += sum(g.numel for g in groups)
-            if distance >= self.max_reuse:
-                return False
-        return False
