@@ -191,6 +191,42 @@ def test_safe_get_helpers_name_reload_states_while_their_state_is_away():
         for error in r["errors"]:
             assert error.startswith("engine.utils.safe_get_") and "call engine.reload_states() first" in error, error
 
+
+def _gathered_while_away() -> dict:
+    """ZeRO-3: GatheredParameters while the master partition or the parameters are away, and after."""
+    import engine
+    from engine.zero import GatheredParameters
+    torch.manual_seed(0)
+    eng, *_ = engine.initialize(model=OddMLP(), config=_config(3))
+    rank, world = eng.comm.rank, eng.comm.world_size
+    for x, y in make_batches(2, 2 * world):
+        (xm, ym), = micro_batches(x, y, rank, world, 1)
+        eng.backward(eng(xm, ym))
+        eng.step()
+    params = list(eng.module.parameters())
+    with GatheredParameters(params):
+        before = [p.detach().clone() for p in params]
+    out = {"errors": []}
+    for state in ("hp_params", "lp_params"):
+        eng.offload_states(include=[state])
+        with pytest.raises(RuntimeError) as err:
+            with GatheredParameters(params):
+                pass
+        out["errors"].append(str(err.value))
+        eng.reload_states()
+    with GatheredParameters(params):
+        out["back"] = all(torch.equal(a, p) for a, p in zip(before, params))
+    return out
+
+
+def test_gathered_parameters_names_reload_states_while_the_parameters_are_away():
+    for r in run_distributed(_gathered_while_away, WORLD, timeout=200):
+        assert r["back"] and len(r["errors"]) == 2
+        for error in r["errors"]:
+            assert error.startswith("engine.zero.GatheredParameters() while engine.offload_states() moved") \
+                and "call engine.reload_states() first" in error, error
+
+
 def _pipe_run(offload: bool) -> dict:
     import engine
     from engine.pipe import PipelineModule

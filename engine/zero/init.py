@@ -249,6 +249,19 @@ def _return_freed_heap() -> None:
         pass
 
 
+def _require_states_here(params) -> None:
+    """Before any gather: an error naming reload_states while engine.offload_states() has moved the
+    master partition the gathers read, or the parameters' own storage (a persistent one is read as it
+    is); every rank offloads together, so every rank raises (torch's 'setStorage ... out of bounds'
+    otherwise, or a gather of freed bytes)."""
+    from ..offload_states import OffloadStateTypeEnum
+    for zopt in {id(z): z for z in (getattr(p, "_z3_owner", None) for p in params) if z is not None}.values():
+        away = getattr(zopt, "offloaded_states", None)
+        if away is not None:
+            away.require("GatheredParameters", (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_params),
+                         owner="engine.zero.")
+
+
 class GatheredParameters(contextlib.ContextDecorator):
     """Full parameters inside the block on every rank (a collective: call it on all ranks). With
     `modifier_rank`, that rank's values are broadcast on exit and every rank keeps its new chunk."""
@@ -273,6 +286,7 @@ class GatheredParameters(contextlib.ContextDecorator):
         if not self.enabled or not self.params:
             return self
         comm = self._communicator()
+        _require_states_here(self.params)
         for p in self.params:
             zopt = getattr(p, "_z3_owner", None)
             group = zopt.coordinator.group_of.get(p) if zopt is not None else None
