@@ -150,12 +150,8 @@ def test_offload_inside_an_accumulation_window_moves_the_window_so_far():
                 assert torch.equal(p, plain["params"][n]), f"stage {stage} {n}"
 
 
-
-def _safe_gets(stage: int) -> dict:
-    """engine.utils.safe_get_* while the state each reads is away (and while another one is), and after."""
+def _stepped_twice(stage: int):
     import engine
-    from engine.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                              safe_get_local_fp32_param, safe_get_local_optimizer_state)
     torch.manual_seed(0)
     eng, *_ = engine.initialize(model=OddMLP(), config=_config(stage))
     rank, world = eng.comm.rank, eng.comm.world_size
@@ -163,6 +159,14 @@ def _safe_gets(stage: int) -> dict:
         (xm, ym), = micro_batches(x, y, rank, world, 1)
         eng.backward(eng(xm, ym))
         eng.step()
+    return eng
+
+
+def _safe_gets(stage: int) -> dict:
+    """engine.utils.safe_get_* while the state each reads is away (and while another one is), and after."""
+    from engine.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                              safe_get_local_fp32_param, safe_get_local_optimizer_state)
+    eng = _stepped_twice(stage)
     p = next(eng.module.parameters())
     calls = {"hp_params": (lambda: safe_get_full_fp32_param(p), lambda: safe_get_local_fp32_param(p)),
              "optim_states": (lambda: safe_get_full_optimizer_state(p, "exp_avg"),
@@ -194,15 +198,8 @@ def test_safe_get_helpers_name_reload_states_while_their_state_is_away():
 
 def _gathered_while_away() -> dict:
     """ZeRO-3: GatheredParameters while the master partition or the parameters are away, and after."""
-    import engine
     from engine.zero import GatheredParameters
-    torch.manual_seed(0)
-    eng, *_ = engine.initialize(model=OddMLP(), config=_config(3))
-    rank, world = eng.comm.rank, eng.comm.world_size
-    for x, y in make_batches(2, 2 * world):
-        (xm, ym), = micro_batches(x, y, rank, world, 1)
-        eng.backward(eng(xm, ym))
-        eng.step()
+    eng = _stepped_twice(3)
     params = list(eng.module.parameters())
     with GatheredParameters(params):
         before = [p.detach().clone() for p in params]
