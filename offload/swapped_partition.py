@@ -162,8 +162,12 @@ class SwappedPartition:
         return [MASTER, *self.state_keys] if with_state else [MASTER]
 
     def _transfer(self, k: int, files: list[tuple[str, int]], buffers, write: bool) -> list[IOHandle]:
+        # Sub-group k's elements rounded up to the O_DIRECT block, not the whole pool buffer: the last
+        # sub-group of a flat is shorter, and the buffer's tail past it is bytes nothing reads (they cost
+        # a read and a write of up to a sub-group per tensor each step)
         op = self.aio.write if write else self.aio.read
-        return [op(self._file(key, slot), buf, k * self.stride_bytes) for (key, slot), buf in zip(files, buffers)]
+        n = round_up((self.groups[k][1] - self.groups[k][0]) * 4) // 4
+        return [op(self._file(key, slot), buf[:n], k * self.stride_bytes) for (key, slot), buf in zip(files, buffers)]
 
     def _file(self, key: str, slot: int) -> str:
         """The swap file of `key` in logical slot `slot` (one file for both with slots=1: module note)."""
