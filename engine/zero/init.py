@@ -37,7 +37,8 @@ from ..comm import Communicator
 from ..precision import model_dtype
 from offload.param_swap import SwappedChunk
 from .param_nvme import init_chunk_file
-from .init_edits import check_no_lost_edit, mark_placeholder, patch_init_functions, patch_smart_apply
+from .init_edits import (check_no_lost_edit, mark_placeholder, patch_init_functions, patch_smart_apply,
+                         placeholder_index_error, wrap_reset_parameters)
 from .param_copy import copyable_when_partitioned
 from .stage3_params import (chunk_tensor, full_shape, gather_full, padded_chunk, placeholder, replaced_error,
                             spec_of)
@@ -164,6 +165,7 @@ class Init:
             self._freed = 0
 
     def _wrap_init(self, cls: type) -> None:
+        self._patched += wrap_reset_parameters(cls, self._filled_whole)
         original = cls.__dict__.get("__init__")
         if original is None or getattr(original, "_z3_wrapped", False):
             return
@@ -175,6 +177,11 @@ class Init:
                 object.__setattr__(module, "_z3_constructing", True)
             try:
                 original(module, *args, **kwargs)
+            except IndexError as e:  # init_edits.py's note: an index into a placeholder
+                error = placeholder_index_error(e, module.parameters(), f"{type(module).__name__}.__init__")
+                if outermost and error is not None:
+                    raise error from e
+                raise
             finally:
                 if outermost:
                     object.__delattr__(module, "_z3_constructing")
@@ -225,6 +232,11 @@ class Init:
         self._patched.clear()
         if self.chunk_file is not None:
             _return_freed_heap()
+        error = placeholder_index_error(exc[1], self._placeholders, "the code inside engine.zero.Init") \
+            if isinstance(exc[1], IndexError) else None
+        if error is not None:
+            self._placeholders = []
+            raise error from exc[1]
         if exc[0] is None:  # an edit made in the block itself, after the model's construction
             check_no_lost_edit(((f"of shape {tuple(p.ds_shape)}", p) for p in self._placeholders),
                                "the code inside engine.zero.Init")

@@ -17,6 +17,14 @@ behaves so, silently: the model then differs from the one the user wrote. Here:
   another name) is found by the parameter's version counter, which every in-place op bumps and a
   `p.data = ...` assignment does not. The module whose `__init__` made it raises, naming the parameter
   and the fix. A change made through `p.data` bumps no counter and cannot be seen (docs/zero3.md).
+- a module's `reset_parameters()` called after the module was partitioned (a parent re-initialising a
+  child: `self.emb.reset_parameters()`) runs with the module's partitioned parameters gathered, rank 0's
+  result kept. torch's `nn.Embedding` zeroes its padding row there by indexing the weight
+  (`self.weight[self.padding_idx].fill_(0)`), which on the placeholder's 0 rows was an IndexError; its
+  `normal_` alone would have been filled whole by the wrappers above.
+- any other indexing of a placeholder (`m.weight.data[m.padding_idx].zero_()` in a parent's `__init__`,
+  outside `apply`) fails in torch with "out of bounds for dimension 0 with size 0"; that IndexError is
+  re-raised naming zero.Init and the ways to make the edit.
 """
 from __future__ import annotations
 
@@ -53,6 +61,42 @@ def check_no_lost_edit(named_params, where: str) -> None:
                 "partitioned it: the change reached an empty placeholder and would be lost. Initialise it "
                 "with a torch.nn.init function, in self.apply(fn), or inside "
                 "engine.zero.GatheredParameters(param, modifier_rank=0)")
+
+
+def _partitioned(p: torch.Tensor) -> bool:
+    """A parameter zero.Init partitioned, holding its placeholder now (not inside a gather)."""
+    return hasattr(p, "_z3_chunk") and p.numel() == 0
+
+
+def wrap_reset_parameters(cls: type, filled_whole) -> list[tuple[object, str, object]]:
+    """Run `cls.reset_parameters` (if `cls` defines it) with the module's partitioned parameters, its
+    children's included, filled whole inside `filled_whole(params)` (module note). A call where none is
+    partitioned (the module's own `__init__`, or inside a gather already) runs as it is."""
+    original = cls.__dict__.get("reset_parameters")
+    if not callable(original) or getattr(original, "_z3_wrapped", False):
+        return []
+
+    @functools.wraps(original)
+    def reset_parameters(module, *args, **kwargs):
+        params = [p for p in module.parameters() if _partitioned(p)]
+        if not params:
+            return original(module, *args, **kwargs)
+        with filled_whole(params):
+            return original(module, *args, **kwargs)
+    reset_parameters._z3_wrapped = True
+    setattr(cls, "reset_parameters", reset_parameters)
+    return [(cls, "reset_parameters", original)]
+
+
+def placeholder_index_error(error: IndexError, params, where: str) -> RuntimeError | None:
+    """The error to raise instead of torch's IndexError when `where` indexed a partitioned parameter's
+    placeholder (module note), or None when `error` is not that."""
+    if "with size 0" not in str(error) or not any(_partitioned(p) for p in params):
+        return None
+    return RuntimeError(
+        f"engine.zero.Init: {where} indexed a parameter that zero.Init had partitioned ({error}): between uses "
+        "its data is an empty placeholder. Make the change in the module's reset_parameters(), in self.apply(fn), "
+        "or inside engine.zero.GatheredParameters(param, modifier_rank=0)")
 
 
 def patch_init_functions(gathered) -> list[tuple[object, str, object]]:
