@@ -1,5 +1,7 @@
 """An error raised by user code inside a pipeline's schedule on one stage (engine/pipe/stage_failure.py):
-the loss_fn on the last stage, a layer's forward on the stage holding it, in train_batch and eval_batch,
+the loss_fn on the last stage, a layer's forward on the stage holding it, a backward pass on the stage
+holding it (a custom autograd Function's backward, a hook on a parameter's gradient: under zero_bubble
+one raises in the input-gradient step, the other in the weight-gradient step), in train_batch and eval_batch,
 at the step's first micro-batch or a later one, on every replica or on one. Every rank of the world
 raises at once (a hang is the harness's timeout; each call must end within seconds): the failing rank
 its own error, every other rank a StageFailed naming the failing stage, its rank and the error. Nothing
@@ -14,15 +16,18 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import torch.nn as nn
 
+from engine.pipe import LayerSpec
 from tests.harness import run_distributed
 from tests.models import micro_batches
-from tests.pipe_models import assert_trained_alike, global_batches, mlp_specs, mse, trained_state
+from tests.pipe_models import D, assert_trained_alike, global_batches, mlp_specs, mse, trained_state
 
 LR, MICRO, GAS, STEPS = 0.1, 2, 2, 3
-ARMED = {"loss": None, "forward": None}  # micro-batch (call count) at which the user code raises, or None
-CALLS = {"loss": 0, "forward": 0}
+# micro-batch (call count) at which the user code raises, or None
+ARMED = {"loss": None, "forward": None, "backward": None, "weight": None}
+CALLS = {kind: 0 for kind in ARMED}
 
 
 class BadLabel(ValueError):
@@ -30,6 +35,10 @@ class BadLabel(ValueError):
 
 
 class BadActivation(ValueError):
+    pass
+
+
+class BadGradient(ValueError):
     pass
 
 
@@ -45,19 +54,50 @@ def raising_mse(out, y):
     return mse(out, y)
 
 
+class CheckedGradient(torch.autograd.Function):
+    """The identity, whose backward raises when armed (a user's assertion on a gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _counted("backward"):
+            raise BadGradient("a gradient out of range")
+        return grad
+
+
 class Checker(nn.Module):
-    """A layer with no parameters whose forward raises when armed (a user's assertion on its input)."""
+    """A layer with no parameters whose forward raises when armed (a user's assertion on its input), and
+    whose backward does (CheckedGradient)."""
 
     def forward(self, x):
         if self.training and _counted("forward"):
             raise BadActivation("an activation out of range")
-        return x
+        return CheckedGradient.apply(x) if self.training else x
+
+
+def _weight_hook(grad):
+    if _counted("weight"):
+        raise BadGradient("a weight gradient out of range")
+
+
+class HookedLinear(nn.Linear):
+    """nn.Linear with a hook on its weight's gradient that raises when armed."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.weight.register_hook(_weight_hook)
 
 
 def _engine(stages: int, zero: int, schedule: str):
     import engine
     from engine.pipe import PipelineModule
-    pm = PipelineModule(mlp_specs(4) + [Checker()] + mlp_specs(4), num_stages=stages, loss_fn=raising_mse,
+    # uniform: the Checker and the HookedLinear on the first and last stage of 2 (1f1b), both in chunk 1
+    # (stage 1) under zero_bubble (the weight hook in a weight-gradient step of its own), both on stage 1 of 3
+    specs = mlp_specs(4) + [Checker(), LayerSpec(HookedLinear, D, D)] + mlp_specs(4)[1:]
+    pm = PipelineModule(specs, num_stages=stages, loss_fn=raising_mse,
                         seed_layers=True, partition_method="uniform", virtual_stages=1 if schedule == "1f1b" else 2)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
@@ -79,7 +119,7 @@ def _failing_call(eng, pm, batch, case) -> dict:
     if kind == "probe":
         kind, batch = "forward", global_batches(1, (MICRO + 1) * GAS * eng.comm.world_size, False)[0]
     armed = replicas is None or eng.groups.coord.data in replicas
-    CALLS.update(loss=0, forward=0)
+    CALLS.update({k: 0 for k in CALLS})
     ARMED[kind] = micro if armed else None
     start = time.monotonic()
     try:
@@ -90,9 +130,10 @@ def _failing_call(eng, pm, batch, case) -> dict:
         notes = getattr(err, "__notes__", [])
     finally:
         ARMED[kind] = None
-    holds = any(isinstance(m, Checker) for m in pm.modules()) if kind == "forward" else eng.is_last_stage
+    holder = {"forward": Checker, "backward": Checker, "weight": HookedLinear}.get(kind)
+    holds = any(isinstance(m, holder) for m in pm.modules()) if holder else eng.is_last_stage
     return {"message": message, "notes": notes if message != "no error" else [], "seconds": time.monotonic() - start,
-            "raised_here": armed and holds}
+            "raised_here": armed and holds, "user_calls": CALLS[kind]}
 
 
 def _run(stages: int, zero: int, cases: list, schedule: str = "1f1b") -> dict:
@@ -108,11 +149,14 @@ def _run(stages: int, zero: int, cases: list, schedule: str = "1f1b") -> dict:
 
 
 ALL = [("loss", 1, "train", None), ("forward", 0, "train", None), ("loss", 0, "eval", None),
-       ("forward", 1, "train", None), ("probe", 0, "train", None)]
-ONE_REPLICA = [("loss", 1, "train", {1}), ("forward", 0, "train", {0}), ("probe", 0, "train", {1})]
-# 2 stages of 2 chunks each under zero_bubble (its input-gradient step sends what autograd.grad gives);
-# 3 stages; 2 stages × 2 replicas at ZeRO-3
-LAYOUTS = {2: [(2, 0, ALL, "zero_bubble")], 3: [(3, 0, ALL)], 4: [(2, 3, ONE_REPLICA)]}
+       ("forward", 1, "train", None), ("probe", 0, "train", None), ("backward", 1, "train", None),
+       ("weight", 0, "train", None)]
+BACKWARD = [("backward", 0, "train", None), ("weight", 1, "train", None)]
+ONE_REPLICA = [("loss", 1, "train", {1}), ("forward", 0, "train", {0}), ("probe", 0, "train", {1}),
+               ("backward", 0, "train", {1}), ("weight", 1, "train", {0})]
+# 2 stages of 2 chunks each under zero_bubble (its input-gradient step sends what autograd.grad gives),
+# and under 1f1b; 3 stages; 2 stages × 2 replicas at ZeRO-3
+LAYOUTS = {2: [(2, 0, ALL, "zero_bubble"), (2, 0, BACKWARD)], 3: [(3, 0, ALL)], 4: [(2, 3, ONE_REPLICA)]}
 
 
 def _each(layouts: list) -> list:
@@ -126,13 +170,15 @@ def results(request):
 
 
 ORIGINAL = {"loss": "BadLabel: a bad label", "forward": "BadActivation: an activation out of range",
-            "probe": "BadActivation: an activation out of range"}
+            "probe": "BadActivation: an activation out of range", "backward": "BadGradient: a gradient out of range",
+            "weight": "BadGradient: a weight gradient out of range"}
+IN_BACKWARD = {"backward", "weight"}
 
 
 def test_every_rank_raises_at_once_naming_the_failing_stage(results):
     world, per_rank = results
     for layout, (_, _, cases, *_) in enumerate(LAYOUTS[world]):
-        for i, (kind, _, _, _) in enumerate(cases):
+        for i, (kind, micro, _, _) in enumerate(cases):
             calls = [r[layout]["calls"][i] for r in per_rank]
             failing = [(r[layout]["stage"], r[layout]["rank"], r[layout]["data"]) for r, c in zip(per_rank, calls)
                        if c["raised_here"]]
@@ -140,13 +186,18 @@ def test_every_rank_raises_at_once_naming_the_failing_stage(results):
             stage, rank, data = failing[0]
             for r, call in zip(per_rank, calls):
                 assert call["seconds"] < 10, call
+                where = ", in a backward pass" if kind in IN_BACKWARD else ""
                 if call["raised_here"]:
                     assert call["message"] == ORIGINAL[kind], call
-                    assert len(call["notes"]) == 1 and "every rank of the pipeline stopped" in call["notes"][0]
+                    if kind in IN_BACKWARD:  # the batch's later backward passes here ran no user code
+                        assert call["user_calls"] == micro + 1, call
+                    assert call["notes"] == [f"stage {stage} (rank {rank}){where}: every rank of the pipeline stopped "
+                                             "after this batch's schedule; its gradients were dropped, no step was "
+                                             "taken"], call
                 else:
                     assert call["message"] == (
                         f"StageFailed: stage {r[layout]['stage']}: stage {stage} (rank {rank}, data-parallel rank "
-                        f"{data}) raised inside the schedule: {ORIGINAL[kind]}; every "
+                        f"{data}) raised inside the schedule{where}: {ORIGINAL[kind]}; every "
                         "rank stops here, the batch's gradients were dropped and no step was taken"), call
 
 

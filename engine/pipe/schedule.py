@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch.distributed import pipelining as tp
 
 from .early_receive import EarlyReceives
+from .stage_failure import skipped_backward
 
 SCHEDULES = {
     "1f1b": (tp.Schedule1F1B, False),
@@ -141,6 +142,20 @@ class LoggedStage(tp.PipelineStage):
         with self.clock.busy():
             return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                               last_backward=last_backward)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        """torch's one entry into autograd for this stage: user code that raises there is kept, and the
+        stage sends zero gradients on (stage_failure.py's note: a failing backward)."""
+        failure = getattr(self.submod, "failure", None)
+        if failure is not None and failure.in_backward:
+            return skipped_backward(bwd_kwargs)
+        try:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        except Exception as err:  # noqa: BLE001 - kept and raised after the schedule (stage_failure.py)
+            if failure is None:
+                raise
+            failure.keep_backward(err)
+            return skipped_backward(bwd_kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         if self.has_backward:

@@ -17,10 +17,21 @@ own error, every other rank a `StageFailed` naming the failing stage, its rank a
 text comes in one all_gather_object, only then).
 A forward that raises in the probe (the first batch of each new input shape) runs no schedule at all
 (probe.py's note) and is told to the world by the same all-reduce.
+
+[Note: a failing backward] User code also runs inside autograd: a custom Function's backward, a hook
+on a tensor or parameter, a module's backward hook, an activation checkpoint's recomputed forward. An
+error there escapes torch's stage from its one backward entry point (`backward_maybe_with_nosync`:
+full backward, or zero-bubble's input- and weight-gradient halves), before the stage cached the input
+gradients it owes the previous stage. So LoggedStage (schedule.py) catches it there, keeps it (torch
+wraps it in a RuntimeError "Failed to run stage backward"; the user's own error is kept, its cause),
+and returns no input gradients: torch's send then posts zeros shaped as each input (what it does for
+an input that got no gradient), so the previous stage receives what it waits for. From then on this
+rank's backward calls of the batch run no autograd and return the same (`skipped_backward`): a
+weight-gradient half after its failed input half has no graph to run on, and the batch's gradients
+are dropped anyway. Gradients the failed pass had accumulated before it raised go with the rest.
+
 Cost: that all-reduce per train_batch/eval_batch; the schedule's micro-batches add nothing (a try
-around user code). Measured in docs/parallelism.md. Not covered: an error in a backward pass (a hook
-raising inside autograd: torch's stage keeps no state to resume from), which still leaves the other
-stages waiting.
+around user code). Measured in docs/parallelism.md.
 """
 from __future__ import annotations
 
@@ -32,14 +43,33 @@ class StageFailed(RuntimeError):
 
 
 class FailureRecord:
-    """The first error user code raised on this rank during one schedule run."""
+    """The first error user code raised on this rank during one schedule run; `in_backward`: whether one
+    was raised in a backward pass (the rank's later backward calls are skipped: module note)."""
 
     def __init__(self):
         self.error: BaseException | None = None
+        self.phase = ""  # ", in a backward pass" when the kept error was raised in one
+        self.in_backward = False
 
     def keep(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
+
+    def keep_backward(self, error: BaseException) -> None:
+        """An error out of torch's backward entry point: the user's own error is kept (module note)."""
+        cause = error.__cause__
+        if isinstance(error, RuntimeError) and "Failed to run stage backward" in str(error) and cause is not None:
+            error = cause
+        if self.error is None:
+            self.phase = ", in a backward pass"
+        self.keep(error)
+        self.in_backward = True
+
+
+def skipped_backward(bwd_kwargs: dict) -> tuple:
+    """What torch's backward entry point returns for a backward that did not run: no gradient for any
+    input (torch sends zeros in their place) and no parameter groups (module note: a failing backward)."""
+    return tuple(None for _ in bwd_kwargs.get("input_values", ())), None
 
 
 def _anchor(tensors) -> torch.Tensor | None:
@@ -82,12 +112,13 @@ def agree_on_outcome(world, groups, failure: FailureRecord) -> None:
     if failed < 0:
         return
     mine = failure.error
-    texts = world.all_gather_object(None if mine is None else f"{type(mine).__name__}: {mine}".split("\n")[0])
+    texts = world.all_gather_object(None if mine is None else
+                                    f"{failure.phase}: {type(mine).__name__}: {mine}".split("\n")[0])
     if mine is not None:
-        mine.add_note(f"stage {groups.coord.pipe} (rank {groups.rank}): every rank of the pipeline stopped after "
-                      "this batch's schedule; its gradients were dropped, no step was taken")
+        mine.add_note(f"stage {groups.coord.pipe} (rank {groups.rank}){failure.phase}: every rank of the pipeline "
+                      "stopped after this batch's schedule; its gradients were dropped, no step was taken")
         raise mine
     where = groups.topology.coord(failed)
     raise StageFailed(f"stage {groups.coord.pipe}: stage {where.pipe} (rank {failed}, data-parallel rank "
-                      f"{where.data}) raised inside the schedule: {texts[failed]}; every rank stops here, the "
+                      f"{where.data}) raised inside the schedule{texts[failed]}; every rank stops here, the "
                       "batch's gradients were dropped and no step was taken")
