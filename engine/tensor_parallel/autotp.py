@@ -24,6 +24,14 @@ column-parallel layer and its row-parallel partner draws per tensor rank (dropou
 head-count attributes (`HEAD_COUNT_ATTRIBUTES`) and GPT-2's `split_size` are divided by T. head_dim is
 unchanged. A `SparseSelfAttention` inside it keeps this rank's heads of its (per-head) layout. A model
 whose forward hard-codes the full width elsewhere is not shardable this way.
+[Note: head-sized parameters] A parameter the owner holds directly with one entry per head (GPT-OSS's
+`sinks`) would meet one rank's heads with all of them, so one as long as a head count is refused at
+sharding. One as long as head_dim is a per-head-dim scale applied to every head (DiffLlama's
+`lambda_q1`), which own_params.py sums over the tensor ranks, exactly. When head_dim equals a head count
+(DiffLlama with hidden 16 and 4 heads) the length cannot tell them apart; it was refused, a false refusal
+of a model that trains exactly, so the length of head_dim wins: a per-head parameter of such a model is
+not refused here and meets torch's shape error in its first forward instead. Where neither the module
+nor its config states head_dim, a head count's length is refused as before.
 """
 from __future__ import annotations
 
@@ -80,11 +88,14 @@ def _check_config_head_counts(owner: nn.Module, world: int, where: str) -> None:
 
 def _refuse_per_head_own_parameters(owner: nn.Module, where: str) -> None:
     """A parameter the projections' owner holds directly, one per head (GPT-OSS's attention `sinks`),
-    would meet one rank's heads with all of them: a bare shape error at best. Refused here, naming it.
+    would meet one rank's heads with all of them: a bare shape error at best. Refused here, naming it
+    (module note: head-sized parameters).
     Other own parameters are found where they are used, in the first forward (own_params.py)."""
     config = getattr(owner, "config", None)
     sizes = {getattr(src, a) for src in (owner, config) for a in HEAD_COUNTS
              if isinstance(getattr(src, a, None), int)}
+    sizes -= {getattr(src, "head_dim") for src in (owner, config)  # note: head-sized parameters
+              if isinstance(getattr(src, "head_dim", None), int)}
     for name, p in owner.named_parameters(recurse=False):
         if p.numel() in sizes:
             raise ValueError(f"tensor_parallel.autotp_size: {where}.{name} {tuple(p.shape)} is sized by the attention "
