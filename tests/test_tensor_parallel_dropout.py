@@ -121,7 +121,7 @@ class UserBlock(nn.Module):
 class UnpairedRow(nn.Module):
     """A dropout and a row-parallel layer whose column-parallel partner is in another module (BERT's
     `Output` beside its `Intermediate`): the smallest module running both owns the pair; across a
-    ModuleList's entries none does (warned about at initialize, not made right)."""
+    ModuleList's entries the module running the list does."""
 
     def __init__(self):
         from engine.tensor_parallel import RowParallelLinear
@@ -134,8 +134,7 @@ class UnpairedRow(nn.Module):
 
 
 class LayerList(nn.Module):
-    """The same pair as entries of a ModuleList, run one after the other: no one module's forward runs
-    both (a PipelineModule's stages alike)."""
+    """The same pair as entries of a ModuleList, run one after the other by this module's forward."""
 
     def __init__(self):
         from engine.tensor_parallel import ColumnParallelLinear
@@ -161,11 +160,13 @@ def _user_block_of_dstrain_layers() -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eng, *_ = engine.initialize(model=model, config=TP_CONFIG)
+        # a model that is a ModuleList: no module runs its entries (as a PipelineModule's stages)
+        from engine.tensor_parallel.dropout_region import mark_layer_regions
+        mark_layer_regions(nn.ModuleList([ColumnParallelLinear(16, 64), UnpairedRow()]))
     x = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
     with MaskRecorder() as masks:
         eng(x)
     from engine.tensor_parallel import ParallelSelfAttention
-    from engine.tensor_parallel.dropout_region import mark_layer_regions
     return {"ranks_same": [_same_on_both_ranks(m) for m in masks],
             "root_attention_marked": mark_layer_regions(ParallelSelfAttention(16, 2)),  # it forks its own stream
             "default_stream_same_after": _same_on_both_ranks(torch.get_rng_state()),
@@ -227,13 +228,15 @@ def test_llama_attention_dropout_differs_per_tensor_rank_and_per_layer(results):
 def test_a_block_of_dstrain_layers_gets_the_parallel_region_at_initialize(results):
     """A user's column → dropout → row block (no AutoTP: the model is sharded already) draws its own
     hidden-feature mask per rank and the same output mask; so does a column layer and a dropout → row
-    layer held by two modules of one nn.Sequential (before 2026-12-07: one mask on both ranks' hidden
-    features); a dropout beside a row-parallel layer whose partner is in another ModuleList entry is
+    layer held by two modules of one nn.Sequential, or by two entries of a ModuleList (before
+    2026-12-07: one mask on both ranks' hidden features, and for the ModuleList a warning); a dropout
+    beside a row-parallel layer whose partner no module runs with it (a model that is a ModuleList) is
     named in a warning."""
     for rank, r in enumerate(_case(results, "user")):
         # the block's hidden and output masks; the Sequential's pair (split input); the ModuleList's
-        # pair (the case not made right: one mask on both ranks); the head's input (replicated)
-        assert r["ranks_same"] == [False, True, False, True, True], rank
+        # pair (split input); the head's input (replicated)
+        assert r["ranks_same"] == [False, True, False, False, True], rank
         assert r["root_attention_marked"] == [], rank
         assert r["default_stream_same_after"], rank
-        assert len(r["warnings"]) == 1 and "2.layers.1 (UnpairedRow)" in r["warnings"][0], r["warnings"]
+        assert len(r["warnings"]) == 1 and r["warnings"][0].startswith(
+            "tensor parallelism: 1 (UnpairedRow) holds a dropout and a RowParallelLinear"), r["warnings"]

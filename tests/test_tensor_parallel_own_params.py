@@ -143,21 +143,57 @@ class _Intermediate(nn.Module):
         return F.gelu(self.up(x)) * self.gain
 
 
-def _split_pair_equals_dense() -> dict:
+def _pair_equals_dense(reference: nn.Module, column: str, row: str, gain: str) -> dict:
+    """`reference` with its Linear layers at paths `column` and `row` sharded over 2 ranks, the regions
+    marked as initialize marks them: the gain's gradient against the dense one."""
     from engine.comm import Communicator
     from engine.tensor_parallel.dropout_region import mark_layer_regions
     from engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     comm = Communicator(None)
-    torch.manual_seed(0)
-    reference = nn.Sequential(_Intermediate(), nn.Sequential(nn.Linear(2 * D, D)))
     model = copy.deepcopy(reference)
-    model[0].up = ColumnParallelLinear.from_dense(model[0].up, group=comm)
-    model[1][0] = RowParallelLinear.from_dense(model[1][0], input_is_parallel=True, group=comm)
+    for path, parallel in ((column, ColumnParallelLinear.from_dense), (row, RowParallelLinear.from_dense)):
+        parent, _, leaf = path.rpartition(".")
+        model.get_submodule(parent).register_module(leaf, parallel(model.get_submodule(path), group=comm))
     marked = mark_layer_regions(model)
     x = torch.randn(3, D, generator=torch.Generator().manual_seed(1))
     for m in (model, reference):
         m(x).pow(2).sum().backward()
-    return {"marked": marked, "gain": (model[0].gain.grad - reference[0].gain.grad).abs().item()}
+    grads = [m.get_parameter(gain).grad for m in (model, reference)]
+    return {"marked": marked, "gain": (grads[0] - grads[1]).abs().item()}
+
+
+def _split_pair_equals_dense() -> dict:
+    torch.manual_seed(0)
+    return _pair_equals_dense(nn.Sequential(_Intermediate(), nn.Sequential(nn.Linear(2 * D, D))), "0.up", "1.0",
+                              "0.gain")
+
+
+class _Gain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        return F.gelu(x) * self.gain
+
+
+class _LayerList(nn.Module):
+    """A column layer, a gain on its output and the row layer as entries of a ModuleList, run one after
+    the other: the module running the list owns the pair (dropout_region.py's note)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(D, 2 * D), _Gain(), nn.Linear(2 * D, D)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _module_list_pair_equals_dense() -> dict:
+    torch.manual_seed(0)
+    return _pair_equals_dense(_LayerList(), "layers.0", "layers.2", "layers.1.gain")
 
 
 def _refusals() -> dict:
@@ -185,7 +221,8 @@ def _guarded(check, *args):
 
 def _two_ranks() -> dict:
     return {"dense": _equals_dense("net"), "diffllama": _equals_dense("diffllama"),
-            "diffllama_square": _guarded(_equals_dense, "diffllama_square"), "split": _split_pair_equals_dense(), "refusals": _refusals()}
+            "diffllama_square": _guarded(_equals_dense, "diffllama_square"), "split": _split_pair_equals_dense(),
+            "module_list": _module_list_pair_equals_dense(), "refusals": _refusals()}
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +250,11 @@ def test_own_parameters_inside_and_outside_a_region_train_as_the_dense_model(res
 def test_a_parameter_beside_the_column_layer_of_a_pair_split_over_two_modules_is_summed(results):
     for r in results:
         assert r["split"]["marked"] == [""] and r["split"]["gain"] < ATOL, r["split"]
+
+
+def test_a_parameter_between_a_pair_split_over_a_module_lists_entries_is_summed(results):
+    for r in results:  # before 2026-12-07: not paired, each rank's gradient its half's share (1.5 off the dense 3.3)
+        assert r["module_list"]["marked"] == [""] and r["module_list"]["gain"] < ATOL, r["module_list"]
 
 
 def test_an_own_parameter_used_on_both_sides_of_a_region_is_refused_by_name(results):

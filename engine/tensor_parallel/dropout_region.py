@@ -19,8 +19,8 @@ forward's masks whichever one runs it. (A stream kept in the tracker, as before,
 and was not rewound by torch's checkpoint: HF gradient checkpointing recomputed with other masks.)
 Not covered: dropout on a partitioned tensor that a model draws before its first column-parallel
 projection or after a row-parallel one (no such tensor exists in the layouts AutoTP knows), or between
-layers that no one module's forward runs together (a ModuleList's entries, a PipelineModule's stages:
-mark_layer_regions' note; docs/parallelism.md).
+layers that no one module's forward runs together (a PipelineModule's stages: mark_layer_regions' note;
+docs/parallelism.md).
 """
 from __future__ import annotations
 
@@ -121,10 +121,14 @@ def mark_layer_regions(model: nn.Module) -> list[str]:
     an `nn.Sequential` MLP) or one above (BERT's layout: an `Intermediate` holding the column layer and an
     `Output` holding a dropout and the row layer, both in one `nn.Sequential`; the dropout on the split
     hidden features drew one mask on every tensor rank when only a common parent could own the pair).
-    `ParallelSelfAttention` forks its own stream and `ParallelMLP` draws nothing; a `PipelineModule` or a
-    `ModuleList` never runs its children as one forward, so no hook could close a region there: the pairs
-    left open below one are not paired across it, and a row layer among them beside a dropout is warned
-    about (its split input cannot be told from a replicated one). Returns the names of the modules marked.
+    `ParallelSelfAttention` forks its own stream and `ParallelMLP` draws nothing. A `ModuleList` or
+    `ModuleDict` has no forward: the module holding it runs its entries, so a pair split over the entries
+    is that module's (a column layer, a gain on its output and the row layer as three entries: the gain's
+    gradient was each rank's half's share, and a dropout there drew one mask on every tensor rank, when
+    the list ended the search with a warning). A `PipelineModule` runs its stages on other ranks, so no
+    hook could close a region there: the pairs left open below one are not paired across it, and a row
+    layer among them beside a dropout is warned about (its split input cannot be told from a replicated
+    one), as at a model that is a ModuleList itself. Returns the names of the modules marked.
     An unpaired column layer is not warned about: it is most often a vocabulary-parallel LM head beside an
     embedding dropout."""
     marked: list[str] = []
@@ -151,10 +155,10 @@ def _pair_below(module: nn.Module, name: str, marked: list[str]) -> tuple[list, 
         else:
             c, r = _pair_below(child, f"{name}.{child_name}" if name else child_name, marked)
             column, row = column + c, row + r
-    if isinstance(module, (PipelineModule, nn.ModuleList, nn.ModuleDict)):
+    if isinstance(module, PipelineModule):
         _warn_unpaired_rows(row)
         return [], []
-    if column and row:
+    if column and row and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # note: its holder runs them
         mark_parallel_region(module, column, [layer for layer, _, _ in row])
         marked.append(name)
         return [], []
@@ -166,6 +170,6 @@ def _warn_unpaired_rows(rows: list) -> None:
         if any(isinstance(c, nn.Dropout) and c.p > 0 for c in parent.children()):
             warnings.warn(f"tensor parallelism: {parent_name or 'the model'} ({type(parent).__name__}) holds a dropout "
                           "and a RowParallelLinear(input_is_parallel=True) whose column-parallel partner no one "
-                          "module's forward runs with it (across a PipelineModule's stages or a ModuleList's entries): "
+                          "module's forward runs with it (across a PipelineModule's stages): "
                           "a dropout on its split input draws the same mask on every tensor rank; put the pair in one "
                           "module, or draw it inside engine.checkpointing.get_cuda_rng_tracker().fork()", stacklevel=3)
