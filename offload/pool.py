@@ -6,6 +6,11 @@ memory used for swapping is `buffer_count * buffer_size * itemsize` bytes, whate
 a pipelined stepper within that bound. Buffers are page-aligned (O_DIRECT, see offload/aio.py) and
 pinned when an accelerator is present and `pin_memory` is set, so host<->device copies of them can be
 asynchronous; on a CPU-only machine pinning means nothing and is skipped.
+[Note: kept contents] A buffer released with a `tag` (what its bytes are, in the releaser's terms) keeps
+them until someone acquires it: `acquire()` hands out untagged buffers first, then the longest released,
+and clears the tag, so `claim(tags)` later finds the bytes still there or finds nothing. The NVMe
+stepper uses it to step the sub-groups it wrote last without reading them back (swapped_partition.py's
+note: kept sub-groups); the bound is unchanged, kept buffers are free buffers.
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ class SwapBufferPool:
                          for _ in range(buffer_count)]
         for buf in self._buffers:
             buf.zero_()  # touch every page now: the bound is paid at construction, not mid-step
-        self._free = list(range(buffer_count))
+        self._free = list(range(buffer_count))  # in release order (note: kept contents)
+        self._tags: dict[int, object] = {}  # free buffer index -> the tag it was released with
         self._ids = {buf.data_ptr(): i for i, buf in enumerate(self._buffers)}
         self._cond = threading.Condition()
 
@@ -59,9 +65,13 @@ class SwapBufferPool:
         with self._cond:
             if not self._cond.wait_for(lambda: self._free, timeout=timeout):
                 raise TimeoutError(f"no swap buffer free after {timeout}s; raise {self.count_key}")
-            return self._buffers[self._free.pop()]
+            at = next((i for i, index in enumerate(self._free) if index not in self._tags), 0)
+            index = self._free.pop(at)
+            self._tags.pop(index, None)
+            return self._buffers[index]
 
-    def release(self, buffer: torch.Tensor) -> None:
+    def release(self, buffer: torch.Tensor, tag: object = None) -> None:
+        """Give `buffer` back; with `tag`, its bytes stay claimable under it (note: kept contents)."""
         index = self._ids.get(buffer.data_ptr())
         if index is None:
             raise ValueError("release() of a tensor that is not one of this pool's buffers")
@@ -69,4 +79,19 @@ class SwapBufferPool:
             if index in self._free:
                 raise ValueError("release() of a swap buffer that is already free")
             self._free.append(index)
+            if tag is not None:
+                self._tags[index] = tag
             self._cond.notify()
+
+    def claim(self, tags: list) -> list[torch.Tensor] | None:
+        """The free buffers released with `tags` (in that order), taken as `acquire` takes buffers, if every
+        one of them is still untouched; else None and nothing taken (note: kept contents)."""
+        with self._cond:
+            where = {tag: index for index, tag in self._tags.items()}
+            found = [where.get(tag) for tag in tags]
+            if not tags or None in found:
+                return None
+            for index in found:
+                self._free.remove(index)
+                del self._tags[index]
+            return [self._buffers[index] for index in found]

@@ -32,6 +32,17 @@ nothing: until the first step (or a load) the master is read from `read_master_s
 host copy, which must not change before then except through `on_updated`) wherever it would be read
 from the file. The first step then writes the master for the first time, with its update; the files
 hold the same bytes as with an initial write, one full write of the master sooner.
+
+[Note: kept sub-groups] `step` visits the sub-groups in alternating order (0..K-1, then K-1..0, ...), and
+the buffers of the sub-groups it wrote last go back to the pool tagged with what they hold (pool.py's
+note: kept contents): once the step is committed, they are the committed state of those sub-groups,
+byte for byte what their files hold. The next step starts with exactly those sub-groups and takes their
+buffers back instead of reading them (as many as the pool still has untouched: with `buffer_count`
+buffers up to `buffer_count // (1 + state keys)` sub-groups, 4 of AdamW's with 12). Writes are not
+deferred: every file is complete when a step returns, so checkpoints, `read_master`, snapshots, a failed
+or skipped step and exit see what they saw before, and only reads are saved. Anything else that makes
+the files current (a load, `write_master`, `initialize`, the two-pass steppers' commits) drops the tags.
+The order changes no bit: each sub-group's update depends on its own elements alone.
 """
 from __future__ import annotations
 
@@ -106,13 +117,16 @@ class SwappedPartition:
         self._files = {(key, slot): swap_dir.file(f"{name}.{key}.{slot}.swp")
                        for key in [MASTER, *self.state_keys] for slot in range(slots)}
         self._slot = 0
-        # slots=1: key -> end of the elements written in place since the last commit (module note); every
-        # pass writes its sub-groups in ascending order, so the elements from there on are still committed
-        self._overwritten: dict[str, int] = {}
+        # slots=1: key -> [lo, hi), the span of the elements written in place since the last commit (module
+        # note); the elements outside it are still committed
+        self._overwritten: dict[str, tuple[int, int]] = {}
         self._has_state = False  # false until the first step (or a load) wrote optimizer state
         self._initial: Optional[Callable[[int, int], torch.Tensor]] = None  # deferred master (module note)
         self._scalars: list[dict] = [{} for _ in self.groups]
-        self._writes: deque[tuple[list[IOHandle], list[torch.Tensor]]] = deque()
+        self.sub_groups_kept = 0  # sub-groups a step took from the pool instead of reading (tests count them)
+        self._writes: deque[tuple[list[IOHandle], list[torch.Tensor], list]] = deque()
+        self._descending = False  # the next step's order (module note: kept sub-groups)
+        self._kept: Optional[object] = None  # the token of the buffers that hold committed sub-groups
 
     @property
     def paths(self) -> list[str]:
@@ -147,12 +161,13 @@ class SwappedPartition:
             self.pool.release(buf)
 
     def _finish_oldest_write(self) -> None:
-        handles, buffers = self._writes.popleft()
+        handles, buffers, tags = self._writes.popleft()
         try:
             for handle in handles:
                 handle.wait()
         finally:
-            self._release(buffers)
+            for buf, tag in zip(buffers, tags):
+                self.pool.release(buf, tag)
 
     def _finish_writes(self) -> None:
         while self._writes:
@@ -173,11 +188,13 @@ class SwappedPartition:
         """The swap file of `key` in logical slot `slot` (one file for both with slots=1: module note)."""
         return self._files[key, slot % self.slots]
 
-    def _check_committed(self, read: dict, start: int = 0) -> None:
-        """Refuse to read, as the committed state from element `start` on, a key a failed step (or a
+    def _check_committed(self, read: dict, start: int = 0, stop: Optional[int] = None) -> None:
+        """Refuse to read, as the committed state of elements [start, stop), a key a failed step (or a
         pass in progress: a load reads each sub-group's master before writing it) overwrote in place
         there (slots=1)."""
-        stale = sorted(key for key, slot in read.items() if slot == self._slot and self._overwritten.get(key, 0) > start)
+        stop = self.numel if stop is None else stop
+        stale = sorted(key for key, slot in read.items() if slot == self._slot and key in self._overwritten
+                       and self._overwritten[key][0] < stop and start < self._overwritten[key][1])
         if stale:
             named = MASTER if MASTER in stale else stale[0]
             raise OffloadIOError(f"{self._file(named, self._slot)}: the optimizer state {stale} was partly "
@@ -185,7 +202,13 @@ class SwappedPartition:
                                  f"on (with {SLOTS_KEY}: 2 a failed step leaves the previous state)")
 
     def _start_read(self, k: int, keys: list[str], read: dict[str, int]):
-        """Buffers for `keys` of sub-group k; those in `read` (key -> slot) are read into theirs."""
+        """Buffers for `keys` of sub-group k; those in `read` (key -> slot) are read into theirs, or taken
+        back from the pool where the last step left them there (module note: kept sub-groups)."""
+        if self._kept is not None and all(slot == self._slot for slot in read.values()):
+            kept = self.pool.claim([(self, k, key, self._kept) for key in keys])
+            if kept is not None:
+                self.sub_groups_kept += 1
+                return kept, []
         buffers = self._acquire(len(keys))
         try:
             pairs = [((key, read[key]), buf) for key, buf in zip(keys, buffers) if key in read]
@@ -200,19 +223,22 @@ class SwappedPartition:
             self._release(buffers)
             raise
 
-    def _start_write(self, k: int, keys: list[str], buffers, write: Sequence[str]) -> None:
+    def _start_write(self, k: int, keys: list[str], buffers, write: Sequence[str], token: object = None) -> None:
         """Write the buffers of `write` (a subset of `keys`) to the target slot; all of `buffers` go back
-        to the pool once the writes finished."""
+        to the pool once the writes finished (with `token`, tagged: module note, kept sub-groups)."""
         try:
             pairs = [((key, 1 - self._slot), buf) for key, buf in zip(keys, buffers) if key in write]
             if self.slots == 1:
+                s, e = self.groups[k]
                 for (key, _), _ in pairs:
-                    self._overwritten[key] = max(self._overwritten.get(key, 0), self.groups[k][1])
+                    lo, hi = self._overwritten.get(key, (s, e))
+                    self._overwritten[key] = (min(lo, s), max(hi, e))
             handles = self._transfer(k, [f for f, _ in pairs], [b for _, b in pairs], write=True)
         except BaseException:
             self._release(buffers)
             raise
-        self._writes.append((handles, buffers))
+        whole = token is not None and set(write) == set(keys)  # every buffer then holds what its file will
+        self._writes.append((handles, buffers, [(self, k, key, token) if whole else None for key in keys]))
         if not self.pipeline_write:
             self._finish_writes()
 
@@ -269,18 +295,19 @@ class SwappedPartition:
         return {key: _copy(value) for key, value in self._scalars[k].items()}
 
     def sweep(self, visit: Callable[[int, dict], None], read: dict[str, int], write: Sequence[str],
-              groups: Optional[range] = None) -> None:
-        """One pass over every sub-group (or those in `groups`), in order, without committing (a step may
-        take several passes: engine/zero/nvme_per_tensor.py). For sub-group k, `visit(k, views)` gets
+              groups: Optional[Sequence[int]] = None, token: object = None) -> None:
+        """One pass over every sub-group (or those in `groups`, in that order), without committing (a step
+        may take several passes: engine/zero/nvme_per_tensor.py). For sub-group k, `visit(k, views)` gets
         {key: n-element view} for every key in `read` (key -> slot to read it from) or `write`; a key
         only written starts as zeros. The `write` keys then go to the slot `commit` makes current; until
-        then the current slot is as the last commit left it (the two-slots note)."""
+        then the current slot is as the last commit left it (the two-slots note). `token`: the written
+        buffers go back to the pool tagged with it (module note: kept sub-groups)."""
         self._check_committed(read)
         keys = [key for key in [MASTER, *self.state_keys] if key in read or key in write]
-        order = range(len(self.groups)) if groups is None else groups
+        order = list(range(len(self.groups)) if groups is None else groups)
         reads: dict = {}
         try:
-            for k in order:
+            for i, k in enumerate(order):
                 s, e = self.groups[k]
                 if k not in reads:
                     reads[k] = self._start_read(k, keys, read)
@@ -288,8 +315,8 @@ class SwappedPartition:
                 try:
                     for handle in handles:
                         handle.wait()
-                    if self.pipeline_read and k + 1 in order:
-                        reads[k + 1] = self._start_read(k + 1, keys, read)
+                    if self.pipeline_read and i + 1 < len(order):
+                        reads[order[i + 1]] = self._start_read(order[i + 1], keys, read)
                     views = {key: buf[:e - s] for key, buf in zip(keys, buffers)}
                     for key in keys:
                         if key not in read:
@@ -298,7 +325,7 @@ class SwappedPartition:
                 except BaseException:
                     self._release(buffers)
                     raise
-                self._start_write(k, keys, buffers, write)
+                self._start_write(k, keys, buffers, write, token)
             self._finish_writes()
         except BaseException:
             self._abandon(reads)
@@ -308,6 +335,12 @@ class SwappedPartition:
         """Make the slot the last sweeps wrote current, with these per-sub-group scalars."""
         self._slot, self._has_state, self._scalars, self._initial = 1 - self._slot, has_state, scalars, None
         self._overwritten.clear()
+        self._kept = None  # `step` names the buffers it kept after committing (module note: kept sub-groups)
+
+    def step_order(self) -> list[int]:
+        """The sub-groups the next `step` visits, in its order (module note: kept sub-groups)."""
+        order = list(range(len(self.groups)))
+        return order[::-1] if self._descending else order
 
     def step(self, grad_slice: Callable[[int, int], torch.Tensor],
              on_updated: Optional[Callable[[int, int, torch.Tensor], None]] = None) -> None:
@@ -322,8 +355,11 @@ class SwappedPartition:
             scalars[k] = self._step_sub_group(k, views, grad_slice(s, e), had_state)
             if on_updated is not None:
                 on_updated(s, e, views[MASTER])
-        self.sweep(visit, {key: self._slot for key in self._keys(had_state)}, self._keys(True))
+        token = object()
+        self.sweep(visit, {key: self._slot for key in self._keys(had_state)}, self._keys(True), self.step_order(),
+                   token)
         self.commit(scalars)
+        self._kept, self._descending = token, not self._descending
 
     def _step_sub_group(self, k: int, views: dict, grad: torch.Tensor, had_state: bool) -> dict:
         s, e = self.groups[k]
@@ -401,14 +437,15 @@ class SwappedPartition:
         if self._initial is not None:
             raise RuntimeError("the master is still the caller's host copy (deferred initialisation): write it there")
         self._finish_writes()
+        self._kept = None  # the kept buffers hold the master before this write (module note: kept sub-groups)
         self._master_transfer(self.aio.write, values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
                               .contiguous(), start)
 
     def _master_transfer(self, op: Callable, values: torch.Tensor, start: int) -> None:
         """`op` (the I/O engine's read or write) of `values` at master elements [start, start + len(values))
         of the committed slot, one request per sub-group it meets, all waited for."""
-        self._check_committed({MASTER: self._slot}, start)
         path, stop = self._file(MASTER, self._slot), start + values.numel()
+        self._check_committed({MASTER: self._slot}, start, stop)
         for handle in [op(path, values[a - start:b - start], at) for a, b, at in self._master_runs(start, stop)]:
             handle.wait()
 

@@ -4,13 +4,20 @@ test here also compares with the in-memory optimizer over the whole flat, exactl
 
 - A flat's last sub-group is shorter than the pool buffer: its reads and writes move its own elements
   (rounded up to the O_DIRECT block), not the whole buffer.
+- Kept sub-groups (swapped_partition.py's note): steps alternate their order, and the sub-groups the last
+  step wrote are stepped from the pool's buffers without a read, as many as the pool holds (3 of 7 here),
+  in every step after the first; bit for bit the in-memory optimizer over 5 steps, sequential and
+  pipelined. A step that fails halfway after stepping kept buffers in place leaves the files and the
+  training exact; a load into a stepped partition, and an edit of the master (`write_master`, also
+  checked by test_offload_stepper's load_master test), are what the next step steps from.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from offload.aio import round_up
-from tests.test_offload_stepper import OPTIMIZERS, Swapped, data, reference
+from tests.test_offload_stepper import OPTIMIZERS, Swapped, assert_state_equal, data, reference, steps_on_exactly
 
 
 class Counted:
@@ -50,8 +57,82 @@ def test_the_short_last_sub_group_moves_its_own_bytes_not_the_whole_buffer(tmp_p
         assert counted.take() == (per_step // tensors, per_step)
         for grad in grads[1:]:
             swapped.step(grad)
-            assert counted.take() == (per_step, per_step)
+            assert counted.take()[1] == per_step
         want, _ = reference(make, master, grads)
         assert torch.equal(swapped.model, want)
     finally:
         swapped.close()
+
+
+SUB_GROUP, GROUPS = 1024, 7
+
+
+def _kept_run(tmp_path, pipeline, buffers=9, groups=GROUPS):
+    make = OPTIMIZERS["adamw-fused"]
+    swapped = Swapped(tmp_path, make, SUB_GROUP * groups, SUB_GROUP, pipeline=pipeline, buffers=buffers)
+    return make, swapped
+
+
+@pytest.mark.parametrize("pipeline", [(False, False), (True, True)], ids=["sequential", "pipelined"])
+def test_steps_take_the_sub_groups_the_last_step_wrote_from_the_pool_bit_for_bit(tmp_path, pipeline):
+    make, swapped = _kept_run(tmp_path, pipeline)
+    master, grads = data(steps=5, numel=SUB_GROUP * GROUPS)
+    want, want_state = reference(make, master, grads)
+    try:
+        swapped.part.initialize(lambda s, e: master[s:e])
+        counted = Counted(swapped)
+        tensor_bytes, tensors = SUB_GROUP * 4, 1 + len(swapped.part.state_keys)
+        kept = swapped.pool.buffer_count // tensors  # 3 of the 7 sub-groups
+        swapped.step(grads[0])
+        assert counted.take() == (GROUPS * tensor_bytes, GROUPS * tensors * tensor_bytes)  # the master alone
+        for step, grad in enumerate(grads[1:], start=1):
+            swapped.step(grad)
+            assert counted.take() == ((GROUPS - kept) * tensors * tensor_bytes, GROUPS * tensors * tensor_bytes), step
+        assert swapped.part.sub_groups_kept == kept * (len(grads) - 1)
+        assert torch.equal(swapped.model, want)
+        assert_state_equal(swapped.part, want_state)  # the files: every write still made
+    finally:
+        swapped.close()
+
+
+def test_a_step_failing_after_stepping_kept_buffers_leaves_the_files_and_training_exact(tmp_path):
+    make, swapped = _kept_run(tmp_path, (True, True))
+    master, grads = data(steps=5, numel=SUB_GROUP * GROUPS)
+    want, want_state = reference(make, master, grads)  # the failed step never happened
+    try:
+        swapped.part.initialize(lambda s, e: master[s:e])
+        for grad in grads[:2]:
+            swapped.step(grad)
+        assert swapped.part.step_order()[:3] == [0, 1, 2]  # ascending, after a descending step: the kept first
+        live = {n: d for n, d in swapped.files_digest().items() if n.endswith(f".{swapped.part.source_slot}.swp")}
+
+        def bad_grad(s, e):  # the kept sub-groups 0 and 1 are stepped in place before this fails
+            if s >= 2 * SUB_GROUP:
+                raise RuntimeError("gradient unavailable")
+            return torch.full((e - s,), float("nan"))
+        with pytest.raises(RuntimeError, match="gradient unavailable"):
+            swapped.part.step(bad_grad)
+        assert {n: d for n, d in swapped.files_digest().items() if n in live} == live
+        steps_on_exactly(swapped, grads[2:], want, want_state)
+    finally:
+        swapped.close()
+
+
+# 2 sub-groups in 12 buffers: the load's writes take the 6 untagged buffers and leave the kept ones be
+@pytest.mark.parametrize("groups, buffers", [(GROUPS, 9), (2, 12)])
+def test_a_load_into_a_stepped_partition_is_what_the_next_step_steps_from(tmp_path, groups, buffers):
+    make, swapped = _kept_run(tmp_path, (True, True), buffers, groups)
+    _, other = _kept_run(tmp_path, (True, True), buffers, groups)
+    master, grads = data(steps=6, numel=SUB_GROUP * groups)
+    want, want_state = reference(make, master, grads)
+    try:
+        other.part.initialize(lambda s, e: master[s:e])
+        swapped.part.initialize(lambda s, e: torch.zeros(e - s))
+        for grad in grads[:3]:
+            other.step(grad)
+            swapped.step(grad * 3)  # other weights, other moments, and kept buffers of them in the pool
+        swapped.part.load_chunks(other.part.state_chunks())
+        steps_on_exactly(swapped, grads[3:], want, want_state)
+    finally:
+        swapped.close()
+        other.close()

@@ -27,7 +27,9 @@ its update), through the tier's `grad_reader`; a range read twice is the same bi
 up to the flat's end. So with `offload_optimizer.pipeline_read` (the user's budget for a sub-group
 read in flight) each such read also starts the next sub-group's read, and the next call finds it done
 or in flight instead of waiting for the disk while the CPU idles: the gradient read of sub-group k+1
-overlaps the step of k, as the state's reads do. A call for another range (Lamb's and Muon's passes
+overlaps the step of k, as the state's reads do. The elementwise stepper alternates its order
+(swapped_partition.py's note: kept sub-groups) and says which ranges it will ask for (`expect`), so a
+descending step reads ahead the range below. A call for another range (Lamb's and Muon's passes
 read some ranges again) waits the read-ahead out and drops it, and so do a landing, `zero` and
 `close` (the file changes), so what a read returns is always what the file holds. The norm's scan
 does not read ahead: its squares cost next to nothing against the read, so a second NORM_CHUNK in
@@ -136,6 +138,7 @@ class GradientSwap:
         self.read_ahead = read_ahead  # offload_optimizer.pipeline_read, as the stepper has it (module note)
         self._ahead = None  # (key, start, stop, handle, buffer): the read started ahead (module note)
         self.reads_ahead_used = 0  # read-aheads a later call took (tests count them)
+        self._plan: dict[tuple, tuple | None] = {}  # (key, start, stop) -> the range asked for next (`expect`)
         # (flat key, norm range start) -> (unscale factor, |range|^2) of a range a landing wrote whole (note:
         # folded norm); `unscale_now` gives the factor the step will apply (set by attach_grad_swap)
         self._folded: dict[tuple, tuple[float, torch.Tensor]] = {}
@@ -179,9 +182,17 @@ class GradientSwap:
             finally:
                 os.close(fd)
 
+    def expect(self, key, ranges: list[tuple[int, int]]) -> None:
+        """The stepper will ask for flat `key`'s `ranges` in this order: each read ahead reads the next
+        (module note: read-ahead)."""
+        self._plan = {k: v for k, v in self._plan.items() if k[0] != key}
+        for (s, e), nxt in zip(ranges, [*ranges[1:], None]):  # the last: nothing after it
+            self._plan[(key, s, e)] = nxt
+
     def read(self, key, start: int, stop: int, ahead: bool = False) -> torch.Tensor:
-        """Elements [start, stop) of flat `key`'s gradient, in a new host tensor. `ahead`: a scan in file
-        order, so the next range of the same length starts reading now (module note: read-ahead)."""
+        """Elements [start, stop) of flat `key`'s gradient, in a new host tensor. `ahead`: the range `expect`
+        named next, or else (a scan in file order) the next range of the same length, starts reading now
+        (module note: read-ahead)."""
         self.flush()
         if self._ahead is not None and self._ahead[:3] == (key, start, stop):
             handle, out = self._ahead[3:]
@@ -191,7 +202,11 @@ class GradientSwap:
             self._drop_ahead()
             handle, out = self._start_read(key, start, stop)
         self.bytes_read += handle.wait()
-        if ahead and stop < self.numel[key]:
+        if (key, start, stop) in self._plan:
+            planned = self._plan.pop((key, start, stop))
+            if ahead and planned is not None:
+                self._ahead = (key, *planned, *self._start_read(key, *planned))
+        elif ahead and stop < self.numel[key]:
             nxt = min(stop + (stop - start), self.numel[key])
             self._ahead = (key, stop, nxt, *self._start_read(key, stop, nxt))
         return out

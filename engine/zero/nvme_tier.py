@@ -182,6 +182,8 @@ class NvmeOptimizerTier:
         master goes through the partition store (the host flat, or the parameter swap files)."""
         _copy_hyper(self.optimizer.param_groups[key[0]], part.param_groups[0])
         store = self.partition.store
+        if self.grad_swap is not None:  # its read-ahead follows the stepper's order (grad_swap.py's note)
+            self.grad_swap.expect(key, [part.groups[k] for k in part.step_order()])
         part.step(self.grad_reader(key), lambda s, e, master: store.write_behind(key, s, master))
 
     def grad_reader(self, key: tuple):
