@@ -18,6 +18,7 @@ The interface the engine calls (stable; later versions add, never change):
     part.step(lambda start, end: fp32_grad[start:end],            # skip a step (overflow) by not calling it
               lambda start, end, master: model_flat[start:end].copy_(master))  # master valid during the call
     part.step_order()                        # the sub-groups the next step visits (it alternates: kept ones first)
+    part.read_master(start, stop); part.start_read_master(out, start)  # the committed fp32 master, between steps
     for chunk in part.state_chunks(): ...    # checkpoint: {"start","end","master","state":{k: t},"scalars"}
     part.load_chunks(chunks)                 # from such chunks, cut at any boundaries, ascending
     part.sweep(visit, read={key: slot}, write=[keys]); part.commit(scalars)  # a step in several passes

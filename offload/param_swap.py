@@ -41,6 +41,14 @@ optimizer's own files with the optimizer on NVMe (`drop_host_master(master_sourc
 `write_image`, both of which write only the 16-bit image, since the tier wrote the master itself).
 Otherwise the files hold fp32 and are where readers find the master's values: fp32 training, and
 `offload_optimizer.fast_init`, whose first step reads its first master from them.
+[Note: the master's file] fp32 files with the optimizer on NVMe would hold the optimizer's master byte for
+byte, so a step would write every updated element twice (4 bytes per partition element more per step
+than the optimizer's own writes). Once the optimizer's files hold the master (`master_owner.holds_master`:
+from `initialize` on, or after `fast_init`'s first step), the store reads the committed master there
+instead (`start_read_master` / `read_master`: gathers, reads ahead, `read`) and its own files are left
+alone: a write reaches only the resident copies (the tier writes the master) and drops the reads issued
+ahead, which hold the master before it. A failed step leaves the committed master where the gathers
+read it.
 [Note: write-behind] The NVMe optimizer tier hands each updated sub-group over with `write_behind`: the
 values bound for the files are copied into a staging buffer of the store (the caller's buffer goes back
 to the optimizer's pool when the call returns) and the write is started, not waited for, so it overlaps the next
@@ -137,7 +145,10 @@ class NvmeParamStore:
             return self.master_source.read_master(key, start, stop)
         out = torch.empty(stop - start, dtype=torch.float32, device=CPU)
         parts = self._resident_parts(key, start, stop)
-        if sum(b - a for a, b, _ in parts) < stop - start:  # some elements are only in the file
+        if sum(b - a for a, b, _ in parts) < stop - start and self._master_file(key):  # module note: the master's file
+            out = self.master_owner.read_master(key, start, stop)
+            self.bytes_read += out.numel() * 4
+        elif sum(b - a for a, b, _ in parts) < stop - start:  # some elements are only in the file
             self.flush()
             # 16-bit files are read here only before load_host_master, when they hold the chunks the
             # master is built from, exactly (module note: 16-bit files)
@@ -228,6 +239,10 @@ class NvmeParamStore:
         self.master_in_memory = False
         for flat in self.partition.flat.values():
             flat.detach().untyped_storage().resize_(0)
+
+    def _master_file(self, key) -> bool:
+        """Whether the gathers read flat `key` from the optimizer's master file (module note: the master's file)."""
+        return self.dtype == torch.float32 and self.master_owner is not None and self.master_owner.holds_master(key)
 
     # -- gathers -----------------------------------------------------------------------------------
     def open_slots(self, params: list) -> list[torch.Tensor]:
@@ -347,8 +362,13 @@ class NvmeParamStore:
         self.pool.release(buf)
 
     def _start_reads(self, slots: _Slots, buf: torch.Tensor) -> list:
-        return [self.io.read(self.files[key], buf[at:at + stop - start], start * self.itemsize)
-                for key, start, stop, at in slots.runs]
+        handles = []
+        for key, start, stop, at in slots.runs:
+            if self._master_file(key):  # module note: the master's file
+                handles += self.master_owner.start_read_master(key, buf[at:at + stop - start], start)
+            else:
+                handles.append(self.io.read(self.files[key], buf[at:at + stop - start], start * self.itemsize))
+        return handles
 
     def _drain_ahead(self) -> None:
         """Reads issued ahead would hand back values a write is about to replace: finish and drop them."""
@@ -372,6 +392,9 @@ class NvmeParamStore:
             at = b
         if at < stop:
             gaps.append((at, stop))
+        if self._master_file(key):  # the optimizer's files take the master (module note: the master's file)
+            self._drain_ahead()
+            return
         if not gaps:
             return
         self._drain_ahead()

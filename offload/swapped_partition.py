@@ -417,6 +417,15 @@ class SwappedPartition:
             yield a, b, k * self.stride_bytes + (a - self.groups[k][0]) * 4
             a = b
 
+    def start_read_master(self, out: torch.Tensor, start: int) -> list[IOHandle]:
+        """Read elements [start, start + len(out)) of the committed fp32 master into `out`, the requests
+        started and not waited for (the parameter store's gathers read the master here: offload/
+        param_swap.py's note, the master's file)."""
+        if self._initial is not None:
+            raise RuntimeError("the master is still the caller's host copy (deferred initialisation): read it there")
+        self._finish_writes()
+        return self._master_requests(self.aio.read, out, start)
+
     def read_master(self, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the committed fp32 master: a new tensor."""
         self._finish_writes()
@@ -444,10 +453,13 @@ class SwappedPartition:
     def _master_transfer(self, op: Callable, values: torch.Tensor, start: int) -> None:
         """`op` (the I/O engine's read or write) of `values` at master elements [start, start + len(values))
         of the committed slot, one request per sub-group it meets, all waited for."""
+        for handle in self._master_requests(op, values, start):
+            handle.wait()
+
+    def _master_requests(self, op: Callable, values: torch.Tensor, start: int) -> list[IOHandle]:
         path, stop = self._file(MASTER, self._slot), start + values.numel()
         self._check_committed({MASTER: self._slot}, start, stop)
-        for handle in [op(path, values[a - start:b - start], at) for a, b, at in self._master_runs(start, stop)]:
-            handle.wait()
+        return [op(path, values[a - start:b - start], at) for a, b, at in self._master_runs(start, stop)]
 
     def state_chunks(self) -> Iterator[dict]:
         """The state, one sub-group at a time: {"start", "end", "master", "state": {key: tensor},

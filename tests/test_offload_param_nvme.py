@@ -10,8 +10,9 @@ two of tests.models.StackNet's layers resident and reads the rest from the files
 ahead of use by the prefetcher); ReuseNet's one group is read from the files every time. An Inf on
 one rank skips the step with every swap file's SHA-256 unchanged. Resident parameter bytes stay
 within max_in_cpu * 4 + the pool, by the store's count and by the storages that exist after every
-micro-step, and with the optimizer on NVMe the host flat holds no bytes; there each sub-group's
-write-back is left in flight while the next one steps, and none is in flight after a step. Checkpoints: saved with
+micro-step, and with the optimizer on NVMe the host flat holds no bytes; there, in fp32, the gathers
+read the optimizer's master file and no step writes a parameter byte, and with 16-bit files each
+sub-group's write-back is left in flight while the next one steps, none after a step. Checkpoints: saved with
 parameters (and optimizer) on NVMe, loaded without offload, and the other way round, both runs
 continue equal to the run never stopped. A frozen layer's chunks are in a chunk file with parameters on
 NVMe (engine/zero/stage3_frozen.py): trained equal, and moved by checkpoints both ways. The swap
@@ -45,13 +46,14 @@ def test_param_nvme_equals_stage3_without_offload_bit_for_bit(runs, key):
         assert store["master_in_memory"] is (name == PARAM_NVME)
         if name == BOTH_NVME_RESIDENT:
             _assert_written_back_only(got, f"rank {rank}")
-        else:  # ReuseNet's one group is never resident: every step writes it
+        elif name == PARAM_NVME:  # ReuseNet's one group is never resident: every step writes it
             assert store["written"] > store["written_at_build"], f"rank {rank}: {store}"
         if name == BOTH_NVME:
             assert store["partition_bytes"] == 0, f"rank {rank}: the host flat still holds bytes"
-            # each sub-group's write-back overlapped the next one's step, and each step ended with them
-            # finished (offload/param_swap.py's note: write-behind)
-            assert store["writes_behind"] > 0 and set(store["in_flight_after_step"]) == {0}, f"rank {rank}: {store}"
+            # fp32 files would hold the optimizer's master byte for byte: the gathers read it from the
+            # optimizer's files and no step writes a parameter byte (offload/param_swap.py's note: the
+            # master's file)
+            assert store["written"] == store["written_at_build"] and store["writes_behind"] == 0, f"rank {rank}: {store}"
             # offload_optimizer.swap_gradients unset: with the parameters on NVMe the gradient is swapped too
             assert got["grad_swap"] is not None and got["grad_host_bytes"] == 0, f"rank {rank}: {got['grad_swap']}"
         assert not store["dir_left"], f"rank {rank}: the parameter swap directory was left"
@@ -176,7 +178,10 @@ def test_16bit_training_swaps_16bit_parameters_and_equals_no_offload(runs, preci
         assert store["file_bytes"] == 2 * store["partition_numel"], store
         assert store["master_in_memory"] is (name == PARAM_NVME), store
         if name == BOTH_NVME:
+            # each sub-group's write-back overlapped the next one's step, and each step ended with them
+            # finished (offload/param_swap.py's note: write-behind)
             assert store["partition_bytes"] == 0 and store["writes_behind"] > 0, store
+            assert set(store["in_flight_after_step"]) == {0}, store
         _assert_same(got, result[(precision, 3, "none")], f"rank {rank} {precision} {name}")
     # fp32 training keeps fp32 files
     assert runs[0][(3, "adamw", PARAM_NVME)]["param_store"]["file_dtype"] == "torch.float32"
@@ -304,3 +309,39 @@ def test_a_failed_initialize_leaves_no_swap_file(tmp_path):
     result = run_distributed(_failed_initialize, 1, args=(str(tmp_path),), timeout=120)[0]
     assert len(result["errors"]) == 2 and all("offload_optimizer.buffer_count" in e for e in result["errors"]), result
     assert result["left"] == [[], []], result["left"]
+
+
+def _reads_ahead_across_steps(nvme_path: str) -> dict:
+    """StackNet with both tiers on NVMe, every group read ahead between each step's last backward and its
+    step (the prefetcher issues none there, but nothing says it cannot), against stage 3 without offload."""
+    import torch.distributed as dist
+
+    from tests.models import make_batches, micro_batches
+    from tests.offload_runs import GAS, MICRO, _build, config
+    from engine.utils import safe_get_full_fp32_param
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name in ("none", BOTH_NVME):
+        torch.manual_seed(0)
+        eng = _build(config(3, "sgd", {} if name == "none" else name, "fp32", nvme_path), False, False, "stack")
+        started = 0
+        for x, y in make_batches(4, MICRO * GAS * world):
+            for k, (xm, ym) in enumerate(micro_batches(x, y, rank, world, GAS)):
+                eng.backward(eng(xm, ym, aux=k == 0))
+                if k == GAS - 1 and name != "none":
+                    started += sum(bool(g.sources.read_ahead()) for g in eng.zero_optimizer.coordinator.groups)
+                eng.step()
+        out[name] = {n: safe_get_full_fp32_param(p).clone() for n, p in eng.module.named_parameters()}
+        out[f"{name} started"] = started
+        eng.destroy()
+    return out
+
+
+def test_a_read_issued_ahead_of_a_step_never_hands_back_the_master_before_it(tmp_path):
+    # offload/param_swap.py's note (the master's file): the step writes the optimizer's files, not the
+    # parameter store's, and still drops what was read ahead of it
+    from tests.harness import run_distributed
+    for rank, got in enumerate(run_distributed(_reads_ahead_across_steps, 2, args=(str(tmp_path),), timeout=300)):
+        assert got[f"{BOTH_NVME} started"] > 0, f"rank {rank}: no group was read ahead"
+        for n, want in got["none"].items():
+            assert torch.equal(got[BOTH_NVME][n], want), f"rank {rank}: {n}"

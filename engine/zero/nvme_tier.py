@@ -205,6 +205,10 @@ class NvmeOptimizerTier:
         parameter store's 16-bit files cannot give it (offload/param_swap.py's note: 16-bit files)."""
         return self.parts[key].read_master(start, stop)
 
+    def start_read_master(self, key: tuple, out: torch.Tensor, start: int) -> list:
+        """`read_master` into `out` at element `start`, the reads left in flight (their handles)."""
+        return self.parts[key].start_read_master(out, start)
+
     def write_master(self, key: tuple, start: int, values: torch.Tensor) -> None:
         self.parts[key].write_master(start, values)
 
