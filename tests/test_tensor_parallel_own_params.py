@@ -196,13 +196,33 @@ def _module_list_pair_equals_dense() -> dict:
     return _pair_equals_dense(_LayerList(), "layers.0", "layers.2", "layers.1.gain")
 
 
+class _SquareHeads(nn.Module):
+    """Attention with head_dim equal to the head count (4 × 4) and a bias with one entry per head: its
+    length cannot tell it from a per-head-dim one (autotp.py's note on head-sized parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.head_dim = HEADS, HEADS
+        width = HEADS * HEADS
+        self.tok = nn.Embedding(VOCAB, width)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(width, width, bias=False) for _ in range(4))
+        self.head_bias = nn.Parameter(0.1 * torch.randn(HEADS))
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q = q + self.head_bias.view(1, -1, 1, 1)  # one per head: 4 entries against this rank's 2 heads
+        return self.o_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)).sum()
+
+
 def _refusals() -> dict:
     from engine.comm import Communicator
     from engine.tensor_parallel.autotp import shard_model
     found = {}
-    for kind in ("use_gate_twice", "whole_width_bias"):
+    for kind in ("use_gate_twice", "whole_width_bias", "per_head_square"):
         torch.manual_seed(0)
-        model = _Net(**{kind: True})
+        model = _SquareHeads() if kind == "per_head_square" else _Net(**{kind: True})
         shard_model(model, Communicator(None))
         try:
             model(torch.zeros(2, 6, dtype=torch.long)).backward()
@@ -261,6 +281,14 @@ def test_an_own_parameter_used_on_both_sides_of_a_region_is_refused_by_name(resu
     for r in results:
         kind, text, _ = r["refusals"]["use_gate_twice"]
         assert kind == "ValueError" and "_Attention.gate ()" in text and "inside" in text and "outside" in text, text
+
+
+def test_a_per_head_parameter_as_long_as_head_dim_fails_with_a_note_naming_it(results):
+    for r in results:  # not refused at sharding: its length is also head_dim's (a false refusal else)
+        kind, text, notes = r["refusals"]["per_head_square"]
+        assert kind == "RuntimeError", (kind, text)
+        assert len(notes) == 1 and "_SquareHeads holds head_bias, as long as head_dim and as a head count" in notes[0] \
+            and "autotp_size at 1" in notes[0], notes
 
 
 def test_a_whole_width_own_parameter_inside_a_region_fails_with_a_note_naming_it(results):

@@ -30,8 +30,8 @@ sharding. One as long as head_dim is a per-head-dim scale applied to every head 
 `lambda_q1`), which own_params.py sums over the tensor ranks, exactly. When head_dim equals a head count
 (DiffLlama with hidden 16 and 4 heads) the length cannot tell them apart; it was refused, a false refusal
 of a model that trains exactly, so the length of head_dim wins: a per-head parameter of such a model is
-not refused here and meets torch's shape error in its first forward instead. Where neither the module
-nor its config states head_dim, a head count's length is refused as before.
+not refused here and meets torch's shape error in its first forward instead, with a note naming it.
+Where neither the module nor its config states head_dim, a head count's length is refused as before.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from ops.sparse_attention import SparseSelfAttention
 from ..comm import Communicator
 from .dropout_region import mark_parallel_region
 from .layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
+from .own_params import note_region_failures
 
 # leaf name -> number of fused sections
 COLUMN_PARALLEL = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_proj": 1, "c_fc": 1, "fc": 1,
@@ -94,10 +95,14 @@ def _refuse_per_head_own_parameters(owner: nn.Module, where: str) -> None:
     config = getattr(owner, "config", None)
     sizes = {getattr(src, a) for src in (owner, config) for a in HEAD_COUNTS
              if isinstance(getattr(src, a, None), int)}
-    sizes -= {getattr(src, "head_dim") for src in (owner, config)  # note: head-sized parameters
-              if isinstance(getattr(src, "head_dim", None), int)}
+    head_dims = {getattr(src, "head_dim") for src in (owner, config) if isinstance(getattr(src, "head_dim", None), int)}
+    either = [name for name, p in owner.named_parameters(recurse=False) if p.numel() in sizes & head_dims]
+    if either:  # note: head-sized parameters
+        note_region_failures(owner, either, "as long as head_dim and as a head count: taken for one entry per "
+                                            "head_dim, which every head shares; if it has one per head, each rank "
+                                            "meets its heads with all of them")
     for name, p in owner.named_parameters(recurse=False):
-        if p.numel() in sizes:
+        if p.numel() in sizes - head_dims:
             raise ValueError(f"tensor_parallel.autotp_size: {where}.{name} {tuple(p.shape)} is sized by the attention "
                              "heads AutoTP would split, and its module uses it directly; leave autotp_size at 1 for "
                              "this model, or shard it with engine.tensor_parallel's layers")

@@ -143,18 +143,19 @@ def watch_own_parameters(owner: nn.Module, column: list[nn.Module], row: list[nn
     handles += [layer.register_forward_hook(row_output) for layer in row]
     handles.append(owner.register_forward_hook(end))
     if wide:
-        _note_whole_width_failures(owner, wide)
+        note_region_failures(owner, wide, "as wide as a column-parallel layer's whole output; used inside the "
+                                          "region it meets one rank's share of it")
 
 
-def _note_whole_width_failures(owner: nn.Module, wide: list[str]) -> None:
-    """A shape error raised inside a region of an owner holding whole-width parameters gets a note
-    naming them (module note); the region flag is still set: the owner's end hook runs after this one."""
+def note_region_failures(owner: nn.Module, names: list[str], why: str) -> None:
+    """An error raised inside a region of an owner holding parameters that may not fit one rank's share
+    gets a note naming them and `why` (module note); the region flag is still set: the owner's end hook
+    runs after this one. One note per error."""
     def noted(module, args, output) -> None:
         error = sys.exc_info()[1]
         if error is not None and region_is_open() and not getattr(error, "_tensor_parallel_noted", False):
             error._tensor_parallel_noted = True
-            error.add_note(f"tensor parallelism: {type(owner).__name__} holds {', '.join(wide)}, as wide as a "
-                           "column-parallel layer's whole output; used inside the region it meets one rank's share "
-                           "of it. Leave tensor_parallel.autotp_size at 1 for this model, or shard it with "
+            error.add_note(f"tensor parallelism: {type(owner).__name__} holds {', '.join(names)}, {why}. Leave "
+                           "tensor_parallel.autotp_size at 1 for this model, or shard it with "
                            "engine.tensor_parallel's layers")
     owner.register_forward_hook(noted, always_call=True, prepend=True)
