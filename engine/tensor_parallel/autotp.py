@@ -30,7 +30,8 @@ sharding. One as long as head_dim is a per-head-dim scale applied to every head 
 `lambda_q1`), which own_params.py sums over the tensor ranks, exactly. When head_dim equals a head count
 (DiffLlama with hidden 16 and 4 heads) the length cannot tell them apart; it was refused, a false refusal
 of a model that trains exactly, so the length of head_dim wins: a per-head parameter of such a model is
-not refused here and meets torch's shape error in its first forward instead, with a note naming it.
+not refused here: broadcast against the heads it meets torch's shape error in its first forward, with
+a note naming it; sliced by the divided head count (`p[:self.num_heads]`) it would run wrong, unseen.
 Where neither the module nor its config states head_dim, a head count's length is refused as before.
 """
 from __future__ import annotations
