@@ -28,6 +28,7 @@ while no write of ours was in flight) fails instead of handing back foreign byte
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -133,6 +134,19 @@ class AsyncFileIO:
         view = _byte_view(tensor, path)
         self._check_unchanged(path, record, offset + len(view))
         return self._submit(path, record, view, offset, write=False, on_done=None)
+
+    def discard(self, path: str, offset: int, nbytes: int) -> None:
+        """Give `nbytes` at `offset` of `path`, which nothing will read back, to the file system: a hole
+        (the file keeps its size and its other offsets). Where the file system cannot, the bytes stay
+        until the file is removed."""
+        with self._files_lock:
+            record = self._files.get(path)
+        if record is None:
+            return
+        with record.lock:
+            _punch_hole(record.fd_buffered, offset, nbytes)
+            if record.writes_in_flight == 0:  # our own change, not another process's (_check_unchanged)
+                record.mtime_ns = os.fstat(record.fd_buffered).st_mtime_ns
 
     def forget(self, path: str) -> None:
         """Close the descriptors of a file (before it is deleted)."""
@@ -282,6 +296,20 @@ class AsyncFileIO:
         else:
             fix = f"check {self.path_key} and {AIO_KEYS}"
         return OffloadIOError(f"{path}: {doing} swap file failed: {reason}; {fix}")
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def _punch_hole(fd: int, offset: int, nbytes: int) -> None:
+    """Linux fallocate(PUNCH_HOLE | KEEP_SIZE); a failure (no such call, a file system without holes) is
+    ignored: the bytes are only kept longer."""
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes)
 
 
 def _segments(record: _FileRecord, view: memoryview, offset: int):

@@ -1,0 +1,89 @@
+"""zero.Init(remote_device="nvme"): a chunk slot that no parameter refers to any more is given back to the
+file system (offload/param_swap.py's note: dead slots).
+
+Slots of zero.Init's chunk file are appended and were never reused: GPT-2's `lm_head.weight`, partitioned
+when `lm_head` was built and then replaced by the tied `wte.weight`, and the embedding's old slot after
+transformers' `resize_token_embeddings` inside `GatheredParameters(modifier_rank=0)`, stayed on disk until
+`engine.initialize` removed the file (8 KiB of 88 KiB here; a full vocabulary x hidden chunk per rank on a
+real model). The measure is the file's allocated bytes (`st_blocks`), which must equal the slots the
+model's parameters still refer to; the model must still equal the plainly built and resized one, in the
+file and once `initialize` copied it into the parameter store.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+import engine
+from offload.aio import round_up
+from offload.param_swap import SwappedChunk
+from tests.harness import run_distributed
+from tests.test_zero_init_edits import _full
+from tests.test_zero_init_shapes_and_copies import _gpt2
+
+
+def _config(nvme_path: str) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "offload_param": {"device": "nvme", "nvme_path": nvme_path}}}
+
+
+def _bytes(model) -> tuple[int, int]:
+    """(bytes allocated to zero.Init's chunk file, bytes of the slots the model's parameters refer to)."""
+    chunks = {id(p._z3_chunk): p._z3_chunk for p in model.parameters()}.values()
+    assert all(isinstance(c, SwappedChunk) for c in chunks)
+    path = next(iter(chunks)).file.path
+    return os.stat(path).st_blocks * 512, sum(round_up(c.numel * c.dtype.itemsize) for c in chunks)
+
+
+class TiedLM(nn.Module):
+    """GPT-2's tying without transformers: the head's own weight, partitioned when the head was built, is
+    dropped for the embedding's; the slot written just before the head's holds non-zero values."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(64, 32)
+        self.proj = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.wte.weight
+
+
+def _built_and_resized(nvme_path: str) -> dict:
+    config = _config(nvme_path)
+    torch.manual_seed(0)
+    with engine.zero.Init(remote_device="nvme", config_dict_or_path=config):
+        tied = TiedLM()
+    tied = {"bytes": _bytes(tied), "full": _full(tied)}
+    torch.manual_seed(0)
+    with engine.zero.Init(remote_device="nvme", config_dict_or_path=config):
+        model = _gpt2()
+    built = _bytes(model)
+    with engine.zero.GatheredParameters([model.get_input_embeddings().weight,
+                                         *model.get_output_embeddings().parameters()], modifier_rank=0):
+        model.resize_token_embeddings(80)
+    out = {"tied": tied, "built": built, "resized": _bytes(model), "full": _full(model)}
+    eng = engine.initialize(model=model, config=config)[0]
+    out["initialized"] = _full(eng.module)
+    eng.destroy()
+    return out
+
+
+def test_dead_init_chunk_slots_are_given_back(tmp_path):
+    torch.manual_seed(0)
+    plain = _gpt2()
+    plain.resize_token_embeddings(80)
+    want = {k: v.detach() for k, v in plain.named_parameters()}
+    torch.manual_seed(0)
+    tied = {k: v.detach() for k, v in TiedLM().named_parameters()}
+    for r in run_distributed(_built_and_resized, 2, args=(str(tmp_path),), timeout=150):
+        allocated, live = r["tied"]["bytes"]
+        assert allocated == live, r["tied"]  # the head's own slot went back
+        assert [k for k, v in tied.items() if not torch.equal(r["tied"]["full"][k], v)] == []
+        allocated, live = r["built"]
+        assert allocated == live, r["built"]  # the tied lm_head's own slot went back
+        allocated, live = r["resized"]
+        assert allocated == live, r["resized"]  # the embedding's 64-row slot went back, its 80-row one is live
+        for got in (r["full"], r["initialized"]):
+            assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
