@@ -27,6 +27,8 @@ then delivers a late piece gets the error above, naming the parameter.
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 import warnings
 
 import torch
@@ -137,14 +139,9 @@ def pieces_reason(loss: torch.Tensor, tracked=None) -> str | None:
     regions and the rest of the graph (region_params.py's note). `tracked`: the parameters whose
     gradients are hooked (others, such as a ZeRO-3 flat partition that a region's gather reads, get no
     gradient from autograd and do not count); None counts every one."""
-    seen, todo = set(), [loss.grad_fn]
     places: dict[torch.nn.Parameter, int] = {}  # where each parameter is used: regions, plus 1 outside them
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and not _delivers_once(node._forward_cls):
+    for node in graph_nodes([loss.grad_fn]):
+        if _own_backward(node):
             used = region_params.recorded(node)
             if used is None:
                 return f"a {type(node).__name__} node (a Python autograd Function that may run a backward of its own)"
@@ -152,9 +149,44 @@ def pieces_reason(loss: torch.Tensor, tracked=None) -> str | None:
                 places[p] = places.get(p, 0) + 1
         elif hasattr(node, "variable"):  # AccumulateGrad: the uses outside the regions, summed by autograd
             places[node.variable] = places.get(node.variable, 0) + 1
-        todo.extend(nxt for nxt, _ in node.next_functions)
     shared = [p for p, n in places.items() if n > 1 and (tracked is None or p in tracked)]
     if not shared:
         return None
     name = (tracked or {}).get(shared[0], f"of shape {tuple(shared[0].shape)}")
     return f"parameter {name} (in two reentrant checkpoint regions, or in one and outside them)"
+
+
+def graph_nodes(roots: list):
+    """Every autograd node reachable from `roots` (nodes; None is skipped), each once."""
+    seen, todo = set(), list(roots)
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        todo.extend(nxt for nxt, _ in node.next_functions)
+
+
+def _own_backward(node) -> bool:
+    """A Python Function node that may run a backward of its own (module note: when to discover)."""
+    return isinstance(node, torch.autograd.function.BackwardCFunction) and not _delivers_once(node._forward_cls)
+
+
+def reach_fingerprint(roots: list, index: dict[torch.nn.Parameter, int]) -> int:
+    """A 52-bit digest (exact in a float64) of which parameters of `index` (parameter -> position) the
+    graph behind `roots` gives a gradient, for ranks to compare (prefetch.py's note: reductions wait).
+    A reentrant region counts with the parameters it recorded, or as one opaque region where it recorded
+    none: what it uses inside is not seen."""
+    reached, opaque = set(), 0
+    for node in graph_nodes(roots):
+        if _own_backward(node):
+            used = region_params.recorded(node)
+            if used is None:
+                opaque += 1
+            else:
+                reached.update(index[p] for p in used if p in index)
+        elif getattr(node, "variable", None) in index:  # AccumulateGrad of a tracked parameter
+            reached.add(index[node.variable])
+    data = struct.pack(f"<{len(reached) + 1}q", opaque, *sorted(reached))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 12

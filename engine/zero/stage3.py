@@ -9,7 +9,7 @@ reuse, `max_reuse_distance`, `max_live_parameters`).
 Communication per step (ZeRO paper §7): all-gather Ψ before forward, Ψ again before backward,
 reduce-scatter Ψ of gradients as backward produces them (3Ψ), plus one all-gather of the persistent
 parameters after the step and tiny all-reduces: one per micro-step's forward (whether a rank left
-the plan), one per micro-step at its end (whether to re-record the trace, with the pass's tag check:
+the plan, whether the ranks' forwards reach the same parameters), one per micro-step at its end (whether to re-record the trace, with the pass's tag check:
 prefetch.py's notes) and one per step (the gradient norm); three per step without accumulation. With the defaults (`max_reuse_distance` 1e9, as in DeepSpeed) a model that fits is gathered
 once per pass and kept through backward: 2Ψ.
 
@@ -138,6 +138,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         # Gradient buckets in reverse unit order, the order backward produces them (stage2.py).
         trainable = set(self.partition.fragments)
         self.params = [p for u in units for p in u.owned if p in trainable]
+        self.coordinator.reach_index = {p: i for i, p in enumerate(self.params)}  # prefetch.py: reductions wait
         self._init_gradients(max(1, int(zero.reduce_bucket_size)), grad_accum_dtype)
         for g in groups:
             g.release()

@@ -120,18 +120,19 @@ def install_hooks(module: nn.Module, index: int, coordinator) -> list:
         return tuple(args)
 
     def post(mod, args, output):
-        coordinator.post_forward(index)
-        if torch.is_grad_enabled():
+        tensors = []
+        if torch.is_grad_enabled():  # noted first: the root's end of forward compares what its outputs reach
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             coordinator.note_outputs(tensors)
-            call = {"done": False}
+        coordinator.post_forward(index)
+        call = {"done": False}
 
-            def pre_backward(grad):
-                if not call["done"]:
-                    call["done"] = True
-                    coordinator.pre_backward(index)
-            for t in tensors:
-                t.register_hook(pre_backward)
+        def pre_backward(grad):
+            if not call["done"]:
+                call["done"] = True
+                coordinator.pre_backward(index)
+        for t in tensors:
+            t.register_hook(pre_backward)
         return None
 
     return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
