@@ -215,7 +215,7 @@ class ParamCoordinator:
             if self.by_request:  # rounds end with the forward too: between it and backward the user may
                 self.requests.close()  # run collectives of their own (a logged loss's all-reduce)
                 self.defer_reductions |= self.requests.mixed  # the ranks' paths differed (every rank knows)
-                if self.training_pass and not self.defer_reductions:  # the same on every rank
+                if self.training_pass and not self.defer_reductions and self.comm.world_size > 1:  # all agree
                     self.defer_reductions = self._reach_differs()
 
     def _agree_after_forward(self) -> None:
