@@ -6,18 +6,11 @@ column-parallel (output features split) for the projections into the attention h
 hidden layer, row-parallel (input features split, one all-reduce) for the projections out of them.
 GPT-2's `c_attn` and examples/gpt.py's `qkv` fuse q|k|v and are split section by section
 (layers.py, note on fused projections); `Conv1D`'s transposed weight is handled by `from_dense`.
-[Note: per-head fused layout] The name says the projection is fused, not how: HF GPTBigCode's `c_attn`
-(multi_query=False) lays its output out head by head, [q_h k_h v_h] for each head h, where GPT-2's is
-three blocks q|k|v. Cut as three sections it gave each rank the wrong features of every head: the
-loss was 2.6e-3 off the dense model's at step 0, silently. A contiguous 1/T of a per-head layout is
-T whole heads, so such projections (`OWNER_SECTIONS`, by the owner's class) are cut as one section.
-[Note: paired heads] HF DiffLlama's attention pairs head h with head h + H/2 (`torch.chunk(..., 2)` over
-the head axis, of v's key/value heads and of the attention output). A contiguous 1/T of the heads pairs
-them differently: its loss was 1.7e-2 off the dense model's at step 0, silently. Its q, k and v
-projections are cut as two sections (rank r holds the r-th 1/T of each half), so its own chunks pair
-the dense model's heads; o_proj's input, one feature block per pair, is cut whole.
-A fused projection of a model not listed is taken to be GPT-2's layout; the head counts it needs are
-checked, its layout cannot be.
+The layouts of fused projections (GPTBigCode's per-head `c_attn`, GPT-NeoX's, BLOOM's and Falcon's
+`query_key_value`), DiffLlama's paired heads and BLOOM's and Falcon's per-head ALiBi inputs are
+autotp_layouts.py's (its notes).
+A fused `c_attn` or `qkv` of a model not listed is taken to be GPT-2's layout; the head counts it needs
+are checked, its layout cannot be (a `query_key_value` not listed is refused: autotp_layouts.py).
 Embeddings, the LM head and norms stay whole (replicated; grads.py's note). Dropout between a
 column-parallel layer and its row-parallel partner draws per tensor rank (dropout_region.py).
 [Note: head counts] A module that owns a sharded attention projection runs on n_head/T heads: its
@@ -41,21 +34,19 @@ import torch.nn as nn
 from ops.sparse_attention import SparseSelfAttention
 
 from ..comm import Communicator
+from .autotp_layouts import PAIRED_HEADS, column_sections, keep_head_inputs, refuse_unshardable
 from .dropout_region import mark_parallel_region
 from .layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 from .own_params import note_region_failures
 
 # leaf name -> number of fused sections
+# (OPT, GPT-J, GPT-NeoX, BLOOM, Falcon, Phi: `fc1 fc_in dense_h_to_4h query_key_value`, `out_proj fc2
+# fc_out dense_4h_to_h dense`; `query_key_value` only for the classes autotp_layouts.py lists)
 COLUMN_PARALLEL = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_proj": 1, "c_fc": 1, "fc": 1,
-                   "c_attn": 3, "qkv": 3}
-ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "proj", "out")
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv")
-# owner class -> {projection: sections} where the name's default is wrong (notes: per-head fused layout,
-# paired heads)
-OWNER_SECTIONS = {"GPTBigCodeAttention": {"c_attn": 1}, "DiffLlamaAttention": {"q_proj": 2, "k_proj": 2, "v_proj": 2}}
-# owner class -> heads per pair: a rank must hold whole pairs (note: paired heads)
-PAIRED_HEADS = {"DiffLlamaAttention": 2}
-HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads")
+                   "fc1": 1, "fc_in": 1, "dense_h_to_4h": 1, "c_attn": 3, "qkv": 3, "query_key_value": 1}
+ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "proj", "out", "out_proj", "fc2", "fc_out", "dense_4h_to_h", "dense")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv", "query_key_value")
+HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 HEAD_COUNT_ATTRIBUTES = HEAD_COUNTS + ("split_size",)
 
 
@@ -73,11 +64,21 @@ def _divide_head_counts(owner: nn.Module, world: int, where: str) -> None:
             setattr(owner, attribute, value // world)
 
 
+def _head_count(owner: nn.Module) -> int:
+    """The whole model's query heads, before they are divided."""
+    config = getattr(owner, "config", None)
+    for src in (owner, config):
+        for attribute in ("num_heads", "n_head", "num_attention_heads"):
+            if isinstance(getattr(src, attribute, None), int):
+                return getattr(src, attribute)
+    return 0
+
+
 def _check_config_head_counts(owner: nn.Module, world: int, where: str) -> None:
     """An attention module without head-count attributes (HF Llama's reads its config): every head
     count of its config must divide by T, or a rank would hold part of a (key/value) head."""
     config = getattr(owner, "config", None)
-    counts = {a: getattr(config, a) for a in ("num_attention_heads", "num_key_value_heads")
+    counts = {a: getattr(config, a) for a in ("num_attention_heads", "num_key_value_heads", "num_kv_heads")
               if isinstance(getattr(config, a, None), int)}
     pair = PAIRED_HEADS.get(type(owner).__name__, 1)  # DiffLlama: else a rank's chunk(2) met one head or 1.5
     if any(value % (world * pair) for value in counts.values()):
@@ -139,14 +140,16 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
                 or getattr(owner, "is_cross_attention", False):
             continue
         sharded_attention, column, row = False, [], []
+        where = owner_name or type(model).__name__
+        refuse_unshardable(owner, where)
         if children.keys() & set(ATTENTION_PROJECTIONS):
             _check_config_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
             _refuse_per_head_own_parameters(owner, owner_name or type(model).__name__)
         for name, child in children.items():
             path = f"{owner_name}.{name}" if owner_name else name
+            parts = column_sections(owner, name, COLUMN_PARALLEL[name], path) if name in COLUMN_PARALLEL else 1
             try:
                 if name in COLUMN_PARALLEL:
-                    parts = OWNER_SECTIONS.get(type(owner).__name__, {}).get(name, COLUMN_PARALLEL[name])
                     layer = ColumnParallelLinear.from_dense(child, parts=parts, group=comm)
                 else:
                     layer = RowParallelLinear.from_dense(child, input_is_parallel=True, group=comm)
@@ -159,6 +162,7 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
             (column if name in COLUMN_PARALLEL else row).append(layer)
         mark_parallel_region(owner, column, row)
         if sharded_attention:
+            keep_head_inputs(owner, _head_count(owner), comm.rank, comm.world_size)
             _divide_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
             _shard_sparse_attention(owner, comm, owner_name or type(model).__name__)
     if not replaced and require_projections:
