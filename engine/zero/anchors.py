@@ -15,11 +15,27 @@ created last first, so such a unit's backward comes where it comes on the ranks 
 The cost: one addition of that zero into each unit output's gradient, and the graph of an output
 that no loss uses lives until backward. Evaluation passes anchor nothing, nor does a backward outside
 its pass (prefetch.py's note there): those gather in request rounds.
+[Note: reentrant regions] A reentrant activation checkpoint (torch.utils.checkpoint with
+use_reentrant=True, engine.checkpointing.checkpoint) runs its forward without gradients: the unit outputs
+inside it have no gradient function and cannot be anchored. Its backward recomputes that forward (the
+units gather again) and runs the units' backward, on the ranks whose loss reaches the region's output
+only. Measured before this note (2 ranks, an auxiliary head in a region whose loss term one rank's
+batch skips): a hang until the harness killed it when no rank used the head while the order was
+recorded, gloo aborting the process otherwise. So while a training pass's forward runs, the outputs of
+torch's reentrant checkpoint function (`CheckpointFunction.apply`, which both APIs call) are anchored
+too: every rank runs every region's backward, recompute included, at the same point, and a region no
+loss uses on this rank gives zero gradients, as a unit does. The wrapper is installed for the forward
+only (`open` / `close`) and notes to the innermost open pass; the cost is that of a unit's anchor.
 """
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.graph import get_gradient_edge
+from torch.utils import _pytree as pytree
+
+_OPEN: list["BackwardAnchors"] = []  # the training passes whose forward runs now, innermost last
+_PATCHED: dict = {}  # "apply" -> CheckpointFunction.apply as it was, while the wrapper is installed
 
 
 class BackwardAnchors:
@@ -30,6 +46,21 @@ class BackwardAnchors:
         for t in tensors:
             if t.grad_fn is not None:  # a leaf (an input passed through) has nothing to run
                 self.edges.append((get_gradient_edge(t), t.shape, t.dtype, t.device))
+
+    def open(self) -> None:
+        """A training pass's forward begins: reentrant regions' outputs are anchored here (module note)."""
+        if any(a is self for a in _OPEN):
+            return
+        if not _OPEN:
+            _install_region_wrapper()
+        _OPEN.append(self)
+
+    def close(self) -> None:
+        """The forward ended (or the pass did)."""
+        if any(a is self for a in _OPEN):
+            _OPEN[:] = [a for a in _OPEN if a is not self]
+            if not _OPEN:
+                _remove_region_wrapper()
 
     def clear(self) -> None:
         self.edges = []
@@ -46,6 +77,34 @@ class BackwardAnchors:
                 zero = zeros[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
             out.append((edge, zero.expand(shape)))
         return out
+
+
+def _anchored_region(*args, **kwargs):
+    """`CheckpointFunction.apply` while a training forward runs: its outputs are anchored (module note)."""
+    out = _PATCHED["apply"](*args, **kwargs)
+    if _OPEN:
+        # unseen by a TorchFunctionMode around the call: engine.checkpointing's record of the region's
+        # parameters (region_params.py) counted this read of its output as a captured activation
+        with torch._C.DisableTorchFunction():
+            _OPEN[-1].note([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
+    return out
+
+
+def _install_region_wrapper() -> None:
+    function = torch_checkpoint.CheckpointFunction
+    _PATCHED["apply"] = function.apply  # bound to the class, as called
+    _PATCHED["own"] = function.__dict__.get("apply")  # None: inherited from autograd.Function, deleted after
+    function.apply = _anchored_region
+
+
+def _remove_region_wrapper() -> None:
+    function = torch_checkpoint.CheckpointFunction
+    own = _PATCHED.pop("own")
+    if own is not None:
+        function.apply = own
+    else:
+        del function.apply
+    del _PATCHED["apply"]
 
 
 def backward_from(loss: torch.Tensor, anchors: list, retain_graph: bool) -> None:

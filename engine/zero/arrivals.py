@@ -55,11 +55,14 @@ class ArrivalLog:
         self._this_pass.add(param)
         return False
 
-    def before_reducing_backward(self, loss: torch.Tensor) -> None:
-        """The first reducing backward: discover only if `loss`'s graph can deliver pieces (module note)."""
+    def before_reducing_backward(self, loss: torch.Tensor, anchors: list = ()) -> None:
+        """The first reducing backward: discover only if `loss`'s graph, with the nodes backward also runs
+        from (`anchors`: stage 3's, anchors.py), can deliver pieces (module note). A reentrant region
+        only an anchor reaches on this rank counts as on the ranks whose loss uses it: a rank that
+        discovered nothing launched its buckets mid-backward while the others held theirs (a hang)."""
         if not self.discovering:
             return
-        reason = pieces_reason(loss, self.names or None)
+        reason = pieces_reason(loss, self.names or None, anchors)
         if reason is None:
             self.discovering = False
             region_params.done(self)
@@ -133,14 +136,14 @@ def _delivers_once(cls) -> bool:
         cls.__name__ == "CompiledFunction" and cls.__module__.startswith("torch._functorch."))
 
 
-def pieces_reason(loss: torch.Tensor, tracked=None) -> str | None:
+def pieces_reason(loss: torch.Tensor, tracked=None, anchors: list = ()) -> str | None:
     """What in `loss`'s graph may deliver a parameter's gradient in pieces, or None: a Python Function node
     that may run a backward of its own, or a parameter used in two places among dstrain's reentrant
     regions and the rest of the graph (region_params.py's note). `tracked`: the parameters whose
     gradients are hooked (others, such as a ZeRO-3 flat partition that a region's gather reads, get no
-    gradient from autograd and do not count); None counts every one."""
+    gradient from autograd and do not count); None counts every one. `anchors`: more root nodes."""
     places: dict[torch.nn.Parameter, int] = {}  # where each parameter is used: regions, plus 1 outside them
-    for node in graph_nodes([loss.grad_fn]):
+    for node in graph_nodes([loss.grad_fn, *anchors]):
         if _own_backward(node):
             used = region_params.recorded(node)
             if used is None:

@@ -294,11 +294,12 @@ class PartitionedZeroOptimizer:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backward; in a reducing backward every remaining bucket is then reduced into the partition."""
+        anchors = self._backward_anchors()  # stage 3 anchors every unit (anchors.py)
         if self._armed:
-            self.arrivals.before_reducing_backward(loss)
+            self.arrivals.before_reducing_backward(loss, [edge.node for edge, _ in anchors])
         scale = self.guard.scaler.loss_scale
         loss = loss * scale if scale != 1.0 else loss
-        backward_from(loss, self._backward_anchors(), retain_graph)  # stage 3 anchors every unit (anchors.py)
+        backward_from(loss, anchors, retain_graph)
         self._micro_steps += 1
         if self._armed:
             self._reduce_remaining()

@@ -126,6 +126,8 @@ class ParamCoordinator:
         self.defer_reductions = False  # note: reductions wait
         self.requests.mixed = False
         self.anchors.clear()
+        if self.training_pass:
+            self.anchors.open()  # reentrant regions' outputs too (anchors.py's note)
 
     def end_pass(self) -> None:
         """Drain every issued gather, release everything not persistent, settle the trace. Also after a
@@ -138,6 +140,7 @@ class ParamCoordinator:
                 g.release()
         self.active.clear()
         self.defer_reductions = False
+        self.anchors.close()
         self.anchors.clear()
         settle, complete = self.in_pass and self.training_pass, self.in_backward
         self.in_pass = self.training_pass = self.in_backward = False
@@ -210,6 +213,7 @@ class ParamCoordinator:
         if unit == 0 and not torch.is_grad_enabled():
             self.end_pass()
         elif unit == 0:
+            self.anchors.close()
             self.issue_rest_of_plan("F")
             self._agree_after_forward()
             if self.by_request:  # rounds end with the forward too: between it and backward the user may
