@@ -67,9 +67,29 @@ def _train(region: str, flags: list, zero: dict) -> dict:
     return masters
 
 
+def _wrapped() -> bool:
+    return "apply" in torch.utils.checkpoint.CheckpointFunction.__dict__
+
+
+def _raised_then_destroyed() -> tuple[bool, bool]:
+    """(wrapped after a forward that raised past a region, wrapped after destroy)."""
+    eng = engine.initialize(model=CkptAuxNet("torch"), config=_config({}))[0]
+    x, y = _aux_batches([(1., 1.)])[0]
+    try:
+        eng(x[:3], y[:2])  # the loss's shapes disagree after the region ran
+    except RuntimeError:
+        pass
+    raised = _wrapped()
+    eng.destroy()
+    return raised, _wrapped()
+
+
 def _cases() -> dict:
-    return {(region, name): _train(region, flags, ZERO.get(name, {})) for region in REGIONS
-            for name, flags in CASES.items()}
+    out = {(region, name): _train(region, flags, ZERO.get(name, {})) for region in REGIONS
+           for name, flags in CASES.items()}
+    out["wrapped_after_training"] = _wrapped()
+    out["raised"] = _raised_then_destroyed()
+    return out
 
 
 def test_units_in_reentrant_regions_run_backward_on_every_rank():
@@ -78,5 +98,6 @@ def test_units_in_reentrant_regions_run_backward_on_every_rank():
         torch.manual_seed(0)
         ref, _, _ = reference_train(CkptAuxNet(None), _aux_batches(flags), lambda p: torch.optim.SGD(p, lr=LR))
         for rank, r in enumerate(results):
+            assert not r["wrapped_after_training"] and r["raised"] == (True, False), r["raised"]
             for region in REGIONS:
                 _assert_masters(r[(region, name)], ref, f"{region} {name} rank {rank}")

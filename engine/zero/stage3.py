@@ -249,7 +249,9 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
 
     def release_gather_group(self) -> None:
         """`Engine.destroy`: the parameter all-gathers' own process group is destroyed; gathers (if any
-        follow) use the reduction group."""
+        follow) use the reduction group. A forward that raised left its pass open: the wrapper that
+        anchors reentrant regions (anchors.py) goes too."""
+        self.coordinator.anchors.close()
         gather = self.coordinator.comm
         if gather is not self.comm and gather.group is not None:
             dist.destroy_process_group(gather.group)
