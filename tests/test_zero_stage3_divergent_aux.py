@@ -67,7 +67,8 @@ CASES = {
     "root_overlap": ("root", [[(0., 1.)]] * 3, 1, {**ONE_PER_BUCKET, "overlap_comm": True}),
     # 173: one bucket, reduced (without overlap) from the last gradient's hook on the flagged rank only
     "root_one_bucket": ("root", [[(1., 0.)]] * 3, 1, {"overlap_comm": False}),
-    # 171: accumulation, the head used in micro-step 0 on one rank, every parameter persistent (no gathers)
+    # 171: accumulation, the head used in micro-step 0 on one rank, every parameter persistent: no gathers,
+    # only the round that closes the recording pass's backward, which the other rank waits in
     "root_accumulation": ("root", [[(0., 1.), (0., 0.)]] * 3, 2,
                           {**ONE_PER_BUCKET, "overlap_comm": False, "stage3_param_persistence_threshold": 100000}),
     # on the plan (step 0 records with both ranks flagged; reuse distance 0: backward gathers again): the
