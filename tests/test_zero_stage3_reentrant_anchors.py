@@ -72,7 +72,8 @@ def _wrapped() -> bool:
 
 
 def _raised_then_destroyed() -> tuple[bool, bool]:
-    """(wrapped after a forward that raised past a region, wrapped after destroy)."""
+    """(wrapped after a forward that raised past a region, wrapped after destroy): the root's always-called
+    hook removes the wrapper when the forward raises (stage3_units.install_hooks)."""
     eng = engine.initialize(model=CkptAuxNet("torch"), config=_config({}))[0]
     x, y = _aux_batches([(1., 1.)])[0]
     try:
@@ -98,6 +99,6 @@ def test_units_in_reentrant_regions_run_backward_on_every_rank():
         torch.manual_seed(0)
         ref, _, _ = reference_train(CkptAuxNet(None), _aux_batches(flags), lambda p: torch.optim.SGD(p, lr=LR))
         for rank, r in enumerate(results):
-            assert not r["wrapped_after_training"] and r["raised"] == (True, False), r["raised"]
+            assert not r["wrapped_after_training"] and r["raised"] == (False, False), r["raised"]
             for region in REGIONS:
                 _assert_masters(r[(region, name)], ref, f"{region} {name} rank {rank}")

@@ -135,4 +135,10 @@ def install_hooks(module: nn.Module, index: int, coordinator) -> list:
             t.register_hook(pre_backward)
         return None
 
-    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    if index == 0:  # a root forward that raised skips `post`: the reentrant-region wrapper (anchors.py) goes
+        # anyway, else it stayed on torch's CheckpointFunction, holding the failed pass's graph, until
+        # this engine's next pass or destroy (never, for an engine dropped after an OOM)
+        handles.append(module.register_forward_hook(lambda mod, args, output: coordinator.anchors.close(),
+                                                    always_call=True))
+    return handles
