@@ -3,14 +3,14 @@ OPT (q/k/v_proj, out_proj; fc1/fc2 in the decoder layer), GPT-J (q/k/v_proj, out
 GPT-NeoX and BLOOM (query_key_value fused head by head, dense; dense_h_to_4h/dense_4h_to_h; BLOOM's
 ALiBi bias handed to its attention per head of the whole model, with and without a padding mask),
 Falcon with key/value groups (new_decoder_architecture), with per-head q|k|v, and with ALiBi in its
-attention mask, Persimmon and Phi (dense). Each, sharded on 2 ranks, against the dense model in one
-process on the same batches, SGD without momentum (the update is linear in the gradient), fp32:
-every loss, every gradient of every step (this rank's slice of a sharded one) and every parameter
-after STEPS steps within ATOL (summation order only). Refused at sharding, naming the module and why:
-Falcon's multi-query layout (one key/value head every rank's heads read), BLOOM's slow_but_exact
-(its forward multiplies slices of the sharded weight itself) and a `query_key_value` of a class whose
-layout is not listed. One family end to end through `engine.initialize` with
-`tensor_parallel.autotp_size: 2`.
+attention mask, Persimmon and Phi (dense), XGLM (out_proj; its attention reshapes to `embed_dim`).
+Each, sharded on 2 ranks, against the dense model in one process on the same batches, SGD without
+momentum (the update is linear in the gradient), fp32: every loss, every gradient of every step (this
+rank's slice of a sharded one) and every parameter after STEPS steps within ATOL (summation order
+only). Refused at sharding, naming the module and why: Falcon's multi-query layout (one key/value head
+every rank's heads read), BLOOM's slow_but_exact (its forward multiplies slices of the sharded weight
+itself) and a `query_key_value` of a class whose layout is not listed. One family end to end through
+`engine.initialize` with `tensor_parallel.autotp_size: 2`.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from tests.harness import run_distributed
 
 ATOL, STEPS, LR = 1e-5, 2, 0.5
 V, H, NH, L, I = 64, 32, 4, 2, 64
-DROPOUTS = ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout")
+DROPOUTS = ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
+            "activation_dropout", "residual_dropout")
 
 
 def _build(cls_config: str, cls_model: str, **kw) -> nn.Module:
@@ -48,9 +49,11 @@ FAMILIES = {
     "falcon_alibi": ("FalconConfig", "FalconForCausalLM", dict(COMMON, multi_query=False, alibi=True)),
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(COMMON, intermediate_size=I, qk_layernorm=True)),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(COMMON, intermediate_size=I, num_key_value_heads=NH)),
+    "xglm": ("XGLMConfig", "XGLMForCausalLM", dict(vocab_size=V, d_model=H, attention_heads=NH, num_layers=L,
+                                                   ffn_dim=I)),
 }
 # projections replaced per layer: attention and MLP pairs (OPT's and Phi's MLP: fc1/fc2)
-REPLACED = {"opt": 6, "gptj": 6, "phi": 6}
+REPLACED = {"opt": 6, "gptj": 6, "phi": 6, "xglm": 6}
 PADDED = {"bloom_padded": "bloom", "falcon_alibi_padded": "falcon_alibi"}  # ALiBi built from the mask
 REFUSED = {
     "falcon_multi_query": ("FalconConfig", "FalconForCausalLM", dict(COMMON, multi_query=True)),
@@ -184,7 +187,8 @@ def test_family_trains_as_the_dense_model(results, name):
 # refusal -> how its one-line error starts: the module and why
 REFUSALS = {"falcon_multi_query": "transformer.h.0.self_attention (FalconAttention) is multi-query",
             "bloom_slow_but_exact": "transformer.h.0.self_attention (BloomAttention) has slow_but_exact",
-            "unknown_fused": "0.query_key_value (_OtherFusedAttention) fuses q, k and v in a layout AutoTP does not know"}
+            "unknown_fused": "0.query_key_value (_OtherFusedAttention) fuses q, k and v in a layout AutoTP does not "
+                             "know"}
 
 
 @pytest.mark.parametrize("name", REFUSALS)

@@ -14,9 +14,11 @@ are checked, its layout cannot be (a `query_key_value` not listed is refused: au
 Embeddings, the LM head and norms stay whole (replicated; grads.py's note). Dropout between a
 column-parallel layer and its row-parallel partner draws per tensor rank (dropout_region.py).
 [Note: head counts] A module that owns a sharded attention projection runs on n_head/T heads: its
-head-count attributes (`HEAD_COUNT_ATTRIBUTES`) and GPT-2's `split_size` are divided by T. head_dim is
-unchanged. A `SparseSelfAttention` inside it keeps this rank's heads of its (per-head) layout. A model
-whose forward hard-codes the full width elsewhere is not shardable this way.
+head-count attributes (`HEAD_COUNT_ATTRIBUTES`), GPT-2's `split_size` and the BART family's `embed_dim`
+(XGLM's attention reshapes its heads' output to it: undivided, torch's bare shape error in the first
+forward) are divided by T. head_dim is unchanged. A `SparseSelfAttention` inside it keeps this
+rank's heads of its (per-head) layout. A model whose forward hard-codes the full width elsewhere is not
+shardable this way.
 [Note: head-sized parameters] A parameter the owner holds directly with one entry per head (GPT-OSS's
 `sinks`) would meet one rank's heads with all of them, so one as long as a head count is refused at
 sharding. One as long as head_dim is a per-head-dim scale applied to every head (DiffLlama's
@@ -47,7 +49,7 @@ COLUMN_PARALLEL = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_pr
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "proj", "out", "out_proj", "fc2", "fc_out", "dense_4h_to_h", "dense")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv", "query_key_value")
 HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
-HEAD_COUNT_ATTRIBUTES = HEAD_COUNTS + ("split_size",)
+HEAD_COUNT_ATTRIBUTES = HEAD_COUNTS + ("split_size", "embed_dim")  # note: head counts
 
 
 def _is_projection(module: nn.Module) -> bool:
