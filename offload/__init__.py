@@ -29,7 +29,7 @@ Errors of the swap tier are `OffloadIOError`, one line naming the path and the k
 the optimizer's declared layout (ops/state_layout.py) does not describe is `StateLayoutError`.
 `pool.acquire()` / `pool.release(buf)` are there for other swappers: `offload.param_swap.NvmeParamStore`
 (stage-3 parameters on NVMe, a partition store: engine/zero/partition_store.py's note) uses them, and
-its `ChunkFile` / `SwappedChunk` hold `zero.Init(remote_device="nvme")`'s chunks until it copies them.
+`offload.chunk_file`'s `ChunkFile` / `SwappedChunk` hold `zero.Init(remote_device="nvme")`'s chunks until it copies them.
 """
 from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, aligned_empty
 from offload.pool import SwapBufferPool

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import engine
 from offload.aio import round_up
-from offload.param_swap import SwappedChunk
+from offload.chunk_file import SwappedChunk
 from tests.harness import run_distributed
 from tests.test_zero_init_edits import _full
 from tests.test_zero_init_shapes_and_copies import _gpt2

@@ -35,7 +35,7 @@ import schemas
 
 from ..comm import Communicator
 from ..precision import model_dtype
-from offload.param_swap import SwappedChunk
+from offload.chunk_file import SwappedChunk
 from .param_nvme import init_chunk_file
 from .init_edits import (check_no_lost_edit, mark_placeholder, patch_init_functions, patch_smart_apply,
                          placeholder_index_error, wrap_reset_parameters)

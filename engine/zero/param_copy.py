@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from offload.param_swap import SwappedChunk
+from offload.chunk_file import SwappedChunk
 
 
 def copyable_when_partitioned(p: torch.nn.Parameter) -> None:

@@ -19,7 +19,8 @@ import torch
 import schemas
 from offload import AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir
 from offload.host_heap import bound_heap_retention
-from offload.param_swap import ChunkFile, NvmeParamStore
+from offload.chunk_file import ChunkFile
+from offload.param_swap import NvmeParamStore
 from .nvme_tier import wants_nvme
 from .stage3_params import partition_numel
 

@@ -26,7 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from offload.param_swap import SwappedChunk
+from offload.chunk_file import SwappedChunk
 
 from ..comm import Communicator
 from .arrivals import ArrivalLog

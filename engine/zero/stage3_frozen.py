@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from offload.param_swap import ChunkFile, SwappedChunk
+from offload.chunk_file import ChunkFile, SwappedChunk
 from .stage3_params import chunk_tensor
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from offload.huge_pages import flat_empty
-from offload.param_swap import SwappedChunk
+from offload.chunk_file import SwappedChunk
 from .partition import ChunkSpec, Fragment, PartitionedParams, RankMajorLayout
 from .tier import copy_chunks
 
