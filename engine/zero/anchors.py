@@ -29,6 +29,8 @@ only (`open` / `close`) and notes to the innermost open pass; the cost is that o
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.graph import get_gradient_edge
@@ -41,6 +43,7 @@ _PATCHED: dict = {}  # "apply" -> CheckpointFunction.apply as it was, while the 
 class BackwardAnchors:
     def __init__(self):
         self.edges: list = []  # (gradient edge, shape, dtype, device)
+        self.thread = None  # the thread whose forward `open` began
 
     def note(self, tensors: list) -> None:
         for t in tensors:
@@ -53,6 +56,7 @@ class BackwardAnchors:
             return
         if not _OPEN:
             _install_region_wrapper()
+        self.thread = threading.get_ident()
         _OPEN.append(self)
 
     def close(self) -> None:
@@ -82,11 +86,15 @@ class BackwardAnchors:
 def _anchored_region(*args, **kwargs):
     """`CheckpointFunction.apply` while a training forward runs: its outputs are anchored (module note)."""
     out = _PATCHED["apply"](*args, **kwargs)
-    if _OPEN:
+    # the innermost pass of this thread: the class attribute is seen by every thread, and another
+    # thread's region (another model's) in this pass's anchors would run that graph's backward here
+    me = threading.get_ident()
+    anchors = next((a for a in reversed(_OPEN) if a.thread == me), None)
+    if anchors is not None:
         # unseen by a TorchFunctionMode around the call: engine.checkpointing's record of the region's
         # parameters (region_params.py) counted this read of its output as a captured activation
         with torch._C.DisableTorchFunction():
-            _OPEN[-1].note([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
+            anchors.note([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
     return out
 
 
