@@ -135,18 +135,29 @@ class AsyncFileIO:
         self._check_unchanged(path, record, offset + len(view))
         return self._submit(path, record, view, offset, write=False, on_done=None)
 
-    def discard(self, path: str, offset: int, nbytes: int) -> None:
+    def discard(self, path: str, offset: int, nbytes: int) -> bool:
         """Give `nbytes` at `offset` of `path`, which nothing will read back, to the file system: a hole
         (the file keeps its size and its other offsets). Where the file system cannot, the bytes stay
-        until the file is removed."""
-        with self._files_lock:
+        until the file is removed. False, having done nothing, while a lock it needs is held: a garbage
+        collection inside this object's own critical section runs its caller (a finalizer, chunk_file.py),
+        and waiting there would wait on this very thread."""
+        if not self._files_lock.acquire(blocking=False):
+            return False
+        try:
             record = self._files.get(path)
+        finally:
+            self._files_lock.release()
         if record is None:
-            return
-        with record.lock:
+            return True
+        if not record.lock.acquire(blocking=False):
+            return False
+        try:
             _punch_hole(record.fd_buffered, offset, nbytes)
             if record.writes_in_flight == 0:  # our own change, not another process's (_check_unchanged)
                 record.mtime_ns = os.fstat(record.fd_buffered).st_mtime_ns
+        finally:
+            record.lock.release()
+        return True
 
     def forget(self, path: str) -> None:
         """Close the descriptors of a file (before it is deleted)."""

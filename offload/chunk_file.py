@@ -24,8 +24,10 @@ class ChunkFile:
         self.end = 0  # bytes used; every chunk starts on an O_DIRECT boundary (aio.py's note)
         self.freed = 0  # bytes of slots no chunk refers to any more (`_free`)
         self.closed = False
+        self._dead: list[tuple[int, int]] = []  # slots whose SwappedChunk went, not punched yet (`_free`)
 
     def put(self, chunk: torch.Tensor) -> "SwappedChunk":
+        self._punch_dead()
         offset = self.end
         self.io.write(self.path, chunk.detach().to(device=CPU).contiguous(), offset).wait()
         self.end = -(-(offset + chunk.numel() * chunk.element_size()) // 4096) * 4096
@@ -39,9 +41,17 @@ class ChunkFile:
         return out
 
     def _free(self, offset: int, nbytes: int) -> None:
+        """The finalizer: it may run in a garbage collection anywhere, inside the I/O engine's own locks
+        too, so a slot it cannot punch without waiting is punched at the next `put` or `_free`."""
         self.freed += nbytes
-        if not self.closed:
-            self.io.discard(self.path, offset, nbytes)
+        self._dead.append((offset, nbytes))
+        self._punch_dead()
+
+    def _punch_dead(self) -> None:
+        while self._dead and not self.closed:
+            if not self.io.discard(self.path, *self._dead[0]):
+                return
+            self._dead.pop(0)
 
     def close(self) -> None:
         self.closed = True

@@ -11,14 +11,22 @@ file and once `initialize` copied it into the parameter store.
 """
 from __future__ import annotations
 
+import ast
+import gc
 import os
+import subprocess
+import sys
+import tempfile
+import threading
+import types
 
 import torch
 import torch.nn as nn
 
 import engine
-from offload.aio import round_up
-from offload.chunk_file import SwappedChunk
+from offload.aio import AsyncFileIO, round_up
+from offload.chunk_file import ChunkFile, SwappedChunk
+from offload.swap_dir import SwapDir
 from tests.harness import run_distributed
 from tests.test_zero_init_edits import _full
 from tests.test_zero_init_shapes_and_copies import _gpt2
@@ -87,3 +95,46 @@ def test_dead_init_chunk_slots_are_given_back(tmp_path):
         assert allocated == live, r["resized"]  # the embedding's 64-row slot went back, its 80-row one is live
         for got in (r["full"], r["initialized"]):
             assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
+
+
+def _collect_under_the_file_lock() -> tuple[bool, int, int]:
+    """(the collection deadlocked, allocated bytes after it, after the next put): a SwappedChunk in cyclic
+    garbage collected while this thread holds its file's aio lock (a collection can run at any allocation,
+    os.fstat's inside AsyncFileIO.write's completion too)."""
+    aio = types.SimpleNamespace(block_size=1 << 20, queue_depth=8, intra_op_parallelism=1, single_submit=False,
+                                overlap_events=True, use_gds=False)
+    f = ChunkFile(SwapDir.create(tempfile.mkdtemp(), path_key="k"), AsyncFileIO(aio, path_key="k"), "r0")
+    kept, dead = f.put(torch.ones(4096)), f.put(torch.ones(4096))
+    cycle = [dead]
+    cycle.append(cycle)
+    del dead, cycle
+    record = f.io._files[f.path]
+
+    def collect():
+        with record.lock:
+            gc.collect()
+    worker = threading.Thread(target=collect, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():
+        return True, 0, 0
+    before = os.stat(f.path).st_blocks * 512
+    third = f.put(torch.ones(4096) * 3)
+    after = os.stat(f.path).st_blocks * 512
+    assert kept.load().eq(1).all() and third.load().eq(3).all()
+    f.close()
+    return False, before, after
+
+
+def test_a_slot_collected_inside_the_io_lock_is_punched_later_without_a_deadlock():
+    # in a process of its own: a deadlocked thread holding the collector stalls the process that has it
+    code = "from tests.test_zero_init_nvme_slots import _collect_under_the_file_lock as f; print(f())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the finalizer waited on the aio lock its own thread held") from None
+    deadlocked, before, after = ast.literal_eval(out.strip().splitlines()[-1])
+    assert not deadlocked, "the finalizer waited on the aio lock its own thread held"
+    # before: the dead slot still there (its punch waits); after a third put: punched, two live slots
+    assert (before, after) == (2 * 16384, 2 * 16384), (before, after)
