@@ -48,12 +48,13 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up
 from offload.file_snapshot import FrozenState, snapshot_files, write_file
+from offload.partition_stream import PartitionStream, copy_value
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
 from ops.state_layout import ELEMENTWISE, PER_TENSOR, SCALAR, StateLayoutError, probe_state
@@ -85,7 +86,7 @@ def learn_state_layout(make_optimizer: Callable[[list], torch.optim.Optimizer]) 
     return elementwise, sorted(k for k, kind in kinds.items() if kind == SCALAR)
 
 
-class SwappedPartition:
+class SwappedPartition(PartitionStream):
     """See the module docstring and offload/__init__.py for the interface the engine calls."""
 
     def __init__(self, numel: int, make_optimizer: Callable[[list], torch.optim.Optimizer], swap_dir: SwapDir,
@@ -292,7 +293,7 @@ class SwappedPartition:
 
     def scalars(self, k: int) -> dict:
         """Sub-group k's per-step scalars (copies)."""
-        return {key: _copy(value) for key, value in self._scalars[k].items()}
+        return {key: copy_value(value) for key, value in self._scalars[k].items()}
 
     def sweep(self, visit: Callable[[int, dict], None], read: dict[str, int], write: Sequence[str],
               groups: Optional[Sequence[int]] = None, token: object = None) -> None:
@@ -395,7 +396,7 @@ class SwappedPartition:
         next steps do not touch: an async checkpoint's snapshot without the state in memory
         (offload/file_snapshot.py)."""
         self._finish_writes()
-        scalars = {key: _copy(v) for key, v in self._scalars[0].items()} if self.groups else {}
+        scalars = {key: copy_value(v) for key, v in self._scalars[0].items()} if self.groups else {}
         if self._initial is not None:  # no file yet (deferred initialisation): the master from memory
             write_file(path_for(MASTER), ((k * self.stride_bytes, self._initial(s, e))
                                           for k, (s, e) in enumerate(self.groups)), path_key)
@@ -461,83 +462,6 @@ class SwappedPartition:
         self._check_committed({MASTER: self._slot}, start, stop)
         return [op(path, values[a - start:b - start], at) for a, b, at in self._master_runs(start, stop)]
 
-    def state_chunks(self) -> Iterator[dict]:
-        """The state, one sub-group at a time: {"start", "end", "master", "state": {key: tensor},
-        "scalars": {key: value}}; tensors are copies owned by the caller (one sub-group each)."""
-        self._check_committed(dict.fromkeys(self._keys(self._has_state), self._slot))
-        for k, (s, e) in enumerate(self.groups):
-            keys = self._keys(self._has_state)
-            buffers, handles = self._start_read(k, keys, dict.fromkeys(keys, self._slot))
-            try:
-                for handle in handles:
-                    handle.wait()
-                n = e - s
-                state = {key: buf[:n].clone() for key, buf in zip(self.state_keys, buffers[1:])} \
-                    if self._has_state else {}
-                chunk = {"start": s, "end": e, "master": buffers[0][:n].clone(), "state": state,
-                         "scalars": {key: _copy(v) for key, v in self._scalars[k].items()}}
-            finally:
-                self._release(buffers)
-            yield chunk
-
-    def load_chunks(self, chunks: Iterable[dict]) -> None:
-        """Load state from chunks as `state_chunks` yields them, cut at any boundaries (another
-        sub_group_size or partitioning), in ascending order and covering [0, numel) exactly once."""
-        scalars = [dict() for _ in self.groups]
-        with_state: Optional[bool] = None
-        k, buffers, filled = 0, None, 0
-        try:
-            for chunk in chunks:
-                has = bool(chunk["state"])
-                with_state = has if with_state is None else with_state
-                if has != with_state:
-                    raise ValueError("load_chunks: some chunks carry optimizer state and some do not")
-                pos = chunk["start"]
-                while pos < chunk["end"]:
-                    if k >= len(self.groups):
-                        raise ValueError(f"load_chunks: chunk [{chunk['start']}, {chunk['end']}) runs past numel {self.numel}")
-                    s, e = self.groups[k]
-                    if pos != s + filled:
-                        raise ValueError(f"load_chunks: expected element {s + filled} next, chunk gives {pos}")
-                    if buffers is None:
-                        buffers = self._acquire(self.per_group)
-                        scalars[k] = {key: _copy(v) for key, v in chunk["scalars"].items()}
-                    take = min(chunk["end"], e) - pos
-                    lo = pos - chunk["start"]
-                    tensors = [chunk["master"]] + [chunk["state"][key] for key in self.state_keys] if has \
-                        else [chunk["master"]]
-                    for buf, src in zip(buffers, tensors):
-                        buf[filled:filled + take].copy_(src[lo:lo + take])
-                    filled, pos = filled + take, pos + take
-                    if s + filled == e:
-                        self._start_write(k, self._keys(True), buffers, self._keys(has))
-                        k, buffers, filled = k + 1, None, 0
-            if k != len(self.groups):
-                raise ValueError(f"load_chunks: chunks end at element {self.groups[k][0] + filled}, numel is {self.numel}")
-            self._finish_writes()
-        except BaseException:
-            if buffers is not None:
-                self._release(buffers)
-            self._abandon({})
-            raise
-        self.commit(scalars, has_state=bool(with_state))
-
-    def load_master(self, chunks: Iterable[dict]) -> None:
-        """Replace the committed master from chunks as `load_chunks` takes them (ascending, covering
-        [0, numel) once) that carry no optimizer state, keeping the state and its scalars: a load of the
-        weights alone, which without offload leaves the optimizer's state as it was. In place in the
-        committed slot, as `write_master`."""
-        pos = 0
-        for chunk in chunks:
-            if chunk["state"]:
-                raise ValueError("load_master: a chunk carries optimizer state; load it with load_chunks")
-            if chunk["start"] != pos:
-                raise ValueError(f"load_master: expected element {pos} next, chunk gives {chunk['start']}")
-            self.write_master(pos, chunk["master"][:chunk["end"] - pos])
-            pos = chunk["end"]
-        if pos != self.numel:
-            raise ValueError(f"load_master: chunks end at element {pos}, numel is {self.numel}")
-
     def close(self) -> None:
         """Finish outstanding writes and delete this partition's swap files."""
         try:
@@ -546,6 +470,3 @@ class SwappedPartition:
             for path in self._files.values():
                 self.aio.delete(path)
 
-
-def _copy(value):
-    return value.clone() if torch.is_tensor(value) else value
