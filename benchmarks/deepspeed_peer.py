@@ -81,8 +81,24 @@ def _rank_batch(rank: int, world: int, port: int, items: list, steps: int, outdi
     deepspeed.comm.destroy_process_group()
 
 
+def _keep_fp32_under_zero3() -> None:
+    """DeepSpeed 0.19.8's `zero.Init._set_dtype` reads `dtype or torch.float16 if is_fp16_supported() else
+    torch.bfloat16 if is_bf16_supported else torch.float32`: by precedence the fp32 `dtype` ZeRO-3 passes
+    is dropped wherever the accelerator reports no fp16 (a CPU without mkldnn fp16, e.g. an AMD EPYC
+    host), and the parameters become bf16 (the forward then fails: "expected m1 and m2 to have the same
+    dtype"). Reporting fp16 support makes the expression take `dtype`; this benchmark enables neither
+    fp16 nor bf16, so nothing else reads it."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        accelerator.is_fp16_supported = lambda: True
+
+
 def _train(deepspeed, cfg: dict, model_cfg: GPTConfig, rank: int, steps: int) -> dict:
     torch.manual_seed(0)
+    if cfg.get("zero_optimization", {}).get("stage") == 3 and not (cfg.get("fp16", {}).get("enabled")
+                                                                   or cfg.get("bf16", {}).get("enabled")):
+        _keep_fp32_under_zero3()
     micro, gas = cfg["train_micro_batch_size_per_gpu"], cfg.get("gradient_accumulation_steps", 1)
     stages = cfg.get("pipeline", {}).get("stages", 1)
     model = _pipeline_gpt(model_cfg, stages) if stages > 1 else GPT(model_cfg)
