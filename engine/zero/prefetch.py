@@ -235,16 +235,9 @@ class ParamCoordinator:
             return
         self.forward_agreed = True
         self._issue_plan_through_phase("F")  # the others' forwards need every forward gather
-        reach = self._reach()
-        flag = self.agree_comm.zeros(5, dtype=torch.float64)  # float64: the 52-bit reach digest is exact
-        flag[0].fill_(float(self.diverged))
-        flag[1].fill_(float(self.plan_ptr))
-        flag[2].fill_(float(self.skipped))
-        flag[3].fill_(reach)
-        flag[4].fill_(-reach)
-        self.agree_comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        left, issued, skipped, most, least = flag.tolist()
-        self.defer_reductions = bool(left or skipped or most != -least)  # note: reductions wait
+        (left, issued, skipped), reach_differs = self._max_with_reach(
+            [float(self.diverged), float(self.plan_ptr), float(self.skipped)])
+        self.defer_reductions = bool(left or skipped or reach_differs)  # note: reductions wait
         if left:
             while self.plan_ptr < int(issued):
                 self._issue_plan_entry()
@@ -258,11 +251,17 @@ class ParamCoordinator:
     def _reach_differs(self) -> bool:
         """Do the ranks' forwards give gradients to different parameters (note: reductions wait)? One tiny
         all-reduce, at the end of a training forward that gathered in request rounds."""
-        flag = self.agree_comm.zeros(2, dtype=torch.float64).fill_(self._reach())
-        flag[1].neg_()
+        return self._max_with_reach([])[1]
+
+    def _max_with_reach(self, values: list[float]) -> tuple[list[float], bool]:
+        """One MAX all-reduce of `values` and of this rank's reach digest and its negation: (the values'
+        maxima over the ranks, whether the ranks' digests differ: max != -max(-digest)). float64: the
+        52-bit digest is exact."""
+        reach = self._reach()
+        flag = self.agree_comm.tensor([*values, reach, -reach], dtype=torch.float64)
         self.agree_comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        most, least = flag.tolist()
-        return most != -least
+        *maxima, most, least = flag.tolist()
+        return maxima, most != -least
 
     def before_reduction(self) -> None:
         """Once this rank's backward is done, before it waits on gradient reductions (or the pass ends):
