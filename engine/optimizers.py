@@ -203,7 +203,7 @@ def resolve_optimizer(optimizer: Any, model_parameters: Optional[ParamGroups],
         if model_parameters is None:
             raise ValueError("the config has an 'optimizer' section but initialize() got no "
                              "model_parameters; pass model_parameters=model.parameters()")
-        return build_optimizer(model_parameters, cfg)
+        return _drop_empty_groups(build_optimizer(model_parameters, cfg))
     if cfg is not None:
         logger.warning("initialize(optimizer=...) overrides the config's 'optimizer' section (%s)", cfg.type)
     if _is_optimizer(optimizer):
@@ -215,5 +215,15 @@ def resolve_optimizer(optimizer: Any, model_parameters: Optional[ParamGroups],
     else:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable f(params), "
                         f"got {type(optimizer).__name__}")
-    result.param_groups[:] = [g for g in result.param_groups if len(g["params"]) > 0]
-    return result
+    return _drop_empty_groups(result)
+
+
+def _drop_empty_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """DeepSpeed's engine drops the param groups without parameters from the optimizer it built or was
+    given, before the LR schedule is built: a per-group schedule value (`warmup_max_lr: [...]`) counts
+    only the groups that remain, and `get_lr()` reports one lr per remaining group. An optimizer with no
+    parameters at all (a pipeline stage of parameter-free layers) keeps its groups: it still steps."""
+    kept = [g for g in optimizer.param_groups if len(g["params"]) > 0]
+    if kept:
+        optimizer.param_groups[:] = kept
+    return optimizer

@@ -138,6 +138,24 @@ def test_resolve_optimizer_accepts_objects_callables_and_config():
     assert type(made) is torch.optim.Adam and made.defaults["lr"] == 0.2
     assert type(resolve_optimizer(None, ps, config("AdamW"))) is torch.optim.AdamW
     assert resolve_optimizer(None, ps, None) is None
+
+
+def test_config_optimizer_drops_empty_groups_before_the_schedule_counts_them():
+    # tests/fuzz/param_groups_schedules.py seed 7: model_parameters with a {"params": []} group and a
+    # per-group WarmupLR list, one value per group that has parameters (DeepSpeed drops the empty one
+    # from the optimizer it built too); the config's optimizer kept it and initialize refused the list.
+    from engine.schedules import resolve_scheduler
+    from schemas.scheduler import SchedulerConfig
+    ps = params(3)
+    groups = [{"params": []}, {"params": ps[:2], "lr": 0.2}, {"params": [], "lr": 0.5}, {"params": ps[2:]}]
+    opt = resolve_optimizer(None, groups, config("SGD", lr=0.1))
+    assert [g["lr"] for g in opt.param_groups] == [0.2, 0.1]
+    sched = resolve_scheduler(None, opt, SchedulerConfig.model_validate(
+        {"type": "WarmupLR", "params": {"warmup_min_lr": [0.01, 0.02], "warmup_max_lr": [0.2, 0.4],
+                                        "warmup_num_steps": 2, "warmup_type": "linear"}}))
+    sched.step()
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.105, 0.21])
     with pytest.raises(TypeError, match="not an optimizer"):
         resolve_optimizer(lambda p: 42, ps, None)
 
