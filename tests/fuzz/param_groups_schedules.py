@@ -1,7 +1,8 @@
 """Differential fuzzer: optimizer parameter groups and LR schedules. Three to five param groups (their own lr,
 weight_decay, momentum or betas; a frozen group; a group with no parameters), a client optimizer or the config's,
 every config LR schedule (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) with scalar or
-per-group values, ZeRO 0-3, CPU/NVMe optimizer offload, accumulation, 1-3 ranks; against single-process torch
+per-group values, ZeRO 0-3, CPU/NVMe optimizer offload, accumulation, 1-3 ranks (a global batch of 12 in every
+split), half the cases saved after step 3 and resumed at another split/stage/offload; against single-process torch
 training whose schedule is written here from DeepSpeed 0.19's formulas (independently of engine/schedules.py).
 Compared after every optimizer step: every rank's `engine.get_lr()` (and beta1 under OneCycle) against the
 reference optimizer's groups, the reported gradient norm; at the end every parameter.
@@ -12,6 +13,7 @@ Not part of the suite (it draws new cases); a failure it finds becomes a test of
 import math
 import os
 import random
+import shutil
 import sys
 import tempfile
 
@@ -65,9 +67,9 @@ def draw_schedule(r, n_groups):
 def draw(seed):
     r = random.Random(seed)
     c = fuzz.draw(seed)
-    c.update(aux=False, aux_rank=None, ckpt=None, steps=STEPS, predivide=1.0, prescale=False, world=r.choice([1, 2, 2, 3]),
-             frozen=r.random() < 0.6, opt=r.choice(["sgd", "sgdm", "adamw", "adam"]), client=r.random() < 0.5,
-             clip=r.choice([0.0, 0.0, 0.5]), offload=r.choice([None, None, "cpu", "nvme"]), offload_param=None)
+    c.update(aux=False, aux_rank=None, ckpt=None, steps=STEPS, predivide=1.0, prescale=False,
+             frozen=r.random() < 0.6, opt=r.choice(["sgd", "sgdm", "adamw", "adam", "adam_l2"]), client=r.random() < 0.5,
+             clip=r.choice([0.0, 0.0, 0.5]))
     c["frozen_group"] = c["frozen"] and r.random() < 0.7  # the frozen layer as a group of its own
     c["empty_at"] = r.choice([None, None, 0, 1, 3])  # where a {"params": []} group sits
     n = 3 + (1 if c["frozen_group"] else 0)  # the groups DeepSpeed keeps (the empty one is dropped)
@@ -77,7 +79,19 @@ def draw(seed):
     c["defaults"] = dict(lr=0.05, weight_decay=0.0, momentum=0.9, betas=(0.9, 0.999))
     c["override"] = [r.random() < 0.8 for _ in range(n)]  # which groups carry their own settings
     c["sched"], c["sched_params"] = draw_schedule(r, n)
+    c["a"] = side(r)
+    c["b"] = side(r) if r.random() < 0.5 else None  # resume: save after step 3 at a, load at b, 3 more steps
     return c
+
+
+SPLITS = [(1, 3, 4), (2, 2, 3), (2, 3, 2), (3, 2, 2), (2, 1, 6), (3, 1, 4), (1, 1, 12)]  # (world, gas, micro): 12
+
+
+def side(r):
+    world, gas, micro = r.choice(SPLITS)
+    stage = r.choice([0, 1, 2, 3])
+    return dict(world=world, gas=gas, micro=micro, stage=stage,
+                offload=r.choice([None, None, "cpu", "nvme"]) if stage else None)
 
 
 def _names_of_group(c, name):
@@ -93,7 +107,8 @@ def _names_of_group(c, name):
 def param_groups(c, model):
     """The groups as a user would pass them: dicts with per-group settings; the empty group where drawn."""
     keys = {"sgd": ("lr", "weight_decay"), "sgdm": ("lr", "weight_decay", "momentum"),
-            "adamw": ("lr", "weight_decay", "betas"), "adam": ("lr", "weight_decay", "betas")}[c["opt"]]
+            "adamw": ("lr", "weight_decay", "betas"), "adam": ("lr", "weight_decay", "betas"),
+            "adam_l2": ("lr", "weight_decay", "betas")}[c["opt"]]
     groups = [{"params": []} for _ in c["groups"]]
     for name, p in model.named_parameters():
         groups[_names_of_group(c, name)]["params"].append(p)
@@ -109,15 +124,19 @@ def optimizer_defaults(c):
     d = c["defaults"]
     if c["opt"] == "sgd": return "SGD", {"lr": d["lr"], "weight_decay": d["weight_decay"]}
     if c["opt"] == "sgdm": return "SGD", {"lr": d["lr"], "weight_decay": d["weight_decay"], "momentum": d["momentum"]}
-    return ("AdamW" if c["opt"] == "adamw" else "Adam"), {"lr": d["lr"], "weight_decay": d["weight_decay"],
-                                                         "betas": list(d["betas"])}
+    adam = {"lr": d["lr"], "weight_decay": d["weight_decay"], "betas": list(d["betas"])}
+    if c["opt"] == "adam_l2": return "Adam", {**adam, "adam_w_mode": False}
+    return ("AdamW" if c["opt"] == "adamw" else "Adam"), adam
 
 
 def torch_optimizer(c, groups):
     kind, params = optimizer_defaults(c)
     if kind == "SGD":
         return torch.optim.SGD(groups, **params)
-    return torch.optim.AdamW(groups, **{**params, "betas": tuple(params["betas"])})  # "Adam" is AdamW (adam_w_mode)
+    params = {**params, "betas": tuple(params["betas"])}
+    if params.pop("adam_w_mode", True):
+        return torch.optim.AdamW(groups, **params)  # "Adam" is AdamW unless adam_w_mode is false
+    return torch.optim.Adam(groups, **params)
 
 
 # -- the reference schedule: DeepSpeed 0.19's formulas, t = index of the last optimizer step (-1 before any) --
@@ -221,10 +240,8 @@ def reference(c):
     opt = torch_optimizer(c, groups)
     sched = ReferenceSchedule(c, opt) if c["sched"] else None
     norms, lrs = [], []
-    for x, y in fuzz.batches(c):
-        for k in range(c["gas"]):
-            for r in range(c["world"]):
-                (model(fuzz.micro_of(x, c, r, k), fuzz.micro_of(y, c, r, k)) / (c["gas"] * c["world"])).backward()
+    for x, y in batches(c):
+        model(x, y).backward()
         norms.append(fuzz.reference_step(model, opt, c["clip"]))
         if sched:
             sched.step()
@@ -232,23 +249,35 @@ def reference(c):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, lrs
 
 
-def ranked(c):
+def batches(c):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(12, c["d_in"], generator=g), torch.randn(12, c["d_out"], generator=g)) for _ in range(STEPS)]
+
+
+def micro(x, s, rank, k):
+    m = s["micro"]; st = (k * s["world"] + rank) * m
+    return x[st:st + m]
+
+
+def ranked(c, s, steps, ckdir):
+    """Steps `steps` at side `s`; loads `ckdir` first when the run does not start at step 0, saves it
+    after when it does not end at the last step."""
     import engine
     from engine import zero as z
     rank = torch.distributed.get_rank()
-    zero = {"stage": c["stage"]}
+    zero = {"stage": s["stage"]}
     nv = os.path.join(tempfile.gettempdir(), f"dstrain_fuzz_nvme_{os.getuid()}")
     os.makedirs(nv, exist_ok=True)
-    if c["offload"] and c["stage"] > 0:
-        zero["offload_optimizer"] = {"device": c["offload"], **({"nvme_path": nv} if c["offload"] == "nvme" else {})}
+    if s["offload"]:
+        zero["offload_optimizer"] = {"device": s["offload"], **({"nvme_path": nv} if s["offload"] == "nvme" else {})}
     kind, params = optimizer_defaults(c)
-    cfg = {"train_micro_batch_size_per_gpu": c["micro"], "gradient_accumulation_steps": c["gas"],
+    cfg = {"train_micro_batch_size_per_gpu": s["micro"], "gradient_accumulation_steps": s["gas"],
            "gradient_clipping": c["clip"], "zero_allow_untested_optimizer": True, "zero_optimization": zero}
     if not c["client"]:
         cfg["optimizer"] = {"type": kind, "params": params}
     if c["sched"]:
         cfg["scheduler"] = {"type": c["sched"], "params": c["sched_params"]}
-    if c["stage"] == 3:
+    if s["stage"] == 3:
         with z.Init(config_dict_or_path=cfg):
             model = fuzz.model_of(c)
     else:
@@ -258,14 +287,20 @@ def ranked(c):
         eng, *_ = engine.initialize(model=model, config=cfg, optimizer=torch_optimizer(c, groups))
     else:
         eng, *_ = engine.initialize(model=model, config=cfg, model_parameters=groups)
+    if steps[0] > 0:
+        eng.load_checkpoint(ckdir)
     norms, lrs = [], []
-    for x, y in fuzz.batches(c):
-        for k in range(c["gas"]):
-            eng.backward(eng(fuzz.micro_of(x, c, rank, k), fuzz.micro_of(y, c, rank, k)))
+    data = batches(c)
+    for i in steps:
+        x, y = data[i]
+        for k in range(s["gas"]):
+            eng.backward(eng(micro(x, s, rank, k), micro(y, s, rank, k)))
             eng.step()
         norms.append(eng.get_global_grad_norm())
         lrs.append(([float(v) for v in eng.get_lr()], reported(eng.optimizer)[1]))
-    return {"params": fuzz.full_params(eng, c["stage"]), "norms": norms, "lrs": lrs}
+    if steps[-1] < STEPS - 1:
+        eng.save_checkpoint(ckdir)
+    return {"params": fuzz.full_params(eng, s["stage"]), "norms": norms, "lrs": lrs}
 
 
 def _close(a, b):
@@ -278,10 +313,20 @@ def check(seed, timeout=150):
         ref, rnorms, rlrs = reference(c)
     except Exception as e:  # the reference itself refused the drawn case: not a finding
         return f"seed {seed} SKIP reference: {e}"
+    ckdir = tempfile.mkdtemp(prefix="dstrain_fuzz_pgs")
     try:
-        res = run_distributed(ranked, c["world"], args=(c,), timeout=timeout)
+        if c["b"] is None:
+            res = run_distributed(ranked, c["a"]["world"], args=(c, c["a"], list(range(STEPS)), ckdir), timeout=timeout)
+        else:
+            half = STEPS // 2
+            first = run_distributed(ranked, c["a"]["world"], args=(c, c["a"], list(range(half)), ckdir), timeout=timeout)
+            second = run_distributed(ranked, c["b"]["world"], args=(c, c["b"], list(range(half, STEPS)), ckdir),
+                                     timeout=timeout)
+            res = [dict(got, norms=first[0]["norms"] + got["norms"], lrs=first[0]["lrs"] + got["lrs"]) for got in second]
     except Exception as e:
         return f"seed {seed} ERROR {str(e)[-4000:]}\n  cfg {c}"
+    finally:
+        shutil.rmtree(ckdir, ignore_errors=True)
     tol = 2e-6 if c["opt"] in ("sgd", "sgdm") else 2e-5
     bad = []
     for r, got in enumerate(res):
