@@ -30,6 +30,9 @@ threads).
 from aligned ranks (an untimed barrier), and reports the median ratio of the step pairs and each rank's
 median CPU time per step (process CPU time, gloo's threads included: less distorted by a shared machine
 than wall time; and the main thread's alone, the Python and kernels in and around the schedule).
+`--faults` reports, per system and rank, the median minor page faults (getrusage's ru_minflt) and CPU ms
+(process time, all threads) per step over the measured steps: counts that a shared machine's load does
+not move, where its wall times drift (DeepSpeed's peer reports the same two).
 `--tensor-parallel T` adds pipeline × tensor parallelism rows instead: examples/gpt_pipe.py's GPT
 (d_model 256, 4 blocks, seq 64) in 1F1B on `stages` × T ranks with AutoTP (`autotp_size: T`), with
 `pipeline.pipe_partitioned`/`grad_partitioned` true (the default: slices cross the boundary) and false
@@ -146,6 +149,34 @@ def _dstrain(schedule: str, m: int, steps: int) -> dict:
 def _torch_native(m: int, steps: int) -> dict:
     step = _torch_stepper(m, steps)
     return {"step_ms": measured([_timed(step, i) for i in range(steps)])}
+
+
+def _faults(system: str, m: int, steps: int) -> dict:
+    """This rank's median minor page faults and CPU ms per step of `system` (a dstrain schedule, or
+    "torch": its bare schedule) over the measured steps."""
+    import resource
+    step = _torch_stepper(m, steps) if system == "torch" else _dstrain_stepper(system, m, steps)[2]
+    faults, cpu = [], []
+    for i in range(steps):
+        f0, c0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
+        step(i)
+        cpu.append((time.process_time() - c0) * 1e3)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return {"faults": measured(faults), "cpu_ms": measured(cpu)}
+
+
+def _fault_rows(stages: int, ms: list[int], steps: int, systems: tuple, venv: str | None) -> None:
+    print(f"{'p':>2} {'m':>2} {'system':<24} {'minor faults/step per rank':>26} {'CPU ms/step per rank':>21}")
+    for m in ms:
+        rows = {s: run_distributed(_faults, world_size=stages, args=(s, m, steps), timeout=1800) for s in systems}
+        if venv:
+            ds = _deepspeed(venv, stages, m, steps, full=True)
+            if ds is not None:
+                rows["deepspeed"] = [{"faults": f, "cpu_ms": c} for f, c in zip(ds["faults"], ds["cpu_ms"])]
+        for system, ranks in rows.items():
+            faults = "/".join(f"{r['faults']:.0f}" for r in ranks)
+            cpu = "/".join(f"{r['cpu_ms']:.1f}" for r in ranks)
+            print(f"{stages:>2} {m:>2} {system:<24} {faults:>26} {cpu:>21}", flush=True)
 
 
 def _paired(m: int, steps: int) -> dict:
@@ -310,7 +341,8 @@ def _all(stages: int, ms: list[int], steps: int, systems: tuple = (*SCHEDULES, "
     return out
 
 
-def _deepspeed(venv: str, stages: int, m: int, steps: int) -> float | None:
+def _deepspeed(venv: str, stages: int, m: int, steps: int, full: bool = False):
+    """DeepSpeed's step ms (the slowest rank's); `full`: the peer's whole record (faults, CPU per rank)."""
     peer = Path(__file__).resolve().parent / "deepspeed_pipe_peer.py"
     proc = subprocess.run([str(Path(venv) / "bin" / "python"), str(peer), "--stages", str(stages),
                            "--micro-batches", str(m), "--steps", str(steps)], capture_output=True, text=True,
@@ -318,7 +350,8 @@ def _deepspeed(venv: str, stages: int, m: int, steps: int) -> float | None:
     if proc.returncode != 0:
         print(f"deepspeed p={stages} m={m} failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
         return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])["step_ms"]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    return record if full else record["step_ms"]
 
 
 def _round(stages: int, ms: list[int], steps: int, venv: str | None, deepspeed_first: bool,
@@ -392,6 +425,8 @@ def main() -> int:
                    help="dstrain's schedules to run, and 'torch' for torch's bare schedule (default: all)")
     p.add_argument("--separate", action="store_true",
                    help="each of --systems in its own processes, as DeepSpeed's runs (default: one set for all)")
+    p.add_argument("--faults", action="store_true",
+                   help="only minor page faults and CPU ms per step per rank of --systems (and DeepSpeed's)")
     p.add_argument("--zero-data", type=int, default=0,
                    help="D > 0: only dstrain's 1f1b at ZeRO-1 and ZeRO-3 on stages x D ranks (engine/pipe/zero3.py)")
     args = p.parse_args()
@@ -408,6 +443,12 @@ def main() -> int:
     if args.paired:
         for stages in [int(s) for s in args.stages.split(",")]:
             _paired_rows(stages, [int(m) for m in args.micro_batches.split(",")], args.steps)
+        print(f"load after: {os.getloadavg()}")
+        return 0
+    if args.faults:
+        for stages in [int(s) for s in args.stages.split(",")]:
+            _fault_rows(stages, [int(m) for m in args.micro_batches.split(",")], args.steps,
+                        tuple(args.systems.split(",")), args.deepspeed_venv)
         print(f"load after: {os.getloadavg()}")
         return 0
     if args.zero_data > 0:

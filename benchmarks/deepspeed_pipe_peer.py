@@ -3,13 +3,15 @@
     VENV/bin/python benchmarks/deepspeed_pipe_peer.py --stages 2 --micro-batches 4 --steps 5
 
 Imports only torch, deepspeed and benchmarks/pipe_workload.py. Prints one JSON line: the slowest
-rank's median train_batch time (ms) over the last min(15, steps - 1) steps.
+rank's median train_batch time (ms) over the last min(15, steps - 1) steps, and each rank's median minor
+page faults and CPU ms (process time, all threads) per step over the same steps (bench_pipeline --faults).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -35,14 +37,18 @@ def _rank(rank: int, world: int, port: int, m: int, steps: int, outdir: str) -> 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     eng, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     data = wl.micro_batches(m * steps)
-    times = []
+    times, faults, cpu = [], [], []
     for i in range(steps):
         it = iter(data[i * m:(i + 1) * m])
-        t0 = time.perf_counter()
+        f0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.perf_counter()
         eng.train_batch(it)
         times.append((time.perf_counter() - t0) * 1e3)
-    measured = times[-min(15, len(times) - 1):]  # as bench_pipeline.measured: the last 15, warm-up left out
-    Path(outdir, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(measured)}))
+        cpu.append((time.process_time() - c0) * 1e3)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    last = min(15, len(times) - 1)  # as bench_pipeline.measured: the last 15, warm-up left out
+    Path(outdir, f"{rank}.json").write_text(json.dumps({
+        "step_ms": statistics.median(times[-last:]), "faults": statistics.median(faults[-last:]),
+        "cpu_ms": statistics.median(cpu[-last:])}))
     deepspeed.comm.destroy_process_group()
 
 
@@ -53,7 +59,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     rows = spawn_ranks(_rank, args.stages, args.micro_batches, args.steps)
-    print(json.dumps({"step_ms": max(r["step_ms"] for r in rows)}))
+    print(json.dumps({"step_ms": max(r["step_ms"] for r in rows), "faults": [r["faults"] for r in rows],
+                      "cpu_ms": [r["cpu_ms"] for r in rows]}))
     return 0
 
 
