@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Optional, Tuple, Union
 
-from pydantic import Field, PlainValidator
+from pydantic import Field, PlainSerializer, PlainValidator
 
 from schemas.base import Size, StrictModel
 from schemas.optimizer import TypedSection
@@ -30,7 +30,10 @@ def _per_group_value(value: Any) -> Union[float, Tuple[float, ...]]:
     raise ValueError(f"must be a number >= 0, or a list of them with one per optimizer param group; got {value!r}")
 
 
-PerGroup = Annotated[Union[float, Tuple[float, ...]], PlainValidator(_per_group_value)]
+# Serialized as what it holds (a float, or a list in JSON): without its own serializer pydantic checks the
+# tuple against the union's members and warns on every `Config.to_dict()` (each checkpoint's metadata).
+PerGroup = Annotated[Union[float, Tuple[float, ...]], PlainValidator(_per_group_value),
+                     PlainSerializer(lambda v: list(v) if isinstance(v, tuple) else v, return_type=Any)]
 """One value (>= 0) for every optimizer param group, or a list with one value per param group."""
 PositiveSteps = Annotated[Size, Field(ge=1)]
 NonNegativeSteps = Annotated[Size, Field(ge=0)]

@@ -191,6 +191,20 @@ def test_per_group_list_must_match_param_groups():
         build_scheduler(make_optimizer(groups=2), cfg)
 
 
+def test_per_group_lists_dump_without_serializer_warnings():
+    # tests/fuzz/param_groups_schedules.py seed 40: every save_checkpoint writes Config.to_dict() into its
+    # metadata, and a per-group list made pydantic warn there (an error under -W error::UserWarning).
+    import warnings
+    import schemas
+    source = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": [0.1, 0.2], "total_num_steps": 5}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dumped = schemas.load_config(source, world_size=1).to_dict()
+    assert dumped["scheduler"]["params"]["warmup_min_lr"] == [0.1, 0.2]
+    assert schemas.load_config(dumped, world_size=1).scheduler.params.warmup_min_lr == (0.1, 0.2)
+
+
 def errors(cfg: dict) -> dict[str, str]:
     with pytest.raises(ValidationError) as info:
         SchedulerConfig.model_validate(cfg)
