@@ -31,8 +31,9 @@ from aligned ranks (an untimed barrier), and reports the median ratio of the ste
 median CPU time per step (process CPU time, gloo's threads included: less distorted by a shared machine
 than wall time; and the main thread's alone, the Python and kernels in and around the schedule).
 `--faults` reports, per system and rank, the median minor page faults (getrusage's ru_minflt) and CPU ms
-(process time, all threads) per step over the measured steps: counts that a shared machine's load does
-not move, where its wall times drift (DeepSpeed's peer reports the same two).
+(process time, all threads) per step over the measured steps (DeepSpeed's peer reports the same two). A
+shared machine's load does not inflate the counts as it does the times, but they differ from run to run
+of the same code with where glibc's heap top lies (docs/pipeline_measurements.md, 2026-12-07).
 `--tensor-parallel T` adds pipeline × tensor parallelism rows instead: examples/gpt_pipe.py's GPT
 (d_model 256, 4 blocks, seq 64) in 1F1B on `stages` × T ranks with AutoTP (`autotp_size: T`), with
 `pipeline.pipe_partitioned`/`grad_partitioned` true (the default: slices cross the boundary) and false

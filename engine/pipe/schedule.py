@@ -117,6 +117,7 @@ class LoggedStage(tp.PipelineStage):
         if self.wire is not None:
             ops = self.wire.outgoing(ops, self.wire.gradients_sent)
         self.sent_bytes["backward"] += _p2p_bytes(ops)
+        release_input_grads(self.args_recv_info.get(bwd_chunk_id, ()))
         return ops
 
     def _retrieve_recv_activations(self, fwd_chunk_id):
@@ -128,6 +129,8 @@ class LoggedStage(tp.PipelineStage):
         return received if self.wire is None else self.wire.gradients_in(received)
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        if self.has_backward:  # [Note: what a training step releases]
+            kwargs["save_forward_output"] = False
         self.action_log.append(("F", self.stage_index, fwd_chunk_id))
         if self.early is not None and not self.is_first:
             self.early.arrived("forward", fwd_chunk_id)  # outside the clock: waiting is not computing
@@ -162,6 +165,23 @@ class LoggedStage(tp.PipelineStage):
             self.action_log.append(("W", self.stage_index, bwd_chunk_id))
         with self.clock.busy():
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+
+def release_input_grads(recv_infos) -> None:
+    """[Note: what a training step releases] torch's stage keeps, per micro-batch, until the next step's
+    `clear_runtime_states`: on the last stage each output (`output_chunks`, for `step()`'s merged return,
+    which train_batch never reads; eval_batch's return_logits does, so only training drops them), and
+    after the zero-bubble schedule's input-gradient backward the gradient of each received activation
+    (the receive buffer's `.grad`; torch's full backward drops it itself). Held, they were m tensors of an
+    activation's size that all went at once when the next step started, so the heap's top shrank and
+    regrew every step (docs/pipeline_measurements.md: minor page faults per step). The gradient is dropped
+    once its send op is built: the op, and the work posting it returns, hold the tensor until the
+    transport has read it (gloo's send work keeps it; NCCL's records it on its stream), so dropping this
+    reference frees nothing early, and the next micro-batch's gradient is a tensor of its own."""
+    for info in recv_infos:
+        buffer = None if getattr(info, "is_root_arg", True) else info.buffer
+        if buffer is not None:
+            buffer.grad = None
 
 
 def idle_fractions(actions: dict[int, list[tuple]], num_chunks: int) -> dict[int, float]:
