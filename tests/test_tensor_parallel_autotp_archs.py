@@ -3,13 +3,15 @@ OPT (q/k/v_proj, out_proj; fc1/fc2 in the decoder layer), GPT-J (q/k/v_proj, out
 GPT-NeoX and BLOOM (query_key_value fused head by head, dense; dense_h_to_4h/dense_4h_to_h; BLOOM's
 ALiBi bias handed to its attention per head of the whole model, with and without a padding mask),
 Falcon with key/value groups (new_decoder_architecture), with per-head q|k|v, and with ALiBi in its
-attention mask, Persimmon and Phi (dense), XGLM (out_proj; its attention reshapes to `embed_dim`).
+attention mask, Persimmon and Phi (dense), XGLM (out_proj; its attention reshapes to `embed_dim`),
+Phi-3 under grouped-query attention (`qkv_proj` fused q|k|v of unequal widths, `gate_up_proj`).
 Each, sharded on 2 ranks, against the dense model in one process on the same batches, SGD without
 momentum (the update is linear in the gradient), fp32: every loss, every gradient of every step (this
 rank's slice of a sharded one) and every parameter after STEPS steps within ATOL (summation order
-only). Refused at sharding, naming the module and why: Falcon's multi-query layout (one key/value head
+only), and the shards joined as a checkpoint joins them equal the dense state dict. Refused at sharding, naming the module and why: Falcon's multi-query layout (one key/value head
 every rank's heads read), BLOOM's slow_but_exact (its forward multiplies slices of the sharded weight
-itself) and a `query_key_value` of a class whose layout is not listed. One family end to end through
+itself), a `query_key_value` of a class whose layout is not listed and Phi-3 with fewer key/value heads
+than ranks. One family end to end through
 `engine.initialize` with `tensor_parallel.autotp_size: 2`.
 """
 from __future__ import annotations
@@ -49,6 +51,7 @@ FAMILIES = {
     "falcon_alibi": ("FalconConfig", "FalconForCausalLM", dict(COMMON, multi_query=False, alibi=True)),
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(COMMON, intermediate_size=I, qk_layernorm=True)),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(COMMON, intermediate_size=I, num_key_value_heads=NH)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, intermediate_size=I, num_key_value_heads=2, pad_token_id=0)),
     "xglm": ("XGLMConfig", "XGLMForCausalLM", dict(vocab_size=V, d_model=H, attention_heads=NH, num_layers=L,
                                                    ffn_dim=I)),
 }
@@ -56,6 +59,8 @@ FAMILIES = {
 REPLACED = {"opt": 6, "gptj": 6, "phi": 6, "xglm": 6}
 PADDED = {"bloom_padded": "bloom", "falcon_alibi_padded": "falcon_alibi"}  # ALiBi built from the mask
 REFUSED = {
+    "phi3_kv_heads": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, intermediate_size=I, num_key_value_heads=1,
+                                                            pad_token_id=0)),
     "falcon_multi_query": ("FalconConfig", "FalconForCausalLM", dict(COMMON, multi_query=True)),
     "bloom_slow_but_exact": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=V, hidden_size=H, n_head=NH, n_layer=L,
                                                                      pretraining_tp=2, slow_but_exact=True)),
@@ -81,6 +86,7 @@ def _equals_dense(name: str) -> dict:
     from engine.comm import Communicator
     from engine.tensor_parallel import is_partitioned
     from engine.tensor_parallel.autotp import shard_model
+    from engine.tensor_parallel.dense_state import dense_state_dict
     comm = Communicator(None)
     torch.manual_seed(0)
     model = _build(*FAMILIES[PADDED.get(name, name)][:2], **FAMILIES[PADDED.get(name, name)][2])
@@ -104,7 +110,9 @@ def _equals_dense(name: str) -> dict:
             opt.zero_grad()
     param_err = max((p.detach() - _dense_slice(p, dense[n].detach(), comm)).abs().max().item()
                     for n, p in model.named_parameters())
-    return {"loss": loss_err, "grad": grad_err, "param": param_err, "replaced": len(replaced),
+    joined = dense_state_dict(model.state_dict(), model, comm)  # the shards joined as a checkpoint joins them
+    state_err = max((joined[n] - t).abs().max().item() for n, t in reference.state_dict().items())
+    return {"loss": loss_err, "grad": grad_err, "param": param_err, "state": state_err, "replaced": len(replaced),
             "sharded_params": sum(is_partitioned(p) for p in model.parameters())}
 
 
@@ -181,11 +189,12 @@ def test_family_trains_as_the_dense_model(results, name):
     for r in results:
         got = r[name]
         assert got["replaced"] == REPLACED.get(PADDED.get(name, name), 4) * L and got["sharded_params"] > 0, got
-        assert got["loss"] < ATOL and got["grad"] < ATOL and got["param"] < ATOL, got
+        assert got["loss"] < ATOL and got["grad"] < ATOL and got["param"] < ATOL and got["state"] < ATOL, got
 
 
 # refusal -> how its one-line error starts: the module and why
-REFUSALS = {"falcon_multi_query": "transformer.h.0.self_attention (FalconAttention) is multi-query",
+REFUSALS = {"phi3_kv_heads": "2 does not divide the head counts of model.layers.0.self_attn",
+            "falcon_multi_query": "transformer.h.0.self_attention (FalconAttention) is multi-query",
             "bloom_slow_but_exact": "transformer.h.0.self_attention (BloomAttention) has slow_but_exact",
             "unknown_fused": "0.query_key_value (_OtherFusedAttention) fuses q, k and v in a layout AutoTP does not "
                              "know"}

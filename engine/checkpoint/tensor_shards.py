@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tensor_parallel.layers import is_conv1d, is_partitioned, shard
+from ..tensor_parallel.layers import is_conv1d, is_partitioned, join, shard
 from .format import CheckpointError
 from .state import rows_of
 
@@ -48,7 +48,9 @@ def shard_entry(p: torch.Tensor, degree: int) -> dict | None:
     """The metadata of a sharded parameter's layout (module note), None for a replicated one."""
     if not is_partitioned(p):
         return None
-    entry = {"dim": int(p.tensor_parallel_dim), "parts": int(p.tensor_parallel_parts), "degree": int(degree)}
+    parts = p.tensor_parallel_parts  # a count of equal sections, or their sizes (layers.py's fused note)
+    entry = {"dim": int(p.tensor_parallel_dim), "parts": int(parts) if isinstance(parts, int) else
+             [int(s) for s in parts], "degree": int(degree)}
     if _transposed(p):
         entry["transposed"] = True  # module note: HF Conv1D
     return entry
@@ -86,9 +88,7 @@ def join_shards(shards: list[torch.Tensor], layout: dict) -> torch.Tensor:
     """The full tensor from every shard in index order, in the recorded orientation: the inverse of
     `layers.shard` (each shard holds its slice of each of the `parts` fused sections, so the sections
     are joined one by one), transposed back for a Conv1D weight (module note)."""
-    dim, parts = layout["dim"], layout["parts"]
-    sections = [s.chunk(parts, dim=dim) for s in shards]
-    full = torch.cat([torch.cat([sec[i] for sec in sections], dim=dim) for i in range(parts)], dim=dim)
+    full = join(shards, layout["dim"], layout["parts"])
     return full.t().contiguous() if layout.get("transposed") else full
 
 

@@ -16,7 +16,8 @@ column-parallel layer and its row-parallel partner draws per tensor rank (dropou
 [Note: head counts] A module that owns a sharded attention projection runs on n_head/T heads: its
 head-count attributes (`HEAD_COUNT_ATTRIBUTES`), GPT-2's `split_size` and the BART family's `embed_dim`
 (XGLM's attention reshapes its heads' output to it: undivided, torch's bare shape error in the first
-forward) are divided by T. head_dim is unchanged. A `SparseSelfAttention` inside it keeps this
+forward) are divided by T, and so are those of its config, which becomes its own copy (Phi-3's attention cuts
+its fused q|k|v at `config.num_attention_heads` × head_dim in its forward). head_dim is unchanged. A `SparseSelfAttention` inside it keeps this
 rank's heads of its (per-head) layout. A model whose forward hard-codes the full width elsewhere is not
 shardable this way.
 [Note: head-sized parameters] A parameter the owner holds directly with one entry per head (GPT-OSS's
@@ -31,12 +32,14 @@ Where neither the module nor its config states head_dim, a head count's length i
 """
 from __future__ import annotations
 
+import copy
+
 import torch.nn as nn
 
 from ops.sparse_attention import SparseSelfAttention
 
 from ..comm import Communicator
-from .autotp_layouts import PAIRED_HEADS, column_sections, keep_head_inputs, refuse_unshardable
+from .autotp_layouts import PAIRED_HEADS, column_sections, is_cut, keep_head_inputs, refuse_unshardable
 from .dropout_region import mark_parallel_region
 from .layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 from .own_params import note_region_failures
@@ -45,9 +48,10 @@ from .own_params import note_region_failures
 # (OPT, GPT-J, GPT-NeoX, BLOOM, Falcon, Phi: `fc1 fc_in dense_h_to_4h query_key_value`, `out_proj fc2
 # fc_out dense_4h_to_h dense`; `query_key_value` only for the classes autotp_layouts.py lists)
 COLUMN_PARALLEL = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_proj": 1, "c_fc": 1, "fc": 1,
-                   "fc1": 1, "fc_in": 1, "dense_h_to_4h": 1, "c_attn": 3, "qkv": 3, "query_key_value": 1}
+                   "fc1": 1, "fc_in": 1, "dense_h_to_4h": 1, "c_attn": 3, "qkv": 3, "query_key_value": 1,
+                   "qkv_proj": 3, "gate_up_proj": 2}  # Phi-3's: q|k|v by head counts (autotp_layouts.py), gate|up
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "proj", "out", "out_proj", "fc2", "fc_out", "dense_4h_to_h", "dense")
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv", "query_key_value")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv", "query_key_value", "qkv_proj")
 HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 HEAD_COUNT_ATTRIBUTES = HEAD_COUNTS + ("split_size", "embed_dim")  # note: head counts
 
@@ -64,6 +68,12 @@ def _divide_head_counts(owner: nn.Module, world: int, where: str) -> None:
                 raise ValueError(f"tensor_parallel.autotp_size: {where}.{attribute} = {value} does not divide by "
                                  f"{world}; use an autotp_size that divides the head count")
             setattr(owner, attribute, value // world)
+    config = getattr(owner, "config", None)
+    if config is not None and not isinstance(config, nn.Module):  # note: head counts
+        counts = {a: getattr(config, a) for a in HEAD_COUNTS if isinstance(getattr(config, a, None), int)}
+        owner.config = copy.copy(config)
+        for attribute, value in counts.items():  # from the values read before: an attribute_map alias is one value
+            setattr(owner.config, attribute, value // world)
 
 
 def _head_count(owner: nn.Module) -> int:
@@ -134,7 +144,7 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
     replaced = []
     for owner_name, owner in list(model.named_modules()):
         children = {name: child for name, child in owner.named_children() if _is_projection(child)
-                    and (name in COLUMN_PARALLEL or name in ROW_PARALLEL)}
+                    and (name in COLUMN_PARALLEL or name in ROW_PARALLEL) and is_cut(owner, name)}
         # a row-parallel layer needs its input split by a column-parallel sibling: shard only pairs.
         # GPT-2's cross-attention fuses only k|v in `c_attn` and projects q in `q_attn`: cut as q|k|v it
         # failed in forward with a shape error, so it stays whole (replicated, exact)

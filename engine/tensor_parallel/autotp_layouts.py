@@ -16,6 +16,12 @@ rank's heads, so no cut of the output features holds it once: refused (`refuse_u
 q|k|v thirds, GPT-NeoX's loss was 1.1e-2 off the dense model's within 2 SGD steps, without a shape
 error. Other code uses the name with other layouts (ChatGLM's q|k|v blocks of unequal width), so a
 `query_key_value` of a class not listed is refused rather than guessed (`FUSED_BY_OWNER_ONLY`).
+[Note: unequal sections] Phi-3's `qkv_proj` is three blocks q|k|v, q num_heads × head_dim wide and k
+and v num_key_value_heads × head_dim each (narrower under grouped-query attention), and its forward
+cuts q at `config.num_attention_heads × head_dim`. It is cut as sections of those sizes, each split
+by T (layers.py's fused note), so rank r's output is [q_r | k_r | v_r]; the owner's config is its own
+copy with the head counts divided (autotp.py's note), so the forward's own cut reads it. Where
+num_key_value_heads does not divide by T it is refused with the other head counts (autotp.py).
 [Note: paired heads] HF DiffLlama's attention pairs head h with head h + H/2 (`torch.chunk(..., 2)` over
 the head axis, of v's key/value heads and of the attention output). A contiguous 1/T of the heads pairs
 them differently: its loss was 1.7e-2 off the dense model's at step 0, silently. Its q, k and v
@@ -40,17 +46,50 @@ OWNER_SECTIONS = {"GPTBigCodeAttention": {"c_attn": 1},
                   "PersimmonAttention": {"query_key_value": 1}, "FalconAttention": {"query_key_value": 1}}
 # fused projections whose layout differs between families: sharded only for an owner listed above
 FUSED_BY_OWNER_ONLY = ("query_key_value",)
+# fused q|k|v blocks sized by the owner's head counts, for the owners listed (note: unequal sections)
+FUSED_BY_HEAD_COUNTS = ("qkv_proj",)
+HEAD_COUNT_OWNERS = ("Phi3Attention", "Phi4MultimodalAttention")
 # owner class -> heads per pair: a rank must hold whole pairs (note: paired heads)
 PAIRED_HEADS = {"DiffLlamaAttention": 2}
 # owner class -> (argument, dim of its heads): 0 means batch x heads flattened (note: per-head inputs)
 HEAD_INPUTS = {"BloomAttention": ("alibi", 0), "FalconAttention": ("attention_mask", 1)}
 
 
-def column_sections(owner: nn.Module, name: str, default: int, path: str) -> int:
-    """How many fused sections `owner`'s column projection `name` is cut as."""
+def is_cut(owner: nn.Module, name: str) -> bool:
+    """Whether AutoTP cuts `owner`'s projection `name`: a `qkv_proj` only where its layout is known (CodeGen's
+    interleaves it otherwise: left whole, as before it was cut anywhere)."""
+    return name not in FUSED_BY_HEAD_COUNTS or type(owner).__name__ in HEAD_COUNT_OWNERS
+
+
+def _count(owner: nn.Module, names: tuple[str, ...]) -> int | None:
+    config = getattr(owner, "config", None)
+    for src in (owner, config):
+        for attribute in names:
+            if isinstance(getattr(src, attribute, None), int):
+                return getattr(src, attribute)
+    return None
+
+
+def _head_count_sections(owner: nn.Module, path: str) -> tuple[int, int, int]:
+    """q|k|v widths of a projection fused by head counts (note: unequal sections)."""
+    heads = _count(owner, ("num_heads", "num_attention_heads"))
+    kv_heads = _count(owner, ("num_key_value_heads", "num_kv_heads"))
+    head_dim = _count(owner, ("head_dim",))
+    if heads is None or kv_heads is None or head_dim is None:
+        raise ValueError(f"tensor_parallel.autotp_size: {path} ({type(owner).__name__}) fuses q, k and v, but its module "
+                         "or config does not state num_attention_heads, num_key_value_heads and head_dim, which size "
+                         "its sections; leave autotp_size at 1 for this model, or shard it with engine.tensor_parallel's "
+                         "layers")
+    return heads * head_dim, kv_heads * head_dim, kv_heads * head_dim
+
+
+def column_sections(owner: nn.Module, name: str, default: int, path: str):
+    """How `owner`'s column projection `name` is cut: a count of equal fused sections, or their sizes."""
     cls = type(owner).__name__
     if name in OWNER_SECTIONS.get(cls, {}):
         return OWNER_SECTIONS[cls][name]
+    if name in FUSED_BY_HEAD_COUNTS:
+        return _head_count_sections(owner, path)
     if name in FUSED_BY_OWNER_ONLY:  # note: query_key_value
         raise ValueError(f"tensor_parallel.autotp_size: {path} ({cls}) fuses q, k and v in a layout AutoTP does not "
                          f"know (it knows {sorted(c for c, s in OWNER_SECTIONS.items() if name in s)}); leave "

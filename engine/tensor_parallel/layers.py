@@ -8,7 +8,10 @@
 
 [Note: fused projections] `parts` > 1 (GPT-2's `c_attn`, a fused q|k|v) shards each of the `parts`
 equal sections of the output separately, so rank r holds q_r|k_r|v_r and the local output still
-splits into three: the heads of rank r in each.
+splits into three: the heads of rank r in each. `parts` may list the sections' sizes instead where they
+differ (Phi-3's `qkv_proj` under grouped-query attention: q is num_heads × head_dim wide, k and v
+num_key_value_heads × head_dim each); each is split by T all the same, so rank r's output is
+[q_r | k_r | v_r], which the model's own split by its (divided) head counts reads.
 [Note: initialisation] Weights are drawn full size, the way the dense layer would draw them (same
 generator, same order), and each rank keeps its slice: with every tensor-parallel rank on the same
 default seed (Megatron's rule, engine.checkpointing's `model_parallel_cuda_manual_seed`), the sharded
@@ -54,14 +57,34 @@ def _mark_conv1d_origin(weight: nn.Parameter, dense: nn.Module) -> None:
         weight.tensor_parallel_transposed = True
 
 
-def shard(full: torch.Tensor, dim: int, rank: int, world: int, parts: int = 1) -> torch.Tensor:
-    """Rank `rank`'s slice of `full` along `dim`, section by section when it fuses `parts` sections."""
+def section_sizes(size: int, parts) -> list[int]:
+    """The sizes along the split dimension of a fused projection's sections: `parts` equal ones (an int),
+    or the sizes listed (Phi-3's q|k|v under grouped-query attention: q wider than k and v)."""
+    if isinstance(parts, int):
+        return [size // parts] * parts if size % parts == 0 else []
+    return [int(s) for s in parts]
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, world: int, parts=1) -> torch.Tensor:
+    """Rank `rank`'s slice of `full` along `dim`, section by section when it fuses `parts` sections
+    (a count of equal ones, or their sizes: note on fused projections)."""
     size = full.shape[dim]
-    if size % (parts * world):
-        raise ValueError(f"dimension {dim} of size {size} does not split into {parts} section(s) × "
+    sizes = section_sizes(size, parts)
+    if sum(sizes) != size or any(s % world for s in sizes):
+        what = f"{parts} section(s)" if isinstance(parts, int) else f"sections of {list(parts)}"
+        raise ValueError(f"dimension {dim} of size {size} does not split into {what} × "
                          f"{world} tensor-parallel ranks")
-    sections = full.chunk(parts, dim=dim)
+    sections = full.split(sizes, dim=dim)
     return torch.cat([s.chunk(world, dim=dim)[rank] for s in sections], dim=dim).clone()
+
+
+def join(shards: list[torch.Tensor], dim: int, parts=1) -> torch.Tensor:
+    """The full tensor from every rank's shard in rank order: the inverse of `shard` (each shard holds
+    its slice of each fused section, so the sections are joined one by one)."""
+    world = len(shards)
+    local = [s // world for s in section_sizes(shards[0].shape[dim] * world, parts)]
+    sections = [s.split(local, dim=dim) for s in shards]
+    return torch.cat([torch.cat([sec[i] for sec in sections], dim=dim) for i in range(len(local))], dim=dim)
 
 
 def whole_parameters(dense: nn.Module):
@@ -73,9 +96,9 @@ def whole_parameters(dense: nn.Module):
     return GatheredParameters(list(dense.parameters()))
 
 
-def mark_partitioned(param: nn.Parameter, dim: int, parts: int, full_shape: torch.Size) -> nn.Parameter:
+def mark_partitioned(param: nn.Parameter, dim: int, parts, full_shape: torch.Size) -> nn.Parameter:
     param.tensor_parallel_dim = dim
-    param.tensor_parallel_parts = parts
+    param.tensor_parallel_parts = parts if isinstance(parts, int) else tuple(parts)
     param.tensor_parallel_full_shape = tuple(full_shape)
     return param
 
@@ -92,7 +115,7 @@ class ColumnParallelLinear(nn.Module):
     """`y = x Aᵀ + b` with A's rows split: each rank computes its slice of the output features."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 parts: int = 1, group=None, device: torch.device | str | None = None,
+                 parts=1, group=None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, _dense: nn.Module | None = None):
         super().__init__()
         if gather_output and parts > 1:
@@ -115,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
                                                     dense.bias.requires_grad), 0, parts, dense.bias.shape)
 
     @classmethod
-    def from_dense(cls, module: nn.Module, parts: int = 1, gather_output: bool = False, group=None):
+    def from_dense(cls, module: nn.Module, parts=1, gather_output: bool = False, group=None):
         out_features, in_features = dense_features(module)
         return cls(in_features, out_features, gather_output=gather_output, parts=parts, group=group, _dense=module)
 

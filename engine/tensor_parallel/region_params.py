@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .layers import section_sizes
+
 
 class _Open:
     """Whether a parallel region is open now (the forward runs in one thread). dropout_region.py's
@@ -105,7 +107,7 @@ def column_widths(column: list[nn.Module]) -> set[int]:
     """A column layer's whole output and one fused section of it (module note)."""
     widths = set()
     for layer in column:
-        widths |= {layer.out_features, layer.out_features // getattr(layer.weight, "tensor_parallel_parts", 1)}
+        widths |= {layer.out_features, *section_sizes(layer.out_features, layer.weight.tensor_parallel_parts)}
     return widths
 
 
