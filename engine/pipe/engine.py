@@ -28,15 +28,17 @@ from torch.utils import _pytree as pytree
 
 from ..comm import Communicator
 from ..engine import Engine
+from ..tensor_parallel import collective_ledger as ledger
 from . import boundary, zero3
 from .batch_agreement import (MIXED_BATCH, READ_FAILED, DataExhausted,  # DataExhausted: its old home, kept
                               DataReadFailed, agree_on_batch)
 from .partitioned_wire import PartitionedWire, partitioned
 from .probe import ProbeFailed, chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
-from .schedule import LoggedStage, schedule_class
+from .schedule import schedule_class
 from .stage_failure import FailureRecord, agree_on_outcome, substitute_loss, substitute_outputs
 from .stage_clock import StageClock, pipeline_idle
+from .tensor_peers import TensorPeerStage
 
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
 
@@ -66,15 +68,24 @@ class _ChunkModule(torch.nn.Module):
         self.out_structure: boundary.Structure | None = None
         self.out_examples: tuple | None = None  # the probe's outputs: a failed forward's stand-in's shapes
         self.failure: FailureRecord | None = None  # set for each schedule run (stage_failure.py)
+        # (phase, input signature) -> the tensor-parallel collectives of a run that did not raise, and the
+        # signature of the last forward (tensor_parallel/collective_ledger.py)
+        self.ledgers: dict = {}
+        self.last_signature: tuple = ()
 
     def forward(self, *tensors):
-        try:
-            out = self.pipe_module.run_chunk(self.chunk, boundary.unflatten(self.in_structure, tensors))
-        except Exception as err:  # noqa: BLE001 - kept and raised after the schedule (stage_failure.py's note)
-            if self.out_examples is None or self.failure is None:  # the probe's run: no shapes to stand in yet
-                raise
-            self.failure.keep(err)
-            return substitute_outputs(self.out_examples, tensors, self.parameters())
+        self.last_signature = ledger.signature(tensors)
+        key = ("forward", self.last_signature)
+        with ledger.recording() as posted:
+            try:
+                out = self.pipe_module.run_chunk(self.chunk, boundary.unflatten(self.in_structure, tensors))
+            except Exception as err:  # noqa: BLE001 - kept and raised after the schedule (stage_failure.py's note)
+                if self.out_examples is None or self.failure is None:  # the probe's run: no shapes to stand in yet
+                    raise
+                self.failure.keep(err)
+                ledger.post_rest(self.ledgers.get(key), len(posted))  # for the tensor peers (ledger's note)
+                return substitute_outputs(self.out_examples, tensors, self.parameters())
+        self.ledgers[key] = posted
         structure, flat = boundary.flatten(out)
         if self.out_structure is None:  # the probe's run (probe.py)
             self.out_structure = structure
@@ -151,7 +162,7 @@ class PipelineEngine(Engine):
             self._built[(key, training, m)] = entry
         return entry
 
-    def _stage(self, mod, chunk: int, chunks: int, inputs: tuple, outputs: tuple) -> LoggedStage:
+    def _stage(self, mod, chunk: int, chunks: int, inputs: tuple, outputs: tuple) -> TensorPeerStage:
         """torch's stage of one chunk, built from the probe's examples; with partitioned boundaries its
         receive buffers are slices (partitioned_wire.py)."""
         wire, examples = None, {"input_args": inputs, "output_args": outputs}
@@ -160,7 +171,7 @@ class PipelineEngine(Engine):
             pipe = self.config.pipeline
             wire = PartitionedWire(self._model_comm, pipe.pipe_partitioned, pipe.grad_partitioned)
             examples = wire.buffer_examples(inputs, outputs, receives=chunk > 0, sends=chunk < chunks - 1)
-        return LoggedStage(mod, chunk, chunks, self.device, **examples, group=self.groups.pipe_group,
+        return TensorPeerStage(mod, chunk, chunks, self.device, **examples, group=self.groups.pipe_group,
                            action_log=self._actions, sent_bytes=self._sent_bytes, clock=self._clock, wire=wire,
                            early_receives=not self._multi and self._pipe_backend == "gloo")  # early_receive.py
 

@@ -30,13 +30,12 @@ rank's backward calls of the batch run no autograd and return the same (`skipped
 weight-gradient half after its failed input half has no graph to run on, and the batch's gradients
 are dropped anyway. Gradients the failed pass had accumulated before it raised go with the rest.
 
-Not covered: user code that raises on some tensor ranks of a stage and not on the others (a check of
-a rank's own shard). Its tensor peers wait in the stage's next tensor-parallel collective — a row
-layer's all-reduce in the forward, a column layer's input-gradient all-reduce in the backward — which
-the failing rank never posts, and which it cannot post for them: it does not know what they will
-reduce next. So they wait until the process-group timeout (DSTRAIN_TIMEOUT; checked by hand on 2 pipe
-× 2 model, gloo, 60 s: forward and backward alike). Code that raises alike on every tensor rank of the stage stops
-every rank at once (checked by hand, with and without pipeline.pipe_partitioned/grad_partitioned).
+User code that raises on some tensor ranks of a stage and not on the others (a check of a rank's own
+shard) would leave its tensor peers in the stage's next tensor-parallel collective, which the failing
+rank never posts: the failing rank posts them from what the chunk recorded
+(tensor_parallel/collective_ledger.py's note, tensor_peers.py; not in the first batch of an input
+shape). Code that raises alike on every tensor rank of the stage needs none of that (checked by hand,
+with and without pipeline.pipe_partitioned/grad_partitioned).
 
 Cost: that all-reduce per train_batch/eval_batch; the schedule's micro-batches add nothing (a try
 around user code). Measured in docs/parallelism.md.
@@ -127,6 +126,7 @@ def agree_on_outcome(world, groups, failure: FailureRecord) -> None:
                       "stopped after this batch's schedule; its gradients were dropped, no step was taken")
         raise mine
     where = groups.topology.coord(failed)
+    tensor = f", tensor rank {where.model}" if groups.topology.model > 1 else ""
     raise StageFailed(f"stage {groups.coord.pipe}: stage {where.pipe} (rank {failed}, data-parallel rank "
-                      f"{where.data}) raised inside the schedule{texts[failed]}; every rank stops here, the "
+                      f"{where.data}{tensor}) raised inside the schedule{texts[failed]}; every rank stops here, the "
                       "batch's gradients were dropped and no step was taken")

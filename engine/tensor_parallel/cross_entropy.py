@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Communicator
+from .collective_ledger import note
 from .group import tensor_parallel_comm
 
 
@@ -23,6 +24,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = z.shape[-1]
         start = comm.rank * local_vocab
         peak = z.max(dim=-1).values
+        note("all_reduce", comm, peak, torch.distributed.ReduceOp.MAX)  # collective_ledger.py
         comm.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
         z = z - peak.unsqueeze(-1)
         owned = (target >= start) & (target < start + local_vocab)
@@ -30,6 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
         exp = z.exp()
         sums = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
+        note("all_reduce", comm, sums, torch.distributed.ReduceOp.SUM)
         comm.all_reduce(sums)
         total, target_logit = sums[0], sums[1]
         valid = target != ignore_index

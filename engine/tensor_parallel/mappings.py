@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Communicator
+from .collective_ledger import note
 
 
 def split_last_dim(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
@@ -31,6 +32,7 @@ def gather_last_dim(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     if comm.world_size == 1:
         return x
     x = x.contiguous()
+    note("all_gather", comm, x)  # collective_ledger.py
     # all_gather concatenates along dim 0, so gather (world, *shape) and move the rank axis last.
     out = torch.empty((comm.world_size, *x.shape), dtype=x.dtype, device=x.device)
     comm.all_gather(out, x)
@@ -39,6 +41,7 @@ def gather_last_dim(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 
 def all_reduce_sum(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     x = x.contiguous().clone()
+    note("all_reduce", comm, x, torch.distributed.ReduceOp.SUM)
     comm.all_reduce(x)
     return x
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .collective_ledger import note
 from .layers import section_sizes
 
 
@@ -58,6 +59,7 @@ def close_region() -> None:
 def _summing_hook(comm):
     def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()  # autograd may hold the incoming tensor elsewhere
+        note("all_reduce", comm, grad, torch.distributed.ReduceOp.SUM)  # collective_ledger.py
         comm.all_reduce(grad)
         return grad
     return hook
