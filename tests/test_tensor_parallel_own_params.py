@@ -212,17 +212,29 @@ class _SquareHeads(nn.Module):
         x = self.tok(ids)
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q = q + self.head_bias.view(1, -1, 1, 1)  # one per head: 4 entries against this rank's 2 heads
+        q = q + self._bias().view(1, -1, 1, 1)  # one per head: 4 entries against this rank's 2 heads
         return self.o_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)).sum()
+
+    def _bias(self):
+        return self.head_bias
+
+
+class _SlicedHeads(_SquareHeads):
+    """The same bias cut by the head count: on one rank's 2 heads `[:num_heads]` reads the first 2 entries
+    on both ranks, which ran without error, silently wrong (autotp.py's note on head-sized parameters)."""
+
+    def _bias(self):
+        return self.head_bias[:self.num_heads]
 
 
 def _refusals() -> dict:
     from engine.comm import Communicator
     from engine.tensor_parallel.autotp import shard_model
     found = {}
-    for kind in ("use_gate_twice", "whole_width_bias", "per_head_square"):
+    for kind in ("use_gate_twice", "whole_width_bias", "per_head_square", "per_head_sliced"):
         torch.manual_seed(0)
-        model = _SquareHeads() if kind == "per_head_square" else _Net(**{kind: True})
+        heads = {"per_head_square": _SquareHeads, "per_head_sliced": _SlicedHeads}
+        model = heads[kind]() if kind in heads else _Net(**{kind: True})
         shard_model(model, Communicator(None))
         try:
             model(torch.zeros(2, 6, dtype=torch.long)).backward()
@@ -289,6 +301,14 @@ def test_a_per_head_parameter_as_long_as_head_dim_fails_with_a_note_naming_it(re
         assert kind == "RuntimeError", (kind, text)
         assert len(notes) == 1 and "_SquareHeads holds head_bias, as long as head_dim and as a head count" in notes[0] \
             and "autotp_size at 1" in notes[0], notes
+
+
+def test_a_per_head_parameter_as_long_as_head_dim_read_in_part_is_refused_by_name(results):
+    for r in results:  # before 2026-12-07 it trained on without error, each rank adding heads 0-1's entries
+        kind, text, _ = r["refusals"]["per_head_sliced"]
+        assert kind == "ValueError", (kind, text)
+        assert text.startswith("tensor parallelism: _SlicedHeads.head_bias (4,) is as long as head_dim and as a head "
+                               "count, and its forward reads part of it (SliceBackward0)"), text
 
 
 def test_a_whole_width_own_parameter_inside_a_region_fails_with_a_note_naming_it(results):

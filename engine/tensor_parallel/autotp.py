@@ -27,7 +27,10 @@ sharding. One as long as head_dim is a per-head-dim scale applied to every head 
 (DiffLlama with hidden 16 and 4 heads) the length cannot tell them apart; it was refused, a false refusal
 of a model that trains exactly, so the length of head_dim wins: a per-head parameter of such a model is
 not refused here: broadcast against the heads it meets torch's shape error in its first forward, with
-a note naming it; sliced by the divided head count (`p[:self.num_heads]`) it would run wrong, unseen.
+a note naming it; read in part (sliced by the divided head count, `p[:self.num_heads]`, which ran
+without error, every rank reading the first heads' entries) its first forward raises, naming it: a
+per-head-dim scale is read whole (own_params.py's `refuse_partial_reads`, from the autograd graph).
+A per-head parameter reshaped to the heads and then indexed through an op other than a view is not seen.
 Where neither the module nor its config states head_dim, a head count's length is refused as before.
 """
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ..comm import Communicator
 from .autotp_layouts import PAIRED_HEADS, column_sections, is_cut, keep_head_inputs, refuse_unshardable
 from .dropout_region import mark_parallel_region
 from .layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
-from .own_params import note_region_failures
+from .own_params import note_region_failures, refuse_partial_reads
 
 # leaf name -> number of fused sections
 # (OPT, GPT-J, GPT-NeoX, BLOOM, Falcon, Phi: `fc1 fc_in dense_h_to_4h query_key_value`, `out_proj fc2
@@ -112,6 +115,7 @@ def _refuse_per_head_own_parameters(owner: nn.Module, where: str) -> None:
     head_dims = {getattr(src, "head_dim") for src in (owner, config) if isinstance(getattr(src, "head_dim", None), int)}
     either = [name for name, p in owner.named_parameters(recurse=False) if p.numel() in sizes & head_dims]
     if either:  # note: head-sized parameters
+        refuse_partial_reads(owner, either)
         note_region_failures(owner, either, "as long as head_dim and as a head count: taken for one entry per "
                                             "head_dim, which every head shares; if it has one per head, each rank "
                                             "meets its heads with all of them")

@@ -42,19 +42,26 @@ def _first_tensor(output):
     return output
 
 
+def _walk(roots: list, stops: set) -> dict:
+    """Every node reachable from `roots` without crossing a stop -> the nodes reached that consume it."""
+    users: dict = {}
+    todo = [(node, None) for node in roots]
+    while todo:
+        node, user = todo.pop()
+        if node is None or node in stops:
+            continue
+        seen = node in users
+        users.setdefault(node, [])
+        if user is not None:
+            users[node].append(user)
+        if not seen:
+            todo.extend((n, node) for n, _ in node.next_functions)
+    return users
+
+
 def _leaves(roots: list, stops: set) -> set[int]:
     """ids of the leaf tensors (AccumulateGrad nodes) reachable from `roots` without crossing a stop."""
-    found, seen, todo = set(), set(), list(roots)
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen or node in stops:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            found.add(id(variable))
-        todo.extend(n for n, _ in node.next_functions)
-    return found
+    return {id(node.variable) for node in _walk(roots, stops) if getattr(node, "variable", None) is not None}
 
 
 class _Graph:
@@ -159,3 +166,55 @@ def note_region_failures(owner: nn.Module, names: list[str], why: str) -> None:
                            "tensor_parallel.autotp_size at 1 for this model, or shard it with "
                            "engine.tensor_parallel's layers")
     owner.register_forward_hook(noted, always_call=True, prepend=True)
+
+
+_VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "ReshapeAliasBackward0")
+
+
+def _reads_part(node, size: int) -> bool:
+    """Whether the autograd node `node`, which consumes a tensor of `size` elements, reads part of it."""
+    name = type(node).__name__
+    if name == "SliceBackward0":
+        return min(node._saved_end, node._saved_self_sym_sizes[node._saved_dim]) - node._saved_start < \
+            node._saved_self_sym_sizes[node._saved_dim]
+    return name in ("SelectBackward0", "IndexBackward0", "NarrowBackward0", "SplitBackward0", "UnbindBackward0")
+
+
+def refuse_partial_reads(owner: nn.Module, names: list[str]) -> None:
+    """At the owner's first forward with gradients, refuse a parameter of `names` (as long as head_dim and
+    as a head count: autotp.py's note on head-sized parameters) that the forward reads in part (sliced,
+    indexed): one entry per head, cut by the divided head count (`p[:self.num_heads]`), which on every
+    rank reads the first heads' entries. Read whole it is a per-head-dim scale, which trains exactly."""
+    params = {name: p for name, p in owner.named_parameters(recurse=False) if name in names and p.requires_grad}
+    if not params:
+        return
+    inputs: set = set()
+
+    def start(module, args, kwargs) -> None:
+        inputs.clear()
+        inputs.update(_grad_nodes([*args, *kwargs.values()]))
+
+    def end(module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for handle in handles:  # once: the graph's shape does not change between forwards
+            handle.remove()
+        consumers = _walk(_grad_nodes([_first_tensor(output)]), inputs)
+        names = {id(p): name for name, p in params.items()}
+        accumulate = {node: names[id(node.variable)] for node in consumers  # a parameter's AccumulateGrad node
+                      if id(getattr(node, "variable", None)) in names}
+        for node, name in accumulate.items():
+            frontier = list(consumers.get(node, []))
+            while frontier:
+                user = frontier.pop()
+                if type(user).__name__ in _VIEWS:
+                    frontier += consumers.get(user, [])
+                elif _reads_part(user, params[name].numel()):
+                    raise ValueError(f"tensor parallelism: {type(owner).__name__}.{name} {tuple(params[name].shape)} is "
+                                     "as long as head_dim and as a head count, and its forward reads part of it "
+                                     f"({type(user).__name__}): one entry per head, indexed by the divided head count, "
+                                     "would meet every rank's heads with the first heads' entries; leave "
+                                     "tensor_parallel.autotp_size at 1 for this model, or shard it with "
+                                     "engine.tensor_parallel's layers")
+    handles = [owner.register_forward_pre_hook(start, with_kwargs=True), owner.register_forward_hook(end)]
+
