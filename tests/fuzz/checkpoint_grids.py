@@ -10,12 +10,12 @@ must come back row for row), `gradient_clipping: 0`, a global batch of 8 sequenc
 Worlds of up to 4 ranks (4 oversubscribes 2 cores: a case takes ~30-60 s). Not part of the suite."""
 import random
 import shutil
-import sys
 import tempfile
 
 import torch
 
 from tests.harness import run_distributed
+from tests.fuzz.cli import main, verdict
 from tests.models import micro_batches
 
 GLOBAL, SAVE_AT, STEPS = 8, 1, 3
@@ -134,10 +134,8 @@ def check(seed, timeout=240):
             seen.add(n)
     if seen != set(want):
         bad.append(f"missing {sorted(set(want) - seen)}")
-    return f"seed {seed} {'OK' if not bad else 'FAIL ' + '; '.join(bad[:6])}" + ("" if not bad else f"\n  cfg {c}")
+    return verdict(seed, bad, c)
 
 
 if __name__ == "__main__":
-    s0, n = int(sys.argv[1]), int(sys.argv[2])
-    for s in range(s0, s0 + n):
-        print(check(s), flush=True)
+    main(check)

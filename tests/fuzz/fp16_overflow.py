@@ -10,12 +10,12 @@ order), and the skipped-step count.
 Not part of the suite (it draws new cases)."""
 import os
 import random
-import sys
 import tempfile
 
 import torch
 
 from tests.harness import run_distributed
+from tests.fuzz.cli import main, verdict
 from tests.fuzz import zero_training as fuzz
 
 STEPS = 8
@@ -90,10 +90,8 @@ def check(seed, timeout=200):
             err = (g.float() - w.float()).abs().max().item() if g.shape == w.shape else float("inf")
             if not err <= 5e-4:
                 bad.append(f"r{r} {n} err {err:.2e}")
-    return f"seed {seed} {'OK' if not bad else 'FAIL ' + '; '.join(bad[:6])}" + ("" if not bad else f"\n  cfg {c}")
+    return verdict(seed, bad, c)
 
 
 if __name__ == "__main__":
-    s0, n = int(sys.argv[1]), int(sys.argv[2])
-    for s in range(s0, s0 + n):
-        print(check(s), flush=True)
+    main(check)

@@ -14,12 +14,12 @@ import math
 import os
 import random
 import shutil
-import sys
 import tempfile
 
 import torch
 
 from tests.harness import run_distributed
+from tests.fuzz.cli import main, verdict
 from tests.fuzz import zero_training as fuzz
 
 STEPS = 6
@@ -342,10 +342,8 @@ def check(seed, timeout=150):
             g = got["params"][n]
             err = (g - want).abs().max().item() if g is not None and g.shape == want.shape else float("inf")
             if err > tol: bad.append(f"r{r} {n} err {err:.2e}")
-    return f"seed {seed} {'OK' if not bad else 'FAIL ' + '; '.join(bad[:6])}" + ("" if not bad else f"\n  cfg {c}")
+    return verdict(seed, bad, c)
 
 
 if __name__ == "__main__":
-    s0, n = int(sys.argv[1]), int(sys.argv[2])
-    for s in range(s0, s0 + n):
-        print(check(s), flush=True)
+    main(check)
