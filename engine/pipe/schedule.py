@@ -172,9 +172,9 @@ def release_input_grads(recv_infos) -> None:
     `clear_runtime_states`: on the last stage each output (`output_chunks`, for `step()`'s merged return,
     which train_batch never reads; eval_batch's return_logits does, so only training drops them), and
     after the zero-bubble schedule's input-gradient backward the gradient of each received activation
-    (the receive buffer's `.grad`; torch's full backward drops it itself). Held, they were m tensors of an
-    activation's size that all went at once when the next step started, so the heap's top shrank and
-    regrew every step (docs/pipeline_measurements.md: minor page faults per step). The gradient is dropped
+    (the receive buffer's `.grad`; torch's full backward drops it itself): m activation-sized tensors a
+    stage held between steps for nothing (docs/pipeline_measurements.md, 2026-12-07: what it did not
+    change is the page faults per step, which follow glibc's heap, not these). The gradient is dropped
     once its send op is built: the op, and the work posting it returns, hold the tensor until the
     transport has read it (gloo's send work keeps it; NCCL's records it on its stream), so dropping this
     reference frees nothing early, and the next micro-batch's gradient is a tensor of its own."""
