@@ -4,7 +4,8 @@ GPT-NeoX and BLOOM (query_key_value fused head by head, dense; dense_h_to_4h/den
 ALiBi bias handed to its attention per head of the whole model, with and without a padding mask),
 Falcon with key/value groups (new_decoder_architecture), with per-head q|k|v, and with ALiBi in its
 attention mask, Persimmon and Phi (dense), XGLM (out_proj; its attention reshapes to `embed_dim`),
-Phi-3 under grouped-query attention (`qkv_proj` fused q|k|v of unequal widths, `gate_up_proj`).
+Phi-3 under grouped-query attention (`qkv_proj` fused q|k|v of unequal widths, `gate_up_proj`), Llama
+and Qwen3 (its k_norm) with one key/value head on 2 ranks and Llama with 2 on 4 ranks (kv_heads.py).
 Each, sharded on 2 ranks, against the dense model in one process on the same batches, SGD without
 momentum (the update is linear in the gradient), fp32: every loss, every gradient of every step (this
 rank's slice of a sharded one) and every parameter after STEPS steps within ATOL (summation order
@@ -51,12 +52,17 @@ FAMILIES = {
     "falcon_alibi": ("FalconConfig", "FalconForCausalLM", dict(COMMON, multi_query=False, alibi=True)),
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(COMMON, intermediate_size=I, qk_layernorm=True)),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(COMMON, intermediate_size=I, num_key_value_heads=NH)),
+    # one key/value head on 2 ranks (kv_heads.py), with biases; Qwen3's k_norm on the key head
+    "llama_kv1": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, intermediate_size=I, num_key_value_heads=1,
+                                                          attention_bias=True)),
+    "qwen3_kv1": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, intermediate_size=I, num_key_value_heads=1,
+                                                          head_dim=8)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, intermediate_size=I, num_key_value_heads=2, pad_token_id=0)),
     "xglm": ("XGLMConfig", "XGLMForCausalLM", dict(vocab_size=V, d_model=H, attention_heads=NH, num_layers=L,
                                                    ffn_dim=I)),
 }
 # projections replaced per layer: attention and MLP pairs (OPT's and Phi's MLP: fc1/fc2)
-REPLACED = {"opt": 6, "gptj": 6, "phi": 6, "xglm": 6}
+REPLACED = {"opt": 6, "gptj": 6, "phi": 6, "xglm": 6, "llama_kv1": 7, "qwen3_kv1": 7}
 PADDED = {"bloom_padded": "bloom", "falcon_alibi_padded": "falcon_alibi"}  # ALiBi built from the mask
 REFUSED = {
     "phi3_kv_heads": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, intermediate_size=I, num_key_value_heads=1,
@@ -139,17 +145,18 @@ def _refusal(name: str) -> str:
         return str(err)
 
 
-def _initialize_route() -> dict:
-    """GPT-NeoX through engine.initialize (autotp_size 2, ZeRO 0) against the dense model's SGD."""
+def _initialize_route(family: str = "gpt_neox", clip: float = 0.0, zero: int = 0) -> dict:
+    """A family through engine.initialize (autotp_size 2) against the dense model's SGD, clipped at `clip`
+    (0: not clipped) as torch's clip_grad_norm_ clips it."""
     import engine
     torch.manual_seed(0)
-    model = _build(*FAMILIES["gpt_neox"][:2], **FAMILIES["gpt_neox"][2])
+    model = _build(*FAMILIES[family][:2], **FAMILIES[family][2])
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     eng, *_ = engine.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": 0},
-        "tensor_parallel": {"autotp_size": 2}})
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": zero},
+        "zero_allow_untested_optimizer": True, "tensor_parallel": {"autotp_size": 2}})
     g = torch.Generator().manual_seed(1)
     losses, ref_losses = [], []
     for _ in range(STEPS + 1):
@@ -159,15 +166,18 @@ def _initialize_route() -> dict:
         eng.step()
         ref_loss = reference(input_ids=ids, labels=ids).loss
         ref_loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         ref_opt.step()
         ref_opt.zero_grad()
         losses.append(loss.item())
         ref_losses.append(ref_loss.item())
-    comm = eng.module.gpt_neox.layers[0].attention.query_key_value.comm
+    from engine.comm import Communicator
+    comm = Communicator(None)
     dense = dict(reference.named_parameters())
     param_err = max((p.detach() - _dense_slice(p, dense[n].detach(), comm)).abs().max().item()
                     for n, p in eng.module.named_parameters())
-    sharded = type(eng.module.gpt_neox.layers[0].attention.query_key_value).__name__
+    sharded = type(eng.module.gpt_neox.layers[0].attention.query_key_value).__name__ if family == "gpt_neox" else ""
     eng.destroy()
     return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param": param_err, "qkv": sharded}
 
@@ -176,6 +186,7 @@ def _all() -> dict:
     out = {name: _equals_dense(name) for name in (*FAMILIES, *PADDED)}
     out.update({name: _refusal(name) for name in REFUSALS})
     out["initialize"] = _initialize_route()
+    out["initialize_kv1_clipped"] = _initialize_route("llama_kv1", clip=0.05, zero=2)
     return out
 
 
@@ -204,6 +215,27 @@ REFUSALS = {"phi3_kv_heads": "2 does not divide the head counts of model.layers.
 def test_layout_that_cannot_be_cut_is_refused_naming_the_module(results, name):
     for r in results:
         assert r[name].startswith(f"tensor_parallel.autotp_size: {REFUSALS[name]}"), r[name]
+
+
+def _four_ranks() -> dict:
+    FAMILIES["llama_kv2"] = ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, intermediate_size=I,
+                                                                     num_key_value_heads=2, attention_bias=True))
+    return _equals_dense("llama_kv2")
+
+
+def test_key_value_heads_shared_by_two_of_four_ranks_train_as_the_dense_model():
+    """2 key/value heads on 4 ranks: ranks 0-1 keep head 0, ranks 2-3 head 1 (kv_heads.py)."""
+    for got in run_distributed(_four_ranks, 4, timeout=200):
+        assert got["replaced"] == 7 * L and got["sharded_params"] > 0, got
+        assert got["loss"] < ATOL and got["grad"] < ATOL and got["param"] < ATOL and got["state"] < ATOL, got
+
+
+def test_one_key_value_head_through_initialize_clips_with_the_dense_norm(results):
+    """Llama with one key/value head at ZeRO-2, clipping active (the norm counts each key/value weight
+    slice once, the replicated bias once)."""
+    for r in results:
+        got = r["initialize_kv1_clipped"]
+        assert got["loss"] < ATOL and got["param"] < ATOL, got
 
 
 def test_gpt_neox_through_initialize_trains_as_the_dense_model(results):

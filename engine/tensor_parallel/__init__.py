@@ -4,6 +4,7 @@ topology's model group.
 - `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding` (layers.py) and
   `vocab_parallel_cross_entropy` (cross_entropy.py), which never gathers the vocabulary;
 - `ParallelSelfAttention` (heads split across ranks), `ParallelMLP` (attention.py);
+- `KeyValueHeadLinear`: k/v projections with fewer key/value heads than ranks (kv_heads.py, AutoTP's);
 - the region collectives, one autograd function each (mappings.py);
 - `tensor_parallel_grad_norm` and the share a whole-model norm adds up (grads.py);
 - dropout streams: `engine.checkpointing.get_cuda_rng_tracker` / `model_parallel_cuda_manual_seed`

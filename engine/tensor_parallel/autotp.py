@@ -8,7 +8,8 @@ GPT-2's `c_attn` and examples/gpt.py's `qkv` fuse q|k|v and are split section by
 (layers.py, note on fused projections); `Conv1D`'s transposed weight is handled by `from_dense`.
 The layouts of fused projections (GPTBigCode's per-head `c_attn`, GPT-NeoX's, BLOOM's and Falcon's
 `query_key_value`), DiffLlama's paired heads and BLOOM's and Falcon's per-head ALiBi inputs are
-autotp_layouts.py's (its notes).
+autotp_layouts.py's (its notes). Separate k_proj/v_proj with fewer key/value heads than T (T a multiple
+of them) become kv_heads.py's `KeyValueHeadLinear`: each rank keeps the head its queries read.
 A fused `c_attn` or `qkv` of a model not listed is taken to be GPT-2's layout; the head counts it needs
 are checked, its layout cannot be (a `query_key_value` not listed is refused: autotp_layouts.py).
 Embeddings, the LM head and norms stay whole (replicated; grads.py's note). Dropout between a
@@ -42,8 +43,9 @@ import torch.nn as nn
 from ops.sparse_attention import SparseSelfAttention
 
 from ..comm import Communicator
-from .autotp_layouts import PAIRED_HEADS, column_sections, is_cut, keep_head_inputs, refuse_unshardable
+from .autotp_layouts import PAIRED_HEADS, column_sections, is_cut, keep_head_inputs, refuse_unshardable, stated_count
 from .dropout_region import mark_parallel_region
+from .kv_heads import KeyValueHeadLinear
 from .layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 from .own_params import note_region_failures, refuse_partial_reads
 
@@ -57,16 +59,31 @@ ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "proj", "out", "out_proj", "fc2
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv", "query_key_value", "qkv_proj")
 HEAD_COUNTS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 HEAD_COUNT_ATTRIBUTES = HEAD_COUNTS + ("split_size", "embed_dim")  # note: head counts
+KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads")
 
 
 def _is_projection(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
-def _divide_head_counts(owner: nn.Module, world: int, where: str) -> None:
+def _few_kv_heads(owner: nn.Module, children: dict, world: int) -> int | None:
+    """The key/value head count of an owner with separate k_proj and v_proj and fewer key/value heads
+    than ranks, which the ranks divide by (kv_heads.py's note); None otherwise."""
+    if not {"k_proj", "v_proj"} <= children.keys() or type(owner).__name__ in PAIRED_HEADS:
+        return None
+    kv = stated_count(owner, KV_HEAD_COUNTS)
+    return kv if kv is not None and kv < world and world % kv == 0 else None
+
+
+def _divide_head_counts(owner: nn.Module, world: int, where: str, few_kv: bool = False) -> None:
+    """Divide `owner`'s head counts by T; with fewer key/value heads than ranks each keeps one."""
+    if few_kv and isinstance(getattr(owner, "num_key_value_groups", None), int):
+        owner.num_key_value_groups = _head_count(owner) // world  # its query heads read its one key/value head
     for attribute in HEAD_COUNT_ATTRIBUTES:
         value = getattr(owner, attribute, None)
-        if isinstance(value, int) and not isinstance(value, bool):
+        if few_kv and attribute in KV_HEAD_COUNTS and isinstance(value, int):
+            setattr(owner, attribute, 1)
+        elif isinstance(value, int) and not isinstance(value, bool):
             if value % world:
                 raise ValueError(f"tensor_parallel.autotp_size: {where}.{attribute} = {value} does not divide by "
                                  f"{world}; use an autotp_size that divides the head count")
@@ -76,7 +93,7 @@ def _divide_head_counts(owner: nn.Module, world: int, where: str) -> None:
         counts = {a: getattr(config, a) for a in HEAD_COUNTS if isinstance(getattr(config, a, None), int)}
         owner.config = copy.copy(config)
         for attribute, value in counts.items():  # from the values read before: an attribute_map alias is one value
-            setattr(owner.config, attribute, value // world)
+            setattr(owner.config, attribute, 1 if few_kv and attribute in KV_HEAD_COUNTS else value // world)
 
 
 def _head_count(owner: nn.Module) -> int:
@@ -89,12 +106,12 @@ def _head_count(owner: nn.Module) -> int:
     return 0
 
 
-def _check_config_head_counts(owner: nn.Module, world: int, where: str) -> None:
+def _check_config_head_counts(owner: nn.Module, world: int, where: str, few_kv: bool = False) -> None:
     """An attention module without head-count attributes (HF Llama's reads its config): every head
     count of its config must divide by T, or a rank would hold part of a (key/value) head."""
     config = getattr(owner, "config", None)
     counts = {a: getattr(config, a) for a in ("num_attention_heads", "num_key_value_heads", "num_kv_heads")
-              if isinstance(getattr(config, a, None), int)}
+              if isinstance(getattr(config, a, None), int) and not (few_kv and a in KV_HEAD_COUNTS)}
     pair = PAIRED_HEADS.get(type(owner).__name__, 1)  # DiffLlama: else a rank's chunk(2) met one head or 1.5
     if any(value % (world * pair) for value in counts.values()):
         listed = ", ".join(f"config.{a} = {v}" for a, v in counts.items())
@@ -158,14 +175,17 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
         sharded_attention, column, row = False, [], []
         where = owner_name or type(model).__name__
         refuse_unshardable(owner, where)
+        few_kv = _few_kv_heads(owner, children, comm.world_size)
         if children.keys() & set(ATTENTION_PROJECTIONS):
-            _check_config_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
+            _check_config_head_counts(owner, comm.world_size, owner_name or type(model).__name__, few_kv is not None)
             _refuse_per_head_own_parameters(owner, owner_name or type(model).__name__)
         for name, child in children.items():
             path = f"{owner_name}.{name}" if owner_name else name
             parts = column_sections(owner, name, COLUMN_PARALLEL[name], path) if name in COLUMN_PARALLEL else 1
             try:
-                if name in COLUMN_PARALLEL:
+                if few_kv is not None and name in ("k_proj", "v_proj"):
+                    layer = KeyValueHeadLinear(child, few_kv, stated_count(owner, ("head_dim",)) or 0, group=comm)
+                elif name in COLUMN_PARALLEL:
                     layer = ColumnParallelLinear.from_dense(child, parts=parts, group=comm)
                 else:
                     layer = RowParallelLinear.from_dense(child, input_is_parallel=True, group=comm)
@@ -179,7 +199,7 @@ def shard_model(model: nn.Module, comm: Communicator, require_projections: bool 
         mark_parallel_region(owner, column, row)
         if sharded_attention:
             keep_head_inputs(owner, _head_count(owner), comm.rank, comm.world_size)
-            _divide_head_counts(owner, comm.world_size, owner_name or type(model).__name__)
+            _divide_head_counts(owner, comm.world_size, owner_name or type(model).__name__, few_kv is not None)
             _shard_sparse_attention(owner, comm, owner_name or type(model).__name__)
     if not replaced and require_projections:
         raise ValueError(f"tensor_parallel.autotp_size: {comm.world_size}, but no projection of "

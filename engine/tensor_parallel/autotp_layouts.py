@@ -61,7 +61,8 @@ def is_cut(owner: nn.Module, name: str) -> bool:
     return name not in FUSED_BY_HEAD_COUNTS or type(owner).__name__ in HEAD_COUNT_OWNERS
 
 
-def _count(owner: nn.Module, names: tuple[str, ...]) -> int | None:
+def stated_count(owner: nn.Module, names: tuple[str, ...]) -> int | None:
+    """The first of `names` the module or its config states as an int."""
     config = getattr(owner, "config", None)
     for src in (owner, config):
         for attribute in names:
@@ -72,9 +73,9 @@ def _count(owner: nn.Module, names: tuple[str, ...]) -> int | None:
 
 def _head_count_sections(owner: nn.Module, path: str) -> tuple[int, int, int]:
     """q|k|v widths of a projection fused by head counts (note: unequal sections)."""
-    heads = _count(owner, ("num_heads", "num_attention_heads"))
-    kv_heads = _count(owner, ("num_key_value_heads", "num_kv_heads"))
-    head_dim = _count(owner, ("head_dim",))
+    heads = stated_count(owner, ("num_heads", "num_attention_heads"))
+    kv_heads = stated_count(owner, ("num_key_value_heads", "num_kv_heads"))
+    head_dim = stated_count(owner, ("head_dim",))
     if heads is None or kv_heads is None or head_dim is None:
         raise ValueError(f"tensor_parallel.autotp_size: {path} ({type(owner).__name__}) fuses q, k and v, but its module "
                          "or config does not state num_attention_heads, num_key_value_heads and head_dim, which size "

@@ -28,6 +28,7 @@ import sys
 import torch
 import torch.nn as nn
 
+from .kv_heads import KeyValueHeadLinear
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .region_params import region_is_open, sum_gradient_over
 
@@ -89,7 +90,7 @@ def _own_parameters(owner: nn.Module, parallel: list[nn.Module]) -> dict[str, nn
     """The trainable parameters the owner holds itself, or through a child that also holds one of its
     parallel layers (dropout_region.py's note: the smallest module that runs the pair); a child without
     parallel layers is region_params.py's. The parallel layers' own parameters are theirs."""
-    layers = [m for m in owner.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    layers = [m for m in owner.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, KeyValueHeadLinear))]
     taken = {id(p) for m in layers for p in m.parameters()}
     own = {name: p for name, p in owner.named_parameters(recurse=False) if p.requires_grad}
     for child_name, child in owner.named_children():

@@ -106,9 +106,12 @@ def _watch(child: nn.Module, comm, widths: set[int]) -> None:
 
 
 def column_widths(column: list[nn.Module]) -> set[int]:
-    """A column layer's whole output and one fused section of it (module note)."""
+    """A column layer's whole output and one fused section of it (module note). A key/value head layer
+    (kv_heads.py) hands each rank one whole head: what runs on it meets what it would in the dense model."""
     widths = set()
     for layer in column:
+        if getattr(layer, "head_dim", None) is not None:  # a KeyValueHeadLinear
+            continue
         widths |= {layer.out_features, *section_sizes(layer.out_features, layer.weight.tensor_parallel_parts)}
     return widths
 

@@ -29,6 +29,9 @@ def cfgs():
     add("falcon_mq", "FalconConfig", "FalconForCausalLM", vocab_size=V, hidden_size=H, num_attention_heads=NH,
         num_hidden_layers=L, multi_query=True, new_decoder_architecture=False)
     add("llama", "LlamaConfig", "LlamaForCausalLM", num_key_value_heads=KV, **COMMON)
+    add("llama_kv1", "LlamaConfig", "LlamaForCausalLM", num_key_value_heads=1, **COMMON)
+    add("qwen3_kv1", "Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=1, head_dim=8, **COMMON)
+    add("phi3_kv1", "Phi3Config", "Phi3ForCausalLM", num_key_value_heads=1, pad_token_id=0, **COMMON)
     add("mistral", "MistralConfig", "MistralForCausalLM", num_key_value_heads=KV, **COMMON)
     add("mixtral", "MixtralConfig", "MixtralForCausalLM", num_key_value_heads=KV, num_local_experts=4, num_experts_per_tok=2, **COMMON)
     add("qwen2", "Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=KV, **COMMON)
