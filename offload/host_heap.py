@@ -29,8 +29,9 @@ without NVMe that fixes the threshold; the whole step 1859 ms against 2254-2491 
 are device memory and only host tensors pay it. Trimming instead (glibc's threshold, `malloc_trim(0)`
 after every step) does not bound the peak, which is inside backward: 2062-2129 MiB above the start on
 the 265M GPT, against 1367-1429 with the fixed threshold and 2308 with neither
-(2026-12-06-infinity-rss-heap-policies.txt). So the bound stays the default, and a user who would
-rather trade host memory for speed sets `MALLOC_MMAP_THRESHOLD_` (say 33554432), which this leaves alone.
+(2026-12-06-infinity-rss-heap-policies.txt). So the bound stays the default, outside the model's
+forward (fourth note), and a user who would rather trade host memory for speed sets
+`MALLOC_MMAP_THRESHOLD_` (say 33554432), which this leaves alone.
 [Note: why the parameter tier] The churn the bound catches is stage 3's gathered units, their
 gradients and buckets, which with parameters on NVMe pass through the host each step. With only the
 optimizer on NVMe the bound bought little and cost the 25% above: the same 265M GPT with parameters in
@@ -48,18 +49,44 @@ leave glibc's threshold alone: tried with a switch in the ranks (707 `torch.empt
 of engine/, offload/, ops/ on private mmaps), the 265M GPT's peak with parameters on NVMe fell only from
 2362-2364 to 1978-2118 MiB above the start (fixed threshold: 1392-1429), the rest being tensors torch
 allocates inside the ops and autograd (2026-12-06-infinity-rss-private-mappings.txt).
+[Note: the forward in the heap] What the second note's cost is made of: the forward's activations, and
+then backward's and the step's transients, each a fresh mapping. So while a stage-3 model's forward runs
+(the coordinator's root pre- and post-forward hooks, engine/zero/prefetch.py: `forward_in_heap`) the
+threshold is FORWARD_THRESHOLD, where glibc's dynamic one ends, and its blocks come from the heap, on
+pages an earlier forward left there. The tier's own transients inside it (each gather's send, output
+and full tensors, the parameter reads it starts: `tier_buffers`) keep mappings of their own: in the heap
+they fragment it, and the whole forward in the heap cost 400-500 MiB more peak RSS on the 265M GPT
+(+1837 / +1942 MiB above the start against +1402 / +1440 with the bound throughout, 2026-12-07). After
+the forward the threshold is 256 KiB again, and glibc serves a large block from a free heap chunk that
+fits before it maps one: backward and the step reuse what the activations leave free, and the heap grows
+only inside a forward, by the forward's own blocks. The bound kept is then what is live plus the free
+part of the heap the forward left: on the 265M GPT +1475 / +1513 MiB above the start at the peak
+(backward 1), against +1402 / +1440 with the bound throughout and +2308 with glibc's (2026-12-06); malloc
+held above live there 65 / 87 MiB, and 102 MiB at the end (2 ranks, same host, 2026-12-07, loaded).
+The 25M GPT (both tiers on NVMe, max_in_cpu 0, 2 ranks, paired A/B on a loaded host, 2026-12-07):
+the forward's minor faults 26-46 thousand against 140 thousand with the bound throughout, its main-
+thread CPU 1062-1279 against 1511-1665 ms, backward's 1925-2189 against 2713-2869 ms (faults 67-76
+against 176 thousand), the step's faults 7-10 against 18 thousand; peak RSS per rank 868-884 against
+832-838 MB (glibc's threshold at 32 MiB: 945-990) (benchmarks/results/2026-12-07-heap-forward-in-heap.txt).
+A forward that raises leaves the forward's threshold until the next forward ends (no post-hook runs).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import platform
 
 MMAP_THRESHOLD = 256 << 10
+# glibc's ceiling for the threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), which its dynamic threshold
+# reaches: the forward's blocks are served as a process without the bound serves them (fourth note)
+FORWARD_THRESHOLD = 32 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 _ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 _done: bool | None = None
+_mallopt = None  # libc's, once the thresholds are ours
+_in_forward = False  # forward_in_heap's state
 
 
 def _libc():
@@ -76,9 +103,35 @@ def _libc():
 
 def bound_heap_retention() -> bool:
     """Fix glibc's mmap and trim thresholds (module note), once; True if this process's are now ours."""
-    global _done
+    global _done, _mallopt
     if _done is None:
         chosen = any(os.environ.get(name) for name in _ENV) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
         libc = None if chosen else _libc()
         _done = bool(libc) and bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        _mallopt = libc.mallopt if _done else None
     return _done
+
+
+def forward_in_heap(inside: bool) -> None:
+    """A stage-3 forward begins (`inside`) or ends: while it runs, blocks below FORWARD_THRESHOLD come from
+    the heap, and after it from the heap's free chunks or mappings of their own (fourth note). Nothing
+    where the thresholds are not ours (the user's setting, another allocator, no bound asked for)."""
+    global _in_forward
+    if _mallopt is not None:
+        _in_forward = inside
+        _mallopt(_M_MMAP_THRESHOLD, FORWARD_THRESHOLD if inside else MMAP_THRESHOLD)
+
+
+@contextlib.contextmanager
+def tier_buffers():
+    """The tier's own transients (a gather's send, output and full tensors, its reads): mappings of their
+    own, returned on free, also inside the forward (fourth note: they would fragment its heap)."""
+    if not _in_forward:
+        yield
+        return
+    _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if _in_forward:
+            _mallopt(_M_MMAP_THRESHOLD, FORWARD_THRESHOLD)

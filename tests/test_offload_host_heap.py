@@ -1,7 +1,8 @@
 """A process that swaps parameters to NVMe hands freed large blocks back to the system
 (offload/host_heap.py's notes: glibc's dynamic mmap threshold otherwise keeps them in the heap); one that
 swaps only optimizer state, or whose parameter partition all stays resident under `max_in_cpu`, leaves
-glibc's threshold as it is. Each case runs in a fresh interpreter: the thresholds are process-wide."""
+glibc's threshold as it is. A stage-3 model's forward runs in the heap, and after it the bound is back
+(host_heap.py's fourth note). Each case runs in a fresh interpreter: the thresholds are process-wide."""
 import json
 import os
 import platform
@@ -17,18 +18,20 @@ ROOT = Path(__file__).resolve().parent.parent
 # from the heap, unless the thresholds are fixed. The parameter tier's swap file (what zero.Init and the
 # store open) is what fixes them (the wiring); the optimizer tier's swap directory alone does not, nor
 # the store of a partition that max_in_cpu keeps resident (engine/zero/param_nvme.py).
-PROBE = r"""
+MALLINFO = r"""
 import ctypes, json, sys, tempfile
 import psutil, torch
 sys.path.insert(0, sys.argv[1])
-import schemas
-from engine.zero.param_nvme import init_chunk_file
-from offload import SwapDir
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                  "fsmblks", "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = Info
+"""
+PROBE = MALLINFO + r"""
+import schemas
+from engine.zero.param_nvme import init_chunk_file
+from offload import SwapDir
 with tempfile.TemporaryDirectory() as root:
     if sys.argv[2] == "param":
         cfg = schemas.load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
@@ -59,10 +62,10 @@ with tempfile.TemporaryDirectory() as root:
 """
 
 
-def _probe(env_extra: dict, tier: str = "param") -> dict:
+def _probe(env_extra: dict, tier: str = "param", script: str = PROBE) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_extra)
-    out = subprocess.run([sys.executable, "-c", PROBE, str(ROOT), tier], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT), tier], capture_output=True, text=True, env=env,
                          timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -97,3 +100,44 @@ def test_the_optimizer_tier_alone_leaves_glibcs_threshold():
     # host_heap.py's third note: there the bound cost a quarter of the forward on a CPU and bought little
     got = _probe({}, tier="optimizer")
     assert got["mapped_mib"] < 8, got
+
+
+# The model's forward runs in the heap (host_heap.py's fourth note): inside it an 8 MiB block is carved
+# from the heap, not mapped; after it, blocks beyond what the forward left free in the heap are mapped
+# again and returned on free. A stage-3 engine with its parameters on NVMe (max_in_cpu 0) is the wiring.
+FORWARD_PROBE = MALLINFO + r"""
+import engine
+class Probe(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+        self.mapped_inside = []
+    def forward(self, x):
+        before = libc.mallinfo2().hblkhd
+        block = torch.ones(2 << 20)
+        self.mapped_inside.append((libc.mallinfo2().hblkhd - before) / 2**20)
+        return self.lin(x).sum() + block[:64].sum()
+with tempfile.TemporaryDirectory() as root:
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 0}}}
+    eng = engine.initialize(model=Probe(), config=cfg)[0]
+    proc = psutil.Process()
+    for _ in range(2):
+        eng.backward(eng(torch.ones(2, 64)))
+        eng.step()
+        rss0, mapped0 = proc.memory_info().rss, libc.mallinfo2().hblkhd
+        blocks = [torch.ones(2 << 20) for _ in range(8)]
+        mapped = libc.mallinfo2().hblkhd - mapped0
+        del blocks
+        after = {"mapped_mib": mapped / 2**20, "kept_mib": (proc.memory_info().rss - rss0) / 2**20}
+    print(json.dumps({"inside_mib": eng.module.mapped_inside, **after}))
+    eng.destroy()
+"""
+
+
+@needs_glibc
+def test_the_forward_runs_in_the_heap_and_what_follows_is_bounded_again():
+    got = _probe({}, tier="forward", script=FORWARD_PROBE)
+    assert got["inside_mib"] == [0, 0], got  # each forward's 8 MiB block came from the heap
+    assert got["mapped_mib"] >= 56, got      # after it, all but the one block's worth the forward freed is mapped
+    assert got["kept_mib"] < 8, got          # and handed back on free

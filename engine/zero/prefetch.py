@@ -70,6 +70,8 @@ from collections import Counter
 
 import torch
 
+from offload.host_heap import forward_in_heap, tier_buffers
+
 from .anchors import BackwardAnchors
 from .arrivals import reach_fingerprint
 from .release_plan import ReleasePlanner
@@ -200,6 +202,8 @@ class ParamCoordinator:
 
     # -- hook entry points (stage3_units.install_hooks) -------------------------------------------
     def pre_forward(self, unit: int) -> None:
+        if unit == 0:  # the model's forward runs in glibc's heap, where the NVMe parameter tier bounds it
+            forward_in_heap(True)
         if self.held:
             return
         if unit == 0:  # the root: a new pass (a previous one without backward ends here)
@@ -207,6 +211,8 @@ class ParamCoordinator:
         self._pre(unit, "F")
 
     def post_forward(self, unit: int) -> None:
+        if unit == 0:
+            forward_in_heap(False)
         if self.held:
             return
         self._post(unit, "F")
@@ -400,11 +406,12 @@ class ParamCoordinator:
     def _issue(self, g: GatherGroup, phase: str | None = None) -> None:
         if g.gid in self.pending:  # the plan gathers it again before its last gather was used
             self._finish(g, unpack=False)
-        out = g.output_buffer()
-        work = self.comm.all_gather(out, g.send_buffer(), async_op=True)
-        self.pending[g.gid] = (work, out)
-        for _, gid in self.plan[self.plan_ptr:self.plan_ptr + self.read_ahead_groups]:
-            self.groups[gid].sources.read_ahead()  # from swap files, while this gather runs
+        with tier_buffers():  # not in the forward's heap (offload/host_heap.py's fourth note)
+            out = g.output_buffer()
+            work = self.comm.all_gather(out, g.send_buffer(), async_op=True)
+            self.pending[g.gid] = (work, out)
+            for _, gid in self.plan[self.plan_ptr:self.plan_ptr + self.read_ahead_groups]:
+                self.groups[gid].sources.read_ahead()  # from swap files, while this gather runs
         self.gather_log.append((phase or ("B" if self.in_backward else "F"), g.name))
 
     def _finish(self, g: GatherGroup, unpack: bool = True) -> None:
@@ -427,7 +434,8 @@ class ParamCoordinator:
             if any(t != g.gid for t in tags):
                 raise self._divergence(g, tags)
         if unpack and not (g.gathered and self.user_held[g.gid]):  # a GatheredParameters block's values are
-            g.unpack(out)  # the user's (an edit with modifier_rank): a plan gather of the group must not undo them
+            with tier_buffers():  # the user's (an edit with modifier_rank): a plan gather of the group must
+                g.unpack(out)  # not undo them
 
     def _deferred_checks(self) -> bool:
         """Compare ids on the device and read them at pass end (module note: no host reads per unit)?"""
