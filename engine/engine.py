@@ -291,8 +291,13 @@ class Engine(torch.nn.Module):
         """Call on every rank, at any world size and ZeRO stage. Returns (path, client_state), or
         (None, None) with a warning when there is no checkpoint to load."""
         self._offloaded.require("load_checkpoint")
-        return self.checkpoint_io.load(load_dir, tag, load_module_strict, load_optimizer_states,
-                                       load_lr_scheduler_states, load_module_only)
+        loaded = self.checkpoint_io.load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                         load_lr_scheduler_states, load_module_only)
+        # The step log's rate counts from the load's end: restore_counters rebased it mid-load, so the
+        # first line after a resume counted the rest of the load (verification, RNG, the ranks' wait)
+        # as training time; on a loaded machine that halved the logged samples/s.
+        self.logger.rebase(self.global_steps)
+        return loaded
 
     def wait_for_checkpoint(self) -> None:
         """Block until an async save (`checkpoint.async_save`) is committed; re-raise its error."""
