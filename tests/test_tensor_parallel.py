@@ -177,10 +177,10 @@ def _refusals() -> dict:
             "tensor_parallel": {"autotp_size": 2}}
     cases = {"zero_init": {"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True},
              "onebit": {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "stale_parameters": {},
-             "one_kv_head": {}}
+             "odd_kv_heads": {}}
     for name, extra in cases.items():
         with engine.zero.Init(enabled=name == "zero_init"):  # AutoTP cannot cut what Init partitioned
-            model = _tiny_llama(num_key_value_heads=1) if name == "one_kv_head" else _tiny_gpt()
+            model = _tiny_llama(num_key_value_heads=3, heads=6) if name == "odd_kv_heads" else _tiny_gpt()
         params = list(model.parameters()) if name == "stale_parameters" else None
         try:
             engine.initialize(model=model, model_parameters=params, config={**base, **extra})
@@ -324,9 +324,10 @@ def _tiny_qwen3():
     return Qwen3ForCausalLM(cfg)
 
 
-def _tiny_llama(num_key_value_heads: int = 2):
+def _tiny_llama(num_key_value_heads: int = 2, heads: int = 4):
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(vocab_size=64, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=heads,
                       num_key_value_heads=num_key_value_heads, max_position_embeddings=16)
     return LlamaForCausalLM(cfg)
 
@@ -878,10 +879,11 @@ def test_what_does_not_compose_yet_is_refused_by_name(two_rank_results):
     refusals = _checked(two_rank_results[0]["refusals"])
     assert "tensor_parallel.autotp_size: the model was built inside engine.zero.Init" in refusals["zero_init"]
     assert "pass model_parameters=None or model.parameters()" in refusals["stale_parameters"]
-    # GQA with fewer key/value heads than ranks: HF's LlamaAttention keeps its head counts in its config
-    assert refusals["one_kv_head"] == (
+    # GQA with key/value heads T does not divide (fewer than T is built: kv_heads.py); HF's LlamaAttention
+    # keeps its head counts in its config
+    assert refusals["odd_kv_heads"] == (
         "tensor_parallel.autotp_size: 2 does not divide the head counts of model.layers.0.self_attn "
-        "(config.num_attention_heads = 4, config.num_key_value_heads = 1): each rank must hold whole query and "
+        "(config.num_attention_heads = 6, config.num_key_value_heads = 3): each rank must hold whole query and "
         "key/value heads; use an autotp_size that divides them")
     assert "optimizer.type: OneBitAdam (a 1-bit optimizer) with tensor_parallel.autotp_size > 1 is not built" \
         in refusals["onebit"]
