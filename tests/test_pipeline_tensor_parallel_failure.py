@@ -5,8 +5,9 @@ pass), and the loss_fn on tensor rank 1 of the last stage. Every rank of the wor
 failing rank its own error, every other one a StageFailed naming the stage, the tensor rank and the error
 (before the ledger, the failing rank's tensor peer waited in the block's next tensor-parallel collective
 until the process-group timeout: here DSTRAIN_TIMEOUT 30 s and the harness's 100 s, so a hang fails the
-test). Each failing call comes after the first step (the probe and one schedule recorded what the
-collectives are; the first batch of an input shape is not covered: the ledger's note). Nothing changed:
+test). The forward, backward and loss calls come after the first step (the probe and one schedule recorded
+what the collectives are); a fourth, the forward in the probe of a batch of a new shape, is told to the
+peers by the probe's guard (the ledger's note). Nothing changed:
 engine A, which met the three failing calls between its steps, ends bit for bit where engine B, which did
 not, ends, with the same step counters and losses."""
 from __future__ import annotations
@@ -73,24 +74,25 @@ def _build(route: str):
     return pm, eng
 
 
-def _batch(step: int):
+def _batch(step: int, seq: int = 8):
     g = torch.Generator().manual_seed(step)
-    x, y = torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)
+    x, y = torch.randint(0, 32, (4, seq), generator=g), torch.randint(0, 32, (4, seq), generator=g)
     return iter([(x[:2], y[:2]), (x[2:], y[2:])])
 
 
 def _trained(route: str, failing: tuple) -> tuple[dict, list, list]:
-    """Steps 0 and 4 trained; between them, one call per `failing` kind that raises on tensor rank 1."""
+    """Steps 0 and 5 trained; between them, one call per `failing` kind that raises on tensor rank 1
+    ("probe": the forward, in the probe of a batch of a new shape)."""
     pm, eng = _build(route)
     losses, outcomes = [], []
-    for step in range(5):
+    for step in range(6):
         kind = failing[step - 1] if 1 <= step <= len(failing) else None
-        if step and kind is None:
+        if step and kind is None and step != 5:
             continue
-        ARMED["kind"] = kind
+        ARMED["kind"] = "forward" if kind == "probe" else kind
         start = time.monotonic()
         try:
-            losses.append(float(eng.train_batch(data_iter=_batch(step))))
+            losses.append(float(eng.train_batch(data_iter=_batch(step, 6 if kind == "probe" else 8))))
             outcomes.append(None)
         except Exception as err:  # noqa: BLE001 - the outcome is what the test reads
             outcomes.append((kind, type(err).__name__, str(err), time.monotonic() - start))
@@ -103,7 +105,7 @@ def _trained(route: str, failing: tuple) -> tuple[dict, list, list]:
 
 def _both(route: str) -> dict:
     import torch.distributed as dist
-    a, losses_a, outcomes = _trained(route, ("forward", "backward", "loss"))
+    a, losses_a, outcomes = _trained(route, ("forward", "backward", "loss", "probe"))
     b, losses_b, _ = _trained(route, ())
     alike = a["counters"] == b["counters"] and losses_a == losses_b and \
         all(a["params"][n].equal(b["params"][n]) for n in b["params"])
@@ -111,6 +113,7 @@ def _both(route: str) -> dict:
 
 
 ERRORS = {"forward": ("BadActivation", "an activation out of range on tensor rank 1", 1, 0),
+          "probe": ("BadActivation", "an activation out of range on tensor rank 1", 1, 0),
           "backward": ("BadGradient", "a gradient out of range on tensor rank 1", 1, 0),
           "loss": ("BadLabel", "a bad label on tensor rank 1", 3, 1)}  # (type, text, failing rank, its stage)
 
@@ -120,7 +123,7 @@ def test_an_error_on_one_tensor_rank_stops_every_rank_at_once(route):
     results = run_distributed(_both, 4, args=(route,), timeout=100, env={"DSTRAIN_TIMEOUT": "30"})
     for r in results:
         assert r["alike"], r
-        assert [o[0] for o in r["outcomes"]] == ["forward", "backward", "loss"], r
+        assert [o[0] for o in r["outcomes"]] == ["forward", "backward", "loss", "probe"], r
         for kind, name, text, seconds in r["outcomes"]:
             error, message, failing, stage = ERRORS[kind]
             assert seconds < 20, (kind, seconds)

@@ -71,16 +71,20 @@ class _ChunkModule(torch.nn.Module):
         # (phase, input signature) -> the tensor-parallel collectives of a run that did not raise, and the
         # signature of the last forward (tensor_parallel/collective_ledger.py)
         self.ledgers: dict = {}
+        groups = pipe_module.process_groups
+        self.model_comm = Communicator(groups.model_group) if groups.topology.model > 1 else None
         self.last_signature: tuple = ()
 
     def forward(self, *tensors):
         self.last_signature = ledger.signature(tensors)
         key = ("forward", self.last_signature)
+        probe = self.out_examples is None or self.failure is None  # the probe's run (probe.py)
         with ledger.recording() as posted:
             try:
-                out = self.pipe_module.run_chunk(self.chunk, boundary.unflatten(self.in_structure, tensors))
+                with ledger.guarded(self.model_comm if probe else None):  # collective_ledger.py's note
+                    out = self.pipe_module.run_chunk(self.chunk, boundary.unflatten(self.in_structure, tensors))
             except Exception as err:  # noqa: BLE001 - kept and raised after the schedule (stage_failure.py's note)
-                if self.out_examples is None or self.failure is None:  # the probe's run: no shapes to stand in yet
+                if probe:  # no shapes to stand in yet
                     raise
                 self.failure.keep(err)
                 ledger.post_rest(self.ledgers.get(key), len(posted))  # for the tensor peers (ledger's note)

@@ -33,8 +33,9 @@ are dropped anyway. Gradients the failed pass had accumulated before it raised g
 User code that raises on some tensor ranks of a stage and not on the others (a check of a rank's own
 shard) would leave its tensor peers in the stage's next tensor-parallel collective, which the failing
 rank never posts: the failing rank posts them from what the chunk recorded
-(tensor_parallel/collective_ledger.py's note, tensor_peers.py; not in the first batch of an input
-shape). Code that raises alike on every tensor rank of the stage needs none of that (checked by hand,
+(tensor_parallel/collective_ledger.py's note, tensor_peers.py; in the probe's forward each collective
+is guarded by a one-int all-reduce instead; not covered: micro-batch 0 of an input shape's first
+schedule, before a backward of that shape was recorded). Code that raises alike on every tensor rank of the stage needs none of that (checked by hand,
 with and without pipeline.pipe_partitioned/grad_partitioned).
 
 Cost: that all-reduce per train_batch/eval_batch; the schedule's micro-batches add nothing (a try
@@ -43,6 +44,8 @@ around user code). Measured in docs/parallelism.md.
 from __future__ import annotations
 
 import torch
+
+from ..tensor_parallel.collective_ledger import TensorPeerFailed
 
 
 class StageFailed(RuntimeError):
@@ -57,9 +60,12 @@ class FailureRecord:
         self.error: BaseException | None = None
         self.phase = ""  # ", in a backward pass" when the kept error was raised in one
         self.in_backward = False
+        self.peer_failed = False  # a tensor peer raised in the probe (tensor_parallel/collective_ledger.py)
 
     def keep(self, error: BaseException) -> None:
-        if self.error is None:
+        if isinstance(error, TensorPeerFailed):  # another tensor rank's error, which the vote names
+            self.peer_failed = True
+        elif self.error is None:
             self.error = error
 
     def keep_backward(self, error: BaseException) -> None:

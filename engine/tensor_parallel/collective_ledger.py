@@ -17,8 +17,13 @@ a batch whose gradients every rank drops; what they wait for arrives, so every r
 The record costs a list append per collective. A chunk has no record before its first run with that
 signature: the probe's forward (probe.py) records the forward before any schedule; the backward is
 recorded by the first micro-batch's backward, so a forward that raises on micro-batch 0 of the first
-schedule of a signature leaves its peers waiting in that micro-batch's backward, and one raised in the
-probe itself in the probe's forward, as before (DSTRAIN_TIMEOUT ends them).
+schedule of a signature leaves its peers waiting in that micro-batch's backward (DSTRAIN_TIMEOUT ends
+them). The probe's forward has no record to go by: there each tensor-parallel collective is preceded by
+a one-int all-reduce over the model group (MAX), and the forward ends with one more (`guarded`). A rank
+whose probe forward raised posts a 1 in its place (`guarded`): the peers meet it at their next such
+all-reduce, before their next collective or at the forward's end, and raise `TensorPeerFailed` there,
+so the probe fails on every tensor rank at the same point. Cost: one extra all-reduce of one int per
+collective of the probe's forward, once per input signature.
 Only the collectives of engine.tensor_parallel are recorded (mappings.py, region_params.py's summing
 hooks, cross_entropy.py): a user's own collective over the model group inside a chunk is not.
 """
@@ -39,11 +44,18 @@ class Posted(NamedTuple):
     op: object  # the all-reduce's ReduceOp, None for a gather
 
 
+class TensorPeerFailed(RuntimeError):
+    """Another tensor rank of this stage raised in the probe's forward (module note); that rank's error is
+    the one the pipeline reports."""
+
+
 class _Recording:
-    """The list the collectives go to now: process-wide, not per thread, since a CUDA backward runs in
-    autograd's device thread (the schedule runs one chunk's forward or backward at a time)."""
+    """The list the collectives go to now, and the model group's Communicator while a probe's forward is
+    guarded: process-wide, not per thread, since a CUDA backward runs in autograd's device thread (the
+    schedule runs one chunk's forward or backward at a time)."""
 
     posted: list | None = None
+    guard = None
 
 
 _NOW = _Recording()
@@ -53,6 +65,38 @@ def note(kind: str, comm, tensor: torch.Tensor, op=None) -> None:
     """Called by each tensor-parallel collective before it posts (module note)."""
     if _NOW.posted is not None and comm.world_size > 1:
         _NOW.posted.append(Posted(kind, comm, tuple(tensor.shape), tensor.dtype, tensor.device, op))
+    if _NOW.guard is not None and comm.world_size > 1:
+        _agree(_NOW.guard, 0)
+
+
+def _agree(comm, failed: int) -> None:
+    flag = torch.full((1,), failed, dtype=torch.int64, device=comm.device)
+    comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if int(flag.item()) and not failed:
+        raise TensorPeerFailed("another tensor rank of this stage raised in the probe's forward (the first batch of "
+                               "this input shape); its error is reported with the stage's")
+
+
+@contextlib.contextmanager
+def guarded(comm):
+    """A probe's forward over the model group `comm` (module note): raises TensorPeerFailed where a tensor
+    peer raised; an error of this rank's own is told to the peers before it leaves."""
+    if comm is None or comm.world_size == 1:
+        yield
+        return
+    outer, _NOW.guard = _NOW.guard, comm
+    try:
+        yield
+        _NOW.guard = outer
+        _agree(comm, 0)  # the forward's end
+    except TensorPeerFailed:
+        raise
+    except BaseException:
+        _NOW.guard = outer
+        _agree(comm, 1)
+        raise
+    finally:
+        _NOW.guard = outer
 
 
 @contextlib.contextmanager
