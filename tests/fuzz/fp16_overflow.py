@@ -2,12 +2,15 @@
 rank and micro-step, into part of the model only (the blocks upstream of a hooked activation); ZeRO stage
 1-3 (CPU/NVMe optimizer offload sometimes, accumulation, clipping) against ZeRO stage 0 at the same
 precision, world, split and config. Compared after every step: the loss scale and whether the step was
-applied, exactly; at the end every fp32 master weight (tolerance 5e-4: fp16 gradients reduced in another
-order), and the skipped-step count.
+applied (or that both raised at min_loss_scale), exactly; at the end every fp32 master weight (tolerance
+5e-4: fp16 gradients reduced in another order), and the skipped-step count.
 
     python -m tests.fuzz.fp16_overflow FIRST_SEED COUNT   # prints "seed N OK" or what differed
 
-Not part of the suite (it draws new cases)."""
+Not part of the suite (it draws new cases). Open finding (seeds 3, 13, 21, 27 of 2-41): with accumulation,
+after overflow-skipped steps, ZeRO-2/3 step the weight used twice per forward (`shared`) differently from
+stage 0 (seed 3 without injection, clip 0, AdamW, 4 steps: 9.99e-3 = one lr; stage 1 equal; no difference
+without overflows or at gradient_accumulation_steps 1)."""
 import os
 import random
 import tempfile
@@ -60,14 +63,19 @@ def ranked(c, stage):
         if poison:                              # get the bad value, the rest stays finite
             out.register_hook(lambda g: g * poison[0])
     eng.module.blocks[0].register_forward_hook(poison_gradient)
+    from engine.precision import LossScaleAtMinimum
     trace = []
     for step, (x, y) in enumerate(fuzz.batches(c)):
-        for k in range(c["gas"]):
-            bad = c["poison"].get(step)
-            poison[:] = [bad[2]] if bad is not None and bad[0] == rank and bad[1] == k else []
-            x16 = fuzz.micro_of(x, c, rank, k).half()
-            eng.backward(eng(x16, fuzz.micro_of(y, c, rank, k).half()))
-            eng.step()
+        try:
+            for k in range(c["gas"]):
+                bad = c["poison"].get(step)
+                poison[:] = [bad[2]] if bad is not None and bad[0] == rank and bad[1] == k else []
+                x16 = fuzz.micro_of(x, c, rank, k).half()
+                eng.backward(eng(x16, fuzz.micro_of(y, c, rank, k).half()))
+                eng.step()
+        except LossScaleAtMinimum:  # an overflow at min_loss_scale is an error, at every stage alike
+            trace.append(("raised at min_loss_scale", step))
+            break
         trace.append((eng.was_step_applied(), eng.zero_optimizer.guard.scaler.loss_scale))
     return {"params": fuzz.full_params(eng, stage), "trace": trace, "skipped": eng.skipped_steps}
 
