@@ -7,10 +7,10 @@ applied (or that both raised at min_loss_scale), exactly; at the end every fp32 
 
     python -m tests.fuzz.fp16_overflow FIRST_SEED COUNT   # prints "seed N OK" or what differed
 
-Not part of the suite (it draws new cases). Open finding (seeds 3, 13, 21, 27 of 2-41): with accumulation,
-after overflow-skipped steps, ZeRO-2/3 step the weight used twice per forward (`shared`) differently from
-stage 0 (seed 3 without injection, clip 0, AdamW, 4 steps: 9.99e-3 = one lr; stage 1 equal; no difference
-without overflows or at gradient_accumulation_steps 1)."""
+Not part of the suite (it draws new cases). Open finding (seeds 3, 13, 21, 27 of 2-41, all ZeRO-2 or -3 with
+accumulation): after overflow-skipped steps a few weights step differently from stage 0 (seed 3 without
+injection, clip 0, AdamW, 4 steps: `shared` off by 9.99e-3, one lr; ZeRO-1 equal to stage 0 exactly; no
+difference without overflows or at gradient_accumulation_steps 1)."""
 import os
 import random
 import tempfile
