@@ -60,9 +60,9 @@ they fragment it, and the whole forward in the heap cost 400-500 MiB more peak R
 the forward the threshold is 256 KiB again, and glibc serves a large block from a free heap chunk that
 fits before it maps one: backward and the step reuse what the activations leave free, and the heap grows
 only inside a forward, by the forward's own blocks. The bound kept is then what is live plus the free
-part of the heap the forward left: on the 265M GPT +1475 / +1513 MiB above the start at the peak
+part of the heap the forward left: on the 265M GPT +1419-1475 / +1513 MiB above the start at the peak
 (backward 1), against +1402 / +1440 with the bound throughout and +2308 with glibc's (2026-12-06); malloc
-held above live there 65 / 87 MiB, and 102 MiB at the end (2 ranks, same host, 2026-12-07, loaded).
+held above live there 65 / 87 MiB, and 102 MiB at the end (2 ranks, two runs, same host, 2026-12-07).
 The 25M GPT (both tiers on NVMe, max_in_cpu 0, 2 ranks, paired A/B on a loaded host, 2026-12-07):
 the forward's minor faults 26-46 thousand against 140 thousand with the bound throughout, its main-
 thread CPU 1062-1279 against 1511-1665 ms, backward's 1925-2189 against 2713-2869 ms (faults 67-76
