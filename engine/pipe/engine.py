@@ -182,12 +182,15 @@ class PipelineEngine(Engine):
     def _loss(self, flat_output, labels):
         """torch's loss hook on the last stage: the user's loss of the rebuilt output, divided by the
         micro-batch count (the mean over micro-batches) and times the fp16 loss scale when training."""
-        with self._clock.busy():
+        records, key = self._last_chunk.ledgers, ("loss", ledger.signature(flat_output))
+        with self._clock.busy(), ledger.recording() as posted:  # its own collectives (vocab-parallel CE)
             try:
                 loss = self.module.loss_fn(boundary.unflatten(self._last_chunk.out_structure, tuple(flat_output)),
                                            labels)
+                records[key] = posted
             except Exception as err:  # noqa: BLE001 - kept and raised after the schedule (stage_failure.py)
                 self._failure.keep(err)
+                ledger.post_rest(records.get(key), len(posted))  # for the tensor peers (ledger's note)
                 loss = substitute_loss(flat_output)
         return loss * self._loss_factor if self._loss_factor != 1.0 else loss
 

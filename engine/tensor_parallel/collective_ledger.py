@@ -25,7 +25,10 @@ all-reduce, before their next collective or at the forward's end, and raise `Ten
 so the probe fails on every tensor rank at the same point. Cost: one extra all-reduce of one int per
 collective of the probe's forward, once per input signature.
 Only the collectives of engine.tensor_parallel are recorded (mappings.py, region_params.py's summing
-hooks, cross_entropy.py): a user's own collective over the model group inside a chunk is not.
+hooks, cross_entropy.py): a user's own collective over the model group inside a chunk is not. The last
+stage's loss_fn is recorded too, per signature of the outputs it reads (a vocab-parallel cross-entropy
+all-reduces there, pipe/engine.py's `_loss`): one raising before them left its peer's all-reduce to meet
+the failing rank's next posts, a mismatched collective (gloo aborted the process).
 """
 from __future__ import annotations
 
