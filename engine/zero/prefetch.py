@@ -49,9 +49,8 @@ parameters its unit outputs (the root's included: noted before its end of forwar
 the autograd graph once (arrivals.reach_fingerprint; ~0.4 ms for a 6-layer GPT's 273 nodes, loaded
 CPU), and the ranks compare it: in the plan pass's all-reduce, and in one tiny all-reduce of its own
 after a forward in request rounds that was unanimous. Different digests defer the pass's reductions.
-Not seen: a parameter that only a tensor outside the unit outputs leads to (an auxiliary loss kept
-on a module and added by the user), and what a reentrant region whose parameters were not recorded
-uses inside (it counts as one opaque region).
+Not seen: a parameter that only a tensor outside the unit outputs leads to (an auxiliary loss kept on a
+module and added by the user), and what an unrecorded reentrant region uses inside (one opaque region).
 [Note: one copy per group] Prefetch stops at a plan gather of a group that is gathered or in flight:
 issuing it then would hand the later gather to the earlier use (`max_reuse_distance` 0 and a large
 bucket: a unit's backward gather consumed by its forward), and backward would find the plan exhausted.
