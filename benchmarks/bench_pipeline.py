@@ -409,7 +409,7 @@ def _print_rows(stages: int, ms: list[int], rounds: list[dict]) -> None:
             print(f"{stages:>2} {m:>2} {name:<24} {statistics.median(steps):>9.1f} {ratio} {each:<16} {extra}")
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="2,4")
     p.add_argument("--micro-batches", default="1,4,8")
@@ -430,37 +430,35 @@ def main() -> int:
                    help="only minor page faults and CPU ms per step per rank of --systems (and DeepSpeed's)")
     p.add_argument("--zero-data", type=int, default=0,
                    help="D > 0: only dstrain's 1f1b at ZeRO-1 and ZeRO-3 on stages x D ranks (engine/pipe/zero3.py)")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def _single_mode(args) -> bool:
+    """Runs the one measurement a mode flag asks for (--timeline, --paired, --faults, --zero-data,
+    --tensor-parallel) on every stage count; False when none is set."""
+    ms = [int(m) for m in args.micro_batches.split(",")]
+    modes = [(args.timeline, lambda st: _timeline_rows(st, ms, args.steps)),
+             (args.paired, lambda st: _paired_rows(st, ms, args.steps)),
+             (args.faults, lambda st: _fault_rows(st, ms, args.steps, tuple(args.systems.split(",")),
+                                                  args.deepspeed_venv)),
+             (args.zero_data > 0, lambda st: _zero_rows(st, args.zero_data, ms, args.steps)),
+             (args.tensor_parallel > 1, lambda st: _tensor_parallel_rows(st, args.tensor_parallel, ms, args.steps))]
+    run = next((fn for on, fn in modes if on), None)
+    if run is None:
+        return False
+    for stages in [int(x) for x in args.stages.split(",")]:
+        run(stages)
+    return True
+
+
+def main() -> int:
+    args = _parse_args()
     if args.micro_size is not None:  # before the first spawn: the ranks and the peer import the workload anew
         os.environ["DSTRAIN_PIPE_MICRO"] = str(args.micro_size)
         wl.MICRO = args.micro_size
     print(f"micro-batch rows: {wl.MICRO}")
     print(f"load before: {os.getloadavg()}")
-    if args.timeline:
-        for stages in [int(s) for s in args.stages.split(",")]:
-            _timeline_rows(stages, [int(m) for m in args.micro_batches.split(",")], args.steps)
-        print(f"load after: {os.getloadavg()}")
-        return 0
-    if args.paired:
-        for stages in [int(s) for s in args.stages.split(",")]:
-            _paired_rows(stages, [int(m) for m in args.micro_batches.split(",")], args.steps)
-        print(f"load after: {os.getloadavg()}")
-        return 0
-    if args.faults:
-        for stages in [int(s) for s in args.stages.split(",")]:
-            _fault_rows(stages, [int(m) for m in args.micro_batches.split(",")], args.steps,
-                        tuple(args.systems.split(",")), args.deepspeed_venv)
-        print(f"load after: {os.getloadavg()}")
-        return 0
-    if args.zero_data > 0:
-        for stages in [int(s) for s in args.stages.split(",")]:
-            _zero_rows(stages, args.zero_data, [int(m) for m in args.micro_batches.split(",")], args.steps)
-        print(f"load after: {os.getloadavg()}")
-        return 0
-    if args.tensor_parallel > 1:
-        for stages in [int(s) for s in args.stages.split(",")]:
-            _tensor_parallel_rows(stages, args.tensor_parallel, [int(m) for m in args.micro_batches.split(",")],
-                                  args.steps)
+    if _single_mode(args):
         print(f"load after: {os.getloadavg()}")
         return 0
     ms = [int(m) for m in args.micro_batches.split(",")]
