@@ -424,8 +424,11 @@ def test_a_chunk_whose_output_nest_depends_on_values_is_an_error():
     from engine.pipe import boundary
     from engine.pipe.engine import _ChunkModule
 
+    from types import SimpleNamespace
+
     class TwoChunks:
         num_stages, virtual_stages, _forward_funcs = 2, 1, {0: []}
+        process_groups = SimpleNamespace(topology=SimpleNamespace(model=1))  # no tensor-parallel peers
 
         def run_chunk(self, chunk, x):
             return {"h": x, "positive": bool(x.sum() > 0)}
