@@ -13,6 +13,11 @@ gradient by ±lr whatever its size, so its sign is rounding (seeds 3, 13, 21, 27
 The difference then spreads through the fp16 forward, so with AdamW only the loss-scale trace and the
 skips are compared; SGD and SGD with momentum compare every master weight too.
 
+Seeds 75, 92, 97 (ZeRO-2/3, accumulation, no Inf injected at the step): stage 0 skips a step that ZeRO-2/3
+apply. Stage 0 accumulates micro-step gradients in fp16 `.grad`, ZeRO-2/3 their partitions in fp32; with
+`data_types.grad_accum_dtype: "fp32"` stage 0's trace equals ZeRO-2/3's (75 and 97 checked). A difference
+of accumulation dtype, documented in the README's fp16 paragraph, not of overflow handling.
+
 Not part of the suite (it draws new cases)."""
 import os
 import random
