@@ -388,7 +388,9 @@ MEASURE = textwrap.dedent("""
         part.initialize(gen)
         for _ in range(2):
             part.step(gen)
-        chunks = sum(c["master"].numel() for c in part.state_chunks())
+        chunks = 0
+        for c in part.state_chunks():  # one chunk alive at a time: a generator expression keeps the last
+            chunks += c["master"].numel(); del c  # one while the next is cloned, doubling this transient
         running[0] = False; sampler.join()
         peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
         rss = me.memory_info().rss
@@ -423,7 +425,10 @@ def test_host_memory_bounded_by_pool_while_partition_grows_4x(tmp_path):
     assert large["streamed"] == 4_000_000
     for m in (small, large):  # the pool's pages were touched before the baseline was taken
         assert m["peak_growth"] <= MARGIN and m["sampled_peak_growth"] <= MARGIN and m["held"] <= MARGIN, m
-    assert large["peak_growth"] - small["peak_growth"] <= 1 * 2**20, (small, large)
+    # Growth with numel beyond one sub-group's streamed chunk (master + 2 moments) is a leak; less is the
+    # noise seen (CI at a8e287a: the small run's peak 2.05 MiB, the large one's 3.13; here 2.9-3.06 both):
+    # whether the kernel's counters caught a transient chunk and the optimizer's first-step state together.
+    assert large["peak_growth"] - small["peak_growth"] <= 3 * SUB_GROUP * 4, (small, large)
     # `dstrain estimate`'s NVMe row's pool term (its host bytes with the pool's buffers less without
     # them; the rest of the row is the gradient's landings and the send image) against the measured peak:
     def host(buffers: int) -> int:
