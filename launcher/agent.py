@@ -30,7 +30,8 @@ from launcher.deadman import DeadManSwitch
 from launcher.handoff import read_launch_file
 from launcher.output import OutputRelay
 from launcher.ranks import (RankProcess, describe_returncode, literal_script_args, rank_environment,
-                            signal_rank_groups, spawn_rank, stop_ranks, core_sets)
+                            signal_rank_groups, spawn_rank, stop_ranks, core_sets,
+                            adopt_orphans, descendants, kill_escaped)
 from launcher.world import WorldInfo
 
 HANG_EXIT_STATUS = 124
@@ -115,6 +116,7 @@ class NodeAgent:
         placements = self.world.placements(self.node_rank)
         cores = core_sets(len(placements)) if self.args.bind_cores_to_rank else [None] * len(placements)
         command = rank_command(self.args)
+        adopt_orphans()
         self._start_deadman()
         for placement, core_set in zip(placements, cores):
             env = rank_environment(os.environ, placement, self.world, self.args.master_addr,
@@ -140,8 +142,12 @@ class NodeAgent:
                      "children of its ranks may outlive it")
 
     def stop_everything(self):
-        """The last word of every exit: no rank group left behind, then the switch is disarmed."""
+        """The last word of every exit: no rank group left behind, nor anything that left one, then
+        the switch is disarmed."""
+        keep = {proc.popen.pid for proc in self.ranks} | ({self.deadman.pid} if self.deadman else set())
+        escaped = descendants(keep)  # group members too: killed twice, harmlessly
         signal_rank_groups(self.ranks, signal.SIGKILL)
+        kill_escaped(escaped)
         if self.deadman:
             self.deadman.disarm()
 

@@ -15,8 +15,9 @@ gone, however it died; the switch then SIGKILLs every group it was told about an
 that is already empty is skipped (ProcessLookupError); a group id stays reserved by the kernel while
 any member lives, so the groups that matter cannot have been reused.
 
-Not covered: a child that leaves its rank's process group (`setsid`, `start_new_session=True`),
-as with torchrun's process-group kill.
+Not covered here: a child that leaves its rank's process group (`setsid`, `start_new_session=True`),
+as with torchrun's process-group kill. The agent itself kills those at its exit (it is their
+subreaper, launcher/ranks.py `adopt_orphans`); if it is SIGKILLed they live on, reparented to init.
 """
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ class DeadManSwitch:
         self._popen = subprocess.Popen([sys.executable, "-m", "launcher.deadman", str(os.getpid())],
                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                        start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
 
     def arm(self, pgid: int):
         self._send(f"{pgid}\n".encode())

@@ -14,12 +14,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import psutil
+
 from launcher.deadman import signal_groups
 from launcher.world import RankPlacement, WorldInfo
 
 # Engines of other launchers read these before RANK; a rank started by an agent under mpirun must
 # not look like MPI rank <node rank>.
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _HIDDEN_PREFIXES = ("OMPI_COMM_WORLD_", "PMI_RANK", "PMIX_RANK", "PMI_SIZE")
 
 
@@ -117,6 +120,44 @@ def _die_with_parent():
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     except (OSError, AttributeError):
         pass
+
+
+def adopt_orphans():
+    """Linux: makes the agent the subreaper of everything it starts, so that a process which left its
+    rank's session (`setsid`, `start_new_session=True`: out of reach of the group kill) is reparented
+    to the agent, not to init, when its rank exits, and `kill_escaped` still finds it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    except (OSError, AttributeError):
+        pass
+
+
+def descendants(keep: set[int]) -> list[psutil.Process]:
+    """Every living descendant of the agent but the pids in `keep`: taken before the rank groups are
+    killed, it holds what left a live rank's session, still under that rank (adopt_orphans)."""
+    try:
+        procs = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p for p in procs if p.pid not in keep and _alive(p)]
+
+
+def kill_escaped(procs: list[psutil.Process]) -> None:
+    """SIGKILLs `procs` (psutil.Process remembers each start time: a recycled pid is never hit). Not
+    waited for: a killed grandchild stays a zombie until its parent or init reaps it, and psutil would
+    poll it to the timeout; the agent's exit hands those it adopted to init."""
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def spawn_rank(command: list[str], env: dict[str, str], placement: RankPlacement,

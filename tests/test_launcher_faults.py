@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 
-from launcher_scripts.harness import (REPO, WORKER, free_port, kill_leftovers, processes_mentioning, rank_record,
-                                      start_dslaunch, wait_for)
+from launcher_scripts.harness import (RANK_WITH_CHILD, WORKER, free_port, kill_leftovers, live, processes_mentioning,
+                                      rank_record, start_dslaunch, wait_for)
 
 GONE_WITHIN_S = 10
 
@@ -92,16 +92,6 @@ def test_killing_dslaunch_itself_stops_agents_and_ranks(job):
     launcher.kill()  # SIGKILL: no chance to clean up; the agents see the control connection close
     launcher.wait(timeout=5)
     wait_for(lambda: not processes_mentioning(out), GONE_WITHIN_S, "agents and ranks to stop by themselves")
-
-
-RANK_WITH_CHILD = os.path.join(REPO, "tests", "launcher_scripts", "rank_with_child.py")
-
-
-def live(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.parametrize("child_flags", [("--child_ignores_sigterm",), ()], ids=["child-ignores-term", "child"])

@@ -12,6 +12,7 @@ import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "launcher_scripts", "train_worker.py")
+RANK_WITH_CHILD = os.path.join(REPO, "tests", "launcher_scripts", "rank_with_child.py")
 
 
 def free_port() -> int:
@@ -56,6 +57,14 @@ def wait_for(predicate, timeout: float, what: str):
 def rank_record(out_dir: str, rank: int, attempt: int = 0) -> dict:
     with open(os.path.join(out_dir, f"env_rank{rank}_attempt{attempt}.json")) as handle:
         return json.load(handle)
+
+
+def live(pid: int) -> bool:
+    """Running and not a zombie (a killed process its parent has not reaped yet counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def processes_mentioning(marker: str) -> list[psutil.Process]:

@@ -1,6 +1,9 @@
 """A rank that starts a child in its process group, as a data-loader worker would, then waits.
 
-Usage: python rank_with_child.py OUT_DIR [--child_ignores_sigterm]
+Usage: python rank_with_child.py OUT_DIR [--child_ignores_sigterm] [--child_new_session] [--rank_exits]
+
+--child_new_session starts the child in a session of its own (out of the rank's group, as a daemon
+would); --rank_exits ends the rank with status 0 once the child is up, leaving the child behind.
 
 The child writes OUT_DIR/pids_rank<R> ("<rank pid> <child pid>") once its signal handling is set.
 Its command line carries OUT_DIR, so a test finds (and cleans up) every process of the job by that
@@ -26,7 +29,14 @@ time.sleep(120)
 def main():
     out = sys.argv[1]
     ignore = "ignore" if "--child_ignores_sigterm" in sys.argv[2:] else "default"
-    subprocess.Popen([sys.executable, "-c", CHILD, out, os.environ["RANK"], str(os.getpid()), ignore])
+    flags = sys.argv[2:]
+    subprocess.Popen([sys.executable, "-c", CHILD, out, os.environ["RANK"], str(os.getpid()), ignore],
+                     start_new_session="--child_new_session" in flags)
+    if "--rank_exits" in flags:
+        path = os.path.join(out, "pids_rank" + os.environ["RANK"])
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        return
     time.sleep(120)
 
 
