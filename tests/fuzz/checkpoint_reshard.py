@@ -25,14 +25,6 @@ def draw(seed):
                 predivide=1.0, prescale=False)
     return base, side(r), side(r)
 
-def batches(c):
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(12, c["d_in"], generator=g), torch.randn(12, c["d_out"], generator=g)) for _ in range(3)]
-
-def micro(x, s, rank, k):
-    m = s["micro"]; st = (k * s["world"] + rank) * m
-    return x[st:st + m]
-
 def cfg_of(c, s, nv):
     zero = {"stage": s["stage"]}
     if s["stage"]:
@@ -61,14 +53,7 @@ def ranked(c, s, steps, ckdir, load, nv):
     eng, *_ = engine.initialize(model=model, config=cfg)
     if load:
         eng.load_checkpoint(ckdir)
-    bs = batches(c)
-    norms = []
-    for i in steps:
-        x, y = bs[i]
-        for k in range(s["gas"]):
-            eng.backward(eng(micro(x, s, rank, k), micro(y, s, rank, k)))
-            eng.step()
-        norms.append(eng.get_global_grad_norm())
+    norms = fuzz.train_steps(eng, fuzz.side_batches(c, 3), steps, s, rank)
     if not load:
         eng.save_checkpoint(ckdir)
         return None
@@ -78,7 +63,7 @@ def reference(c):
     model = fuzz.model_of(c)
     opt = fuzz.torch_opt(c, [p for p in model.parameters() if p.requires_grad])
     norms = []
-    for x, y in batches(c):
+    for x, y in fuzz.side_batches(c, 3):
         (model(x, y)).backward()
         norms.append(fuzz.reference_step(model, opt, c["clip"]))
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms

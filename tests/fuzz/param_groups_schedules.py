@@ -257,23 +257,13 @@ def reference(c):
     opt = torch_optimizer(c, groups)
     sched = ReferenceSchedule(c, opt) if c["sched"] else None
     norms, lrs = [], []
-    for x, y in batches(c):
+    for x, y in fuzz.side_batches(c, STEPS):
         model(x, y).backward()
         norms.append(fuzz.reference_step(model, opt, c["clip"]))
         if sched:
             sched.step()
         lrs.append(reported(opt))
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, lrs
-
-
-def batches(c):
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(12, c["d_in"], generator=g), torch.randn(12, c["d_out"], generator=g)) for _ in range(STEPS)]
-
-
-def micro(x, s, rank, k):
-    m = s["micro"]; st = (k * s["world"] + rank) * m
-    return x[st:st + m]
 
 
 def ranked(c, s, steps, ckdir):
@@ -306,15 +296,9 @@ def ranked(c, s, steps, ckdir):
         eng, *_ = engine.initialize(model=model, config=cfg, model_parameters=groups)
     if steps[0] > 0:
         eng.load_checkpoint(ckdir)
-    norms, lrs = [], []
-    data = batches(c)
-    for i in steps:
-        x, y = data[i]
-        for k in range(s["gas"]):
-            eng.backward(eng(micro(x, s, rank, k), micro(y, s, rank, k)))
-            eng.step()
-        norms.append(eng.get_global_grad_norm())
-        lrs.append(([float(v) for v in eng.get_lr()], reported(eng.optimizer)[1]))
+    lrs = []
+    norms = fuzz.train_steps(eng, fuzz.side_batches(c, STEPS), steps, s, rank,
+                             lambda: lrs.append(([float(v) for v in eng.get_lr()], reported(eng.optimizer)[1])))
     if steps[-1] < STEPS - 1:
         eng.save_checkpoint(ckdir)
     return {"params": fuzz.full_params(eng, s["stage"]), "norms": norms, "lrs": lrs}

@@ -4,7 +4,6 @@ checkpoint interval, against single-process SGD: losses, norms and every paramet
 
     python -m tests.fuzz.pipeline_schedules FIRST_SEED COUNT"""
 import random, sys
-import torch
 from tests.harness import run_distributed
 from tests.pipe_models import (global_batches, lm_loss, mlp_specs, mse, reference_params, reference_sgd, tied_specs,
                                dict_specs)

@@ -77,6 +77,23 @@ def micro_of(x, c, rank, k):
     m = c["micro"]; s = (k * c["world"] + rank) * m
     return x[s:s + m]
 
+def side_batches(c, count):
+    """Batches of 12 rows, which every side of a reshard fuzzer splits its own way (micro x gas x world)."""
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(12, c["d_in"], generator=g), torch.randn(12, c["d_out"], generator=g)) for _ in range(count)]
+
+def train_steps(eng, data, steps, s, rank, after_step=lambda: None):
+    """Trains steps `steps` of `data` at side `s` (its micro, gas and world); the reported norm of each."""
+    norms = []
+    for i in steps:
+        x, y = data[i]
+        for k in range(s["gas"]):
+            eng.backward(eng(micro_of(x, s, rank, k), micro_of(y, s, rank, k)))
+            eng.step()
+        norms.append(eng.get_global_grad_norm())
+        after_step()
+    return norms
+
 def aux_on(c, k, rank):
     return k == (c["aux_micro"] % c["gas"]) and (c.get("aux_rank") is None or c["aux_rank"] == rank)
 
