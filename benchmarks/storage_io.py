@@ -5,8 +5,13 @@ cover all the process's threads (DeepSpeed's async I/O threads included)."""
 from __future__ import annotations
 
 
-def storage_bytes() -> int:
-    """read_bytes + write_bytes of this process so far."""
+def io_counters() -> tuple[int, int]:
+    """(read_bytes, write_bytes) of this process so far."""
     with open("/proc/self/io") as f:
         io = dict(line.split(": ") for line in f)
-    return int(io["read_bytes"]) + int(io["write_bytes"])
+    return int(io["read_bytes"]), int(io["write_bytes"])
+
+
+def storage_bytes() -> int:
+    """read_bytes + write_bytes of this process so far."""
+    return sum(io_counters())

@@ -5,13 +5,19 @@
     handle.wait()                              # raises OffloadIOError, one line, naming path and key
 
 How each `aio` key is read here (DeepSpeed's meaning, mapped onto threads and vectored syscalls):
-- `block_size`: bytes per request; a read or write is split into requests of this size.
-- `intra_op_parallelism`: threads; one operation is split into that many contiguous shares, one per
-  thread, as DeepSpeed's aio handle splits a tensor across its threads.
-- `queue_depth`: requests one thread submits together: one `os.preadv`/`os.pwritev` call carries up to
-  `queue_depth` block-sized buffers, so at most `intra_op_parallelism * queue_depth` requests are in
-  flight. Both calls release the GIL, so a step on the training thread overlaps the transfer.
-- `single_submit`: one request per syscall (no batching), whatever `queue_depth` says.
+- `block_size`: bytes per request; a read or write is cut into requests of this size from its first
+  4096-aligned byte on (so an unaligned transfer has one ragged head and tail, not one per request).
+- `queue_depth` and `intra_op_parallelism`: requests in flight. DeepSpeed's aio handle runs
+  `intra_op_parallelism` threads, each keeping `queue_depth` requests queued on the device; here the
+  engine runs `intra_op_parallelism * queue_depth` worker threads, each carrying one blocking
+  `os.preadv`/`os.pwritev` at a time (both release the GIL, so a step on the training thread overlaps
+  the transfer). [Note: in flight] One thread with one syscall at a time keeps one request on the
+  device whatever its size (the block layer merges a vectored syscall's contiguous buffers; this host's
+  virtio disk takes 4 MiB per request): the swapped step of the 25M GPT waited 1.9x as long for its
+  4 MiB transfers as with eight 1 MiB requests in flight (docs/offload_measurements.md, 2026-12-07).
+- `single_submit`: false cuts an operation into up to that many runs of consecutive requests, one
+  vectored syscall each (at most IOV_MAX buffers per call: DeepSpeed's batched `io_submit`, fewer
+  syscalls for large transfers); true submits every request as a syscall of its own.
 - `overlap_events`: true lets the requests of several outstanding operations run together; false runs
   operations one after another in submission order (each waits for the previous one to finish).
 - `use_gds`: GPUDirect Storage is not built; true is refused here by name.
@@ -42,6 +48,7 @@ import torch
 from offload import huge_pages
 
 ALIGNMENT = 4096
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # buffers per vectored call
 AIO_KEYS = "aio.block_size / aio.queue_depth / aio.intra_op_parallelism"
 
 
@@ -107,7 +114,8 @@ class AsyncFileIO:
         if self.block_size % ALIGNMENT:
             raise OffloadIOError(f"aio.block_size is {self.block_size}: O_DIRECT needs a multiple of "
                                  f"{ALIGNMENT} bytes; set aio.block_size to e.g. 1048576")
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="dstrain-aio")
+        self.in_flight = self.threads * self.queue_depth  # worker threads (module note: in flight)
+        self._pool = ThreadPoolExecutor(max_workers=self.in_flight, thread_name_prefix="dstrain-aio")
         self._files: dict[str, _FileRecord] = {}
         self._files_lock = threading.Lock()
         self._direct_ok: dict[str, bool] = {}  # directory -> O_DIRECT works there
@@ -252,18 +260,33 @@ class AsyncFileIO:
     # -- requests -----------------------------------------------------------------------------
     def _submit(self, path, record, view: memoryview, offset: int, write: bool, on_done) -> IOHandle:
         total = len(view)
-        share = round_up(-(-total // self.threads), self.block_size) if total else 0
         wait_for = [] if self.overlap_events else list(self._previous)
-        futures = []
-        for start in range(0, total, share or 1):
-            part = view[start:start + share]
-            futures.append(self._pool.submit(self._transfer, path, record, part, offset + start, write, wait_for))
+        futures = [self._pool.submit(self._transfer, path, record, view[start:stop], offset + start, write, wait_for)
+                   for start, stop in self._runs(offset, total)]
         if not futures:
             done: Future = Future()
             done.set_result(0)
             futures = [done]
         self._previous = futures
         return IOHandle(futures, total, on_done)
+
+    def _runs(self, offset: int, total: int) -> list[tuple[int, int]]:
+        """[start, stop) byte ranges of a transfer of `total` bytes at file `offset`, one per worker task:
+        its `block_size` requests (the first also takes any ragged head before the first aligned byte,
+        so every later one starts on the O_DIRECT block) one each with `single_submit`, else grouped into
+        up to `in_flight` runs of consecutive requests."""
+        cuts = [0]
+        edge = round_up(offset) - offset + self.block_size  # requests start on the O_DIRECT block
+        while edge < total:
+            cuts.append(edge)
+            edge += self.block_size
+        cuts.append(total)
+        blocks = len(cuts) - 1
+        if not total:
+            return []
+        per_run = 1 if self.single_submit else -(-blocks // self.in_flight)
+        edges = cuts[::per_run] + ([total] if (blocks % per_run) else [])
+        return list(zip(edges[:-1], edges[1:]))
 
     def _transfer(self, path, record, view: memoryview, offset: int, write: bool, wait_for) -> int:
         for earlier in wait_for:  # overlap_events false: the previous operation first
@@ -274,8 +297,8 @@ class AsyncFileIO:
         return moved
 
     def _run_requests(self, path, fd, view: memoryview, offset: int, write: bool) -> int:
-        per_call = 1 if self.single_submit else self.queue_depth
-        step = self.block_size * per_call
+        """One run: its `block_size` requests in vectored syscalls of up to IOV_MAX buffers."""
+        step = self.block_size * _IOV_MAX
         done = 0
         while done < len(view):
             chunk = view[done:done + step]

@@ -124,6 +124,105 @@ def test_many_concurrent_requests(io, tmp_path):
     assert all(torch.equal(b, t) for b, t in zip(backs, tensors))
 
 
+class SyscallLog:
+    """`os.preadv`/`os.pwritev` wrapped (the real calls still move the bytes), each made to take 30 ms so
+    that requests meant to be in flight together overlap: (start, end, direction, offset, buffer sizes)
+    per call and the most calls in progress at once."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.now, self.most = [], 0, 0
+        self._lock = threading.Lock()
+        for name, direction in (("preadv", "read"), ("pwritev", "write")):
+            monkeypatch.setattr(os, name, self._wrap(getattr(os, name), direction))
+
+    def _wrap(self, real, direction):
+        def call(fd, buffers, offset):
+            with self._lock:
+                self.now += 1
+                self.most = max(self.most, self.now)
+            start = time.perf_counter()
+            time.sleep(0.03)
+            try:
+                return real(fd, buffers, offset)
+            finally:
+                with self._lock:
+                    self.now -= 1
+                    self.calls.append((start, time.perf_counter(), direction, offset, [len(b) for b in buffers]))
+        return call
+
+
+MIB = 1 << 20
+
+
+def opened(engine, *paths):
+    """Open the files first (the O_DIRECT probe's own write stays out of the log)."""
+    for path in paths:
+        engine.write(str(path), torch.empty(0, dtype=torch.uint8), 0).wait()
+
+
+def test_queue_depth_requests_in_flight(io, tmp_path, monkeypatch):
+    """DeepSpeed's default section (1 MiB blocks, queue depth 8, 1 thread) keeps 8 requests on the device
+    (aio.py's note: in flight); the engine carried one syscall at a time until 2026-12-07."""
+    engine = io()
+    src = aligned_empty(8 * MIB, torch.uint8).random_(0, 256)
+    path = str(tmp_path / "q.bin")
+    opened(engine, path)
+    log = SyscallLog(monkeypatch)
+    engine.write(path, src, 0).wait()
+    assert log.most == 8 and len(log.calls) == 8
+    assert sorted(c[3] for c in log.calls) == [i * MIB for i in range(8)]  # block_size requests, at block offsets
+    log.calls.clear()
+    log.most = 0
+    back = aligned_empty(4 * MIB, torch.uint8)
+    engine.read(path, back, 4 * MIB).wait()  # a sub-group's tensor of the 25M GPT's step: four in flight
+    assert log.most == 4 and torch.equal(back, src[4 * MIB:])
+
+
+def test_threads_times_queue_depth_batched_or_single(io, tmp_path, monkeypatch):
+    """`intra_op_parallelism` x `queue_depth` syscalls in flight; batched (single_submit false) each carries a
+    run of consecutive block-sized buffers, single one block. A transfer at an unaligned offset is cut into
+    blocks from its first aligned byte on, so only its first and last requests are ragged."""
+    batched, single = io(block_size=8192, queue_depth=2, intra_op_parallelism=2), \
+        io(block_size=8192, queue_depth=2, intra_op_parallelism=2, single_submit=True)
+    src = aligned_empty(64 * 8192, torch.uint8).random_(0, 256)
+    opened(batched, tmp_path / "b.bin")
+    opened(single, tmp_path / "s.bin")
+    log = SyscallLog(monkeypatch)
+    batched.write(str(tmp_path / "b.bin"), src, 0).wait()
+    assert log.most == 4 and len(log.calls) == 4 and all(c[4] == [8192] * 16 for c in log.calls)
+    log.calls.clear()
+    log.most = 0
+    single.write(str(tmp_path / "s.bin"), src[:16 * 8192], 0).wait()
+    assert log.most == 4 and len(log.calls) == 16 and all(c[4] == [8192] for c in log.calls)
+    log.calls.clear()
+    data = torch.empty(3 * 8192 + 11, dtype=torch.uint8).random_(0, 256)  # unaligned: the buffered descriptor
+    single.write(str(tmp_path / "s.bin"), data, 5000).wait()
+    assert sorted(c[3] for c in log.calls) == [5000, 16384, 24576]  # 3192 ragged bytes + a block, a block, the rest
+    back = torch.empty_like(data)
+    single.read(str(tmp_path / "s.bin"), back, 5000).wait()
+    assert torch.equal(back, data)
+
+
+def test_overlap_events_false_runs_operations_in_order(io, tmp_path, monkeypatch):
+    engine = io(overlap_events=False)
+    a, b = (aligned_empty(2 * MIB, torch.uint8).random_(0, 256) for _ in range(2))
+    overlapped = io()
+    opened(engine, tmp_path / "a.bin", tmp_path / "b.bin")
+    opened(overlapped, tmp_path / "0.bin", tmp_path / "1.bin")
+    log = SyscallLog(monkeypatch)
+    first, second = engine.write(str(tmp_path / "a.bin"), a, 0), engine.write(str(tmp_path / "b.bin"), b, 0)
+    second.wait()
+    first.wait()
+    calls = sorted(log.calls)
+    assert log.most == 2  # each operation's two requests together, the operations one after the other
+    assert max(c[1] for c in calls[:2]) <= min(c[0] for c in calls[2:])
+    log.most = 0
+    handles = [overlapped.write(str(tmp_path / f"{i}.bin"), t, 0) for i, t in enumerate((a, b))]
+    for handle in handles:
+        handle.wait()
+    assert log.most == 4
+
+
 def test_disk_full_is_one_clear_line(io, tmp_path):
     with tmpfs(tmp_path / "small", "size=1m") as small:
         engine = io(block_size=65536)
