@@ -9,6 +9,9 @@ changed: training on ends bit for bit where a run that never met the failing cal
 step counters.
 
 A forward that raises in the probe (the first batch of a new shape: probe.py) the same way.
+With a weight tied between the first and the last stage the same: the stage that raised and the stage
+that did not both sum the tied gradient over their tie group before the norm's all-reduce tells the
+second one (stage_failure.py's note: the outcome rides on the norm).
 Each spawn trains two engines on the same batches: A meets the failing calls after its first step (so
 the probe of the usual shape has run), B does not."""
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from engine.pipe import LayerSpec
+from engine.pipe import LayerSpec, TiedLayerSpec
 from tests.harness import run_distributed
 from tests.models import micro_batches
 from tests.pipe_models import D, assert_trained_alike, global_batches, mlp_specs, mse, trained_state
@@ -91,12 +94,15 @@ class HookedLinear(nn.Linear):
         self.weight.register_hook(_weight_hook)
 
 
-def _engine(stages: int, zero: int, schedule: str):
+def _engine(stages: int, zero: int, schedule: str, tied: bool = False):
     import engine
     from engine.pipe import PipelineModule
     # uniform: the Checker and the HookedLinear on the first and last stage of 2 (1f1b), both in chunk 1
-    # (stage 1) under zero_bubble (the weight hook in a weight-gradient step of its own), both on stage 1 of 3
+    # (stage 1) under zero_bubble (the weight hook in a weight-gradient step of its own), both on stage 1 of 3;
+    # `tied`: a Linear applied first (stage 0) and last (stage 1), one weight over both stages
     specs = mlp_specs(4) + [Checker(), LayerSpec(HookedLinear, D, D)] + mlp_specs(4)[1:]
+    if tied:
+        specs = [TiedLayerSpec("ends", nn.Linear, D, D), *specs, TiedLayerSpec("ends", nn.Linear, D, D)]
     pm = PipelineModule(specs, num_stages=stages, loss_fn=raising_mse,
                         seed_layers=True, partition_method="uniform", virtual_stages=1 if schedule == "1f1b" else 2)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
@@ -136,13 +142,13 @@ def _failing_call(eng, pm, batch, case) -> dict:
             "raised_here": armed and holds, "user_calls": CALLS[kind]}
 
 
-def _run(stages: int, zero: int, cases: list, schedule: str = "1f1b") -> dict:
-    pm_a, eng_a = _engine(stages, zero, schedule)
+def _run(stages: int, zero: int, cases: list, schedule: str = "1f1b", tied: bool = False) -> dict:
+    pm_a, eng_a = _engine(stages, zero, schedule, tied)
     batches = global_batches(STEPS + 2, MICRO * GAS * eng_a.comm.world_size, False)
     losses_a = [float(eng_a.train_batch(_iterator(eng_a, batches[0])))]
     calls = [_failing_call(eng_a, pm_a, batches[-1], case) for case in cases]
     losses_a += [float(eng_a.train_batch(_iterator(eng_a, b))) for b in batches[1:STEPS + 1]]
-    pm_b, eng_b = _engine(stages, zero, schedule)
+    pm_b, eng_b = _engine(stages, zero, schedule, tied)
     losses_b = [float(eng_b.train_batch(_iterator(eng_b, b))) for b in batches[:STEPS + 1]]
     return {"calls": calls, "a": trained_state(pm_a, eng_a), "b": trained_state(pm_b, eng_b), "stage": eng_a.stage_id,
             "rank": eng_a.groups.rank, "data": eng_a.groups.coord.data, "losses": (losses_a, losses_b)}
@@ -154,9 +160,11 @@ ALL = [("loss", 1, "train", None), ("forward", 0, "train", None), ("loss", 0, "e
 BACKWARD = [("backward", 0, "train", None), ("weight", 1, "train", None)]
 ONE_REPLICA = [("loss", 1, "train", {1}), ("forward", 0, "train", {0}), ("probe", 0, "train", {1}),
                ("backward", 0, "train", {1}), ("weight", 1, "train", {0})]
+TIED = [("loss", 1, "train", None), ("forward", 0, "train", None), ("weight", 0, "train", None)]
 # 2 stages of 2 chunks each under zero_bubble (its input-gradient step sends what autograd.grad gives),
-# and under 1f1b; 3 stages; 2 stages × 2 replicas at ZeRO-3
-LAYOUTS = {2: [(2, 0, ALL, "zero_bubble"), (2, 0, BACKWARD)], 3: [(3, 0, ALL)], 4: [(2, 3, ONE_REPLICA)]}
+# and under 1f1b, with a weight tied between them at ZeRO-1; 3 stages; 2 stages × 2 replicas at ZeRO-3
+LAYOUTS = {2: [(2, 0, ALL, "zero_bubble"), (2, 0, BACKWARD), (2, 1, TIED, "1f1b", True)], 3: [(3, 0, ALL)],
+           4: [(2, 3, ONE_REPLICA)]}
 
 
 def _each(layouts: list) -> list:

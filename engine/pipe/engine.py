@@ -13,9 +13,11 @@ them through torch's schedule named by `pipeline.schedule` (schedule.py), then, 
 The loss returned — the mean over micro-batches and data-parallel ranks — is the same value on
 every stage; it reaches the other stages on the step's norm all-reduce (reduction.py's note), and the
 batch's input signature reaches them in the batch's agreement (batch_agreement.py's note), and whether
-a stage's user code raised inside the schedule in one int64 after it (stage_failure.py's note: every
-rank raises, none waits for the failed stage's sends): per step a pipeline adds three small collectives
-to the schedule's own sends. `forward`/`backward`/`step` are errors here: the schedule owns them.
+a stage's user code raised inside the schedule rides on the norm's all-reduce too (stage_failure.py's
+notes: every rank raises, none waits for the failed stage's sends; the outcome rides on the norm): per
+step a pipeline adds two small collectives to the schedule's own sends (three with several data-parallel
+replicas: their data axis agrees on the outcome first). `forward`/`backward`/`step` are errors here: the
+schedule owns them.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ from .partitioned_wire import PartitionedWire, partitioned
 from .probe import ProbeFailed, chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import schedule_class
-from .stage_failure import FailureRecord, agree_on_outcome, substitute_loss, substitute_outputs
+from .stage_failure import (BatchFailed, FailureRecord, agree_on_outcome, failed_in_data_group, raise_failure,
+                            substitute_loss, substitute_outputs)
 from .stage_clock import StageClock, pipeline_idle
 from .tensor_peers import TensorPeerStage
 
@@ -123,9 +126,13 @@ class PipelineEngine(Engine):
         # pipeline.pipe_partitioned / grad_partitioned: slices over the model axis (partitioned_wire.py)
         self._model_comm = (Communicator(groups.model_group) if partitioned(config.pipeline, groups.topology.model)
                             else None)
+        self._world_norm = None  # the norm's all-reduce, which the batch's outcome rides on (stage_failure.py)
         if zero_optimizer is not None:
             zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group), self.tied,
                                                                self.loss_rider)
+            # a 1-bit optimizer may reduce no norm over the pipeline in a step: the outcome is voted on its own
+            if not getattr(zero_optimizer, "self_communicating", False):
+                self._world_norm = zero_optimizer.norm_reduce
         self._built: dict[tuple, tuple] = {}
         self._fingerprints: dict[tuple, int] = {}  # input signature -> its broadcast key (first stage)
         self._data_iterator = None
@@ -262,6 +269,7 @@ class PipelineEngine(Engine):
         except ProbeFailed as failed:  # no schedule for this batch; the world learns of it after (probe.py)
             if failed.error is not None:
                 self._failure.keep(failed.error)
+            self._failure.no_schedule = True
             return [], []
         self._last_chunk = mods.get(self.module.num_stages * self.module.virtual_stages - 1)
         self._actions.clear()
@@ -330,22 +338,50 @@ class PipelineEngine(Engine):
         _, losses = self._run(batch, training=True)
         self.timers.stop("forward")
         try:
-            agree_on_outcome(self._world_comm, self.groups, self._failure)
-        except Exception:
-            self.zero_optimizer.zero_grad()  # the batch leaves nothing behind (stage_failure.py's note)
-            zero3.release(self.zero_optimizer)
-            raise
+            return self._reduce_and_step(losses, m)
+        except BatchFailed:  # a stage failed: every rank drops the batch (stage_failure.py's note) ...
+            self._drop_batch()
+        raise_failure(self._world_comm, self.groups, self._failure)  # ... and raises (outside the except: no
+        raise AssertionError("unreachable")  # BatchFailed chained to the user's error)
+
+    def _drop_batch(self) -> None:
+        """The batch leaves nothing behind: its gradients, ZeRO-3's gathered parameters, the loss riding."""
+        self.loss_rider.load(None, contributes=False)
+        self.zero_optimizer.zero_grad()
+        zero3.release(self.zero_optimizer)
+
+    def _reduce_and_step(self, losses: list, m: int) -> torch.Tensor:
+        """After the schedule: tied gradients, the data axis's reduction, the world's norm (carrying the loss
+        and the batch's outcome) and the step; BatchFailed before any of it is applied when a stage failed
+        (stage_failure.py's note: the outcome rides on the norm)."""
+        known = False
+        if self._world_norm is None:  # voted on its own, before anything of the step
+            try:
+                agree_on_outcome(self._world_comm, self.groups, self._failure)
+            except Exception:
+                self._drop_batch()
+                raise
+        else:
+            known = failed_in_data_group(self.comm, self._failure)
         self.timers.start("allreduce")
-        self.tied.all_reduce_grads(self.zero_optimizer)
+        self.tied.all_reduce_grads(self.zero_optimizer)  # tie groups span data groups: posted either way
+        if known:  # the data axis's reductions and the step are this data group's alone: skipped
+            self._world_norm.post_failure()
         self.tied.measure_duplicates(self.zero_optimizer, self.zero_optimizer.guard.scaler.loss_scale)
         reduce_accumulated(self.zero_optimizer)
         zero3.release(self.zero_optimizer)
         self.timers.stop("allreduce")
         # the loss reaches every stage on the step's norm all-reduce (reduction.py's note)
-        self._last_loss = self._stage_loss(losses)
-        self.loss_rider.load(self._last_loss, contributes=self.is_last_stage and self.groups.coord.model == 0)
-        self.micro_steps += m - 1
-        self._boundary_step()
+        loss = self._stage_loss(losses)
+        self.loss_rider.load(loss, contributes=self.is_last_stage and self.groups.coord.model == 0)
+        previous, self._last_loss = self._last_loss, loss  # the step's log line reads it, once agreed
+        try:
+            self.micro_steps += m - 1
+            self._boundary_step()
+        except BatchFailed:  # raised in the norm's all-reduce, before the step moved anything but these
+            self.micro_steps -= m - 1
+            self._last_loss = previous
+            raise
         self.micro_steps += 1
         if self.loss_rider.loss is not None:  # the optimizer reduced no norm: send the loss on its own
             self.loss_rider.loss = None

@@ -19,7 +19,10 @@ point where every stage waits for the slowest (on a busy host each such wait cos
 world's norm² is already one all-reduce over pipe × model at every step, so the loss travels as its
 second element: the last stage's tensor rank 0 adds the loss, every other rank adds 0, and the sum is
 the loss everywhere. When the optimizer reduces no norm (`LossRider.loss` still set after the step),
-the engine broadcasts it as before.
+the engine broadcasts it as before. The batch's outcome rides there too, as a third element: the
+count of data groups whose batch failed (stage_failure.py's note: the outcome rides on the norm); a
+count above zero raises `BatchFailed` before the norm is returned to the optimizer. The three elements
+are summed independently, so the norm² and the loss are the sums they were.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 
 from ..comm import Communicator
 from ..tensor_parallel.layers import is_partitioned
+from .stage_failure import BatchFailed
 
 
 class TiedGradients:
@@ -68,36 +72,57 @@ class TiedGradients:
 
 
 class LossRider:
-    """The step's loss, waiting to ride on the norm's all-reduce (module note)."""
+    """The step's loss and the batch's outcome, waiting to ride on the norm's all-reduce (module note)."""
 
     def __init__(self):
         self.loss: torch.Tensor | None = None  # one element; the agreed loss is written into it
         self.contributes = False
+        self.failed = False  # this rank's data group knows its batch failed (stage_failure.py)
 
-    def load(self, loss: torch.Tensor, contributes: bool) -> None:
-        self.loss, self.contributes = loss, contributes
+    def load(self, loss: torch.Tensor | None, contributes: bool, failed: bool = False) -> None:
+        self.loss, self.contributes, self.failed = loss, contributes, failed
 
 
-def agree_norm_over_world(mp_comm: Communicator, tied: TiedGradients | None = None, rider: LossRider | None = None):
-    """The ZeRO optimizers' `norm_reduce`: data-agreed norm² of this stage → the world's norm² (`tied`:
-    a pipeline's tied weights; tensor parallelism leaves its duplicates out before, tensor_parallel/norm.py;
-    `rider`: a pipeline's loss, summed in the same all-reduce, module note)."""
-    def reduce(square: torch.Tensor) -> torch.Tensor:
+class WorldNorm:
+    """The ZeRO optimizers' `norm_reduce`: data-agreed norm² of this stage → the world's norm² (`tied`: a
+    pipeline's tied weights; tensor parallelism leaves its duplicates out before, tensor_parallel/norm.py;
+    `rider`: a pipeline's loss and outcome, summed in the same all-reduce, module note)."""
+
+    def __init__(self, mp_comm: Communicator, tied: TiedGradients | None = None, rider: LossRider | None = None):
+        self.mp_comm, self.tied, self.rider = mp_comm, tied, rider
+
+    def __call__(self, square: torch.Tensor) -> torch.Tensor:
         square = square.reshape(1).float()
-        if tied is not None and tied.duplicate_square is not None:
-            square = square - tied.duplicate_square
+        if self.tied is not None and self.tied.duplicate_square is not None:
+            square = square - self.tied.duplicate_square
+        rider = self.rider
         if rider is None:
-            mp_comm.all_reduce(square)
+            self.mp_comm.all_reduce(square)
             return square
-        both = torch.cat([square, torch.zeros(1, dtype=square.dtype, device=square.device)])
+        riding = torch.cat([square, square.new_zeros(2)])  # [norm², loss, failed data groups]
         if rider.loss is not None and rider.contributes:
-            both[1:] = rider.loss.reshape(1)
-        mp_comm.all_reduce(both)
+            riding[1:2] = rider.loss.reshape(1)
+        if rider.failed:
+            riding[2] = 1.0
+        self.mp_comm.all_reduce(riding)
         if rider.loss is not None:
-            rider.loss.copy_(both[1:].reshape(rider.loss.shape))
+            rider.loss.copy_(riding[1:2].reshape(rider.loss.shape))
             rider.loss = None
-        return both[:1]
-    return reduce
+        if riding[2].item() > 0:  # a host read the caller's float(norm) makes anyway
+            raise BatchFailed()
+        return riding[:1]
+
+    def post_failure(self) -> None:
+        """A data group that knows its batch failed: its part of the all-reduce, with its vote; raises
+        BatchFailed (stage_failure.py's note: the outcome rides on the norm)."""
+        self.rider.load(None, contributes=False, failed=True)
+        self(torch.zeros(1, device=self.mp_comm.device))
+
+
+def agree_norm_over_world(mp_comm: Communicator, tied: TiedGradients | None = None,
+                          rider: LossRider | None = None) -> WorldNorm:
+    """The `norm_reduce` of a pipeline (with `tied` and `rider`) or of tensor parallelism (WorldNorm)."""
+    return WorldNorm(mp_comm, tied, rider)
 
 
 def reduce_accumulated(zero_optimizer) -> None:

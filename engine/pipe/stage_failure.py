@@ -38,8 +38,30 @@ is guarded by a one-int all-reduce instead; not covered: micro-batch 0 of an inp
 schedule, before a backward of that shape was recorded). Code that raises alike on every tensor rank of the stage needs none of that (checked by hand,
 with and without pipeline.pipe_partitioned/grad_partitioned).
 
-Cost: that all-reduce per train_batch/eval_batch; the schedule's micro-batches add nothing (a try
-around user code). Measured in docs/parallelism.md.
+[Note: the outcome rides on the norm] In train_batch that all-reduce of its own was a third point per
+step where every rank waits for the slowest, right after the schedule, on the path from the first
+stage's last backward to its next forward (on this 2-core machine, under load, 0.5-4.5 ms of waiting
+each: docs/pipeline_measurements.md, 2026-12-07). The step's norm² all-reduce over pipe × model
+(reduction.py's note) follows it on every rank, so the vote travels there instead, as one more float
+(the count of data groups that failed: exact for any world a float32 counts). What makes that safe is
+which ranks may run what before it:
+- a rank *knows* its batch failed when its own user code raised, a tensor peer's did in a collective it
+  shared, or its pipe group's probe failed (no schedule ran); the ranks of one data group agree on
+  that first (`failed_in_data_group`: one all-reduce over the data axis, none when it has one rank),
+  since all of them run the data axis's reductions or none;
+- a data group that knows skips what only it takes part in (the data axis's reductions, the
+  optimizer's step) and posts what crosses groups: the tied weights' sums (their tie group spans
+  stages, which may not know) and the norm's all-reduce, with its vote (`BatchFailed` at once);
+- a data group that does not know runs its step as usual up to that all-reduce, which raises
+  `BatchFailed` inside the optimizer's step, before the guard, the clipping and the update saw the
+  norm: what the reductions before it wrote the engine drops with the rest of the batch's gradients.
+Then every rank calls `raise_failure`, whose one all_gather_object names the failing rank (the
+highest-numbered one that raised, as the vote's MAX did). A 1-bit optimizer (self-communicating)
+may reduce no norm over the pipeline in a step, so under one the engine votes on its own as before.
+
+Cost: per train_batch nothing on one data-parallel replica (the vote is a float in an all-reduce
+the step makes anyway), one all-reduce over the data axis with several; per eval_batch the world's
+all-reduce; the schedule's micro-batches add nothing (a try around user code).
 """
 from __future__ import annotations
 
@@ -61,6 +83,12 @@ class FailureRecord:
         self.phase = ""  # ", in a backward pass" when the kept error was raised in one
         self.in_backward = False
         self.peer_failed = False  # a tensor peer raised in the probe (tensor_parallel/collective_ledger.py)
+        self.no_schedule = False  # this pipe group's probe failed: no schedule ran (probe.py)
+
+    @property
+    def known(self) -> bool:
+        """Whether this rank knows the batch failed (module note: the outcome rides on the norm)."""
+        return self.error is not None or self.peer_failed or self.no_schedule
 
     def keep(self, error: BaseException) -> None:
         if isinstance(error, TensorPeerFailed):  # another tensor rank's error, which the vote names
@@ -115,15 +143,35 @@ def substitute_loss(flat_output) -> torch.Tensor:
     return torch.zeros((), device=next(t.device for t in flat_output if isinstance(t, torch.Tensor)))
 
 
+class BatchFailed(Exception):
+    """The norm's all-reduce said a data group's batch failed (module note: the outcome rides on the
+    norm); the engine drops the batch and calls `raise_failure`."""
+
+
+def failed_in_data_group(data, failure: FailureRecord) -> bool:
+    """Whether any rank of this data group knows its batch failed; every rank of the group gets the same
+    answer (module note). `data`: the data axis's Communicator; no collective when it has one rank."""
+    if data.world_size == 1:
+        return failure.known
+    vote = torch.full((1,), int(failure.known), dtype=torch.int64, device=data.device)
+    data.all_reduce(vote, op=torch.distributed.ReduceOp.MAX)
+    return bool(vote.item())
+
+
 def agree_on_outcome(world, groups, failure: FailureRecord) -> None:
     """After the schedule: every rank learns whether a stage failed; if one did, every rank raises (module
     note). The caller drops the batch's gradients first."""
     vote = torch.full((1,), groups.rank if failure.error is not None else -1, dtype=torch.int64,
                       device=world.device)
     world.all_reduce(vote, op=torch.distributed.ReduceOp.MAX)
-    failed = int(vote.item())
-    if failed < 0:
-        return
+    if int(vote.item()) >= 0:
+        raise_failure(world, groups, failure)
+
+
+def raise_failure(world, groups, failure: FailureRecord) -> None:
+    """Once every rank knows a stage failed: the failing rank raises its own error, every other rank a
+    StageFailed naming it (the highest-numbered rank that raised, when several did). Collective over the
+    world (one all_gather_object of each rank's one-line error, or None)."""
     mine = failure.error
     texts = world.all_gather_object(None if mine is None else
                                     f"{failure.phase}: {type(mine).__name__}: {mine}".split("\n")[0])
@@ -131,6 +179,7 @@ def agree_on_outcome(world, groups, failure: FailureRecord) -> None:
         mine.add_note(f"stage {groups.coord.pipe} (rank {groups.rank}){failure.phase}: every rank of the pipeline "
                       "stopped after this batch's schedule; its gradients were dropped, no step was taken")
         raise mine
+    failed = max(rank for rank, text in enumerate(texts) if text is not None)
     where = groups.topology.coord(failed)
     tensor = f", tensor rank {where.model}" if groups.topology.model > 1 else ""
     raise StageFailed(f"stage {groups.coord.pipe}: stage {where.pipe} (rank {failed}, data-parallel rank "
