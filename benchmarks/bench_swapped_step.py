@@ -11,7 +11,8 @@ stepper waited for reads and for writes, the MiB read from and written to storag
 swap files are O_DIRECT, so every byte is counted), and per I/O task (aio.py's runs) its median size and
 latency. `{"queue_depth": 1}` is the engine's request pattern before 2026-12-07 for this step's 4 MiB
 transfers (one syscall in flight); the default is DeepSpeed's section. The final masters of all sections
-must be equal bit for bit (the order of I/O changes no byte). First, the disk itself at the step's two
+must be equal bit for bit (the order of I/O changes no byte). `--ranks 2`: two processes step the same
+section at the same time, as bench_offload.py's two ranks share the disk (rank 0's figures). First, the disk itself at the step's two
 request patterns: raw O_DIRECT writes and reads of a 64 MiB file in 4 MiB requests one at a time and in
 1 MiB requests eight at a time (threads; no fdatasync, as the step has none), best of 3.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -121,13 +123,14 @@ def disk_patterns(directory: str) -> None:
         os.unlink(path)
 
 
-def _rounds(parts: list, grad: torch.Tensor, rounds: int, timings: Timings) -> list[list]:
+def _rounds(parts: list, grad: torch.Tensor, rounds: int, timings: Timings, barrier) -> list[list]:
     """Per partition, per round: (wall ms, CPU ms, read wait ms, write wait ms, MiB read, MiB written,
-    {direction: [(bytes, seconds)] per I/O task})."""
+    {direction: [(bytes, seconds)] per I/O task}). Every process starts each step at the barrier."""
     rows = [[] for _ in parts]
     for r in range(rounds):
         for i in (range(len(parts)) if r % 2 == 0 else reversed(range(len(parts)))):
             timings.clear()
+            barrier.wait()
             (r0, w0), c0, t0 = io_counters(), time.process_time(), time.perf_counter()
             parts[i].step(lambda s, e: grad[s:e])
             t1, c1, (r1, w1) = time.perf_counter(), time.process_time(), io_counters()
@@ -150,20 +153,11 @@ def _report(section: str, rows: list) -> None:
                   f"{statistics.median(t[1] for t in tasks) * 1e3:.1f} ms")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--aio", action="append", help="an aio section as JSON (repeat; default: qd 1 and DeepSpeed's)")
-    p.add_argument("--numel", type=float, default=12.6e6)
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--dir", default=None, help="where the swap files go (default: the temp directory)")
-    args = p.parse_args(argv)
-    sections, directory = args.aio or ['{"queue_depth": 1}', "{}"], args.dir or os.environ.get("TMPDIR", "/tmp")
+def _rank(rank: int, args, sections: list, directory: str, barrier) -> None:
     torch.set_num_threads(1)
     timings, numel = Timings(), int(args.numel)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(rank)
     master, grad = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen) * 1e-3
-    print(f"load before {os.getloadavg()}")
-    disk_patterns(directory)
     with SwapDir.create(directory, path_key="--dir") as swap:
         ios = [AsyncFileIO(AioConfig(**json.loads(s)), path_key="--dir") for s in sections]
         parts = []
@@ -173,16 +167,39 @@ def main(argv=None) -> int:
                                           pool, SUB_GROUP, pipeline_read=True, pipeline_write=True, name=f"s{i}"))
             parts[-1].initialize(lambda s, e: master[s:e])
             parts[-1].step(lambda s, e: grad[s:e])  # the first step creates the state: not measured
-        rows = _rounds(parts, grad, args.rounds, timings)
+        rows = _rounds(parts, grad, args.rounds, timings, barrier)
         equal = all(torch.equal(parts[0].read_master(s, e), part.read_master(s, e))
                     for part in parts[1:] for s, e in parts[0].groups)
         for part, io in zip(parts, ios):
             part.close()
             io.close()
-    for section, section_rows in zip(sections, rows):
-        _report(section, section_rows)
-    print(f"masters equal bit for bit: {equal}; load after {os.getloadavg()}")
-    return 0 if equal else 1
+    if rank == 0:
+        for section, section_rows in zip(sections, rows):
+            _report(section, section_rows)
+        print(f"masters equal bit for bit: {equal}; load after {os.getloadavg()}")
+    if not equal:
+        raise SystemExit(f"rank {rank}: the sections' masters differ")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--aio", action="append", help="an aio section as JSON (repeat; default: qd 1 and DeepSpeed's)")
+    p.add_argument("--numel", type=float, default=12.6e6)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--ranks", type=int, default=1, help="processes stepping at once (a barrier per step), rank 0 reported")
+    p.add_argument("--dir", default=None, help="where the swap files go (default: the temp directory)")
+    args = p.parse_args(argv)
+    sections, directory = args.aio or ['{"queue_depth": 1}', "{}"], args.dir or os.environ.get("TMPDIR", "/tmp")
+    print(f"load before {os.getloadavg()}")
+    disk_patterns(directory)
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(args.ranks)
+    procs = [ctx.Process(target=_rank, args=(r, args, sections, directory, barrier)) for r in range(args.ranks)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    return max(proc.exitcode for proc in procs) != 0
 
 
 if __name__ == "__main__":
