@@ -19,8 +19,8 @@ takes part in one all-reduce (MAX) of int64s, `1 + data × model` of them:
   MIXED_BATCH), the int64 minimum from every other rank: each rank reads its own group's.
 Every rank decides from the same vector, so all raise, or none: `DataExhausted` before anything ran
 (no gradient accumulated, no counter moved, nothing half-issued), a mixed batch's ValueError likewise.
-It replaces the per-batch broadcast of the key over the pipe group (the others a step adds: the loss
-riding on the norm, reduction.py; the schedule's outcome, stage_failure.py). What it
+It replaces the per-batch broadcast of the key over the pipe group (the other one a step adds: the
+norm's all-reduce, which the loss and the schedule's outcome ride on, reduction.py, stage_failure.py). What it
 costs over that broadcast: the first stage, which did not wait for the broadcast to be received, now
 starts its first forward only once every rank has finished the previous step. The norm's all-reduce
 over pipe × model lined the world up then, to within the ranks' optimizer steps, so per step that is
