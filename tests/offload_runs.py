@@ -1,7 +1,7 @@
 """The training runs tests/test_offload_parity.py (CPU tier) and tests/test_offload_nvme.py (NVMe tier)
 assert on: one 2-rank spawn for both files, each reference run (no offload) trained once and shared.
 
-Every run: 8 steps of tests.models.ReuseNet on 2 ranks, micro-batch 2, gradient accumulation 2, a
+Every run: 10 steps of tests.models.ReuseNet on 2 ranks, micro-batch 2, gradient accumulation 2, a
 WarmupLR schedule (an offloaded step must see every new learning rate), AdamW with clipping that
 bites or SGD without clipping (linear in the gradient: a wrong scale moves the weights), ZeRO-3
 parameters above 30 elements partitioned. `SUB_GROUP` 100 (rounded up to 128 by nvme_tier.py's lanes
@@ -29,9 +29,7 @@ from engine.zero.partition_store import HalfImageStore
 from tests.harness import run_distributed
 from tests.models import ReuseNet, StackNet, make_batches, micro_batches
 
-# 8 steps: the whole WarmupLR ramp (6 steps) and two at its top; steps after the Inf at INF_STEP and
-# after the resume at RESUME_AT. 10 cost a quarter more of the suite's longest fixture for nothing more.
-STEPS, MICRO, GAS, INF_STEP, SUB_GROUP, RESUME_AT = 8, 2, 2, 4, 100, 5
+STEPS, MICRO, GAS, INF_STEP, SUB_GROUP, RESUME_AT = 10, 2, 2, 4, 100, 5
 OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
               "sgd": {"type": "SGD", "params": {"lr": 0.2}}}
 OPT_CPU = {"offload_optimizer": {"device": "cpu"}}

@@ -1,7 +1,7 @@
 """NVMe optimizer offload at stages 1, 2 and 3 (engine/zero/nvme_tier.py) is a storage tier: every step
 equals the run without offload bit for bit, with the fp32 master weights and optimizer state in swap files.
 
-Oracles: 8 steps on 2 ranks of tests.models.ReuseNet with gradient accumulation 2, AdamW with clipping
+Oracles: 10 steps on 2 ranks of tests.models.ReuseNet with gradient accumulation 2, AdamW with clipping
 that bites and SGD without clipping (linear in the gradient: a wrong gradient scale moves the weights),
 both under a WarmupLR schedule (the swapped step must see every new learning rate), compared with
 torch.equal, gradient norms compared exactly. `sub_group_size` 100 (rounded up to 128, nvme_tier.py's
@@ -55,7 +55,7 @@ def _finite(run: dict) -> dict:
 
 def _assert_gradient_swapped(got: dict, stage: int, what: str) -> None:
     """The partition gradient was in swap files (engine/zero/grad_swap.py), none of it in host memory:
-    8 steps of 2 micro-steps landed there (stages 2-3 every micro-step, read-add-write after the first;
+    10 steps of 2 micro-steps landed there (stages 2-3 every micro-step, read-add-write after the first;
     stage 1 at the boundary) and the norm and the stepper read it back."""
     swap = got["grad_swap"]
     assert swap is not None and got["grad_host_bytes"] == 0, f"{what}: gradient partition in host memory ({swap})"

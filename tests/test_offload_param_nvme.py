@@ -1,7 +1,7 @@
 """NVMe parameter offload at ZeRO stage 3 (`offload_param.device: "nvme"`, engine/zero/param_nvme.py,
 offload/param_swap.py) is a storage tier: every step equals stage 3 without offload bit for bit.
 
-Oracles: 8 steps on 2 ranks of tests.models.ReuseNet with gradient accumulation 2, AdamW with clipping
+Oracles: 10 steps on 2 ranks of tests.models.ReuseNet with gradient accumulation 2, AdamW with clipping
 that bites and SGD without clipping (linear in the gradient: a wrong gradient scale moves the weights),
 under a WarmupLR schedule, compared with torch.equal, gradient norms compared exactly; the optimizer
 on the host and on NVMe. The final weights come from `safe_get_full_fp32_param`, which reads the

@@ -7,7 +7,7 @@ path runs anyway: reduced gradient segments land in separate buffers, are copied
 and applied after backward, and updated weights are copied out again before the all-gather. One case
 checks the unstaged path aliases (no staging buffers at all).
 
-Oracles: 8 steps on 2 ranks of tests.models.ReuseNet (a head used in micro-step 0 only, transposed and
+Oracles: 10 steps on 2 ranks of tests.models.ReuseNet (a head used in micro-step 0 only, transposed and
 channels_last weights, a gradient in two pieces) with gradient accumulation 2 and a WarmupLR schedule.
 AdamW with clipping that bites, and SGD without clipping (linear in the gradient, so a wrong scale moves
 the weights), compared with torch.equal; gradient norms compared exactly. The runs are
