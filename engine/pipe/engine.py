@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed import pipelining as tp
 from torch.utils import _pytree as pytree
 
+import schemas
+
 from ..comm import Communicator
 from ..engine import Engine
 from ..tensor_parallel import collective_ledger as ledger
@@ -126,13 +128,15 @@ class PipelineEngine(Engine):
         # pipeline.pipe_partitioned / grad_partitioned: slices over the model axis (partitioned_wire.py)
         self._model_comm = (Communicator(groups.model_group) if partitioned(config.pipeline, groups.topology.model)
                             else None)
-        self._world_norm = None  # the norm's all-reduce, which the batch's outcome rides on (stage_failure.py)
         if zero_optimizer is not None:
+            if getattr(zero_optimizer, "self_communicating", False):  # as with tensor parallel (its norm.py)
+                name = type(zero_optimizer.optimizer).__name__
+                raise schemas.ConfigError([f"optimizer.type: {name} (a 1-bit optimizer) with a pipeline is not built "
+                                           "yet in dstrain: its compressed steps agree the norm and overflow over "
+                                           "the data axis only, so stages would clip and skip apart; use Adam, "
+                                           "AdamW or SGD"])
             zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group), self.tied,
                                                                self.loss_rider)
-            # a 1-bit optimizer may reduce no norm over the pipeline in a step: the outcome is voted on its own
-            if not getattr(zero_optimizer, "self_communicating", False):
-                self._world_norm = zero_optimizer.norm_reduce
         self._built: dict[tuple, tuple] = {}
         self._fingerprints: dict[tuple, int] = {}  # input signature -> its broadcast key (first stage)
         self._data_iterator = None
@@ -354,19 +358,11 @@ class PipelineEngine(Engine):
         """After the schedule: tied gradients, the data axis's reduction, the world's norm (carrying the loss
         and the batch's outcome) and the step; BatchFailed before any of it is applied when a stage failed
         (stage_failure.py's note: the outcome rides on the norm)."""
-        known = False
-        if self._world_norm is None:  # voted on its own, before anything of the step
-            try:
-                agree_on_outcome(self._world_comm, self.groups, self._failure)
-            except Exception:
-                self._drop_batch()
-                raise
-        else:
-            known = failed_in_data_group(self.comm, self._failure)
+        known = failed_in_data_group(self.comm, self._failure)
         self.timers.start("allreduce")
         self.tied.all_reduce_grads(self.zero_optimizer)  # tie groups span data groups: posted either way
         if known:  # the data axis's reductions and the step are this data group's alone: skipped
-            self._world_norm.post_failure()
+            self.zero_optimizer.norm_reduce.post_failure()
         self.tied.measure_duplicates(self.zero_optimizer, self.zero_optimizer.guard.scaler.loss_scale)
         reduce_accumulated(self.zero_optimizer)
         zero3.release(self.zero_optimizer)

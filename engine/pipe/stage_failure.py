@@ -56,8 +56,8 @@ which ranks may run what before it:
   `BatchFailed` inside the optimizer's step, before the guard, the clipping and the update saw the
   norm: what the reductions before it wrote the engine drops with the rest of the batch's gradients.
 Then every rank calls `raise_failure`, whose one all_gather_object names the failing rank (the
-highest-numbered one that raised, as the vote's MAX did). A 1-bit optimizer (self-communicating)
-may reduce no norm over the pipeline in a step, so under one the engine votes on its own as before.
+highest-numbered one that raised, as the vote's MAX did). (A 1-bit optimizer, which may reduce no
+norm over the pipeline in a step, is refused with a pipeline: pipe/engine.py.)
 
 Cost: per train_batch nothing on one data-parallel replica (the vote is a float in an all-reduce
 the step makes anyway), one all-reduce over the data axis with several; per eval_batch the world's
