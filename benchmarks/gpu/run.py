@@ -33,6 +33,7 @@ The script exits non-zero when a check fails; the report is written either way.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -157,6 +158,10 @@ def check_zero_init(root: str, rank: int = 0) -> str:
 
 def run_checks(world: int = 1, syncs: dict | None = None) -> list[tuple[str, str, str]]:
     """(check, PASS/FAIL, detail) for every check, on this rank."""
+    # What torch and the engine allocated at import lives to the end: out of the collector's sight, so
+    # the gc.collect() of each of the ~60 engine.destroy() calls walks only one check's objects (load 8:
+    # 8.6 s of CPU over the 1-rank pass's 57 collects, 3.5 s after; tests/offload_runs.py does the same).
+    gc.freeze()
     rank = dist.get_rank() if dist.is_initialized() else 0
     check_stage.fp32 = {}
     cases = [(f"ZeRO-{s} {p}", check_stage, (s, p, world, rank, syncs)) for p in PRECISIONS for s in range(4)]
@@ -191,6 +196,19 @@ def _multirank(gpu: bool) -> list[tuple[str, str, str]]:
     except RankFailed as e:
         return [("2 ranks, gloo", "FAIL", str(e).strip().splitlines()[-1][:300])]
     return [(f"2 ranks: {n}", r0 if r0 == r1 else "FAIL", d0) for (n, r0, d0), (_, r1, _) in zip(*per_rank)]
+
+
+def _all_checks(gpu: bool, syncs: dict) -> list[tuple[str, str, str]]:
+    """The checks on one rank, then on two. On CPU the 2-rank world runs beside this process's pass, in a
+    thread that waits for it: its ranks spend much of their time waiting on each other's collectives,
+    time this pass uses (2 shared cores at load 8: the whole --cpu run 89 -> 53 s). On a GPU one after the other:
+    the ranks would share the device and its memory with this pass, and the sync counts with them."""
+    if gpu:
+        return run_checks(syncs=syncs) + _multirank(gpu)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        two = pool.submit(_multirank, gpu)
+        return run_checks() + two.result()
 
 
 # -- 4: throughput ------------------------------------------------------------------------------------
@@ -378,8 +396,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(dev) if gpu else "CPU"
     t0, load_before = time.perf_counter(), os.getloadavg()
     syncs: dict = {}
-    checks = run_checks(syncs=syncs if gpu else None)
-    checks += _multirank(gpu)
+    checks = _all_checks(gpu, syncs)
     bench, loaded = [], 0
     if not args.skip_throughput:
         peak = gpu_peak_tflops(name) if gpu else None  # engine/profiling/peaks.py: dense bf16 table
