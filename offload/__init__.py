@@ -16,7 +16,8 @@ The interface the engine calls (stable; later versions add, never change):
     part.initialize(lambda start, end: fp32_master[start:end])   # once, before the first step
     for group in part.param_groups: group["lr"] = lr              # LR schedule: the inner optimizer's groups
     part.step(lambda start, end: fp32_grad[start:end],            # skip a step (overflow) by not calling it
-              lambda start, end, master: model_flat[start:end].copy_(master))  # master valid during the call
+              lambda start, end, master: model_flat[start:end].copy_(master),  # master valid during the call
+              lambda start, end: model_flat[start:end])  # optional: an exact copy of the master, read instead
     part.step_order()                        # the sub-groups the next step visits (it alternates: kept ones first)
     part.read_master(start, stop); part.start_read_master(out, start)  # the committed fp32 master, between steps
     for chunk in part.state_chunks(): ...    # checkpoint: {"start","end","master","state":{k: t},"scalars"}

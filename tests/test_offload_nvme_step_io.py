@@ -136,3 +136,78 @@ def test_a_load_into_a_stepped_partition_is_what_the_next_step_steps_from(tmp_pa
     finally:
         swapped.close()
         other.close()
+
+
+def test_a_host_copy_of_the_master_is_read_instead_of_its_file_bit_for_bit(tmp_path):
+    """`step(..., master_copy)` (swapped_partition.py's note: master copy) reads no master bytes from the
+    files, writes every byte as before, and steps exactly as the in-memory optimizer."""
+    make, swapped = _kept_run(tmp_path, (True, True))
+    numel = SUB_GROUP * GROUPS
+    master, grads = data(steps=4, numel=numel)
+    want, want_state = reference(make, master, grads)
+    try:
+        swapped.part.initialize(lambda s, e: master[s:e])
+        swapped.model.copy_(master)  # the engine's host flat: the committed master's exact copy
+        counted = Counted(swapped)
+        per_tensor = round_up(SUB_GROUP * 4)
+        for i, grad in enumerate(grads):
+            kept = swapped.part.sub_groups_kept
+            swapped.part.step(lambda s, e, g=grad: g[s:e], lambda s, e, m: swapped.model[s:e].copy_(m),
+                              lambda s, e: swapped.model[s:e])
+            read_groups = GROUPS - (swapped.part.sub_groups_kept - kept)
+            state_tensors = len(swapped.part.state_keys) if i else 0
+            assert counted.take() == (read_groups * state_tensors * per_tensor,
+                                      GROUPS * (1 + len(swapped.part.state_keys)) * per_tensor)
+        assert torch.equal(swapped.model, want)
+        assert torch.equal(swapped.part.read_master(0, numel), want)
+        assert_state_equal(swapped.part, want_state)
+    finally:
+        swapped.close()
+
+
+def _engine_master_reads(nvme_path: str, stage: int) -> dict:
+    """4 AdamW steps at `stage` with the optimizer on NVMe in fp32, against no offload: the bytes the tier
+    read from its master files per step, and the parameters."""
+    from engine.utils import safe_get_full_fp32_param
+    from tests.models import OddMLP, make_batches, micro_batches
+    import engine
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {"master_read": []}
+    for name in ("none", "nvme"):
+        zero = {"stage": stage} if name == "none" else {
+            "stage": stage, "sub_group_size": 64, "offload_optimizer": {
+                "device": "nvme", "nvme_path": nvme_path, "buffer_count": 9, "pipeline_read": True,
+                "pipeline_write": True}}
+        torch.manual_seed(0)
+        eng = engine.initialize(model=OddMLP(), config={
+            "train_batch_size": 4 * world, "gradient_clipping": 1.0, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}}})[0]
+        if name == "nvme":
+            io, read = eng.zero_optimizer.nvme.io, eng.zero_optimizer.nvme.io.read
+            seen = [0]
+
+            def counted(path, tensor, offset=0):
+                if ".master." in path:
+                    seen[0] += tensor.numel() * tensor.element_size()
+                return read(path, tensor, offset)
+            io.read = counted
+        for x, y in make_batches(4, 4 * world):
+            (xm, ym), = micro_batches(x, y, rank, world, 1)
+            eng.backward(eng(xm, ym))
+            if name == "nvme":
+                seen[0] = 0
+            eng.step()
+            if name == "nvme":
+                out["master_read"].append(seen[0])
+        out[name] = {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters() if p.requires_grad}
+        eng.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_engine_steps_the_master_from_its_host_flat_equal_to_no_offload(tmp_path, stage):
+    from tests.harness import run_distributed
+    for rank, result in enumerate(run_distributed(_engine_master_reads, 2, args=(str(tmp_path), stage), timeout=180)):
+        assert result["master_read"] == [0, 0, 0, 0], f"rank {rank} read its master files: {result['master_read']}"
+        for n, want in result["none"].items():
+            assert torch.equal(result["nvme"][n], want), f"rank {rank} {n}"

@@ -184,7 +184,18 @@ class NvmeOptimizerTier:
         store = self.partition.store
         if self.grad_swap is not None:  # its read-ahead follows the stepper's order (grad_swap.py's note)
             self.grad_swap.expect(key, [part.groups[k] for k in part.step_order()])
-        part.step(self.grad_reader(key), lambda s, e, master: store.write_behind(key, s, master))
+        part.step(self.grad_reader(key), lambda s, e, master: store.write_behind(key, s, master),
+                  self._master_copy(key))
+
+    def _master_copy(self, key: tuple):
+        """(start, stop) -> flat `key`'s host flat, where it is the committed master's exact copy: the fp32
+        flats of a TierMasterStore (partition_store.py's note: master in the tier; not the 16-bit image,
+        not the parameter files), which the stepper then reads instead of the master's file
+        (swapped_partition.py's note: master copy)."""
+        store = self.partition.store
+        if type(store) is not TierMasterStore or self.partition.flat[key].dtype != torch.float32:
+            return None
+        return lambda s, e: store.read(key, s, e)
 
     def grad_reader(self, key: tuple):
         """(start, stop) -> flat `key`'s unscaled, clipped fp32 gradient there: read from its swap file
