@@ -165,9 +165,9 @@ def test_a_host_copy_of_the_master_is_read_instead_of_its_file_bit_for_bit(tmp_p
         swapped.close()
 
 
-def _engine_master_reads(nvme_path: str, stage: int) -> dict:
-    """4 AdamW steps at `stage` with the optimizer on NVMe in fp32, against no offload: the bytes the tier
-    read from its master files per step, and the parameters."""
+def _engine_master_reads(nvme_path: str, stage: int, precision: dict) -> dict:
+    """4 AdamW steps at `stage` with the optimizer on NVMe, against no offload in the same precision: the
+    bytes the tier read from its master files per step, and the parameters."""
     from engine.utils import safe_get_full_fp32_param
     from tests.models import OddMLP, make_batches, micro_batches
     import engine
@@ -180,7 +180,7 @@ def _engine_master_reads(nvme_path: str, stage: int) -> dict:
                 "pipeline_write": True}}
         torch.manual_seed(0)
         eng = engine.initialize(model=OddMLP(), config={
-            "train_batch_size": 4 * world, "gradient_clipping": 1.0, "zero_optimization": zero,
+            "train_batch_size": 4 * world, "gradient_clipping": 1.0, "zero_optimization": zero, **precision,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}}})[0]
         if name == "nvme":
             io, read = eng.zero_optimizer.nvme.io, eng.zero_optimizer.nvme.io.read
@@ -193,7 +193,8 @@ def _engine_master_reads(nvme_path: str, stage: int) -> dict:
             io.read = counted
         for x, y in make_batches(4, 4 * world):
             (xm, ym), = micro_batches(x, y, rank, world, 1)
-            eng.backward(eng(xm, ym))
+            dtype = torch.bfloat16 if precision else torch.float32
+            eng.backward(eng(xm.to(dtype), ym.to(dtype)))
             if name == "nvme":
                 seen[0] = 0
             eng.step()
@@ -204,10 +205,13 @@ def _engine_master_reads(nvme_path: str, stage: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_the_engine_steps_the_master_from_its_host_flat_equal_to_no_offload(tmp_path, stage):
+@pytest.mark.parametrize("stage,precision", [(2, {}), (3, {}), (3, {"bf16": {"enabled": True}})],
+                         ids=["stage2", "stage3", "stage3-bf16"])
+def test_the_engine_steps_the_master_from_its_host_flat_equal_to_no_offload(tmp_path, stage, precision):
+    """With the parameters on the host, stage 3's fp32 partition is the master's copy in bf16 training too."""
     from tests.harness import run_distributed
-    for rank, result in enumerate(run_distributed(_engine_master_reads, 2, args=(str(tmp_path), stage), timeout=180)):
+    for rank, result in enumerate(run_distributed(_engine_master_reads, 2, args=(str(tmp_path), stage, precision),
+                                                  timeout=180)):
         assert result["master_read"] == [0, 0, 0, 0], f"rank {rank} read its master files: {result['master_read']}"
         for n, want in result["none"].items():
             assert torch.equal(result["nvme"][n], want), f"rank {rank} {n}"
