@@ -128,9 +128,10 @@ def closed_by_peer(sock: socket.socket, within: float) -> bool:
 
 def test_strangers_on_the_control_port_cannot_stop_or_slow_a_job(tmp_path):
     from launcher.control import AUTH_TIMEOUT_S, MAX_PENDING
-    out = str(tmp_path / "out")
+    out, stop = str(tmp_path / "out"), str(tmp_path / "stop")
+    # runs until the attacks are over (the stop file), however long they take: not a fixed 400 steps
     launcher = start_dslaunch("--nproc_per_node", "2", "--master_port", str(free_port()), WORKER, "--out", out,
-                              "--steps", "400", "--step_time", "0.05")
+                              "--steps", "100000", "--step_time", "0.05", "--stop_file", stop)
     attackers = []
     try:
         wait_for(lambda: all(os.path.exists(os.path.join(out, f"first_step_rank{r}")) for r in range(2)), 60,
@@ -167,10 +168,13 @@ def test_strangers_on_the_control_port_cannot_stop_or_slow_a_job(tmp_path):
             except OSError:
                 break
         assert time.monotonic() < deadline, "a slow connection was kept past the token timeout"
+        assert launcher.poll() is None, "the job ended during the attacks"
+        open(stop, "w").close()
         stdout, stderr = launcher.communicate(timeout=120)
         assert launcher.returncode == 0, stderr[-3000:]
         assert os.path.exists(os.path.join(out, "final_loss"))
-        assert "[rank1]: step 399 loss" in stdout
+        last = open(os.path.join(out, "stopped_at")).read()  # ended by the stop file, every step logged
+        assert f"[rank1]: step {last} loss" in stdout and f"[rank0]: step {last} loss" in stdout
         drops = [line for line in stderr.splitlines() if line.startswith("dslaunch: dropped a control connection")]
         for why in ("a wrong token", "without a token line", "no token within",
                     f"more than {MAX_PENDING} connections"):

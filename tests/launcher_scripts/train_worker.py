@@ -1,12 +1,14 @@
 """A tiny data-parallel training job over gloo, used by the launcher tests and benchmark.
 
 Usage: python train_worker.py --out DIR [--steps N] [--step_time S] [--fail_rank R --fail_step K
-       --fail_attempts A] [--heartbeat] [--echo ARG ...]
+       --fail_attempts A] [--stop_file PATH] [--heartbeat] [--echo ARG ...]
 
 Each rank writes DIR/env_rank<R>_attempt<A>.json (its launcher environment and argv), DIR/
 first_step_rank<R> (time.time() at its first step), DIR/failed_at (when it fails) and, on rank 0, DIR/final_loss. With --fail_rank
 the rank exits with code 3 at --fail_step while DSTRAIN_RESTART_COUNT < --fail_attempts (so a job
-with restarts fails once and then succeeds); DIR/attempts counts the starts.
+with restarts fails once and then succeeds); DIR/attempts counts the starts. With --stop_file the job
+ends after the first step at which PATH exists (rank 0 looks, every rank follows), and rank 0 writes that
+step to DIR/stopped_at: a test ends a long job as soon as it is done with it, not after a fixed time.
 """
 import argparse
 import json
@@ -30,6 +32,7 @@ def parse_args():
     parser.add_argument("--fail_rank", type=int, default=-1)
     parser.add_argument("--fail_step", type=int, default=0)
     parser.add_argument("--fail_attempts", type=int, default=1)
+    parser.add_argument("--stop_file", default=None)
     parser.add_argument("--heartbeat", action="store_true")
     parser.add_argument("--echo", nargs="*", default=[])
     return parser.parse_args()
@@ -80,6 +83,11 @@ def main():
                 open(os.path.join(args.out, f"first_beat_rank{rank}"), "w").close()
         print(f"step {step} loss {loss.item():.6f}", flush=True)
         time.sleep(args.step_time)
+        if args.stop_file is not None and _stop_here(args.stop_file, rank):
+            if rank == 0:
+                with open(os.path.join(args.out, "stopped_at"), "w") as handle:
+                    handle.write(str(step))
+            break
     if rank == 0:
         with open(os.path.join(args.out, "final_loss"), "w") as handle:
             handle.write(repr(loss.item()))
@@ -90,6 +98,13 @@ def main():
     # job built on the engine gets this wait from init_distributed's atexit handler; this plain one asks.
     from engine.teardown import release_collective_threads
     release_collective_threads()
+
+
+def _stop_here(stop_file: str, rank: int) -> bool:
+    """Rank 0's look at the stop file, the same answer on every rank (they leave the loop together)."""
+    stop = torch.tensor([float(rank == 0 and os.path.exists(stop_file))])
+    dist.broadcast(stop, 0)
+    return bool(stop.item())
 
 
 if __name__ == "__main__":
