@@ -10,7 +10,9 @@ them paired). Per section, the median over rounds of: the step's wall and proces
 stepper waited for reads and for writes, the MiB read from and written to storage (/proc/self/io: the
 swap files are O_DIRECT, so every byte is counted), and per I/O task (aio.py's runs) its median size and
 latency. `{"queue_depth": 1}` is the engine's request pattern before 2026-12-07 for this step's 4 MiB
-transfers (one syscall in flight); the default is DeepSpeed's section. The final masters of all sections
+transfers (one syscall in flight); the default is DeepSpeed's section. A section's `"master_copy": true`
+(not an aio key) steps with a host copy of the master, read instead of its file (swapped_partition.py's
+note: master copy), as the engine does with the optimizer alone on NVMe. The final masters of all sections
 must be equal bit for bit (the order of I/O changes no byte). `--ranks 2`: two processes step the same
 section at the same time, as bench_offload.py's two ranks share the disk (rank 0's figures). First, the disk itself at the step's two
 request patterns: raw O_DIRECT writes and reads of a 64 MiB file in 4 MiB requests one at a time and in
@@ -123,7 +125,7 @@ def disk_patterns(directory: str) -> None:
         os.unlink(path)
 
 
-def _rounds(parts: list, grad: torch.Tensor, rounds: int, timings: Timings, barrier) -> list[list]:
+def _rounds(parts: list, copies: list, grad: torch.Tensor, rounds: int, timings: Timings, barrier) -> list[list]:
     """Per partition, per round: (wall ms, CPU ms, read wait ms, write wait ms, MiB read, MiB written,
     {direction: [(bytes, seconds)] per I/O task}). Every process starts each step at the barrier."""
     rows = [[] for _ in parts]
@@ -132,7 +134,7 @@ def _rounds(parts: list, grad: torch.Tensor, rounds: int, timings: Timings, barr
             timings.clear()
             barrier.wait()
             (r0, w0), c0, t0 = io_counters(), time.process_time(), time.perf_counter()
-            parts[i].step(lambda s, e: grad[s:e])
+            parts[i].step(lambda s, e: grad[s:e], *copies[i])
             t1, c1, (r1, w1) = time.perf_counter(), time.process_time(), io_counters()
             rows[i].append(((t1 - t0) * 1e3, (c1 - c0) * 1e3, timings.waits["read"] * 1e3,
                             timings.waits["write"] * 1e3, (r1 - r0) / 2**20, (w1 - w0) / 2**20,
@@ -153,21 +155,29 @@ def _report(section: str, rows: list) -> None:
                   f"{statistics.median(t[1] for t in tasks) * 1e3:.1f} ms")
 
 
+def _master_copy(master: torch.Tensor) -> tuple:
+    """(on_updated, master_copy) over a host copy of the master, as the engine's TierMasterStore keeps it."""
+    host = master.clone()
+    return (lambda s, e, m: host[s:e].copy_(m)), (lambda s, e: host[s:e])
+
+
 def _rank(rank: int, args, sections: list, directory: str, barrier) -> None:
     torch.set_num_threads(1)
     timings, numel = Timings(), int(args.numel)
     gen = torch.Generator().manual_seed(rank)
     master, grad = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen) * 1e-3
     with SwapDir.create(directory, path_key="--dir") as swap:
-        ios = [AsyncFileIO(AioConfig(**json.loads(s)), path_key="--dir") for s in sections]
+        configs = [json.loads(s) for s in sections]
+        copies = [_master_copy(master) if c.pop("master_copy", False) else () for c in configs]
+        ios = [AsyncFileIO(AioConfig(**c), path_key="--dir") for c in configs]
         parts = []
         for i, io in enumerate(ios):
             pool = SwapBufferPool(BUFFERS, sub_group_buffer_elements(numel, SUB_GROUP), pin_memory=False)
             parts.append(SwappedPartition(numel, lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), swap, io,
                                           pool, SUB_GROUP, pipeline_read=True, pipeline_write=True, name=f"s{i}"))
             parts[-1].initialize(lambda s, e: master[s:e])
-            parts[-1].step(lambda s, e: grad[s:e])  # the first step creates the state: not measured
-        rows = _rounds(parts, grad, args.rounds, timings, barrier)
+            parts[-1].step(lambda s, e: grad[s:e], *copies[i])  # the first step creates the state: not measured
+        rows = _rounds(parts, copies, grad, args.rounds, timings, barrier)
         equal = all(torch.equal(parts[0].read_master(s, e), part.read_master(s, e))
                     for part in parts[1:] for s, e in parts[0].groups)
         for part, io in zip(parts, ios):
