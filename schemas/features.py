@@ -21,7 +21,8 @@ class AioConfig(StrictModel):
     queue_depth: int = Field(8, ge=1)
     """I/O requests in flight per submission queue."""
     intra_op_parallelism: int = Field(1, ge=1)
-    """Threads that split one read or write (formerly `thread_count`)."""
+    """Submission queues (formerly `thread_count`): with `queue_depth`, the requests in flight are their
+    product (offload/aio.py runs that many worker threads, each one blocking syscall at a time)."""
     single_submit: bool = False
     """Submit requests one at a time instead of in batches."""
     overlap_events: bool = True
