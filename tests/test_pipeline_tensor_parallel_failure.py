@@ -9,7 +9,11 @@ test). The forward, backward and loss calls come after the first step (the probe
 what the collectives are); a fourth, the forward in the probe of a batch of a new shape, is told to the
 peers by the probe's guard (the ledger's note). Nothing changed:
 engine A, which met the three failing calls between its steps, ends bit for bit where engine B, which did
-not, ends, with the same step counters and losses."""
+not, ends, with the same step counters and losses.
+The same three calls also raise at micro-batch 0 of the first schedule of a new input shape, where no
+backward of that shape has run yet: the backward runs guarded until its record exists (the ledger's
+note); before, the failing rank had no backward record to post from and its tensor peer waited in that
+micro-batch's backward until DSTRAIN_TIMEOUT."""
 from __future__ import annotations
 
 import time
@@ -19,7 +23,8 @@ import torch
 
 from tests.harness import run_distributed
 
-ARMED = {"kind": None}  # which user code raises on its tensor rank 1 now
+ARMED = {"kind": None, "calls": None, "seen": 0}  # which user code raises on its tensor rank 1 now; a forward:
+# at which calls since it was armed (None: every one)
 
 
 class BadActivation(ValueError):
@@ -34,7 +39,7 @@ class BadLabel(ValueError):
     pass
 
 
-def _build(route: str):
+def _build(route: str, m: int = 2):
     import torch.distributed as dist
 
     import engine
@@ -53,7 +58,7 @@ def _build(route: str):
     pm = PipelineModule(gpt_layers(GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=4, d_model=16),
                                    tensor_parallel=route == "layers"),
                         topology=topo, loss_fn=loss_fn, seed_layers=True, partition_method=f"type:{block}")
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": m, "gradient_clipping": 0.0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 1}}
     if route == "autotp":
@@ -63,36 +68,50 @@ def _build(route: str):
     if pm.process_groups.coord.pipe == 0 and tensor_rank == 1:  # the first block lives on stage 0
         def forward_check(module, args):
             if ARMED["kind"] == "forward":
-                raise BadActivation("an activation out of range on tensor rank 1")
+                ARMED["seen"] += 1
+                if ARMED["calls"] is None or ARMED["seen"] in ARMED["calls"]:
+                    raise BadActivation("an activation out of range on tensor rank 1")
 
-        def gradient_check(grad):
-            if ARMED["kind"] == "backward":
-                raise BadGradient("a gradient out of range on tensor rank 1")
-            return grad
+        def gradient_check(kind):
+            def check(grad):
+                if ARMED["kind"] == kind:
+                    raise BadGradient("a gradient out of range on tensor rank 1")
+                return grad
+            return check
         first.register_forward_pre_hook(forward_check)
-        next(first.parameters()).register_hook(gradient_check)
+        # the block's first parameter: its gradient comes after the block's tensor-parallel collectives in the
+        # backward; its last (the MLP's output bias): before them
+        next(first.parameters()).register_hook(gradient_check("backward"))
+        list(first.parameters())[-1].register_hook(gradient_check("backward early"))
+        next(first.parameters()).register_hook(gradient_check("peer, then own"))
+    if pm.process_groups.coord.pipe == 0 and tensor_rank == 0:
+        def own_check(module, args):  # the forward of micro-batch 2, after the backward of micro-batch 0
+            if ARMED["kind"] == "peer, then own":
+                ARMED["seen"] += 1
+                if ARMED["seen"] == 4:  # 1: the probe's
+                    raise BadActivation("an activation out of range on tensor rank 0")
+        first.register_forward_pre_hook(own_check)
     return pm, eng
 
 
-def _batch(step: int, seq: int = 8):
+def _batch(step: int, seq: int = 8, m: int = 2):
     g = torch.Generator().manual_seed(step)
-    x, y = torch.randint(0, 32, (4, seq), generator=g), torch.randint(0, 32, (4, seq), generator=g)
-    return iter([(x[:2], y[:2]), (x[2:], y[2:])])
+    x, y = torch.randint(0, 32, (2 * m, seq), generator=g), torch.randint(0, 32, (2 * m, seq), generator=g)
+    return iter([(x[i:i + 2], y[i:i + 2]) for i in range(0, 2 * m, 2)])
 
 
-def _trained(route: str, failing: tuple) -> tuple[dict, list, list]:
-    """Steps 0 and 5 trained; between them, one call per `failing` kind that raises on tensor rank 1
-    ("probe": the forward, in the probe of a batch of a new shape)."""
+def _trained(route: str, plan: list) -> tuple[dict, list, list]:
+    """A train_batch per (seed, kind, sequence length) of `plan`; `kind`: the call that raises on tensor rank 1
+    (None: none; "probe": the forward, in the probe of a batch of a new shape; "first forward": the forward
+    of micro-batch 0 after that probe, that of micro-batch 1 runs on)."""
     pm, eng = _build(route)
     losses, outcomes = [], []
-    for step in range(6):
-        kind = failing[step - 1] if 1 <= step <= len(failing) else None
-        if step and kind is None and step != 5:
-            continue
-        ARMED["kind"] = "forward" if kind == "probe" else kind
+    for seed, kind, seq in plan:
+        ARMED["kind"] = "forward" if kind == "probe" else kind and kind.removeprefix("first ")
+        ARMED["calls"], ARMED["seen"] = ((2,) if kind == "first forward" else None), 0  # 1: the probe's
         start = time.monotonic()
         try:
-            losses.append(float(eng.train_batch(data_iter=_batch(step, 6 if kind == "probe" else 8))))
+            losses.append(float(eng.train_batch(data_iter=_batch(seed, seq))))
             outcomes.append(None)
         except Exception as err:  # noqa: BLE001 - the outcome is what the test reads
             outcomes.append((kind, type(err).__name__, str(err), time.monotonic() - start))
@@ -103,10 +122,11 @@ def _trained(route: str, failing: tuple) -> tuple[dict, list, list]:
     return state, losses, [o for o in outcomes if o is not None]
 
 
-def _both(route: str) -> dict:
+def _both(route: str, plan: list) -> dict:
+    """Engine A trains `plan`, engine B its batches that raise nowhere."""
     import torch.distributed as dist
-    a, losses_a, outcomes = _trained(route, ("forward", "backward", "loss", "probe"))
-    b, losses_b, _ = _trained(route, ())
+    a, losses_a, outcomes = _trained(route, plan)
+    b, losses_b, _ = _trained(route, [step for step in plan if step[1] is None])
     alike = a["counters"] == b["counters"] and losses_a == losses_b and \
         all(a["params"][n].equal(b["params"][n]) for n in b["params"])
     return {"rank": dist.get_rank(), "outcomes": outcomes, "alike": alike, "counters": a["counters"]}
@@ -116,20 +136,71 @@ ERRORS = {"forward": ("BadActivation", "an activation out of range on tensor ran
           "probe": ("BadActivation", "an activation out of range on tensor rank 1", 1, 0),
           "backward": ("BadGradient", "a gradient out of range on tensor rank 1", 1, 0),
           "loss": ("BadLabel", "a bad label on tensor rank 1", 3, 1)}  # (type, text, failing rank, its stage)
+for _kind in ("forward", "backward", "loss"):
+    ERRORS[f"first {_kind}"] = ERRORS[_kind]
+ERRORS["first backward early"] = ERRORS["backward"]
 
 
-@pytest.mark.parametrize("route", ["autotp", "layers"])
-def test_an_error_on_one_tensor_rank_stops_every_rank_at_once(route):
-    results = run_distributed(_both, 4, args=(route,), timeout=100, env={"DSTRAIN_TIMEOUT": "30"})
+def _check(results: list, kinds: list, seconds_at_most: float) -> None:
     for r in results:
         assert r["alike"], r
-        assert [o[0] for o in r["outcomes"]] == ["forward", "backward", "loss", "probe"], r
+        assert [o[0] for o in r["outcomes"]] == kinds, r
         for kind, name, text, seconds in r["outcomes"]:
             error, message, failing, stage = ERRORS[kind]
-            assert seconds < 20, (kind, seconds)
+            assert seconds < seconds_at_most, (kind, seconds)
             if r["rank"] == failing:
                 assert name == error and message in text, (kind, name, text)
             else:
                 assert name == "StageFailed", (kind, name, text)
                 assert f"stage {stage} (rank {failing}, data-parallel rank 0, tensor rank 1)" in text, text
                 assert message in text, text
+
+
+@pytest.mark.parametrize("route", ["autotp", "layers"])
+def test_an_error_on_one_tensor_rank_stops_every_rank_at_once(route):
+    kinds = ["forward", "backward", "loss", "probe"]
+    plan = [(0, None, 8)] + [(step, kind, 6 if kind == "probe" else 8) for step, kind in enumerate(kinds, 1)]
+    results = run_distributed(_both, 4, args=(route, plan + [(5, None, 8)]), timeout=100,
+                              env={"DSTRAIN_TIMEOUT": "30"})
+    _check(results, kinds, 20)
+
+
+@pytest.mark.parametrize("route", ["autotp", "layers"])
+def test_an_error_on_one_tensor_rank_in_the_first_schedule_of_a_shape_stops_every_rank_at_once(route):
+    """Each failing batch the first of its shape (7, 6, 5, 4 tokens; the probe's forward passes; the backward
+    raising after the block's last tensor-parallel collective, then before them); then a batch of each of
+    those shapes trains (its backward runs guarded again and records) and one of 8 tokens. A hang in a
+    backward collective fails the test: DSTRAIN_TIMEOUT 15 s, the harness's 90 s."""
+    kinds = ["first forward", "first backward", "first backward early", "first loss"]
+    plan = [(0, None, 8)] + [(seed, kind, 8 - seed) for seed, kind in enumerate(kinds, 1)] + \
+        [(seed, None, 8 - seed + 4) for seed in range(5, 9)] + [(9, None, 8)]
+    results = run_distributed(_both, 4, args=(route, plan), timeout=90, env={"DSTRAIN_TIMEOUT": "15"})
+    _check(results, kinds, 10)
+
+
+def _peer_then_own() -> dict:
+    import torch.distributed as dist
+    pm, eng = _build("layers", m=4)
+    ARMED["kind"], ARMED["seen"] = "peer, then own", 0
+    try:
+        eng.train_batch(data_iter=_batch(1, 7, m=4))
+        return {"rank": dist.get_rank(), "name": None}
+    except Exception as err:  # noqa: BLE001 - the outcome is what the test reads
+        return {"rank": dist.get_rank(), "name": type(err).__name__, "text": str(err),
+                "notes": getattr(err, "__notes__", [])}
+    finally:
+        ARMED["kind"] = None
+        eng.destroy()
+
+
+def test_a_rank_told_of_a_peers_backward_error_then_raising_in_its_forward_reports_its_forward():
+    """1F1B, 4 micro-batches, a new shape: tensor rank 1's backward raises at micro-batch 0 (guarded), its peer
+    meets the 1 and skips its backward passes; then the peer's own forward raises at micro-batch 2. Its error's
+    note names no backward pass (it was told of the peer's there, that error is not its own)."""
+    results = {r["rank"]: r for r in run_distributed(_peer_then_own, 4, timeout=60, env={"DSTRAIN_TIMEOUT": "15"})}
+    assert results[0]["name"] == "BadActivation", results[0]
+    assert any("stage 0 (rank 0): every rank" in note for note in results[0]["notes"]), results[0]
+    assert results[1]["name"] == "BadGradient", results[1]
+    for rank in (2, 3):
+        assert results[rank]["name"] == "StageFailed" and "(rank 1, data-parallel rank 0, tensor rank 1)" in \
+            results[rank]["text"] and "in a backward pass" in results[rank]["text"], results[rank]

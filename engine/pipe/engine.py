@@ -41,9 +41,9 @@ from .probe import ProbeFailed, chunk_examples
 from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
 from .schedule import schedule_class
 from .stage_failure import (BatchFailed, FailureRecord, agree_on_outcome, failed_in_data_group, raise_failure,
-                            substitute_loss, substitute_outputs)
+                            substitute_outputs)
 from .stage_clock import StageClock, pipeline_idle
-from .tensor_peers import TensorPeerStage
+from .tensor_peers import TensorPeerStage, ledgered_loss
 
 _CACHE_LIMIT = 8  # distinct input shapes kept built (sequence-length buckets); the oldest is dropped
 
@@ -193,16 +193,10 @@ class PipelineEngine(Engine):
     def _loss(self, flat_output, labels):
         """torch's loss hook on the last stage: the user's loss of the rebuilt output, divided by the
         micro-batch count (the mean over micro-batches) and times the fp16 loss scale when training."""
-        records, key = self._last_chunk.ledgers, ("loss", ledger.signature(flat_output))
-        with self._clock.busy(), ledger.recording() as posted:  # its own collectives (vocab-parallel CE)
-            try:
-                loss = self.module.loss_fn(boundary.unflatten(self._last_chunk.out_structure, tuple(flat_output)),
-                                           labels)
-                records[key] = posted
-            except Exception as err:  # noqa: BLE001 - kept and raised after the schedule (stage_failure.py)
-                self._failure.keep(err)
-                ledger.post_rest(records.get(key), len(posted))  # for the tensor peers (ledger's note)
-                loss = substitute_loss(flat_output)
+        chunk = self._last_chunk
+        with self._clock.busy():  # its own collectives (vocab-parallel CE) recorded for the tensor peers
+            loss = ledgered_loss(chunk, self._failure, flat_output, lambda: self.module.loss_fn(
+                boundary.unflatten(chunk.out_structure, tuple(flat_output)), labels))
         return loss * self._loss_factor if self._loss_factor != 1.0 else loss
 
     def _pull(self, data_iter, m: int):

@@ -33,10 +33,10 @@ are dropped anyway. Gradients the failed pass had accumulated before it raised g
 User code that raises on some tensor ranks of a stage and not on the others (a check of a rank's own
 shard) would leave its tensor peers in the stage's next tensor-parallel collective, which the failing
 rank never posts: the failing rank posts them from what the chunk recorded
-(tensor_parallel/collective_ledger.py's note, tensor_peers.py; in the probe's forward each collective
-is guarded by a one-int all-reduce instead; not covered: micro-batch 0 of an input shape's first
-schedule, before a backward of that shape was recorded). Code that raises alike on every tensor rank of the stage needs none of that (checked by hand,
-with and without pipeline.pipe_partitioned/grad_partitioned).
+(tensor_parallel/collective_ledger.py's note, tensor_peers.py; in a run with no record yet, the probe's
+forward and an input shape's first backward of each kind and first loss, each collective is guarded by a
+one-int all-reduce instead). Code that raises alike on every tensor rank of the stage needs none of that
+(checked by hand, with and without pipeline.pipe_partitioned/grad_partitioned).
 
 [Note: the outcome rides on the norm] In train_batch that all-reduce of its own was a third point per
 step where every rank waits for the slowest, right after the schedule, on the path from the first
@@ -82,7 +82,7 @@ class FailureRecord:
         self.error: BaseException | None = None
         self.phase = ""  # ", in a backward pass" when the kept error was raised in one
         self.in_backward = False
-        self.peer_failed = False  # a tensor peer raised in the probe (tensor_parallel/collective_ledger.py)
+        self.peer_failed = False  # a tensor peer raised in a guarded run (tensor_parallel/collective_ledger.py)
         self.no_schedule = False  # this pipe group's probe failed: no schedule ran (probe.py)
 
     @property
@@ -101,7 +101,7 @@ class FailureRecord:
         cause = error.__cause__
         if isinstance(error, RuntimeError) and "Failed to run stage backward" in str(error) and cause is not None:
             error = cause
-        if self.error is None:
+        if self.error is None and not isinstance(error, TensorPeerFailed):  # a peer's: not this rank's error
             self.phase = ", in a backward pass"
         self.keep(error)
         self.in_backward = True
