@@ -39,7 +39,7 @@ class BadLabel(ValueError):
     pass
 
 
-def _build(route: str, m: int = 2):
+def _build(route: str, m: int = 2, schedule: str = "1f1b"):
     import torch.distributed as dist
 
     import engine
@@ -55,16 +55,18 @@ def _build(route: str, m: int = 2):
             raise BadLabel("a bad label on tensor rank 1")
         return gpt_loss(logits, targets)
     block = "ParallelBlockLayer" if route == "layers" else "BlockLayer"
-    pm = PipelineModule(gpt_layers(GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=4, d_model=16),
-                                   tensor_parallel=route == "layers"),
-                        topology=topo, loss_fn=loss_fn, seed_layers=True, partition_method=f"type:{block}")
+    chunks = 1 if schedule == "1f1b" else 2  # per rank
+    pm = PipelineModule(gpt_layers(GPTConfig(vocab_size=32, seq_len=8, n_layer=2 * chunks, n_head=4, d_model=16),
+                                   tensor_parallel=route == "layers"), topology=topo, loss_fn=loss_fn,
+                        seed_layers=True, partition_method=f"type:{block}", virtual_stages=chunks)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": m, "gradient_clipping": 0.0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 1}}
+              "zero_optimization": {"stage": 1}, "pipeline": {"schedule": schedule}}
     if route == "autotp":
         config["tensor_parallel"] = {"autotp_size": 2}
     eng, *_ = engine.initialize(model=pm, config=config)
-    first = next(m for m in pm.modules() if type(m).__name__ == block)
+    blocks = [m for m in pm.modules() if type(m).__name__ == block]  # this stage's
+    first, last = blocks[0], blocks[-1]  # the same on 1f1b: one chunk of one block per stage
     if pm.process_groups.coord.pipe == 0 and tensor_rank == 1:  # the first block lives on stage 0
         def forward_check(module, args):
             if ARMED["kind"] == "forward":
@@ -81,8 +83,8 @@ def _build(route: str, m: int = 2):
         first.register_forward_pre_hook(forward_check)
         # the block's first parameter: its gradient comes after the block's tensor-parallel collectives in the
         # backward; its last (the MLP's output bias): before them
-        next(first.parameters()).register_hook(gradient_check("backward"))
-        list(first.parameters())[-1].register_hook(gradient_check("backward early"))
+        next(last.parameters()).register_hook(gradient_check("backward"))
+        list(last.parameters())[-1].register_hook(gradient_check("backward early"))
         next(first.parameters()).register_hook(gradient_check("peer, then own"))
     if pm.process_groups.coord.pipe == 0 and tensor_rank == 0:
         def own_check(module, args):  # the forward of micro-batch 2, after the backward of micro-batch 0
@@ -100,18 +102,19 @@ def _batch(step: int, seq: int = 8, m: int = 2):
     return iter([(x[i:i + 2], y[i:i + 2]) for i in range(0, 2 * m, 2)])
 
 
-def _trained(route: str, plan: list) -> tuple[dict, list, list]:
+def _trained(route: str, plan: list, schedule: str) -> tuple[dict, list, list]:
     """A train_batch per (seed, kind, sequence length) of `plan`; `kind`: the call that raises on tensor rank 1
     (None: none; "probe": the forward, in the probe of a batch of a new shape; "first forward": the forward
     of micro-batch 0 after that probe, that of micro-batch 1 runs on)."""
-    pm, eng = _build(route)
+    m = 2 if schedule == "1f1b" else 4
+    pm, eng = _build(route, m, schedule)
     losses, outcomes = [], []
     for seed, kind, seq in plan:
         ARMED["kind"] = "forward" if kind == "probe" else kind and kind.removeprefix("first ")
         ARMED["calls"], ARMED["seen"] = ((2,) if kind == "first forward" else None), 0  # 1: the probe's
         start = time.monotonic()
         try:
-            losses.append(float(eng.train_batch(data_iter=_batch(seed, seq))))
+            losses.append(float(eng.train_batch(data_iter=_batch(seed, seq, m))))
             outcomes.append(None)
         except Exception as err:  # noqa: BLE001 - the outcome is what the test reads
             outcomes.append((kind, type(err).__name__, str(err), time.monotonic() - start))
@@ -122,11 +125,11 @@ def _trained(route: str, plan: list) -> tuple[dict, list, list]:
     return state, losses, [o for o in outcomes if o is not None]
 
 
-def _both(route: str, plan: list) -> dict:
+def _both(route: str, plan: list, schedule: str = "1f1b") -> dict:
     """Engine A trains `plan`, engine B its batches that raise nowhere."""
     import torch.distributed as dist
-    a, losses_a, outcomes = _trained(route, plan)
-    b, losses_b, _ = _trained(route, [step for step in plan if step[1] is None])
+    a, losses_a, outcomes = _trained(route, plan, schedule)
+    b, losses_b, _ = _trained(route, [step for step in plan if step[1] is None], schedule)
     alike = a["counters"] == b["counters"] and losses_a == losses_b and \
         all(a["params"][n].equal(b["params"][n]) for n in b["params"])
     return {"rank": dist.get_rank(), "outcomes": outcomes, "alike": alike, "counters": a["counters"]}
@@ -165,16 +168,19 @@ def test_an_error_on_one_tensor_rank_stops_every_rank_at_once(route):
     _check(results, kinds, 20)
 
 
-@pytest.mark.parametrize("route", ["autotp", "layers"])
-def test_an_error_on_one_tensor_rank_in_the_first_schedule_of_a_shape_stops_every_rank_at_once(route):
+@pytest.mark.parametrize("route,schedule", [("autotp", "1f1b"), ("layers", "1f1b"), ("layers", "zero_bubble")])
+def test_an_error_on_one_tensor_rank_in_the_first_schedule_of_a_shape_stops_every_rank_at_once(route, schedule):
     """Each failing batch the first of its shape (7, 6, 5, 4 tokens; the probe's forward passes; the backward
     raising after the block's last tensor-parallel collective, then before them); then a batch of each of
     those shapes trains (its backward runs guarded again and records) and one of 8 tokens. A hang in a
-    backward collective fails the test: DSTRAIN_TIMEOUT 15 s, the harness's 90 s."""
+    backward collective fails the test: DSTRAIN_TIMEOUT 15 s, the harness's 90 s. Under zero_bubble (2
+    chunks per rank, input- and weight-gradient steps) a rank told of its peer's error in a guarded step
+    still posts the whole record of a later step that has one (4 micro-batches; the gradient hooks on the
+    stage's second chunk)."""
     kinds = ["first forward", "first backward", "first backward early", "first loss"]
     plan = [(0, None, 8)] + [(seed, kind, 8 - seed) for seed, kind in enumerate(kinds, 1)] + \
         [(seed, None, 8 - seed + 4) for seed in range(5, 9)] + [(9, None, 8)]
-    results = run_distributed(_both, 4, args=(route, plan), timeout=90, env={"DSTRAIN_TIMEOUT": "15"})
+    results = run_distributed(_both, 4, args=(route, plan, schedule), timeout=90, env={"DSTRAIN_TIMEOUT": "15"})
     _check(results, kinds, 10)
 
 
