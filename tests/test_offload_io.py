@@ -125,27 +125,38 @@ def test_many_concurrent_requests(io, tmp_path):
 
 
 class SyscallLog:
-    """`os.preadv`/`os.pwritev` wrapped (the real calls still move the bytes), each made to take 30 ms so
-    that requests meant to be in flight together overlap: (start, end, direction, offset, buffer sizes)
-    per call and the most calls in progress at once."""
+    """`os.preadv`/`os.pwritev` wrapped (the real calls still move the bytes): (start, end, direction,
+    offset, buffer sizes) per call and the most calls in progress at once. Each call holds until `expect`
+    calls are in progress together (or HOLD_S pass), so requests meant to be in flight together are seen
+    together however late the scheduler starts the last worker thread (a fixed sleep raced it under load);
+    an engine with fewer in flight never gets there, and `most` stays below `expect`."""
+
+    HOLD_S = 2.0
 
     def __init__(self, monkeypatch):
-        self.calls, self.now, self.most = [], 0, 0
-        self._lock = threading.Lock()
+        self.calls, self.now, self.most, self.expect = [], 0, 0, 0
+        self._cond = threading.Condition()
         for name, direction in (("preadv", "read"), ("pwritev", "write")):
             monkeypatch.setattr(os, name, self._wrap(getattr(os, name), direction))
 
+    def expecting(self, count: int) -> "SyscallLog":
+        """Starts a new measurement whose calls hold until `count` are in progress."""
+        self.calls.clear()
+        self.most, self.expect = 0, count
+        return self
+
     def _wrap(self, real, direction):
         def call(fd, buffers, offset):
-            with self._lock:
+            with self._cond:
                 self.now += 1
                 self.most = max(self.most, self.now)
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self.now >= self.expect, timeout=self.HOLD_S)
             start = time.perf_counter()
-            time.sleep(0.03)
             try:
                 return real(fd, buffers, offset)
             finally:
-                with self._lock:
+                with self._cond:
                     self.now -= 1
                     self.calls.append((start, time.perf_counter(), direction, offset, [len(b) for b in buffers]))
         return call
@@ -167,12 +178,11 @@ def test_queue_depth_requests_in_flight(io, tmp_path, monkeypatch):
     src = aligned_empty(8 * MIB, torch.uint8).random_(0, 256)
     path = str(tmp_path / "q.bin")
     opened(engine, path)
-    log = SyscallLog(monkeypatch)
+    log = SyscallLog(monkeypatch).expecting(8)
     engine.write(path, src, 0).wait()
     assert log.most == 8 and len(log.calls) == 8
     assert sorted(c[3] for c in log.calls) == [i * MIB for i in range(8)]  # block_size requests, at block offsets
-    log.calls.clear()
-    log.most = 0
+    log.expecting(4)
     back = aligned_empty(4 * MIB, torch.uint8)
     engine.read(path, back, 4 * MIB).wait()  # a sub-group's tensor of the 25M GPT's step: four in flight
     assert log.most == 4 and torch.equal(back, src[4 * MIB:])
@@ -187,14 +197,13 @@ def test_threads_times_queue_depth_batched_or_single(io, tmp_path, monkeypatch):
     src = aligned_empty(64 * 8192, torch.uint8).random_(0, 256)
     opened(batched, tmp_path / "b.bin")
     opened(single, tmp_path / "s.bin")
-    log = SyscallLog(monkeypatch)
+    log = SyscallLog(monkeypatch).expecting(4)
     batched.write(str(tmp_path / "b.bin"), src, 0).wait()
     assert log.most == 4 and len(log.calls) == 4 and all(c[4] == [8192] * 16 for c in log.calls)
-    log.calls.clear()
-    log.most = 0
+    log.expecting(4)
     single.write(str(tmp_path / "s.bin"), src[:16 * 8192], 0).wait()
     assert log.most == 4 and len(log.calls) == 16 and all(c[4] == [8192] for c in log.calls)
-    log.calls.clear()
+    log.expecting(0)
     data = torch.empty(3 * 8192 + 11, dtype=torch.uint8).random_(0, 256)  # unaligned: the buffered descriptor
     single.write(str(tmp_path / "s.bin"), data, 5000).wait()
     assert sorted(c[3] for c in log.calls) == [5000, 16384, 24576]  # 3192 ragged bytes + a block, a block, the rest
@@ -209,14 +218,14 @@ def test_overlap_events_false_runs_operations_in_order(io, tmp_path, monkeypatch
     overlapped = io()
     opened(engine, tmp_path / "a.bin", tmp_path / "b.bin")
     opened(overlapped, tmp_path / "0.bin", tmp_path / "1.bin")
-    log = SyscallLog(monkeypatch)
+    log = SyscallLog(monkeypatch).expecting(2)
     first, second = engine.write(str(tmp_path / "a.bin"), a, 0), engine.write(str(tmp_path / "b.bin"), b, 0)
     second.wait()
     first.wait()
     calls = sorted(log.calls)
     assert log.most == 2  # each operation's two requests together, the operations one after the other
     assert max(c[1] for c in calls[:2]) <= min(c[0] for c in calls[2:])
-    log.most = 0
+    log.expecting(4)
     handles = [overlapped.write(str(tmp_path / f"{i}.bin"), t, 0) for i, t in enumerate((a, b))]
     for handle in handles:
         handle.wait()
