@@ -38,7 +38,7 @@ from .batch_agreement import (MIXED_BATCH, READ_FAILED, DataExhausted,  # DataEx
                               DataReadFailed, agree_on_batch)
 from .partitioned_wire import PartitionedWire, partitioned
 from .probe import ProbeFailed, chunk_examples
-from .reduction import LossRider, TiedGradients, agree_norm_over_world, reduce_accumulated
+from .reduction import LossRider, TiedGradients, WorldNorm, reduce_accumulated
 from .schedule import schedule_class
 from .stage_failure import (BatchFailed, FailureRecord, agree_on_outcome, failed_in_data_group, raise_failure,
                             substitute_outputs)
@@ -135,8 +135,8 @@ class PipelineEngine(Engine):
                                            "yet in dstrain: its compressed steps agree the norm and overflow over "
                                            "the data axis only, so stages would clip and skip apart; use Adam, "
                                            "AdamW or SGD"])
-            zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group), self.tied,
-                                                               self.loss_rider)
+            model_parallel = Communicator(groups.model_parallel_group)
+            zero_optimizer.norm_reduce = WorldNorm(model_parallel, self.tied, self.loss_rider)
         self._built: dict[tuple, tuple] = {}
         self._fingerprints: dict[tuple, int] = {}  # input signature -> its broadcast key (first stage)
         self._data_iterator = None

@@ -119,12 +119,6 @@ class WorldNorm:
         self(torch.zeros(1, device=self.mp_comm.device))
 
 
-def agree_norm_over_world(mp_comm: Communicator, tied: TiedGradients | None = None,
-                          rider: LossRider | None = None) -> WorldNorm:
-    """The `norm_reduce` of a pipeline (with `tied` and `rider`) or of tensor parallelism (WorldNorm)."""
-    return WorldNorm(mp_comm, tied, rider)
-
-
 def reduce_accumulated(zero_optimizer) -> None:
     """Reduce over the data axis what the schedule's backward passes accumulated, once per step (the
     schedule calls autograd itself, so no backward of the optimizer's was 'the boundary' one)."""

@@ -20,7 +20,7 @@ import torch.nn as nn
 import schemas
 
 from ..comm import Communicator
-from ..pipe.reduction import agree_norm_over_world
+from ..pipe.reduction import WorldNorm
 from .layers import is_partitioned
 
 
@@ -37,4 +37,4 @@ def agree_norm_over_tensor_parallel(zero_optimizer, model: nn.Module, groups) ->
         raise schemas.ConfigError([f"optimizer.type: {type(zero_optimizer.optimizer).__name__} (a 1-bit optimizer) with "
                                    "tensor_parallel.autotp_size > 1 is not built yet in dstrain; use Adam, AdamW or SGD"])
     zero_optimizer.counted_elsewhere = counted_elsewhere(model, groups.coord.model)
-    zero_optimizer.norm_reduce = agree_norm_over_world(Communicator(groups.model_parallel_group))
+    zero_optimizer.norm_reduce = WorldNorm(Communicator(groups.model_parallel_group))
