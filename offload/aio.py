@@ -104,6 +104,21 @@ class IOHandle:
         return self._result
 
 
+def wait_all(handles) -> int:
+    """Wait for every handle, then raise the first error (else the bytes moved): one transfer failing
+    leaves its siblings in flight, and a buffer may go back to its pool (and to the next reader) only
+    once no worker reads or writes it any more."""
+    moved, errors = 0, []
+    for handle in handles:
+        try:
+            moved += handle.wait()
+        except BaseException as err:  # noqa: BLE001 - raised below, once every transfer has landed
+            errors.append(err)
+    if errors:
+        raise errors[0]
+    return moved
+
+
 class AsyncFileIO:
     """Reads and writes CPU tensors to files at byte offsets, in `block_size` requests on threads."""
 

@@ -18,7 +18,8 @@ optimizer create its state as it always does; from then on the state comes from 
 [Note: two slots] Every file exists twice; a step reads slot s and writes slot 1-s, and flips only
 when every sub-group's write has finished. A step that fails halfway (disk full, a bad gradient slice)
 leaves slot s, the state the previous step produced, bit for bit as it was; a skipped step (overflow)
-is simply not taken. Disk use is twice the state, I/O per step is the same as one slot.
+is simply not taken. Disk use is twice the state, I/O per step is the same as one slot. A failed
+transfer's sub-group gives its buffers back only once its other transfers have landed (`wait_all`).
 With `slots=1` (`offload_optimizer.swap_slots: 1`, for a disk that cannot hold the state twice) both
 logical slots name the same file, so a step writes in place, as DeepSpeed's swapper does: half the disk,
 the same bytes read and written, the same results (every pass reads a sub-group's range before it
@@ -52,13 +53,14 @@ changes the copy there; the files are written as before and stay the master of r
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import deque
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up
+from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up, wait_all
 from offload.file_snapshot import FrozenState, snapshot_files, write_file
 from offload.partition_stream import PartitionStream, copy_value
 from offload.pool import SwapBufferPool
@@ -171,8 +173,7 @@ class SwappedPartition(PartitionStream):
     def _finish_oldest_write(self) -> None:
         handles, buffers, tags = self._writes.popleft()
         try:
-            for handle in handles:
-                handle.wait()
+            wait_all(handles)
         finally:
             for buf, tag in zip(buffers, tags):
                 self.pool.release(buf, tag)
@@ -190,7 +191,15 @@ class SwappedPartition(PartitionStream):
         # a read and a write of up to a sub-group per tensor each step)
         op = self.aio.write if write else self.aio.read
         n = round_up((self.groups[k][1] - self.groups[k][0]) * 4) // 4
-        return [op(self._file(key, slot), buf[:n], k * self.stride_bytes) for (key, slot), buf in zip(files, buffers)]
+        handles = []
+        try:
+            for (key, slot), buf in zip(files, buffers):
+                handles.append(op(self._file(key, slot), buf[:n], k * self.stride_bytes))
+        except BaseException:  # a later submission refused (a file changed underneath): the caller frees
+            with contextlib.suppress(Exception):  # the buffers, so what was submitted lands first
+                wait_all(handles)
+            raise
+        return handles
 
     def _file(self, key: str, slot: int) -> str:
         """The swap file of `key` in logical slot `slot` (one file for both with slots=1: module note)."""
@@ -323,8 +332,7 @@ class SwappedPartition(PartitionStream):
                     reads[k] = self._start_read(k, keys, read)
                 buffers, handles = reads.pop(k)
                 try:
-                    for handle in handles:
-                        handle.wait()
+                    wait_all(handles)
                     if self.pipeline_read and i + 1 < len(order):
                         reads[order[i + 1]] = self._start_read(order[i + 1], keys, read)
                     views = {key: buf[:e - s] for key, buf in zip(keys, buffers)}
