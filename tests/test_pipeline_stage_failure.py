@@ -94,7 +94,7 @@ class HookedLinear(nn.Linear):
         self.weight.register_hook(_weight_hook)
 
 
-def _engine(stages: int, zero: int, schedule: str, tied: bool = False):
+def _engine(stages: int, zero: int, schedule: str, tied: bool = False, compressed: bool = False):
     import engine
     from engine.pipe import PipelineModule
     # uniform: the Checker and the HookedLinear on the first and last stage of 2 (1f1b), both in chunk 1
@@ -110,6 +110,8 @@ def _engine(stages: int, zero: int, schedule: str, tied: bool = False):
               "gradient_clipping": 0.0, "zero_optimization": {"stage": zero}, "pipeline": {"schedule": schedule},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_max_lr": LR,
                                                            "warmup_num_steps": 4}}}  # no step at lr 0
+    if compressed:  # PowerSGD from the first step, rank 1 (the 8 x 8 weights are compressed, not averaged)
+        config["gradient_compression"] = {"rank": 1, "start_step": 0}
     eng, *_ = engine.initialize(model=pm, config=config)
     return pm, eng
 
@@ -142,13 +144,14 @@ def _failing_call(eng, pm, batch, case) -> dict:
             "raised_here": armed and holds, "user_calls": CALLS[kind]}
 
 
-def _run(stages: int, zero: int, cases: list, schedule: str = "1f1b", tied: bool = False) -> dict:
-    pm_a, eng_a = _engine(stages, zero, schedule, tied)
+def _run(stages: int, zero: int, cases: list, schedule: str = "1f1b", tied: bool = False,
+         compressed: bool = False) -> dict:
+    pm_a, eng_a = _engine(stages, zero, schedule, tied, compressed)
     batches = global_batches(STEPS + 2, MICRO * GAS * eng_a.comm.world_size, False)
     losses_a = [float(eng_a.train_batch(_iterator(eng_a, batches[0])))]
     calls = [_failing_call(eng_a, pm_a, batches[-1], case) for case in cases]
     losses_a += [float(eng_a.train_batch(_iterator(eng_a, b))) for b in batches[1:STEPS + 1]]
-    pm_b, eng_b = _engine(stages, zero, schedule, tied)
+    pm_b, eng_b = _engine(stages, zero, schedule, tied, compressed)
     losses_b = [float(eng_b.train_batch(_iterator(eng_b, b))) for b in batches[:STEPS + 1]]
     return {"calls": calls, "a": trained_state(pm_a, eng_a), "b": trained_state(pm_b, eng_b), "stage": eng_a.stage_id,
             "rank": eng_a.groups.rank, "data": eng_a.groups.coord.data, "losses": (losses_a, losses_b)}
@@ -162,9 +165,11 @@ ONE_REPLICA = [("loss", 1, "train", {1}), ("forward", 0, "train", {0}), ("probe"
                ("backward", 0, "train", {1}), ("weight", 1, "train", {0})]
 TIED = [("loss", 1, "train", None), ("forward", 0, "train", None), ("weight", 0, "train", None)]
 # 2 stages of 2 chunks each under zero_bubble (its input-gradient step sends what autograd.grad gives),
-# and under 1f1b, with a weight tied between them at ZeRO-1; 3 stages; 2 stages × 2 replicas at ZeRO-3
+# and under 1f1b, with a weight tied between them at ZeRO-1; 3 stages; 2 stages × 2 replicas at ZeRO-3,
+# and at stage 0 with PowerSGD, whose error feedback a data group that did not know of the failure fed
+# with the dropped batch's gradient before the norm's all-reduce told it (the outcome is voted first there)
 LAYOUTS = {2: [(2, 0, ALL, "zero_bubble"), (2, 0, BACKWARD), (2, 1, TIED, "1f1b", True)], 3: [(3, 0, ALL)],
-           4: [(2, 3, ONE_REPLICA)]}
+           4: [(2, 3, ONE_REPLICA), (2, 0, ONE_REPLICA[:2], "1f1b", False, True)]}
 
 
 def _each(layouts: list) -> list:

@@ -352,7 +352,15 @@ class PipelineEngine(Engine):
         """After the schedule: tied gradients, the data axis's reduction, the world's norm (carrying the loss
         and the batch's outcome) and the step; BatchFailed before any of it is applied when a stage failed
         (stage_failure.py's note: the outcome rides on the norm)."""
-        known = failed_in_data_group(self.comm, self._failure)
+        if getattr(self.zero_optimizer, "powersgd", None) is not None:  # stage_failure.py's note: PowerSGD
+            try:
+                agree_on_outcome(self._world_comm, self.groups, self._failure)  # raises on every rank if failed
+            except Exception:
+                self._drop_batch()
+                raise
+            known = False
+        else:
+            known = failed_in_data_group(self.comm, self._failure)
         self.timers.start("allreduce")
         self.tied.all_reduce_grads(self.zero_optimizer)  # tie groups span data groups: posted either way
         if known:  # the data axis's reductions and the step are this data group's alone: skipped
