@@ -36,6 +36,7 @@ while no write of ours was in flight) fails instead of handing back foreign byte
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -117,6 +118,21 @@ def wait_all(handles) -> int:
     if errors:
         raise errors[0]
     return moved
+
+
+def started(submissions) -> list:
+    """The handles of `submissions` (an iterable that starts one transfer per item); when starting one
+    raises (a file refused: changed underneath), those already started land before the error leaves,
+    since the caller is about to give their buffers back (`wait_all`'s reason)."""
+    handles = []
+    try:
+        for handle in submissions:
+            handles.append(handle)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            wait_all(handles)
+        raise
+    return handles
 
 
 class AsyncFileIO:

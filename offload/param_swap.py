@@ -59,12 +59,14 @@ WRITE_BEHIND + 1 staging copies of a sub-group at most.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from bisect import bisect_right, insort
 from collections import deque
 
-from offload.aio import AsyncFileIO, staged_empty
+from offload.aio import AsyncFileIO, OffloadIOError, staged_empty, started, wait_all
 from offload.chunk_file import SwappedChunk
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
@@ -254,12 +256,14 @@ class NvmeParamStore:
         self.flush()
         if group in self._ahead:
             buf, handles = self._ahead.pop(group)
-            for h in handles:
-                self.bytes_read += h.wait()
         else:
             buf = self._acquire(slots)
-            for h in self._start_reads(slots, buf):
-                self.bytes_read += h.wait()
+            handles = self._reads_into(slots, buf)
+        try:  # a failed read: the buffer goes back, once every read into it landed (aio.wait_all)
+            self.bytes_read += wait_all(handles)
+        except BaseException:
+            self._release(buf)
+            raise
         if self._cached + slots.numel <= self.max_in_cpu:  # keep it (module note: bounded host memory)
             self._keep(group, slots, buf)
             self._release(buf)
@@ -288,8 +292,7 @@ class NvmeParamStore:
             resident.copy_(buf[:slots.numel])
         else:
             self.flush()
-            for h in self._start_reads(slots, resident):
-                self.bytes_read += h.wait()
+            self.bytes_read += wait_all(started(self._start_reads(slots, resident)))
         self._cache[group] = resident
         self._cached += slots.numel
         for key, start, stop, at in slots.runs:
@@ -314,7 +317,7 @@ class NvmeParamStore:
         self.flush()
         slots = self._layout(group)
         buf = self._acquire(slots)
-        self._ahead[group] = (buf, self._start_reads(slots, buf))
+        self._ahead[group] = (buf, self._reads_into(slots, buf))
         self.reads_ahead += 1
         return True
 
@@ -362,22 +365,31 @@ class NvmeParamStore:
     def _release(self, buf: torch.Tensor) -> None:
         self.pool.release(buf)
 
-    def _start_reads(self, slots: _Slots, buf: torch.Tensor) -> list:
-        handles = []
+    def _start_reads(self, slots: _Slots, buf: torch.Tensor):
         for key, start, stop, at in slots.runs:
             if self._master_file(key):  # module note: the master's file
-                handles += self.master_owner.start_read_master(key, buf[at:at + stop - start], start)
+                yield from self.master_owner.start_read_master(key, buf[at:at + stop - start], start)
             else:
-                handles.append(self.io.read(self.files[key], buf[at:at + stop - start], start * self.itemsize))
-        return handles
+                yield self.io.read(self.files[key], buf[at:at + stop - start], start * self.itemsize)
+
+    def _reads_into(self, slots: _Slots, buf: torch.Tensor) -> list:
+        """The reads of `slots` into the pool buffer `buf`, started; where starting one fails, `buf` goes
+        back to the pool once those started landed (aio.started)."""
+        try:
+            return started(self._start_reads(slots, buf))
+        except BaseException:
+            self._release(buf)
+            raise
 
     def _drain_ahead(self) -> None:
-        """Reads issued ahead would hand back values a write is about to replace: finish and drop them."""
-        for buf, handles in self._ahead.values():
-            for h in handles:
-                h.wait()
+        """Reads issued ahead would hand back values a write is about to replace: finish and drop them. A
+        failed one goes with its values (a gather of the group reads the file again), not raised by the
+        write, which has nothing to do with it."""
+        ahead, self._ahead = self._ahead, {}
+        for buf, handles in ahead.values():
+            with contextlib.suppress(OffloadIOError):
+                wait_all(handles)
             self._release(buf)
-        self._ahead.clear()
 
     def _write_file(self, key, start: int, values: torch.Tensor, behind: bool = False) -> None:
         """Write `values` at `start` of flat `key`: into the resident copies it meets, and into the file

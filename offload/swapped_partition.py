@@ -53,14 +53,13 @@ changes the copy there; the files are written as before and stay the master of r
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections import deque
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up, wait_all
+from offload.aio import AsyncFileIO, IOHandle, OffloadIOError, OffloadIOWarning, round_up, started, wait_all
 from offload.file_snapshot import FrozenState, snapshot_files, write_file
 from offload.partition_stream import PartitionStream, copy_value
 from offload.pool import SwapBufferPool
@@ -191,15 +190,8 @@ class SwappedPartition(PartitionStream):
         # a read and a write of up to a sub-group per tensor each step)
         op = self.aio.write if write else self.aio.read
         n = round_up((self.groups[k][1] - self.groups[k][0]) * 4) // 4
-        handles = []
-        try:
-            for (key, slot), buf in zip(files, buffers):
-                handles.append(op(self._file(key, slot), buf[:n], k * self.stride_bytes))
-        except BaseException:  # a later submission refused (a file changed underneath): the caller frees
-            with contextlib.suppress(Exception):  # the buffers, so what was submitted lands first
-                wait_all(handles)
-            raise
-        return handles
+        return started(op(self._file(key, slot), buf[:n], k * self.stride_bytes)
+                       for (key, slot), buf in zip(files, buffers))
 
     def _file(self, key: str, slot: int) -> str:
         """The swap file of `key` in logical slot `slot` (one file for both with slots=1: module note)."""
@@ -483,7 +475,7 @@ class SwappedPartition(PartitionStream):
     def _master_requests(self, op: Callable, values: torch.Tensor, start: int) -> list[IOHandle]:
         path, stop = self._file(MASTER, self._slot), start + values.numel()
         self._check_committed({MASTER: self._slot}, start, stop)
-        return [op(path, values[a - start:b - start], at) for a, b, at in self._master_runs(start, stop)]
+        return started(op(path, values[a - start:b - start], at) for a, b, at in self._master_runs(start, stop))
 
     def close(self) -> None:
         """Finish outstanding writes and delete this partition's swap files."""
