@@ -117,6 +117,7 @@ class NvmeOptimizerTier:
         partition, rank = zopt.partition, zopt.comm.rank
         self.optimizer, self.partition = zopt.optimizer, partition
         self.grad_swap = None  # set by grad_swap.attach_grad_swap
+        self.unrestored: dict[tuple, str] = {}  # flat key -> why its send image is not the master (step's note)
         try:
             self.swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
         except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
@@ -147,7 +148,14 @@ class NvmeOptimizerTier:
 
     def step(self) -> None:
         """The optimizer step over every partition, sub-group by sub-group; the host flats receive the
-        updated master weights for the all-gather."""
+        updated master weights for the all-gather. Refused while a failed step's send image could not be
+        put back (`_restore_send_image`): the step would start from it (the master copy) and the weights
+        the last forward used were half-updated."""
+        if self.unrestored:
+            key, why = next(iter(self.unrestored.items()))
+            raise OffloadIOError(f"{PATH_KEY}: a failed optimizer step left this rank's weights (param group "
+                                 f"{key[0]}) half-updated in host memory, and putting the committed master back "
+                                 f"failed too ({why}); load a checkpoint to go on")
         try:
             if self.per_tensor is not None:
                 self.per_tensor.step()
@@ -164,18 +172,20 @@ class NvmeOptimizerTier:
         """A step that failed halfway left the files' committed state as it was (two slots), but the
         sub-groups stepped before the failure had already updated the send image (the host flat or the
         parameter files), which the gathers, checkpoints and safe_get_* read as the master: put the
-        committed master back there. Best effort: the step's own error is the one raised; in place
-        (swap_slots 1) the master is refused until a load anyway."""
+        committed master back there. The step's own error is the one raised; a flat this fails for is
+        remembered (`unrestored`) until a load replaces it, and the next step refuses to run (in place,
+        swap_slots 1, the master is refused until a load anyway)."""
         store = self.partition.store
-        try:
-            store.flush()
-            for key, part in self.parts.items():
-                if self.holds_master(key):  # fast_init's first step: the deferred master is the flat (docs)
-                    for s, e in part.groups:
-                        store.write_image(key, s, part.read_master(s, e))
-            store.flush()
-        except Exception:  # noqa: BLE001 - the step's error is what the user needs to see
-            pass
+        for key, part in self.parts.items():
+            if not self.holds_master(key):  # fast_init's first step: the deferred master is the flat (docs)
+                continue
+            try:
+                store.flush()
+                for s, e in part.groups:
+                    store.write_image(key, s, part.read_master(s, e))
+                store.flush()
+            except Exception as err:  # noqa: BLE001 - the step's error is what the user needs to see
+                self.unrestored[key] = f"{type(err).__name__}: {err}"
 
     def step_elementwise(self, key: tuple, part: SwappedPartition) -> None:
         """Flat `key`'s step by the inner copy of the optimizer, sub-group by sub-group; the updated
@@ -247,6 +257,7 @@ class NvmeOptimizerTier:
             part.load_master(through(chunks))
         else:
             part.load_chunks(through(chunks))
+        self.unrestored.pop(key, None)  # the send image is the loaded master now
 
     def close(self) -> None:
         """Delete the swap files and the job's swap directory (also done at exit by SwapDir)."""
