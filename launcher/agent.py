@@ -29,7 +29,7 @@ from launcher.control import ConnectionLost, ControlClient
 from launcher.deadman import DeadManSwitch
 from launcher.handoff import read_launch_file
 from launcher.output import OutputRelay
-from launcher.ranks import (RankProcess, describe_returncode, literal_script_args, rank_environment,
+from launcher.ranks import (TERM_GRACE_S, RankProcess, describe_returncode, literal_script_args, rank_environment,
                             signal_rank_groups, spawn_rank, stop_ranks, core_sets,
                             adopt_orphans, descendants, kill_escaped)
 from launcher.world import WorldInfo
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--launch_file", default="", help="the token and environment (launcher/handoff.py)")
     parser.add_argument("--attempt", type=int, default=0)
     parser.add_argument("--hang_timeout", type=float, default=0.0)
-    parser.add_argument("--term_grace", type=float, default=5.0)
+    parser.add_argument("--term_grace", type=float, default=TERM_GRACE_S, help="SIGTERM to SIGKILL, seconds")
     parser.add_argument("--log_dir", default="")
     parser.add_argument("--log_tag", default="dslaunch")
     parser.add_argument("--color", action="store_true")

@@ -55,7 +55,8 @@ Output
 
 Failures, restarts and hangs
     When a rank exits non-zero, every rank on every node is stopped (SIGTERM, then SIGKILL after
-    5 s), and dslaunch prints which rank failed first, on which host, with its exit code or signal.
+    --term_grace seconds, default 5; 0 kills at once), and dslaunch prints which rank failed first,
+    on which host, with its exit code or signal.
     --max_restarts N then restarts the whole job up to N times (ranks see DSTRAIN_RESTART_COUNT;
     resuming from the latest checkpoint is the training script's or the engine's job).
     --hang_timeout S: ranks report progress with `engine.heartbeat.beat(step)` (the engine calls it
@@ -80,6 +81,7 @@ above. See docs/launcher.md for the design (per-node agents, control connection,
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import secrets
 import shlex
@@ -97,12 +99,11 @@ from launcher.environment import forwarded_environment, local_environment
 from launcher.errors import LaunchError
 from launcher.handoff import remove_launch_file, write_launch_file
 from launcher.hostfile import check_host, resolve_slots
-from launcher.ranks import literal_script_args
+from launcher.ranks import TERM_GRACE_S, literal_script_args
 from launcher.runners import RUNNERS, AgentOptions, runner_processes, ssh_argv
 from launcher.supervisor import AttemptResult, JobSupervisor
 from launcher.world import WorldInfo
 
-TERM_GRACE_S = 5.0
 CONNECT_TIMEOUT_S = 60.0
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
 
@@ -134,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max_restarts", type=int, default=0, help="restart the whole job up to N times on failure")
     add("--hang_timeout", type=float, default=0.0, metavar="SECONDS",
         help="stop (and dump stacks) when no rank progresses for this long; 0: off")
+    add("--term_grace", default=str(TERM_GRACE_S), metavar="SECONDS",
+        help=f"from SIGTERM to SIGKILL when ranks are stopped (default {TERM_GRACE_S:g}); 0: SIGKILL at once")
     add("--control_addr", default="", help="address the agents use to reach dslaunch (auto)")
     add("--dry_run", action="store_true", help="print the rank map and per-node commands; start nothing")
     add("user_script", help="the training script (or module with -m)")
@@ -150,6 +153,7 @@ class LaunchPlan:
     agent_env: dict[str, str]
     control_host: str
     log_tag: str
+    term_grace: float  # seconds from SIGTERM to SIGKILL, on every node
 
 
 def is_local_host(host: str) -> bool:
@@ -177,9 +181,22 @@ def choose_runner(args, world: WorldInfo) -> str:
     return "pdsh" if shutil.which("pdsh") else "ssh"
 
 
+def term_grace_seconds(text: str) -> float:
+    """`--term_grace`: a finite, non-negative number of seconds (inf would never SIGKILL a rank)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise LaunchError(f"--term_grace {text!r}: expected a non-negative number of seconds "
+                          f"(e.g. --term_grace 1.5; default {TERM_GRACE_S:g})")
+    return value
+
+
 def make_plan(args, environ: dict[str, str], cwd: str) -> LaunchPlan:
     if args.max_restarts < 0 or args.hang_timeout < 0:
         raise LaunchError("--max_restarts and --hang_timeout must not be negative")
+    term_grace = term_grace_seconds(args.term_grace)
     for flag in ("master_addr", "control_addr"):
         if getattr(args, flag):
             check_host(getattr(args, flag), f"--{flag}")
@@ -193,7 +210,7 @@ def make_plan(args, environ: dict[str, str], cwd: str) -> LaunchPlan:
         remote = [h for h in world.hosts if not is_local_host(h)] or world.hosts
         control = "127.0.0.1" if all(is_local_host(h) for h in world.hosts) else route_source_address(remote[0])
     return LaunchPlan(args, world, runner, master_addr, agent_env, args.control_addr or control,
-                      time.strftime("%Y%m%d%H%M%S"))
+                      time.strftime("%Y%m%d%H%M%S"), term_grace)
 
 
 def agent_options(plan: LaunchPlan, attempt: int, control: str, launch_file: str) -> AgentOptions:
@@ -201,6 +218,7 @@ def agent_options(plan: LaunchPlan, attempt: int, control: str, launch_file: str
     return AgentOptions(world=plan.world, master_addr=plan.master_addr, master_port=args.master_port,
                         control=control, launch_file=launch_file, user_script=args.user_script,
                         user_args=tuple(args.user_args), attempt=attempt, hang_timeout=args.hang_timeout,
+                        term_grace=plan.term_grace,
                         log_dir=args.enable_each_rank_log or "", log_tag=plan.log_tag,
                         color=sys.stdout.isatty() and "NO_COLOR" not in os.environ,
                         bind_cores_to_rank=args.bind_cores_to_rank, module=args.module,
@@ -289,7 +307,7 @@ def run_attempt(plan: LaunchPlan, attempt: int, signals: list[int]) -> AttemptRe
                                     {} if local else plan.agent_env)
     try:
         opts = agent_options(plan, attempt, control_address(plan.control_host, server.port), launch_file)
-        supervisor = JobSupervisor(server, plan.world.nnodes, TERM_GRACE_S, CONNECT_TIMEOUT_S,
+        supervisor = JobSupervisor(server, plan.world.nnodes, plan.term_grace, CONNECT_TIMEOUT_S,
                                    on_all_connected=lambda: remove_launch_file(launch_file))
         supervisor.signals = signals  # shared: a Ctrl-C between attempts must end the job too
         return supervisor.run(processes_for(plan, opts))

@@ -179,6 +179,9 @@ def signal_rank_groups(ranks: list[RankProcess], sig: int):
     signal_groups([proc.popen.pid for proc in ranks], sig)
 
 
+TERM_GRACE_S = 5.0  # stop_ranks' default grace: dslaunch's --term_grace, passed to every agent
+
+
 def stop_ranks(ranks: list[RankProcess], grace_s: float, pump, hurried=lambda: False) -> None:
     """SIGTERM every group, wait up to `grace_s` (relaying output with `pump`) or until `hurried()`
     says so, then SIGKILL every group."""

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 
 from launcher.hostfile import host_problem
+from launcher.ranks import TERM_GRACE_S
 from launcher.world import WorldInfo
 
 RUNNERS = ("local", "ssh", "pdsh", "slurm", "openmpi")
@@ -43,6 +44,7 @@ class AgentOptions:
     user_args: tuple[str, ...] = ()
     attempt: int = 0
     hang_timeout: float = 0.0
+    term_grace: float = TERM_GRACE_S  # dslaunch's --term_grace
     log_dir: str = ""
     log_tag: str = "dslaunch"
     color: bool = False
@@ -66,7 +68,7 @@ def agent_argv(opts: AgentOptions, node_flag: list[str]) -> list[str]:
     argv = [opts.python, "-u", "-m", "launcher.agent", "--world_info", opts.world.encode(), *node_flag,
             "--master_addr", opts.master_addr, "--master_port", str(opts.master_port),
             "--control", opts.control, "--launch_file", opts.launch_file, "--attempt", str(opts.attempt),
-            "--log_tag", opts.log_tag]
+            "--log_tag", opts.log_tag, "--term_grace", str(opts.term_grace)]
     if opts.hang_timeout > 0:
         argv += ["--hang_timeout", str(opts.hang_timeout)]
     if opts.log_dir:

@@ -178,3 +178,30 @@ def test_a_launcher_killed_outright_takes_the_ranks_children_with_it(tmp_path, v
             launcher.kill()
         launcher.communicate(timeout=10)
         kill_leftovers(out)
+
+
+def test_term_grace_sets_the_time_from_sigterm_to_sigkill(tmp_path):
+    """`dslaunch --term_grace S`: ranks that ignore SIGTERM are SIGKILLed about S seconds after the
+    stop, not after the default 5 s (the bounds leave seconds of slack on a loaded machine)."""
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    grace = 0.5
+    launcher = start_dslaunch("--nproc_per_node", "2", "--master_port", str(free_port()), "--term_grace", str(grace),
+                              RANK_WITH_CHILD, out, "--rank_ignores_sigterm")
+    try:
+        for rank in range(2):
+            wait_for(lambda r=rank: os.path.exists(os.path.join(out, f"pids_rank{r}")), 30, f"rank {rank}'s child")
+        ranks = [int(open(os.path.join(out, f"pids_rank{rank}")).read().split()[0]) for rank in range(2)]
+        signalled_at = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=20)
+        took = time.monotonic() - signalled_at
+        assert launcher.returncode == 128 + signal.SIGTERM, stderr
+        assert not any(live(pid) for pid in ranks)
+        # at least the grace (the agent's SIGTERM follows ours); well under the default 5 s
+        assert grace <= took < 4.0, f"dslaunch took {took:.2f} s to stop ranks that ignore SIGTERM"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=5)
+        kill_leftovers(out)

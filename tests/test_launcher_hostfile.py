@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from launcher.cli import agent_options, main as cli_main, make_plan, parse_command_line, processes_for
 from launcher.environment import forwarded_environment, read_env_file
 from launcher.errors import LaunchError
 from launcher.hostfile import parse_hostfile, resolve_slots, select_slots
@@ -195,3 +196,24 @@ def test_an_empty_cuda_visible_devices_stays_empty_for_the_ranks():
     chosen = WorldInfo.from_slots(resolve_slots(None, {"CUDA_VISIBLE_DEVICES": "5,7"}, num_gpus=2))
     got = rank_environment({"CUDA_VISIBLE_DEVICES": "5,7"}, place, chosen, "127.0.0.1", 1, {})
     assert got["CUDA_VISIBLE_DEVICES"] == "5,7"
+
+
+@pytest.mark.parametrize("runner", ["local", "ssh", "pdsh", "slurm", "openmpi"])
+def test_term_grace_reaches_every_agent(tmp_path, runner):
+    hosts = "localhost slots=2\n" if runner == "local" else "w1 slots=2\nw2 slots=2\n"
+    args = parse_command_line(["--hostfile", write(tmp_path, hosts), "--launcher", runner, "--term_grace", "0.25",
+                               "train.py"])
+    plan = make_plan(args, {"PYTHONPATH": REPO}, REPO)
+    processes = processes_for(plan, agent_options(plan, 0, "127.0.0.1:4000", "/f"))
+    commands = [shlex.join(process.argv) for process in processes]  # ssh's remote command is one word
+    assert len(commands) == (2 if runner == "ssh" else 1)
+    assert all("launcher.agent" in command and "--term_grace 0.25" in command for command in commands), commands
+    assert plan.term_grace == 0.25
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "inf", "nan", ""])
+def test_a_bad_term_grace_is_a_one_line_error(value, capsys):
+    assert cli_main(["--term_grace", value, "--dry_run", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"dslaunch: error: --term_grace {value!r}: expected a non-negative "
+                                        "number of seconds (e.g. --term_grace 1.5; default 5)"]
