@@ -76,7 +76,7 @@ from collections import deque
 
 import torch
 
-from offload.aio import ALIGNMENT, aligned_empty, staged_empty
+from offload.aio import ALIGNMENT, OffloadIOError, aligned_empty, staged_empty
 
 from .param_nvme import host_memory_is_the_limit
 from .stage0 import clip_coefficient
@@ -217,10 +217,16 @@ class GradientSwap:
         return self.io.read(self.file_of(key), out, start * FP32), out
 
     def _drop_ahead(self) -> None:
+        """Waits out a read ahead no call will take (its buffer is free once no worker fills it) and drops
+        its values and its error with it: a landing, `zero` or another range's read is not the place to
+        raise a read they never asked for; the range's own read, if it comes, meets the file as it is."""
         if self._ahead is not None:
             handle = self._ahead[3]
             self._ahead = None
-            self.bytes_read += handle.wait()
+            try:
+                self.bytes_read += handle.wait()
+            except OffloadIOError:
+                pass
 
     def slot(self, frag, unscaled: bool = False) -> torch.Tensor:
         """`frag`'s padded slot as reduced (`unscaled`: divided by the loss scale, as the norm sees it)."""
