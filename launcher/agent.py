@@ -31,7 +31,7 @@ from launcher.handoff import read_launch_file
 from launcher.output import OutputRelay
 from launcher.ranks import (TERM_GRACE_S, RankProcess, describe_returncode, literal_script_args, rank_environment,
                             signal_rank_groups, spawn_rank, stop_ranks, core_sets,
-                            adopt_orphans, descendants, kill_escaped)
+                            adopt_orphans, descendants, kill_escaped, reap_adopted)
 from launcher.world import WorldInfo
 
 HANG_EXIT_STATUS = 124
@@ -141,11 +141,14 @@ class NodeAgent:
             self.say(f"cannot start the dead man's switch ({err}); if this agent is killed outright, "
                      "children of its ranks may outlive it")
 
+    def _own_children(self) -> set[int]:
+        """The children this agent started and waits for itself: its ranks and the dead man's switch."""
+        return {proc.popen.pid for proc in self.ranks} | ({self.deadman.pid} if self.deadman else set())
+
     def stop_everything(self):
         """The last word of every exit: no rank group left behind, nor anything that left one, then
         the switch is disarmed."""
-        keep = {proc.popen.pid for proc in self.ranks} | ({self.deadman.pid} if self.deadman else set())
-        escaped = descendants(keep)  # group members too: killed twice, harmlessly
+        escaped = descendants(self._own_children())  # group members too: killed twice, harmlessly
         signal_rank_groups(self.ranks, signal.SIGKILL)
         kill_escaped(escaped)
         if self.deadman:
@@ -163,6 +166,7 @@ class NodeAgent:
             return 127
         while True:
             self.relay.pump(0.1)
+            reap_adopted(self._own_children())
             stop_reason = self._stop_reason()
             if stop_reason:
                 if stop_reason == "hang" and not self.kill_now:

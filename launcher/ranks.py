@@ -132,6 +132,28 @@ def adopt_orphans():
         pass
 
 
+def reap_adopted(keep: set[int]) -> int:
+    """Collects the orphans adopt_orphans made the agent's children once they exit: unreaped, each stays
+    a zombie under the agent, and a long job whose ranks start and leave background processes fills the
+    process table. Peeks without reaping (WNOWAIT) and reaps only pids outside `keep` (the ranks and the
+    dead man's switch, which their Popen objects wait for: reaping one here would lose its exit status);
+    stops at the first of those, which its own waiter collects within moments. One syscall per call when
+    there is nothing to collect. Returns how many it reaped."""
+    reaped = 0
+    while True:
+        try:
+            found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except (ChildProcessError, AttributeError):  # no children at all; not Linux
+            return reaped
+        if found is None or found.si_pid in keep:
+            return reaped
+        try:
+            os.waitpid(found.si_pid, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        reaped += 1
+
+
 def descendants(keep: set[int]) -> list[psutil.Process]:
     """Every living descendant of the agent but the pids in `keep`: taken before the rank groups are
     killed, it holds what left a live rank's session, still under that rank (adopt_orphans)."""

@@ -1,13 +1,14 @@
 """dslaunch and a rank's child that left the rank's process group (`setsid`, `start_new_session=True`,
 as a daemon or a badly behaved helper does): the group kill cannot reach it, so the agent, as its
-subreaper, kills it at exit, whether the job ended normally, a rank failed, or dslaunch was stopped.
-(Not covered: the agent SIGKILLed outright, launcher/deadman.py's note.)"""
+subreaper, kills it at exit, whether the job ended normally, a rank failed, or dslaunch was stopped;
+and one that exits while the job runs is collected then, not left a zombie under the agent until the
+job ends. (Not covered: the agent SIGKILLed outright, launcher/deadman.py's note.)"""
 import os
 import signal
 
 import pytest
 
-from launcher_scripts.harness import RANK_WITH_CHILD, free_port, kill_leftovers, live, start_dslaunch, wait_for
+from launcher_scripts.harness import REPO, RANK_WITH_CHILD, free_port, kill_leftovers, live, start_dslaunch, wait_for
 
 @pytest.mark.parametrize("how", ["ranks-exit-0", "stopped-by-sigterm"])
 def test_a_child_in_its_own_session_does_not_outlive_the_job(tmp_path, how):
@@ -27,6 +28,24 @@ def test_a_child_in_its_own_session_does_not_outlive_the_job(tmp_path, how):
         assert launcher.returncode == (0 if how == "ranks-exit-0" else 128 + signal.SIGTERM)
         # killed and reaped before the agent exited; a moment only for init to reap a zombie
         wait_for(lambda: not any(live(pid) for pid in children), 1, "the ranks' own-session children to be gone")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=5)
+        kill_leftovers(out)
+
+
+def test_orphans_that_exit_while_the_job_runs_are_collected(tmp_path):
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    script = os.path.join(REPO, "tests", "launcher_scripts", "rank_with_orphans.py")
+    launcher = start_dslaunch("--nproc_per_node", "1", "--master_port", str(free_port()), script, out)
+    try:
+        stdout, stderr = launcher.communicate(timeout=60)
+        assert launcher.returncode == 0, stdout + stderr
+        adopted, zombies = map(int, open(os.path.join(out, "orphans_rank0")).read().split())
+        assert adopted == 3  # the premise: the agent became their parent when the middle process exited
+        assert zombies == 0  # collected while the rank still ran
     finally:
         if launcher.poll() is None:
             launcher.kill()
