@@ -84,7 +84,7 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
         zopt.frozen_chunks.move_to_file(lambda: ChunkFile(_swap_dir(section), AsyncFileIO(aio, path_key=PATH_KEY),
                                                           name=f"rank{zopt.comm.rank}", kind="frozen"),
                                         keep=max(0, left))
-    swap = _swap_dir(section)
+    swap, io = _swap_dir(section), None
     try:
         io = AsyncFileIO(aio, path_key=PATH_KEY)
         dtype = _file_dtype(zopt, zero)
@@ -93,6 +93,8 @@ def attach_param_nvme(zopt, zero, aio) -> NvmeParamStore:
         store = NvmeParamStore(zopt.partition, swap, io, pool, int(section.max_in_cpu), name=f"rank{zopt.comm.rank}",
                                dtype=dtype)
     except BaseException:
+        if io is not None:  # its worker threads and the swap files' descriptors (the partition's writes)
+            io.close()
         swap.close()
         zopt.frozen_chunks.close()
         raise
