@@ -68,7 +68,7 @@ the forward's minor faults 26-46 thousand against 140 thousand with the bound th
 thread CPU 1062-1279 against 1511-1665 ms, backward's 1925-2189 against 2713-2869 ms (faults 67-76
 against 176 thousand), the step's faults 7-10 against 18 thousand; peak RSS per rank 868-884 against
 832-838 MB (glibc's threshold at 32 MiB: 945-990) (benchmarks/results/2026-12-07-heap-forward-in-heap.txt).
-A forward that raises leaves the forward's threshold until the next forward ends (no post-hook runs).
+A forward that raises is out of the heap at once too (the root's always-called forward hook, stage3_units.py).
 """
 from __future__ import annotations
 

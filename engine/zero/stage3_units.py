@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from offload.host_heap import forward_in_heap
+
 from .init import external_parameters
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -138,7 +140,11 @@ def install_hooks(module: nn.Module, index: int, coordinator) -> list:
     handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     if index == 0:  # a root forward that raised skips `post`: the reentrant-region wrapper (anchors.py) goes
         # anyway, else it stayed on torch's CheckpointFunction, holding the failed pass's graph, until
-        # this engine's next pass or destroy (never, for an engine dropped after an OOM)
-        handles.append(module.register_forward_hook(lambda mod, args, output: coordinator.anchors.close(),
-                                                    always_call=True))
+        # this engine's next pass or destroy (never, for an engine dropped after an OOM); and glibc's
+        # threshold is bounded again (offload/host_heap.py's fourth note), else the forward's stayed on
+        # for whatever the process did next until a later forward ended
+        def ended(mod, args, output):
+            forward_in_heap(False)
+            coordinator.anchors.close()
+        handles.append(module.register_forward_hook(ended, always_call=True))
     return handles
