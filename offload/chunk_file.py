@@ -48,10 +48,16 @@ class ChunkFile:
         self._punch_dead()
 
     def _punch_dead(self) -> None:
+        # each slot is taken off the list before its punch: a finalizer running inside it (a collection on
+        # this thread, or another thread's) punches only the others, never drops this one for us
         while self._dead and not self.closed:
-            if not self.io.discard(self.path, *self._dead[0]):
+            try:
+                slot = self._dead.pop(0)
+            except IndexError:  # another thread's call took the last one
                 return
-            self._dead.pop(0)
+            if not self.io.discard(self.path, *slot):
+                self._dead.insert(0, slot)
+                return
 
     def close(self) -> None:
         self.closed = True
