@@ -299,28 +299,39 @@ class GatheredParameters(contextlib.ContextDecorator):
             return self
         comm = self._communicator()
         _require_states_here(self.params)
-        for p in self.params:
-            zopt = getattr(p, "_z3_owner", None)
-            group = zopt.coordinator.group_of.get(p) if zopt is not None else None
-            if group is not None:
-                zopt.coordinator.user_held[group.gid] += 1  # held through any pass inside the block
-                self._held.append((zopt.coordinator, group))
-                self._engine_groups += zopt.coordinator.gather_now([group])
-            elif _is_partitioned(p) and hasattr(p, "_z3_chunk"):
-                p.data = gather_full(comm, spec_of(full_shape(p), comm.world_size),
-                                     chunk_tensor(p._z3_chunk).to(comm.device), full_shape(p))
-                self._init_params.append(p)
+        try:
+            for p in self.params:
+                zopt = getattr(p, "_z3_owner", None)
+                group = zopt.coordinator.group_of.get(p) if zopt is not None else None
+                if group is not None:
+                    zopt.coordinator.user_held[group.gid] += 1  # held through any pass inside the block
+                    self._held.append((zopt.coordinator, group))
+                    self._engine_groups += zopt.coordinator.gather_now([group])
+                elif _is_partitioned(p) and hasattr(p, "_z3_chunk"):
+                    p.data = gather_full(comm, spec_of(full_shape(p), comm.world_size),
+                                         chunk_tensor(p._z3_chunk).to(comm.device), full_shape(p))
+                    self._init_params.append(p)
+        except BaseException:  # a later gather failed (a read error): the block never runs, so what the
+            self._let_go()  # earlier ones hold goes now, else it stayed held (gathered through every pass)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         if not self.enabled or not self.params:
             return
         comm = self._communicator()
-        if self.modifier_rank is not None and exc[0] is None:
-            with torch.no_grad():
-                for p in self.params:
-                    comm.broadcast(p.data, src=self.modifier_rank)
-                    self._store(p, comm)
+        try:
+            if self.modifier_rank is not None and exc[0] is None:
+                with torch.no_grad():
+                    for p in self.params:
+                        comm.broadcast(p.data, src=self.modifier_rank)
+                        self._store(p, comm)
+        finally:  # a store that raised (a parameter replaced at a new shape) lets the block's groups go too
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """What the block holds goes: zero.Init's parameters back to placeholders, the engine's groups
+        released where no other open block holds them."""
         for p in self._init_params:
             p.data = placeholder(full_shape(p), p.dtype, p.device)
             mark_placeholder(p)  # edits inside the block were made whole: not lost (init_edits.py)
