@@ -14,6 +14,7 @@ from launcher_scripts.harness import (RANK_WITH_CHILD, WORKER, free_port, kill_l
                                       rank_record, start_dslaunch, wait_for)
 
 GONE_WITHIN_S = 10
+HANG_S = 2
 
 
 @pytest.fixture
@@ -61,11 +62,12 @@ def test_sigstop_of_one_rank_is_detected_as_a_hang_with_stacks(job):
     # Stopped only after both ranks' first heartbeat: a rank stopped before any rank of its node beat
     # is start-up, which the hang clock does not cover (launcher/hang.py); under load that window was
     # wide enough for this test to stop rank 1 inside it and wait in vain.
-    launcher, pids = start("--hang_timeout", "4", worker_args=("--heartbeat",), ready="first_beat")
+    # HANG_S 2: 40 of the worker's 0.05 s steps, still far above a step's time on a loaded machine
+    launcher, pids = start("--hang_timeout", str(HANG_S), worker_args=("--heartbeat",), ready="first_beat")
     os.kill(pids[1], signal.SIGSTOP)
     stopped_at = time.monotonic()
-    _, stderr = wait_gone(launcher, out, 4 + GONE_WITHIN_S)
-    assert time.monotonic() - stopped_at < 4 + GONE_WITHIN_S
+    _, stderr = wait_gone(launcher, out, HANG_S + GONE_WITHIN_S)
+    assert time.monotonic() - stopped_at < HANG_S + GONE_WITHIN_S
     assert launcher.returncode == 124
     assert "hang detected on host localhost (node 0): no rank made progress for" in stderr
     for rank in range(2):  # faulthandler's dump, relayed with the rank prefix
