@@ -1,9 +1,10 @@
 """GatheredParameters (engine/zero/init.py) whose entry fails part way: a later group's gather raises (its
 parameter file's read fails, EIO) after an earlier group was gathered and marked held by the block. The
-block never ran, so nothing may stay held: before, the earlier group stayed gathered and held for good
-(its `user_held` count was never taken back), so every later forward used its values from the failed
-entry, not the stepped ones: training on differed from a run without the failure, silently. Also a
-block whose exit raises (a parameter replaced at a new shape after initialize) lets its groups go.
+block never ran, so nothing may stay held: before, both groups' `user_held` counts were never taken
+back, so they stayed gathered from their forward to every step for the rest of the run (as if inside a
+block: ZeRO-3's partitioning gone for them; the values stayed right, as the step releases every group).
+Also a block whose exit raises (a parameter replaced at a new shape after initialize) lets its groups
+go: before, the refused tensor stayed the parameter's data and the next forward failed on its shape.
 2 ranks, the read failing on both (an I/O error that one rank alone meets is another matter)."""
 from __future__ import annotations
 
