@@ -16,6 +16,9 @@ from launcher_scripts.harness import (WORKER, command_lines_until_exit, dslaunch
 from launcher_scripts.netns_cluster import INTERFACE, Cluster, install_missing_packages
 
 pytestmark = pytest.mark.slow
+# steps of the jobs that run to their end: the agents, sampled for their command lines, live from before
+# the ranks' torch import to the end (seconds); the steps only have to cross both nodes
+STEPS = 10
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +63,7 @@ def test_runner_trains_four_ranks_across_two_nodes_and_shows_no_secret(cluster, 
     argv = cluster.in_first_node(*dslaunch_argv(
         "--hostfile", cluster.hostfile(), "--master_port", str(free_port()), "--launcher", runner,
         "--launcher_args", f"-F {cluster.ssh_config}" if runner == "ssh" else "", WORKER, "--out", out,
-        "--steps", "30", "--step_time", "0.05", "--echo", *nasty))
+        "--steps", str(STEPS), "--step_time", "0.05", "--echo", *nasty))
     launcher = subprocess.Popen(argv, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
     try:
@@ -75,7 +78,7 @@ def test_runner_trains_four_ranks_across_two_nodes_and_shows_no_secret(cluster, 
         assert record["DSTRAIN_TEST_DSENV"] == nasty_value
         assert record["DSTRAIN_TEST_VALUE"] == secrets["DSTRAIN_TEST_VALUE"]  # via the launch file
     assert not any(name.startswith("pwned") for name in os.listdir(tmp_path))
-    assert f"[rank3@{cluster.hosts[1]}]: step 29 loss" in stdout
+    assert f"[rank3@{cluster.hosts[1]}]: step {STEPS - 1} loss" in stdout
     agents = [line for line in seen if line.startswith(f"{sys.executable}\0-u\0-m\0launcher.agent\0") and out in line]
     assert len(agents) >= 2, agents  # both nodes' agents were sampled
     for line in seen:
