@@ -38,6 +38,8 @@ from torch.utils import _pytree as pytree
 
 _OPEN: list["BackwardAnchors"] = []  # the training passes whose forward runs now, innermost last
 _PATCHED: dict = {}  # "apply" -> CheckpointFunction.apply as it was, while the wrapper is installed
+# passes open and close on several threads (two models' forwards): the list and torch's class change together
+_LOCK = threading.Lock()
 
 
 class BackwardAnchors:
@@ -52,19 +54,21 @@ class BackwardAnchors:
 
     def open(self) -> None:
         """A training pass's forward begins: reentrant regions' outputs are anchored here (module note)."""
-        if any(a is self for a in _OPEN):
-            return
-        if not _OPEN:
-            _install_region_wrapper()
-        self.thread = threading.get_ident()
-        _OPEN.append(self)
+        with _LOCK:
+            if any(a is self for a in _OPEN):
+                return
+            if not _OPEN:
+                _install_region_wrapper()
+            self.thread = threading.get_ident()
+            _OPEN.append(self)
 
     def close(self) -> None:
         """The forward ended (or the pass did)."""
-        if any(a is self for a in _OPEN):
-            _OPEN[:] = [a for a in _OPEN if a is not self]
-            if not _OPEN:
-                _remove_region_wrapper()
+        with _LOCK:
+            if any(a is self for a in _OPEN):
+                _OPEN[:] = [a for a in _OPEN if a is not self]
+                if not _OPEN:
+                    _remove_region_wrapper()
 
     def clear(self) -> None:
         self.edges = []
@@ -85,7 +89,9 @@ class BackwardAnchors:
 
 def _anchored_region(*args, **kwargs):
     """`CheckpointFunction.apply` while a training forward runs: its outputs are anchored (module note)."""
-    out = _PATCHED["apply"](*args, **kwargs)
+    # another thread's last pass may have removed the wrapper since this call entered it (torch's own is
+    # then back on the class): not waited for, a region's forward runs here
+    out = (_PATCHED.get("apply") or torch_checkpoint.CheckpointFunction.apply)(*args, **kwargs)
     # the innermost pass of this thread: the class attribute is seen by every thread, and another
     # thread's region (another model's) in this pass's anchors would run that graph's backward here
     me = threading.get_ident()
