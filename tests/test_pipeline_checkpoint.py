@@ -388,8 +388,6 @@ def _pt_reference() -> dict:
 # rank 0 opens a world of 1 (the single-process loads, and the dense checkpoint for 1 → 2), then ranks
 # 0 and 1 open a world of 2 (rank 1 waits in its rendezvous until rank 0 has finished); ranks 2 and 3
 # open worlds of 1 and stop.
-def _every_layout(root: str) -> dict:
-    import torch.distributed as dist
 DIRS = ("pipe", "tp", "dense", "pipe_tp", "pipe_tp_layers", "tp_zero2", "tp_zero3", "hf", "hf_dense", "hf_unflagged",
         "frozen", "pipe_zero3")
 

@@ -76,7 +76,6 @@ def _assert_trains_as(got: dict, want: dict) -> None:
 def _failed_enter(tmp: str, fail: bool) -> dict:
     import engine
     from offload.aio import OffloadIOError
-    rank = torch.distributed.get_rank()
     path = os.path.join(tmp, f"fail{int(fail)}")
     os.makedirs(path, exist_ok=True)
     eng = _engine(path)
