@@ -3,9 +3,11 @@
 Usage: python rank_with_orphans.py OUT_DIR
 
 The rank runs a middle process that starts 3 processes in sessions of their own and exits at once, so
-each is adopted by the agent (its subreaper, launcher/ranks.py's adopt_orphans). While they live the rank
-records whose children they are; they exit after a second, and two seconds later the rank writes
-OUT_DIR/orphans_rank<R>: "<adopted by the agent> <still zombies under it>" (counts). No torch import.
+each is adopted by the agent (its subreaper, launcher/ranks.py's adopt_orphans). They wait for OUT_DIR/go
+(at most a minute), so the rank sees whose children they are while they live; then it writes go, waits
+up to 20 s for them to be gone (reaped: collected by the agent) and writes OUT_DIR/orphans_rank<R>:
+"<adopted by the agent> <still zombies under it>" (counts). No fixed sleep decides anything: under load
+they simply take longer. No torch import.
 """
 import os
 import subprocess
@@ -14,28 +16,43 @@ import time
 
 import psutil
 
+ORPHAN = """import os, sys, time
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.02)
+"""
 MIDDLE = """import subprocess, sys
 for _ in range(3):
-    print(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"], start_new_session=True).pid)
+    print(subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)  # not the pipe read below
 """
+
+
+def zombie_under(pid: int, parent: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.ppid() == parent and proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_DEAD
 
 
 def main():
     out, agent = sys.argv[1], os.getppid()
-    pids = [int(p) for p in subprocess.run([sys.executable, "-c", MIDDLE], check=True, capture_output=True,
-                                           text=True).stdout.split()]
-    adopted = sum(1 for pid in pids if psutil.Process(pid).ppid() == agent)
-    time.sleep(3)
-
-    def zombie(pid):
-        try:
-            proc = psutil.Process(pid)
-            return proc.ppid() == agent and proc.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+    go = os.path.join(out, "go")
+    pids = [int(p) for p in subprocess.run([sys.executable, "-c", MIDDLE, ORPHAN, go], check=True,
+                                           capture_output=True, text=True).stdout.split()]
+    adopted = sum(1 for pid in pids if psutil.Process(pid).ppid() == agent)  # alive until go
+    open(go, "w").close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not all(map(gone, pids)):
+        time.sleep(0.05)
     path = os.path.join(out, "orphans_rank" + os.environ["RANK"])
     with open(path + ".tmp", "w") as handle:
-        handle.write(f"{adopted} {sum(map(zombie, pids))}")
+        handle.write(f"{adopted} {sum(zombie_under(pid, agent) for pid in pids)}")
     os.replace(path + ".tmp", path)
 
 
