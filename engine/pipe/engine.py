@@ -352,7 +352,7 @@ class PipelineEngine(Engine):
         """After the schedule: tied gradients, the data axis's reduction, the world's norm (carrying the loss
         and the batch's outcome) and the step; BatchFailed before any of it is applied when a stage failed
         (stage_failure.py's note: the outcome rides on the norm)."""
-        if getattr(self.zero_optimizer, "powersgd", None) is not None:  # stage_failure.py's note: PowerSGD
+        if self.zero_optimizer.reductions_keep_state:  # stage_failure.py's note: PowerSGD's error feedback
             try:
                 agree_on_outcome(self._world_comm, self.groups, self._failure)  # raises on every rank if failed
             except Exception:

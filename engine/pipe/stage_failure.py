@@ -60,8 +60,9 @@ highest-numbered one that raised, as the vote's MAX did). (A 1-bit optimizer, wh
 norm over the pipeline in a step, is refused with a pipeline: pipe/engine.py.) Under PowerSGD
 (`gradient_compression`, stage 0) a data group must not reduce a batch another one failed: its error
 feedback and warm-start Q keep what each reduction saw, so the dropped batch's gradient reached the
-next steps (1e-3 on an 8x8 weight, tests/test_pipeline_stage_failure.py); there the outcome is voted
-over the world before the reductions (`agree_on_outcome`, as eval_batch does).
+next steps (1e-3 on an 8x8 weight, tests/test_pipeline_stage_failure.py); so wherever the optimizer's
+`reductions_keep_state` says so, the outcome is voted over the world before the reductions
+(`agree_on_outcome`, as eval_batch does).
 
 Cost: per train_batch nothing on one data-parallel replica (the vote is a float in an all-reduce
 the step makes anyway), one all-reduce over the data axis with several (over the world under

@@ -74,6 +74,7 @@ class PartitionedZeroOptimizer(FragmentAccess):
     reduce_every_micro_step = True
     norm_reduce = None  # a pipeline's: this stage's norm² → the world's (engine/pipe/reduction.py)
     counted_elsewhere = ()  # parameters another model-parallel rank counts in the norm (tensor_parallel/norm.py)
+    reductions_keep_state = False  # exact reductions: nothing of a dropped batch outlives it (stage0.py's property)
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, guard: NonFiniteGuard, *,
                  reduce_bucket_numel: int, allgather_bucket_numel: int, overlap_comm: bool,

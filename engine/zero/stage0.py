@@ -111,6 +111,12 @@ class DataParallelOptimizer:
         self.master = MasterWeights(optimizer, self.buckets) if needs_master else None
         self.last_grad_norm: float | None = None
 
+    @property
+    def reductions_keep_state(self) -> bool:
+        """Whether a gradient reduction leaves state for later steps (PowerSGD's error feedback and warm-start
+        Q): a batch that is dropped must then be known before its reductions run (pipe/stage_failure.py)."""
+        return self.powersgd is not None
+
     def enable_gradient_compression(self, cfg) -> None:
         """PowerSGD (`gradient_compression`, dstrain's key) replaces the exact all-reduce after start_step."""
         self.powersgd = PowerSGD(self.comm, rank=cfg.rank, start_step=cfg.start_step)
