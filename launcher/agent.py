@@ -142,8 +142,16 @@ class NodeAgent:
                      "children of its ranks may outlive it")
 
     def _own_children(self) -> set[int]:
-        """The children this agent started and waits for itself: its ranks and the dead man's switch."""
-        return {proc.popen.pid for proc in self.ranks} | ({self.deadman.pid} if self.deadman else set())
+        """The children this agent started and still waits for itself: ranks their waiter threads have not
+        collected, and the dead man's switch. A zombie of theirs stops reap_adopted's walk, so a rank already
+        collected is left out (its pid may be reused), and a switch that died is collected here: it is the
+        agent's oldest child, whose zombie would have kept every orphan behind it uncollected for good."""
+        if self.deadman and not self.deadman.running():
+            self.say("the dead man's switch exited; if this agent is killed outright, children of its ranks "
+                     "may outlive it")
+            self.deadman = None
+        own = {proc.popen.pid for proc in self.ranks if proc.popen.returncode is None}
+        return own | ({self.deadman.pid} if self.deadman else set())
 
     def stop_everything(self):
         """The last word of every exit: no rank group left behind, nor anything that left one, then

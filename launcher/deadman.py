@@ -48,6 +48,10 @@ class DeadManSwitch:
     def pid(self) -> int:
         return self._popen.pid
 
+    def running(self) -> bool:
+        """False once the switch has exited (collected here, so it leaves no zombie under the agent)."""
+        return self._popen.poll() is None
+
     def arm(self, pgid: int):
         self._send(f"{pgid}\n".encode())
 

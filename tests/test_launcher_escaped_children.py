@@ -35,17 +35,23 @@ def test_a_child_in_its_own_session_does_not_outlive_the_job(tmp_path, how):
         kill_leftovers(out)
 
 
-def test_orphans_that_exit_while_the_job_runs_are_collected(tmp_path):
+@pytest.mark.parametrize("switch", ["running", "killed"])
+def test_orphans_that_exit_while_the_job_runs_are_collected(tmp_path, switch):
+    """`killed`: the dead man's switch, the agent's oldest child, died first: its zombie, first in the
+    agent's list of children, must not stop the orphans behind it from being collected."""
     out = str(tmp_path / "out")
     os.makedirs(out)
     script = os.path.join(REPO, "tests", "launcher_scripts", "rank_with_orphans.py")
-    launcher = start_dslaunch("--nproc_per_node", "1", "--master_port", str(free_port()), script, out)
+    flags = ("--kill_switch",) if switch == "killed" else ()
+    launcher = start_dslaunch("--nproc_per_node", "1", "--master_port", str(free_port()), script, out, *flags)
     try:
         stdout, stderr = launcher.communicate(timeout=60)
         assert launcher.returncode == 0, stdout + stderr
         adopted, zombies = map(int, open(os.path.join(out, "orphans_rank0")).read().split())
         assert adopted == 3  # the premise: the agent became their parent when the middle process exited
         assert zombies == 0  # collected while the rank still ran
+        if switch == "killed":
+            assert "the dead man's switch exited" in stderr, stderr
     finally:
         if launcher.poll() is None:
             launcher.kill()

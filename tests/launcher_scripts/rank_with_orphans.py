@@ -1,6 +1,6 @@
 """A rank whose short-lived background processes become orphans, as a daemonising helper's do.
 
-Usage: python rank_with_orphans.py OUT_DIR
+Usage: python rank_with_orphans.py OUT_DIR [--kill_switch]
 
 The rank runs a middle process that starts 3 processes in sessions of their own and exits at once, so
 each is adopted by the agent (its subreaper, launcher/ranks.py's adopt_orphans). They wait for OUT_DIR/go
@@ -8,6 +8,8 @@ each is adopted by the agent (its subreaper, launcher/ranks.py's adopt_orphans).
 up to 20 s for them to be gone (reaped: collected by the agent) and writes OUT_DIR/orphans_rank<R>:
 "<adopted by the agent> <still zombies under it>" (counts). No fixed sleep decides anything: under load
 they simply take longer. No torch import.
+--kill_switch: first SIGKILLs the agent's dead man's switch (launcher/deadman.py), its oldest child, and
+waits until the switch has exited (a zombie, or collected).
 """
 import os
 import subprocess
@@ -40,8 +42,18 @@ def gone(pid: int) -> bool:
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_DEAD
 
 
+def kill_switch(agent: int) -> None:
+    (switch,) = [p for p in psutil.Process(agent).children() if "launcher.deadman" in p.cmdline()]
+    switch.kill()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not (gone(switch.pid) or zombie_under(switch.pid, agent)):
+        time.sleep(0.02)
+
+
 def main():
     out, agent = sys.argv[1], os.getppid()
+    if "--kill_switch" in sys.argv[2:]:
+        kill_switch(agent)
     go = os.path.join(out, "go")
     pids = [int(p) for p in subprocess.run([sys.executable, "-c", MIDDLE, ORPHAN, go], check=True,
                                            capture_output=True, text=True).stdout.split()]
