@@ -126,8 +126,10 @@ class NvmeAdapter(PartitionedAdapter):
         frag = self.part.fragments[p]
         first = self._first_chunk(frag.key)
         # the fp32 rows stream too when they are not in memory: frozen copies (async), or the NVMe
-        # parameter store's files (each read would be a new tensor, all held until the write)
-        streamed = frag.key in self._frozen or not getattr(self.part.store, "master_in_memory", True)
+        # parameter store's files (each read would be a new tensor, all held until the write); and from the
+        # committed master while a failed step left the host flat half-updated (nvme_tier.py: unrestored)
+        streamed = (frag.key in self._frozen or frag.key in self.nvme.unrestored
+                    or not getattr(self.part.store, "master_in_memory", True))
         tensors = {} if streamed else {
             FP32: self.part.store.read(frag.key, frag.offset, frag.offset + frag.numel).view(frag.shape)}
         for kind in ([FP32] if streamed else []) + first["kinds"]:
