@@ -8,6 +8,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from offload.aio import wait_all
+
 
 class PartitionStream:
     """`state_chunks` / `load_chunks` / `load_master` of SwappedPartition."""
@@ -20,8 +22,7 @@ class PartitionStream:
             keys = self._keys(self._has_state)
             buffers, handles = self._start_read(k, keys, dict.fromkeys(keys, self._slot))
             try:
-                for handle in handles:
-                    handle.wait()
+                wait_all(handles)  # a failed read: its siblings land before the buffers go back
                 n = e - s
                 state = {key: buf[:n].clone() for key, buf in zip(self.state_keys, buffers[1:])} \
                     if self._has_state else {}

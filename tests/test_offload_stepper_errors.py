@@ -79,15 +79,16 @@ def last_read(part: SwappedPartition) -> int:
     return part.step_order()[-1] * part.stride_bytes
 
 
-def step_with_a_transfer_held(part, pool, grad, held: Held):
-    """Steps in a thread; once the held transfer is inside its syscall and the step had a second to
-    finish, takes every free buffer and fills it with SENTINEL, then lets the held transfer finish.
-    Returns (the buffers taken, the step's error)."""
+def step_with_a_transfer_held(part, pool, grad, held: Held, call=None):
+    """Steps (or runs `call`) in a thread; once the held transfer is inside its syscall and the step had a
+    second to finish, takes every free buffer and fills it with SENTINEL, then lets the held transfer
+    finish. Returns (the buffers taken, the step's error)."""
     outcome = {}
+    call = call or (lambda: part.step(lambda s, e: grad[s:e]))
 
     def run():
         try:
-            part.step(lambda s, e: grad[s:e])
+            call()
         except BaseException as err:  # noqa: BLE001 - the test checks it
             outcome["error"] = err
     stepper = threading.Thread(target=run)
@@ -143,5 +144,26 @@ def test_a_failed_write_leaves_no_sibling_write_sourced_from_a_freed_buffer(tmp_
         assert not bool((written == SENTINEL).any()), "a write took its bytes from a buffer handed out again"
         for buf in taken:
             pool.release(buf)
+    finally:
+        part.close(), io.close(), swap.close()
+
+
+def test_a_failed_read_of_a_save_lands_in_no_buffer_handed_out_again(tmp_path, monkeypatch):
+    """A checkpoint's read of the state (`state_chunks`: engine/checkpoint/nvme.py's save) whose master read
+    fails while exp_avg's is in flight: a save that fails is caught and training goes on, and the next
+    step's buffers are those the save gave back (the late read landed in one: partition_stream.py)."""
+    swap, io, pool, part, grad = stepped_twice(tmp_path)
+    try:
+        slot = part.source_slot
+        held = Held(monkeypatch, "preadv", path_of(part, "exp_avg", slot), path_of(part, "master", slot),
+                    last_read(part))  # the sub-group read from the files (the others: kept buffers)
+        taken, error = step_with_a_transfer_held(part, pool, grad, held, call=lambda: list(part.state_chunks()))
+        monkeypatch.undo()
+        assert isinstance(error, OffloadIOError) and "master" in str(error), error
+        assert all(bool((buf == SENTINEL).all()) for buf in taken), \
+            "a read landed in a buffer the pool had already handed out again"
+        for buf in taken:
+            pool.release(buf)
+        assert pool.free_count() == BUFFERS
     finally:
         part.close(), io.close(), swap.close()
