@@ -381,6 +381,11 @@ class NvmeParamStore:
             self._release(buf)
             raise
 
+    def drop_reads_ahead(self) -> None:
+        """Forget the reads issued ahead, a failed one with its error (a gather's read failed on some rank:
+        engine/zero/stage3_read_failures.py's note)."""
+        self._drain_ahead()
+
     def _drain_ahead(self) -> None:
         """Reads issued ahead would hand back values a write is about to replace: finish and drop them. A
         failed one goes with its values (a gather of the group reads the file again), not raised by the
