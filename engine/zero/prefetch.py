@@ -69,6 +69,7 @@ from collections import Counter
 
 import torch
 
+from offload.aio import OffloadIOError
 from offload.host_heap import forward_in_heap, tier_buffers
 
 from .anchors import BackwardAnchors
@@ -76,6 +77,7 @@ from .arrivals import reach_fingerprint
 from .release_plan import ReleasePlanner
 from .gather_requests import RankDivergenceError, RequestRounds
 from .stage3_params import GatherGroup
+from .stage3_read_failures import ReadFailures
 
 
 class ParamCoordinator:
@@ -110,6 +112,7 @@ class ParamCoordinator:
         self.read_ahead_groups = 0  # NVMe parameters: plan groups whose slots are read ahead (param_nvme.py)
         self.anchors = BackwardAnchors()  # this training pass's unit outputs (anchors.py)
         self.reach_index: dict = {}  # trainable parameter -> position, for the ranks' reach (note: reductions wait)
+        self.failures = ReadFailures(comm.rank, comm.world_size, self._group_name)  # stage3_read_failures.py
 
     # -- pass boundaries ---------------------------------------------------------------------------
     def _begin_pass(self) -> None:
@@ -120,6 +123,7 @@ class ParamCoordinator:
         self.cursor = self.plan_ptr = 0
         self.diverged = self.skipped = False
         self.gather_log = []
+        self.failures.clear()
         if self.training_pass and self.trace is None:
             self.recording = []
         self.by_request = not self.training_pass or self.recording is not None  # evaluation, or recording
@@ -134,6 +138,20 @@ class ParamCoordinator:
         """Drain every issued gather, release everything not persistent, settle the trace. Also after a
         backward that ran outside a pass (an evaluation forward came in between): nothing stays gathered."""
         self.before_reduction()
+        self._let_go()
+        settle, complete = self.in_pass and self.training_pass, self.in_backward
+        self.in_pass = self.training_pass = self.in_backward = False
+        checks, self.checks = self.checks, []
+        if settle:
+            self._settle_trace(checks, complete)
+        elif checks:
+            self._raise_on_mismatch(checks, self._mismatches(checks).any().item())
+        if self.failures.known:  # a read failed on some rank (stage3_read_failures.py's note)
+            self._drop_reads_ahead()
+            raise self.failures.error(in_backward=complete)
+
+    def _let_go(self) -> None:
+        """Drain every issued gather, release everything not persistent or held by a block."""
         for gid in list(self.pending):
             self._finish(self.groups[gid], unpack=False)
         for g in self.groups:
@@ -143,13 +161,23 @@ class ParamCoordinator:
         self.defer_reductions = False
         self.anchors.close()
         self.anchors.clear()
-        settle, complete = self.in_pass and self.training_pass, self.in_backward
-        self.in_pass = self.training_pass = self.in_backward = False
-        checks, self.checks = self.checks, []
-        if settle:
-            self._settle_trace(checks, complete)
-        elif checks:
-            self._raise_on_mismatch(checks, self._mismatches(checks).any().item())
+
+    def _fail_pass(self) -> None:
+        """Every rank knows of a failed read at this point of a forward: each ends the pass here, owing no
+        gather (every rank issued the same plan gathers), and raises (stage3_read_failures.py's note)."""
+        self._let_go()
+        self.in_pass = self.training_pass = self.in_backward = self.by_request = False
+        self.checks, self.recording = [], None  # a recording pass records again
+        self._drop_reads_ahead()
+        raise self.failures.error(in_backward=False)
+
+    def _drop_reads_ahead(self) -> None:
+        """After a failed read: a read issued ahead that failed too would fail the next pass's gather."""
+        sources = self.groups[0].sources if self.groups else None
+        for owner in (sources.partition.store, sources.frozen) if sources is not None else ():
+            drop = getattr(owner, "drop_reads_ahead", None)  # the NVMe store, frozen chunks in a file
+            if drop is not None:
+                drop()
 
     def _settle_trace(self, checks: list, complete: bool) -> None:
         """One host read per training pass: re-record the trace? did any gather bring another group?
@@ -195,6 +223,10 @@ class ParamCoordinator:
     def _raise_on_mismatch(self, checks: list, mismatched) -> None:
         if not mismatched:
             return
+        for _, ids in checks:  # the error path: reads are fine
+            self.failures.note_ids(ids.tolist())
+        if self.failures.known:
+            return  # not a divergence: the caller raises the read failure (stage3_read_failures.py)
         for (g, ids), bad in zip(checks, self._mismatches(checks).tolist()):  # the error path: reads are fine
             if bad:
                 raise self._divergence(g, ids.tolist())
@@ -224,8 +256,10 @@ class ParamCoordinator:
             if self.by_request:  # rounds end with the forward too: between it and backward the user may
                 self.requests.close()  # run collectives of their own (a logged loss's all-reduce)
                 self.defer_reductions |= self.requests.mixed  # the ranks' paths differed (every rank knows)
-                if self.training_pass and not self.defer_reductions and self.comm.world_size > 1:  # all agree
-                    self.defer_reductions = self._reach_differs()
+            if self.failures.known:  # every rank read the failed tag, or a world of one
+                self._fail_pass()
+            if self.by_request and self.training_pass and not self.defer_reductions and self.comm.world_size > 1:
+                self.defer_reductions = self._reach_differs()  # all agree
 
     def _agree_after_forward(self) -> None:
         """[Note: leaving the plan] A rank whose forward meets a unit the plan does not have at that point
@@ -240,12 +274,16 @@ class ParamCoordinator:
             return
         self.forward_agreed = True
         self._issue_plan_through_phase("F")  # the others' forwards need every forward gather
-        (left, issued, skipped), reach_differs = self._max_with_reach(
-            [float(self.diverged), float(self.plan_ptr), float(self.skipped)])
+        (left, issued, skipped, failed), reach_differs = self._max_with_reach(
+            [float(self.diverged), float(self.plan_ptr), float(self.skipped), self.failures.flag()])
         self.defer_reductions = bool(left or skipped or reach_differs)  # note: reductions wait
-        if left:
+        if left or failed:
             while self.plan_ptr < int(issued):
                 self._issue_plan_entry()
+        if failed:  # a read failed on some rank in this forward (stage3_read_failures.py's note)
+            self.failures.note_flag(failed)
+            self._fail_pass()
+        if left:
             self.diverged = self.by_request = True
 
     def _reach(self) -> float:
@@ -407,10 +445,14 @@ class ParamCoordinator:
             self._finish(g, unpack=False)
         with tier_buffers():  # not in the forward's heap (offload/host_heap.py's fourth note)
             out = g.output_buffer()
-            work = self.comm.all_gather(out, g.send_buffer(), async_op=True)
+            # a failed read is sent marked, not raised (stage3_read_failures.py's note)
+            work = self.comm.all_gather(out, g.send_buffer(self.failures.note_mine), async_op=True)
             self.pending[g.gid] = (work, out)
-            for _, gid in self.plan[self.plan_ptr:self.plan_ptr + self.read_ahead_groups]:
-                self.groups[gid].sources.read_ahead()  # from swap files, while this gather runs
+            try:
+                for _, gid in self.plan[self.plan_ptr:self.plan_ptr + self.read_ahead_groups]:
+                    self.groups[gid].sources.read_ahead()  # from swap files, while this gather runs
+            except OffloadIOError:
+                pass  # a read ahead that did not start: the gather reads again, and says if that fails
         self.gather_log.append((phase or ("B" if self.in_backward else "F"), g.name))
 
     def _finish(self, g: GatherGroup, unpack: bool = True) -> None:
@@ -430,8 +472,11 @@ class ParamCoordinator:
             self.checks.append((g, g.tag_ids(out)))
         else:
             tags = g.tags_of(out)
-            if any(t != g.gid for t in tags):
+            if not self.failures.note_ids(tags) and any(t != g.gid for t in tags):
                 raise self._divergence(g, tags)
+        if self.failures.known and not (self.in_pass or self.in_backward):  # outside passes: every rank here
+            self._drop_reads_ahead()
+            raise self.failures.error(in_backward=False, in_pass=False)
         if unpack and not (g.gathered and self.user_held[g.gid]):  # a GatheredParameters block's values are
             with tier_buffers():  # the user's (an edit with modifier_rank): a plan gather of the group must
                 g.unpack(out)  # not undo them

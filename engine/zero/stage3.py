@@ -15,7 +15,8 @@ once per pass and kept through backward: 2Ψ.
 
 Parts: `stage3_units` (which module gathers what; hooks), `prefetch` (gather/release/prefetch by the
 recorded order), `stage3_params` (chunks, placeholders, gather groups), `init` (`zero.Init`,
-`GatheredParameters`), `stage3_save` (`save_16bit_model`), `gather_requests` (gathering when ranks run different units). Gradients reuse stage 2's fixed-order
+`GatheredParameters`), `stage3_save` (`save_16bit_model`), `gather_requests` (gathering when ranks run different units),
+`stage3_read_failures` (a parameter read failing on some ranks only). Gradients reuse stage 2's fixed-order
 reduce-scatter buckets into the fp32 partition gradient; the step, clipping and state reuse stage 1's.
 """
 from __future__ import annotations
@@ -220,10 +221,21 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             if tuple(p.shape) != shape:
                 raise RuntimeError(replaced_error(p, "after engine.initialize partitioned it", was=shape))
         try:
-            super().backward(loss, retain_graph=retain_graph)
-        finally:
-            self.coordinator.end_pass()
-            self._trim()
+            try:
+                super().backward(loss, retain_graph=retain_graph)
+            finally:
+                self.coordinator.end_pass()
+                self._trim()
+        except BaseException as err:
+            if err is self.coordinator.failures.raised:  # a parameter read failed on some rank: the window's
+                self._drop_window()  # gradients hold the failed pass's (stage3_read_failures.py's note)
+            raise
+
+    def _drop_window(self) -> None:
+        """Forget every gradient of this accumulation window: reductions in flight land first."""
+        self.inflight.drain()
+        self._reset_buckets()
+        self.zero_grad()
 
     def _backward_anchors(self) -> list:
         return self.coordinator.backward_anchors()

@@ -18,10 +18,12 @@ a write to a chunk first finishes and drops its read-ahead copy (it would be sta
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 
+from offload.aio import OffloadIOError
 from offload.chunk_file import ChunkFile, SwappedChunk
 from .stage3_params import chunk_tensor
 
@@ -79,6 +81,14 @@ class FrozenChunks:
                 reads.pop(q)[1].wait()
             if not reads:
                 del self._ahead[group]
+
+    def drop_reads_ahead(self) -> None:
+        """Forget every read ahead, a failed one with its error (stage3_read_failures.py's note)."""
+        for reads in self._ahead.values():
+            for _, handle in reads.values():
+                with contextlib.suppress(OffloadIOError):
+                    handle.wait()
+        self._ahead.clear()
 
     @torch.no_grad()
     def put(self, p, values: torch.Tensor) -> None:

@@ -12,14 +12,17 @@ view of it in forward; because the storage object is the same, the view sees the
 backward and holds no memory in between. `p.data` is pointed at it only while gathered.
 [Note: tags] Every all-gather carries two trailing elements per rank naming the group (id // 256,
 id % 256: exact in fp16, bf16 and fp32), so ranks that gather different groups of the same size find
-out at once and say which modules, instead of mixing weights silently.
+out at once and say which modules, instead of mixing weights silently. A rank whose parameter read
+failed (NVMe) sends its tag marked failed instead (stage3_read_failures.py's note).
 """
 from __future__ import annotations
 
 import torch
 
 from offload.huge_pages import flat_empty
+from offload.aio import OffloadIOError
 from offload.chunk_file import SwappedChunk
+from .stage3_read_failures import failed_tag
 from .partition import ChunkSpec, Fragment, PartitionedParams, RankMajorLayout
 from .tier import copy_chunks
 
@@ -191,11 +194,19 @@ class GatherGroup:
         self.gathered = False
         self.tag = torch.tensor([gid // 256, gid % 256], dtype=self.dtype, device=self.device)
 
-    def send_buffer(self) -> torch.Tensor:
-        """This rank's segment: every chunk (cast to the model dtype) and the tag."""
+    def send_buffer(self, on_read_error=None) -> torch.Tensor:
+        """This rank's segment: every chunk (cast to the model dtype) and the tag. Where reading the chunks
+        fails (NVMe) and `on_read_error` is given, zeros and the tag marked failed, and
+        `on_read_error(self, err)` (stage3_read_failures.py's note); else the error is raised."""
         send = torch.empty(self.layout.segment, dtype=self.dtype, device=self.device)
         try:
             copy_chunks(self.layout.segment_slots(send), self.sources.open() + [self.tag])
+        except OffloadIOError as err:
+            if on_read_error is None:
+                raise
+            send.zero_()
+            send[-TAG:].copy_(failed_tag(self.gid, self.dtype, self.device))
+            on_read_error(self, err)
         finally:
             self.sources.close()  # NVMe: the pool buffer goes back (copy_chunks is done with it)
         return send
