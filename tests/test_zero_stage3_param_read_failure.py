@@ -7,9 +7,10 @@ naming rank 1; the failed batch is dropped, and training on (or after a checkpoi
 that never saw it.
 
 Only rank 1's reads of its parameter files fail (an EIO injected at os.preadv, the aio workers' read),
-in each kind of pass: the pass that records the order (request rounds, tags read at once), a plan
-pass's forward (reads ahead) and backward (`stage3_max_reuse_distance` 0: backward gathers again), an
-evaluation forward, a GatheredParameters block; fp32 and bf16 parameter files."""
+in each kind of pass: the pass that records the order (request rounds, tags read at once: its forward
+and its backward), a plan pass's forward and backward (`stage3_max_reuse_distance` 0: backward gathers
+again), an evaluation forward, a GatheredParameters block; fp32 and bf16 parameter files, 2 ranks and
+a world of one."""
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +27,7 @@ FAILING_RANK = 1
 LAYERS, BUFFERS = 6, 2
 STEPS = 8
 # micro-step -> where rank 1's reads fail (None: nowhere); the reference run skips these batches
-FAILS = {0: "forward", 3: "forward", 4: "backward"}
+FAILS = {0: "forward", 1: "backward", 3: "forward", 4: "backward"}  # 0, 1: the pass that records the order
 
 
 def _engine(nvme_path: str, bf16: bool):

@@ -112,7 +112,7 @@ class ParamCoordinator:
         self.read_ahead_groups = 0  # NVMe parameters: plan groups whose slots are read ahead (param_nvme.py)
         self.anchors = BackwardAnchors()  # this training pass's unit outputs (anchors.py)
         self.reach_index: dict = {}  # trainable parameter -> position, for the ranks' reach (note: reductions wait)
-        self.failures = ReadFailures(comm.rank, comm.world_size, self._group_name)  # stage3_read_failures.py
+        self.failures = ReadFailures(comm.rank, comm.world_size, groups)  # stage3_read_failures.py
 
     # -- pass boundaries ---------------------------------------------------------------------------
     def _begin_pass(self) -> None:
@@ -147,7 +147,6 @@ class ParamCoordinator:
         elif checks:
             self._raise_on_mismatch(checks, self._mismatches(checks).any().item())
         if self.failures.known:  # a read failed on some rank (stage3_read_failures.py's note)
-            self._drop_reads_ahead()
             raise self.failures.error(in_backward=complete)
 
     def _let_go(self) -> None:
@@ -168,16 +167,7 @@ class ParamCoordinator:
         self._let_go()
         self.in_pass = self.training_pass = self.in_backward = self.by_request = False
         self.checks, self.recording = [], None  # a recording pass records again
-        self._drop_reads_ahead()
         raise self.failures.error(in_backward=False)
-
-    def _drop_reads_ahead(self) -> None:
-        """After a failed read: a read issued ahead that failed too would fail the next pass's gather."""
-        sources = self.groups[0].sources if self.groups else None
-        for owner in (sources.partition.store, sources.frozen) if sources is not None else ():
-            drop = getattr(owner, "drop_reads_ahead", None)  # the NVMe store, frozen chunks in a file
-            if drop is not None:
-                drop()
 
     def _settle_trace(self, checks: list, complete: bool) -> None:
         """One host read per training pass: re-record the trace? did any gather bring another group?
@@ -475,7 +465,6 @@ class ParamCoordinator:
             if not self.failures.note_ids(tags) and any(t != g.gid for t in tags):
                 raise self._divergence(g, tags)
         if self.failures.known and not (self.in_pass or self.in_backward):  # outside passes: every rank here
-            self._drop_reads_ahead()
             raise self.failures.error(in_backward=False, in_pass=False)
         if unpack and not (g.gathered and self.user_held[g.gid]):  # a GatheredParameters block's values are
             with tier_buffers():  # the user's (an edit with modifier_rank): a plan gather of the group must

@@ -40,8 +40,8 @@ def failed_tag(gid: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 class ReadFailures:
     """What this rank knows of failed parameter reads in the current pass (module note)."""
 
-    def __init__(self, rank: int, world: int, name_of):
-        self.rank, self.world, self.name_of = rank, world, name_of
+    def __init__(self, rank: int, world: int, groups: list):
+        self.rank, self.world, self.groups = rank, world, groups
         self.mine: BaseException | None = None  # this rank's own error
         self.mine_gid = -1  # the group it was reading for
         self.ranks: dict[int, int] = {}  # rank -> group id, of the failures every rank knows of
@@ -80,7 +80,8 @@ class ReadFailures:
         return bool(self.ranks)
 
     def error(self, in_backward: bool, in_pass: bool = True) -> BaseException:
-        """What this rank raises (module note), and forgets the pass's failures."""
+        """What this rank raises (module note); forgets the pass's failures and the reads issued ahead."""
+        self._drop_reads_ahead()
         if self.mine is not None:
             err = self.mine
         else:
@@ -93,9 +94,17 @@ class ReadFailures:
             else:
                 what = "every rank ended this forward: its batch is dropped, no gradient was made"
             err = PeerReadError(
-                f"ZeRO-3: rank {rank} failed to read its parameters of module '{self.name_of(gid)}' from its NVMe "
+                f"ZeRO-3: rank {rank} failed to read its parameters of module '{self.groups[gid].name}' from its NVMe "
                 f"parameter files (zero_optimization.offload_param.nvme_path; rank {rank}'s own error names the "
                 f"file); {what}. Train on (the gathers read the files again) or load a checkpoint")
         self.clear()
         self.raised = err
         return err
+
+    def _drop_reads_ahead(self) -> None:
+        """A read issued ahead that failed too would fail the next pass's gather: every one goes."""
+        sources = self.groups[0].sources if self.groups else None
+        for owner in (sources.partition.store, sources.frozen) if sources is not None else ():
+            drop = getattr(owner, "drop_reads_ahead", None)  # the NVMe store, frozen chunks in a file
+            if drop is not None:
+                drop()
