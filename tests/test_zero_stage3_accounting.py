@@ -83,9 +83,9 @@ def test_stage3_memory_and_communication_accounting():
     assert 2 * 2 * partitioned <= gathered - 2 * pers <= 2 * 2 * (partitioned + world * pad) + tags
     assert 2 * psi <= reduced <= 2 * (psi + world * pad)
     # The norm (one float), the end of forward's agreement (left the plan?, plan gathers issued, skipped a
-    # unit?, the reach digest and its negation: five float64) and the pass's (re-record the trace? gathers
-    # with a wrong tag?: two).
-    assert stats["bytes"]["all_reduce"] == 4 + 5 * 8 + 8 and stats["calls"]["all_reduce"] == 3
+    # unit?, a parameter read failed?, the reach digest and its negation: six float64) and the pass's
+    # (re-record the trace? gathers with a wrong tag?: two).
+    assert stats["bytes"]["all_reduce"] == 4 + 6 * 8 + 8 and stats["calls"]["all_reduce"] == 3
     # Each unit gathered once before its forward and once before its backward, nothing twice.
     for log in r["logs"][1:]:
         assert sorted(log) == sorted([("F", u) for u in r["units"]] + [("B", u) for u in r["units"]]), log
