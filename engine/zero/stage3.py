@@ -9,7 +9,7 @@ reuse, `max_reuse_distance`, `max_live_parameters`).
 Communication per step (ZeRO paper §7): all-gather Ψ before forward, Ψ again before backward,
 reduce-scatter Ψ of gradients as backward produces them (3Ψ), plus one all-gather of the persistent
 parameters after the step and tiny all-reduces: one per micro-step's forward (whether a rank left
-the plan, whether the ranks' forwards reach the same parameters), one per micro-step at its end (whether to re-record the trace, with the pass's tag check:
+the plan, whether the ranks' forwards reach the same parameters, whether a parameter read failed), one per micro-step at its end (whether to re-record the trace, with the pass's tag check:
 prefetch.py's notes) and one per step (the gradient norm); three per step without accumulation. With the defaults (`max_reuse_distance` 1e9, as in DeepSpeed) a model that fits is gathered
 once per pass and kept through backward: 2Ψ.
 
