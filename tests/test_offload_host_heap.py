@@ -2,7 +2,9 @@
 (offload/host_heap.py's notes: glibc's dynamic mmap threshold otherwise keeps them in the heap); one that
 swaps only optimizer state, or whose parameter partition all stays resident under `max_in_cpu`, leaves
 glibc's threshold as it is. A stage-3 model's forward runs in the heap, and after it the bound is back
-(host_heap.py's fourth note). Each case runs in a fresh interpreter: the thresholds are process-wide."""
+(host_heap.py's fourth note). Each case runs in a process of its own (the thresholds are process-wide):
+a fork of one interpreter that imported what the probes import, torch and the engine, once (FORK_EACH),
+or a fresh interpreter where glibc must read the environment at its start (the user's own setting)."""
 import json
 import os
 import platform
@@ -70,21 +72,78 @@ def _probe(env_extra: dict, tier: str = "param", script: str = PROBE) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# Each probe in a fork of one interpreter that imported torch, the engine and the offload package first:
+# the fork is a process of its own (its mallopt calls and glibc's dynamic threshold are its own, the
+# parent makes none), it starts from the heap the imports left, as a fresh interpreter running the probe
+# does once its imports are done, and it exits as one would (atexit included); the imports, 2-4 s of CPU
+# per interpreter, happen once instead of once per case. Nothing imported starts a thread (tests/harness.py's
+# forkserver forks the same way). A probe that fails fails the fixture, its traceback on stderr.
+FORK_EACH = MALLINFO + r"""
+import os, traceback
+import schemas, engine, offload, engine.zero.param_nvme, torch._dynamo  # dynamo: what a first optimizer step imports
+results = {}
+for case, tier, script in json.loads(sys.argv[2]):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.dup2(write, 1)
+        sys.argv[2] = tier
+        try:
+            exec(compile(script, f"<probe {case}>", "exec"), {"__name__": "__main__"})
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        sys.stdout.flush()
+        sys.exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        printed = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        sys.exit(f"probe {case} failed: wait status {status}")
+    results[case] = json.loads(printed.strip().splitlines()[-1])
+print(json.dumps(results))
+"""
+
+
+def _probes_in_forks(cases: dict) -> dict:
+    """{case: (tier, script)} -> {case: what its probe printed}, each case in a fork of one interpreter."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    listing = json.dumps([[case, tier, script] for case, (tier, script) in cases.items()])
+    out = subprocess.run([sys.executable, "-c", FORK_EACH, str(ROOT), listing], capture_output=True, text=True,
+                         env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 needs_glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                  reason="glibc's malloc is what the module tunes")
 
 
+@pytest.fixture(scope="module")
+def forked() -> dict:
+    """Every probe below but the user's own setting (a fresh interpreter: glibc reads it at start)."""
+    return _probes_in_forks({"param": ("param", PROBE), "store:0": ("store:0", PROBE),
+                             f"store:{10**9}": (f"store:{10**9}", PROBE), "optimizer": ("optimizer", PROBE),
+                             "forward": ("forward", FORWARD_PROBE)})
+
+
 @needs_glibc
-def test_the_parameter_tier_makes_large_blocks_mapped_and_returned_on_free():
-    got = _probe({})
+def test_the_parameter_tier_makes_large_blocks_mapped_and_returned_on_free(forked):
+    got = forked["param"]
     assert got["mapped_mib"] >= 64, got  # the eight 8 MiB blocks were mmapped, not carved from the heap
     assert got["kept_mib"] < 8, got      # and freeing them gave the memory back
 
 
 @needs_glibc
 @pytest.mark.parametrize("max_in_cpu, bounded", [(0, True), (10**9, False)])
-def test_the_parameter_store_bounds_the_heap_only_where_its_partition_is_not_all_resident(max_in_cpu, bounded):
-    got = _probe({}, tier=f"store:{max_in_cpu}")
+def test_the_parameter_store_bounds_the_heap_only_where_its_partition_is_not_all_resident(forked, max_in_cpu,
+                                                                                         bounded):
+    got = forked[f"store:{max_in_cpu}"]
     assert (got["mapped_mib"] >= 64) is bounded, got
 
 
@@ -96,9 +155,9 @@ def test_the_users_own_malloc_setting_is_left_alone():
 
 
 @needs_glibc
-def test_the_optimizer_tier_alone_leaves_glibcs_threshold():
+def test_the_optimizer_tier_alone_leaves_glibcs_threshold(forked):
     # host_heap.py's third note: there the bound cost a quarter of the forward on a CPU and bought little
-    got = _probe({}, tier="optimizer")
+    got = forked["optimizer"]
     assert got["mapped_mib"] < 8, got
 
 
@@ -136,8 +195,8 @@ with tempfile.TemporaryDirectory() as root:
 
 
 @needs_glibc
-def test_the_forward_runs_in_the_heap_and_what_follows_is_bounded_again():
-    got = _probe({}, tier="forward", script=FORWARD_PROBE)
+def test_the_forward_runs_in_the_heap_and_what_follows_is_bounded_again(forked):
+    got = forked["forward"]
     assert got["inside_mib"] == [0, 0], got  # each forward's 8 MiB block came from the heap
     assert got["mapped_mib"] >= 56, got      # after it, all but the one block's worth the forward freed is mapped
     assert got["kept_mib"] < 8, got          # and handed back on free
