@@ -11,11 +11,8 @@ file and once `initialize` copied it into the parameter store.
 """
 from __future__ import annotations
 
-import ast
 import gc
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import types
@@ -27,7 +24,7 @@ import engine
 from offload.aio import AsyncFileIO, round_up
 from offload.chunk_file import ChunkFile, SwappedChunk
 from offload.swap_dir import SwapDir
-from tests.harness import run_distributed
+from tests.harness import RankFailed, run_distributed
 from tests.test_zero_init_edits import _full
 from tests.test_zero_init_shapes_and_copies import _gpt2
 
@@ -127,14 +124,14 @@ def _collect_under_the_file_lock() -> tuple[bool, int, int]:
 
 
 def test_a_slot_collected_inside_the_io_lock_is_punched_later_without_a_deadlock():
-    # in a process of its own: a deadlocked thread holding the collector stalls the process that has it
-    code = "from tests.test_zero_init_nvme_slots import _collect_under_the_file_lock as f; print(f())"
+    # in a process of its own (a 1-rank harness world: a fork of the forkserver, no fresh interpreter to
+    # import torch): a deadlocked thread holding the collector stalls the process that has it
     try:
-        out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
-                             capture_output=True, text=True, timeout=120, check=True).stdout
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the finalizer waited on the aio lock its own thread held") from None
-    deadlocked, before, after = ast.literal_eval(out.strip().splitlines()[-1])
+        deadlocked, before, after = run_distributed(_collect_under_the_file_lock, 1, timeout=120)[0]
+    except RankFailed as err:
+        if str(err).startswith("timeout after"):
+            raise AssertionError("the finalizer waited on the aio lock its own thread held") from None
+        raise
     assert not deadlocked, "the finalizer waited on the aio lock its own thread held"
     # before: the dead slot still there (its punch waits); after a third put: punched, two live slots
     assert (before, after) == (2 * 16384, 2 * 16384), (before, after)
