@@ -21,6 +21,13 @@ more than one buffer is free, so an on-demand read always finds one). Up to `max
 slots read once stay resident (a copy kept per group), so a model that fits is read from disk once.
 Resident parameter bytes are therefore at most `max_in_cpu * 4` plus the pool; `accounted_bytes()`
 keeps the count, `measured_bytes()` sums the storages that exist. A skipped step writes nothing.
+[Note: kept buffers] A buffer given back after a gather keeps the group's slots (the pool's note: kept
+contents) until the pool hands it to another read, so a gather of the same group before then reads
+nothing: the backward's first groups are the forward's last, and where `buffer_count` buffers hold
+every group (DeepSpeed's parameter buffers, which keep what they hold the same way) no gather reads the
+files after the first. Every write reaches the kept buffers it covers as it reaches the resident
+copies (and the files, as before: kept buffers are not written back), and a buffer that was open
+across a write is given back without its bytes. Reads ahead skip groups that are kept.
 [Note: write-back] A resident copy is the truth for its elements: a write updates it and goes to the
 files only for the elements no resident copy holds, and every read of the files takes the resident
 elements from the copies. A resident copy is never evicted and the files are per job (removed at
@@ -68,33 +75,12 @@ from collections import deque
 
 from offload.aio import AsyncFileIO, OffloadIOError, staged_empty, started, wait_all
 from offload.chunk_file import SwappedChunk
+from offload.param_slots import KeptBuffers, Slots
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
 
 CPU = torch.device("cpu")
 WRITE_BEHIND = 1  # write-backs in flight (module note: write-behind)
-
-
-class _Slots:
-    """Where a group's parameter slots are in the files: coalesced runs, and each slot's place in a buffer."""
-
-    def __init__(self, fragments: dict, params: list):
-        self.runs: list[list] = []  # [key, start, stop, buffer offset]
-        self.places: list[tuple[int, int]] = []  # (buffer offset, padded) per parameter
-        at = 0
-        for p in params:
-            frag = fragments[p]
-            last = self.runs[-1] if self.runs else None
-            if last is not None and last[0] == frag.key and last[2] == frag.offset:
-                last[2] += frag.padded
-            else:
-                self.runs.append([frag.key, frag.offset, frag.offset + frag.padded, at])
-            self.places.append((at, frag.padded))
-            at += frag.padded
-        self.numel = at
-
-    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        return [buf[a:a + n] for a, n in self.places]
 
 
 class NvmeParamStore:
@@ -112,17 +98,21 @@ class NvmeParamStore:
         self.master_source = None  # the NVMe optimizer tier, where it holds the master and the files 16 bits
         self.master_owner = None  # the NVMe optimizer tier, whose files hold the master (every write reaches it)
         self.files = {key: swap.file(f"{name}.{i}.param.swp") for i, key in enumerate(partition.flat)}
-        self._slots: dict[tuple, _Slots] = {}
+        self._slots: dict[tuple, Slots] = {}
         self._cache: dict[tuple, torch.Tensor] = {}  # group -> its slots, resident (max_in_cpu)
         self._spans: dict = {}  # flat key -> [(start, stop, resident view)], sorted (module note: write-back)
         self._cached = 0  # elements in _cache
         self._ahead: dict[tuple, tuple] = {}  # group -> (buffer, handles) of a read issued ahead
-        self._open: dict[tuple, torch.Tensor] = {}  # group -> the pool buffer its slots are in
+        self._open: dict[tuple, tuple] = {}  # group -> (the pool buffer its slots are in, self._writes then)
+        self._kept = KeptBuffers(pool)  # module note: kept buffers
+        self._writes = 0  # _write_file calls: a buffer open across one is not kept
         self._events: dict[int, object] = {}  # buffer ptr -> event of the device copy still reading it
         self._behind: deque = deque()  # (handles, staging buffer) of writes in flight (module note: write-behind)
         self.bytes_read = self.bytes_written = 0
         self.writes_behind = 0  # writes left in flight when their call returned
         self.reads_ahead = 0  # groups read ahead of their gather (the prefetcher's requests that found a buffer)
+        self.kept_hits = 0  # gathers served by a pool buffer that still held their slots (no read)
+        self.reads_at_gather = 0  # gathers that read their group's slots then (not ahead, not kept)
         self.peak_accounted = self.accounted_bytes()
         swapped_init = getattr(partition, "swapped_init", {})
         if dtype != torch.float32 and any(c.dtype != dtype for cs in swapped_init.values() for _, c in cs):
@@ -253,22 +243,28 @@ class NvmeParamStore:
         slots = self._layout(group)
         if group in self._cache:
             return slots.views(self._cache[group])
+        buf, handles = self._ahead.pop(group, (None, None))
+        if buf is None:  # still in the buffer it was last read into? (module note: kept buffers)
+            buf = self._kept.claim(slots)
+        if buf is not None and handles is None:
+            self.kept_hits += 1
+            self._open[group] = (buf, self._writes)
+            return slots.views(buf)
         self.flush()
-        if group in self._ahead:
-            buf, handles = self._ahead.pop(group)
-        else:
+        if buf is None:
             buf = self._acquire(slots)
             handles = self._reads_into(slots, buf)
+            self.reads_at_gather += 1
         try:  # a failed read: the buffer goes back, once every read into it landed (aio.wait_all)
             self.bytes_read += wait_all(handles)
         except BaseException:
-            self._release(buf)
+            self._kept.release(buf)
             raise
         if self._cached + slots.numel <= self.max_in_cpu:  # keep it (module note: bounded host memory)
             self._keep(group, slots, buf)
-            self._release(buf)
+            self._kept.release(buf)
             return slots.views(self._cache[group])
-        self._open[group] = buf
+        self._open[group] = (buf, self._writes)
         return slots.views(buf)
 
     def persistent_slots(self, params: list) -> list[torch.Tensor]:
@@ -283,7 +279,7 @@ class NvmeParamStore:
             return slots.views(self._cache[group])
         return [self.slot(p) for p in params]
 
-    def _keep(self, group: tuple, slots: _Slots, buf: torch.Tensor | None) -> None:
+    def _keep(self, group: tuple, slots: Slots, buf: torch.Tensor | None) -> None:
         """Make `group`'s slots resident: from `buf` where they were just read into it, else from the files."""
         # Pinned like the pool (a clone of pinned memory is pageable): the gathers copy resident
         # groups to the device for the whole run, asynchronously only from pinned memory.
@@ -301,21 +297,27 @@ class NvmeParamStore:
         self._note_peak()
 
     def close_slots(self, params: list) -> None:
-        buf = self._open.pop(tuple(params), None)
+        group = tuple(params)
+        buf, opened = self._open.pop(group, (None, None))
         if buf is None:
             return
         if buf.is_pinned() and torch.cuda.is_available():  # copy_chunks may still be reading it
             event = torch.Event(device=torch.device("cuda", torch.cuda.current_device()))
             event.record()
             self._events[buf.data_ptr()] = event
-        self._release(buf)
+        # its bytes are the slots' unless a write came while it was open (module note: kept buffers)
+        self._kept.release(buf, self._slots[group] if opened == self._writes else None)
 
     def read_ahead(self, params: list) -> bool:
         group = tuple(params)
         if group in self._cache or group in self._ahead or group in self._open or self.pool.free_count() <= 1:
             return False
-        self.flush()
         slots = self._layout(group)
+        kept = self._kept.claim(slots)
+        if kept is not None:  # held for its gather, so no read ahead of another group hands it out
+            self._ahead[group] = (kept, None)
+            return False
+        self.flush()
         buf = self._acquire(slots)
         self._ahead[group] = (buf, self._reads_into(slots, buf))
         self.reads_ahead += 1
@@ -342,43 +344,45 @@ class NvmeParamStore:
             self._drain_ahead()
             self._cache.clear()
             self._spans.clear()
+            self._kept.clear()
             self.io.close()
         finally:
             self.swap.close()
 
     # -- internals ---------------------------------------------------------------------------------
-    def _layout(self, group: tuple) -> _Slots:
+    def _layout(self, group: tuple) -> Slots:
         if group not in self._slots:
-            self._slots[group] = _Slots(self.partition.fragments, list(group))
+            self._slots[group] = Slots(self.partition.fragments, list(group))
         return self._slots[group]
 
-    def _acquire(self, slots: _Slots) -> torch.Tensor:
+    def _acquire(self, slots: Slots) -> torch.Tensor:
         if slots.numel > self.pool.buffer_size:
             raise ValueError(f"a gather group needs {slots.numel} elements, more than one swap buffer holds "
                              f"({self.pool.buffer_size}); raise zero_optimization.offload_param.buffer_size")
         buf = self.pool.acquire()
+        self._device_done(buf)
+        return buf
+
+    def _device_done(self, buf: torch.Tensor) -> None:
+        """Wait for the device copy that may still be reading pool buffer `buf` (close_slots)."""
         event = self._events.pop(buf.data_ptr(), None)
         if event is not None:
             event.synchronize()
-        return buf
 
-    def _release(self, buf: torch.Tensor) -> None:
-        self.pool.release(buf)
-
-    def _start_reads(self, slots: _Slots, buf: torch.Tensor):
+    def _start_reads(self, slots: Slots, buf: torch.Tensor):
         for key, start, stop, at in slots.runs:
             if self._master_file(key):  # module note: the master's file
                 yield from self.master_owner.start_read_master(key, buf[at:at + stop - start], start)
             else:
                 yield self.io.read(self.files[key], buf[at:at + stop - start], start * self.itemsize)
 
-    def _reads_into(self, slots: _Slots, buf: torch.Tensor) -> list:
+    def _reads_into(self, slots: Slots, buf: torch.Tensor) -> list:
         """The reads of `slots` into the pool buffer `buf`, started; where starting one fails, `buf` goes
         back to the pool once those started landed (aio.started)."""
         try:
             return started(self._start_reads(slots, buf))
         except BaseException:
-            self._release(buf)
+            self._kept.release(buf)
             raise
 
     def drop_reads_ahead(self) -> None:
@@ -391,10 +395,13 @@ class NvmeParamStore:
         failed one goes with its values (a gather of the group reads the file again), not raised by the
         write, which has nothing to do with it."""
         ahead, self._ahead = self._ahead, {}
-        for buf, handles in ahead.values():
+        for group, (buf, handles) in ahead.items():
+            if handles is None:  # a kept buffer held for its gather: kept again, the write reaches it
+                self._kept.release(buf, self._slots[group])
+                continue
             with contextlib.suppress(OffloadIOError):
                 wait_all(handles)
-            self._release(buf)
+            self._kept.release(buf)
 
     def _write_file(self, key, start: int, values: torch.Tensor, behind: bool = False) -> None:
         """Write `values` at `start` of flat `key`: into the resident copies it meets, and into the file
@@ -402,6 +409,7 @@ class NvmeParamStore:
         (module note: write-behind), else waited for."""
         if not values.is_contiguous() or values.device != CPU or values.dtype != self.dtype:
             values = values.to(device=CPU, dtype=self.dtype).contiguous()
+        self._writes += 1
         stop, gaps, at = start + values.numel(), [], start
         for a, b, view in self._resident_parts(key, start, stop):
             view.copy_(values[a - start:b - start])
@@ -410,12 +418,12 @@ class NvmeParamStore:
             at = b
         if at < stop:
             gaps.append((at, stop))
-        if self._master_file(key):  # the optimizer's files take the master (module note: the master's file)
+        master_file = self._master_file(key)  # the optimizer's files take it (module note: the master's file)
+        if master_file or gaps:
             self._drain_ahead()
+        self._kept.update(key, start, values, self._device_done)
+        if master_file or not gaps:
             return
-        if not gaps:
-            return
-        self._drain_ahead()
         if not behind:
             self.flush()  # writes land in the order given
             for a, b in gaps:
@@ -459,7 +467,7 @@ class NvmeParamStore:
         """All of `flat` into its file through a pool buffer. Not from `flat` itself: the I/O engine's byte
         view of a tensor makes its storage unresizable, and `drop_host_master` must free it. A run held
         resident whole goes from `flat` straight into the copies (no file I/O: module note, write-back)."""
-        buf = self._acquire(_Slots({}, []))
+        buf = self._acquire(Slots({}, []))
         try:
             for s in range(0, flat.numel(), buf.numel()):
                 n = min(buf.numel(), flat.numel() - s)
@@ -470,7 +478,7 @@ class NvmeParamStore:
                 part.copy_(flat[s:s + n])
                 self._write_file(key, s, part)
         finally:
-            self._release(buf)
+            self._kept.release(buf)
 
     def _note_peak(self) -> None:
         self.peak_accounted = max(self.peak_accounted, self.accounted_bytes())

@@ -83,6 +83,13 @@ class SwapBufferPool:
                 self._tags[index] = tag
             self._cond.notify()
 
+    def kept(self, tag: object) -> torch.Tensor | None:
+        """The free buffer released with `tag` and untouched since, left free (its releaser may update its
+        bytes in place), or None (note: kept contents)."""
+        with self._cond:
+            index = next((i for i, t in self._tags.items() if t is tag), None)
+            return None if index is None else self._buffers[index]
+
     def claim(self, tags: list) -> list[torch.Tensor] | None:
         """The free buffers released with `tags` (in that order), taken as `acquire` takes buffers, if every
         one of them is still untouched; else None and nothing taken (note: kept contents)."""

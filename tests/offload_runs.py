@@ -40,7 +40,7 @@ NVME_PARAM_CPU = "nvme+param_cpu"  # and offload_param on the host
 PARAM_NVME = "param_nvme"  # offload_param on NVMe, offload_optimizer on the host
 BOTH_NVME = "both_nvme"  # both on NVMe: sample_configs/zero3_nvme.json's tiers
 # Elements of parameter slots kept resident: StackNet keeps two of its layers' slots (288 each per rank),
-# reads the rest from the files on every gather; ReuseNet's one group (over 600) is read every time.
+# the rest from the files or a pool buffer still holding them; ReuseNet's one group (over 600) likewise.
 MAX_IN_CPU = 600
 # BOTH_NVME at DeepSpeed's default max_in_cpu (1e9): every slot resident after the first gathers, so a
 # step writes no parameter byte (offload/param_swap.py's note: write-back), and the unset
@@ -50,6 +50,10 @@ BOTH_NVME_RESIDENT = "both_nvme+resident"
 # which then hold fp32 in 16-bit training too (offload/param_swap.py's note: 16-bit files)
 BOTH_NVME_FAST = "both_nvme+fast_init"
 PARAM_NVME_BUFFERS = 3
+# BOTH_NVME with a parameter buffer for every group StackNet reads from the files (the 5-deep one has 4):
+# after the first gathers every group is found still in its buffer, across steps that write new values
+# into them (offload/param_swap.py's note: kept buffers), so the files are read about once
+BOTH_NVME_KEPT, KEPT_BUFFERS = "both_nvme+kept", 6
 NVME_FAST = "nvme+fast_init"  # NVME with offload_optimizer.fast_init: no swap file written at initialisation
 NVME_ONE_SLOT = "nvme+one_slot"  # NVME with offload_optimizer.swap_slots 1: the state files written in place
 # The NVME runs above set offload_optimizer.swap_gradients true (the gradient partition in swap files);
@@ -60,6 +64,13 @@ NVME_GRAD_MEMORY = "nvme+grad_memory"
 # norm ranges, so the step's norm takes their squares from the landings (grad_swap.py's note: folded norm)
 NVME_FOLD = "nvme+fold"
 FOLD_BUCKET = 1_000_000
+
+
+def evict_kept(pool) -> None:
+    """Every free buffer handed out and back untagged: the pool forgets the slots it kept (offload/pool.py's
+    note: kept contents), so the next gather or read ahead of any group reads the files."""
+    for buf in [pool.acquire() for _ in range(pool.free_count())]:
+        pool.release(buf)
 
 
 def _nvme(optimizer: str, nvme_path: str) -> dict:
@@ -91,9 +102,11 @@ def config(stage: int, optimizer: str, offload, precision: str = "fp32", nvme_pa
         if offload == NVME_FOLD:
             cfg["zero_optimization"]["reduce_bucket_size"] = FOLD_BUCKET
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
-    elif offload in (PARAM_NVME, BOTH_NVME, BOTH_NVME_RESIDENT, BOTH_NVME_FAST):
+    elif offload in (PARAM_NVME, BOTH_NVME, BOTH_NVME_RESIDENT, BOTH_NVME_FAST, BOTH_NVME_KEPT):
         cfg["zero_optimization"].update(_nvme(optimizer, nvme_path) if offload != PARAM_NVME else OPT_CPU,
                                         **_param_nvme(nvme_path, 10**9 if offload == BOTH_NVME_RESIDENT else MAX_IN_CPU))
+        if offload == BOTH_NVME_KEPT:
+            cfg["zero_optimization"]["offload_param"]["buffer_count"] = KEPT_BUFFERS
         if offload == BOTH_NVME_FAST:
             cfg["zero_optimization"]["offload_optimizer"]["fast_init"] = True
         cfg["aio"] = {"block_size": 4096, "intra_op_parallelism": 2}
@@ -166,7 +179,9 @@ def _frozen_stack() -> StackNet:
     return model
 
 
-MODELS = {"reuse": lambda: ReuseNet("reentrant"), "stack": StackNet, "frozen": _frozen_stack}
+# StackNet 5 deep: more groups read from the files than PARAM_NVME_BUFFERS keep (offload/param_swap.py's
+# note: kept buffers), so gathers both read ahead and find groups still kept
+MODELS = {"reuse": lambda: ReuseNet("reentrant"), "stack": lambda: StackNet(depth=5), "frozen": _frozen_stack}
 
 
 def _build(cfg: dict, zero_init, meta: bool, model: str = "reuse"):
@@ -262,7 +277,9 @@ def _train(stage, optimizer, offload, precision, inf, zero_init, meta, resume, n
                               "bound": store.max_in_cpu * 4 + store.pool.nbytes, "pool": store.pool.nbytes,
                               "read": store.bytes_read, "written": store.bytes_written,
                               "written_at_build": written_at_build,
-                              "reads_ahead": store.reads_ahead, "writes_behind": store.writes_behind,
+                              "reads_ahead": store.reads_ahead, "kept_hits": store.kept_hits,
+                              "reads_at_gather": store.reads_at_gather, "groups": len(store._slots),
+                              "writes_behind": store.writes_behind,
                               "in_flight_after_step": in_flight,
                               "partition_bytes": zopt.model_state_bytes()["partition"],
                               "master_in_memory": store.master_in_memory, "dir": store.swap.path,
@@ -349,7 +366,7 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
         name = f"{saved or 'none'}->{loaded or 'none'}"
         out[("resume", 3, name)] = train(3, "adamw", saved, resume=os.path.join(checkpoint_dir, name),
                                          nvme_path=nvme_path, resume_into=loaded)
-    for name in ("none", BOTH_NVME, BOTH_NVME_RESIDENT):
+    for name in ("none", BOTH_NVME, BOTH_NVME_RESIDENT, BOTH_NVME_KEPT):
         out[("stack", name)] = train(3, "sgd", name if name != "none" else {}, nvme_path=nvme_path, model="stack")
     # some groups resident, the rest in the files: the save's reads and the load's sub-group reads span both
     for saved, loaded in ((BOTH_NVME, {}), ({}, BOTH_NVME)):
@@ -368,7 +385,9 @@ def _all_cases(nvme_path: str, checkpoint_dir: str) -> dict:
         name = f"{saved or 'none'}->{loaded or 'none'}"
         out[("resume", "bf16", 2, name)] = train(2, "adamw", saved, "bf16", nvme_path=nvme_path, resume_into=loaded,
                                                  resume=os.path.join(checkpoint_dir, "bf16-2", name))
-    out[("stack", "bf16", "none")] = train(3, "sgd", {}, "bf16", nvme_path=nvme_path, model="stack")
+    for name in ("none", BOTH_NVME_KEPT):  # kept buffers of the 16-bit files
+        out[("stack", "bf16", name)] = train(3, "sgd", name if name != "none" else {}, "bf16", nvme_path=nvme_path,
+                                             model="stack")
     out[("zero_init_nvme", "bf16", BOTH_NVME)] = train(3, "sgd", BOTH_NVME, "bf16", zero_init="nvme",
                                                       nvme_path=nvme_path, model="stack")
     out.update(_frozen_cases(nvme_path, checkpoint_dir))

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.offload_runs import (BOTH_NVME, BOTH_NVME_FAST, BOTH_NVME_RESIDENT, INF_STEP, NVME, NVME_FAST, PARAM_NVME,
+from tests.offload_runs import (BOTH_NVME, BOTH_NVME_FAST, BOTH_NVME_KEPT, BOTH_NVME_RESIDENT, INF_STEP, NVME, NVME_FAST, PARAM_NVME,
                                 PARAM_NVME_CASES, STEPS, assert_same as _assert_same, shared_runs)
 
 
@@ -92,9 +92,26 @@ def test_a_prefetched_multi_group_model_trains_equal_with_some_groups_read_from_
         assert store["pool"] < max(store["measured"]) <= store["bound"], f"rank {rank}: {store}"
         assert store["read"] > 10 * 4 * 288, f"rank {rank}: too few bytes read for per-step reads: {store}"
         assert store["reads_ahead"] >= STEPS, f"rank {rank}: the prefetcher read no group ahead: {store}"
+        # the backward's first groups are the forward's last, still in their buffers (param_swap.py's note:
+        # kept buffers), across steps that wrote new values into them: _assert_same below
+        assert store["kept_hits"] > 0, f"rank {rank}: no gather found its group kept: {store}"
         _assert_same(got, want, f"rank {rank} StackNet")
         # one read spanning resident and unresident slots (offload/param_swap.py's note: write-back)
         assert all(torch.equal(g, w) for g, w in zip(got["partition"], want["partition"], strict=True)), f"rank {rank}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_groups_kept_in_their_buffers_are_read_once_and_train_equal(runs, precision):
+    # offload/param_swap.py's note (kept buffers): every step writes new values into the buffers, and the
+    # gathers after the first read them there, not the files
+    for rank, result in enumerate(runs):
+        got = result[("stack", BOTH_NVME_KEPT) if precision == "fp32" else ("stack", "bf16", BOTH_NVME_KEPT)]
+        store = got["param_store"]
+        # each group read from the files once (4 of them 2 * STEPS times without the kept buffers)
+        assert store["reads_at_gather"] + store["reads_ahead"] <= store["groups"], f"rank {rank} {precision}: {store}"
+        assert store["kept_hits"] >= 2 * STEPS * 4, f"rank {rank} {precision}: {store}"
+        _assert_same(got, result[("stack", precision, "none") if precision == "bf16" else ("stack", "none")],
+                     f"rank {rank} {precision} kept buffers")
 
 
 @pytest.mark.parametrize("name", [BOTH_NVME, BOTH_NVME_RESIDENT])
@@ -317,7 +334,7 @@ def _reads_ahead_across_steps(nvme_path: str) -> dict:
     import torch.distributed as dist
 
     from tests.models import make_batches, micro_batches
-    from tests.offload_runs import GAS, MICRO, _build, config
+    from tests.offload_runs import GAS, MICRO, _build, config, evict_kept
     from engine.utils import safe_get_full_fp32_param
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -329,6 +346,7 @@ def _reads_ahead_across_steps(nvme_path: str) -> dict:
             for k, (xm, ym) in enumerate(micro_batches(x, y, rank, world, GAS)):
                 eng.backward(eng(xm, ym, aux=k == 0))
                 if k == GAS - 1 and name != "none":
+                    evict_kept(eng.zero_optimizer.partition.store.pool)  # else no group needs reading
                     started += sum(bool(g.sources.read_ahead()) for g in eng.zero_optimizer.coordinator.groups)
                 eng.step()
         out[name] = {n: safe_get_full_fp32_param(p).clone() for n, p in eng.module.named_parameters()}

@@ -1,0 +1,72 @@
+"""Where a gather group's parameter slots are (`Slots`), and the pool buffers given back with a group's
+slots still in them (`KeptBuffers`): the NVMe parameter store's bookkeeping (offload/param_swap.py's
+notes: bounded host memory, kept buffers)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class Slots:
+    """Where a group's parameter slots are in the files: coalesced runs, and each slot's place in a buffer."""
+
+    def __init__(self, fragments: dict, params: list):
+        self.runs: list[list] = []  # [key, start, stop, buffer offset]
+        self.places: list[tuple[int, int]] = []  # (buffer offset, padded) per parameter
+        at = 0
+        for p in params:
+            frag = fragments[p]
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last[0] == frag.key and last[2] == frag.offset:
+                last[2] += frag.padded
+            else:
+                self.runs.append([frag.key, frag.offset, frag.offset + frag.padded, at])
+            self.places.append((at, frag.padded))
+            at += frag.padded
+        self.numel = at
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        return [buf[a:a + n] for a, n in self.places]
+
+
+class KeptBuffers:
+    """The pool's free buffers that still hold a group's slots (offload/pool.py's note: kept contents; the
+    `Slots` object is the tag). Only the store's thread acquires from its pool, so a buffer found kept
+    stays so while `update` writes into it."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self._layouts: dict[Slots, None] = {}  # given back with their bytes; the pool may have handed some out
+
+    def release(self, buf: torch.Tensor, slots: Slots | None = None) -> None:
+        """`buf` back to the pool, with `slots`' bytes in it (else its bytes are nobody's)."""
+        self.pool.release(buf, slots)
+        if slots is not None:
+            self._layouts[slots] = None
+
+    def claim(self, slots: Slots) -> torch.Tensor | None:
+        """The buffer still holding `slots`, taken from the pool, or None."""
+        kept = self.pool.claim([slots])
+        if kept is None:
+            return None
+        self._layouts.pop(slots, None)
+        return kept[0]
+
+    def update(self, key, start: int, values: torch.Tensor, before_write: Callable[[torch.Tensor], None]) -> None:
+        """Write `values` (elements from `start` of flat `key`) into the kept buffers they cover;
+        `before_write(buf)` first (a device copy may still be reading it)."""
+        stop = start + values.numel()
+        for slots in list(self._layouts):
+            buf = self.pool.kept(slots)
+            if buf is None:  # handed out since: its bytes are someone else's
+                del self._layouts[slots]
+                continue
+            for k, s, e, at in slots.runs:
+                a, b = max(s, start), min(e, stop)
+                if k == key and a < b:
+                    before_write(buf)
+                    buf[at + a - s:at + b - s].copy_(values[a - start:b - start])
+
+    def clear(self) -> None:
+        self._layouts.clear()
