@@ -30,14 +30,14 @@ STEPS = 8
 FAILS = {0: "forward", 1: "backward", 3: "forward", 4: "backward"}  # 0, 1: the pass that records the order
 
 
-def _engine(nvme_path: str, bf16: bool):
+def _engine(nvme_path: str, bf16: bool, persistent: int = 0):
     import engine
     torch.manual_seed(0)
     layers = [m for _ in range(LAYERS - 1) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(32, 4))
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistent,
                                  "stage3_max_reuse_distance": 0,  # backward gathers again: its reads can fail
                                  "offload_optimizer": {"device": "cpu"},
                                  "offload_param": {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0,
@@ -214,3 +214,55 @@ def test_the_other_rank_returns_while_the_failing_rank_waits(tmp_path):
     got = run_distributed(_failing_rank_waits, world_size=2, args=(str(tmp_path),), timeout=60)
     assert got[0][:2] == ("forward", "PeerReadError") and "rank 1 failed to read its parameters" in got[0][2], got[0]
     assert got[1][:2] == ("forward", "OffloadIOError") and ".param.swp" in got[1][2], got[1]
+
+
+def _persistent_refresh(tmp: str, fails: int, skip: bool = False) -> dict:
+    """The persistent parameters (the biases: `stage3_param_persistence_threshold` 32) are read after each
+    step; on rank 1 that read fails `fails` times from step 1's on (a shim on its store: the read that
+    raises OffloadIOError). Old code: rank 1 raised out of the step, rank 0 waited in the refresh's
+    all-gather (the harness's timeout). `skip`: leave out batch 2 (the reference for fails=2)."""
+    from offload.aio import OffloadIOError
+    path = os.path.join(tmp, f"persistent{fails}{skip}")
+    os.makedirs(path, exist_ok=True)
+    eng = _engine(path, bf16=False, persistent=32)
+    assert eng.zero_optimizer.persistent
+    store, data, out = eng.zero_optimizer.partition.store, _batches(torch.float32), {"errors": {}}
+    real, left = store.persistent_slots, [fails if torch.distributed.get_rank() == FAILING_RANK else 0]
+
+    def persistent_slots(params):
+        if left[0]:
+            left[0] -= 1
+            raise OffloadIOError(f"{path}: injected persistent read error")
+        return real(params)
+    for i in range(4):
+        if i == 1:
+            store.persistent_slots = persistent_slots
+        if i == 2 and skip:
+            continue  # the batch whose forward the failing run's second failure refuses
+        got = _micro_step(eng, *data[i], None)
+        if got is not None:
+            out["errors"][i] = got
+    out["weights"] = _weights(eng)
+    eng.destroy()
+    return out
+
+
+def test_a_failed_persistent_refresh_is_retried_before_the_next_pass(tmp_path):
+    want = run_distributed(_persistent_refresh, world_size=2, args=(str(tmp_path), 0), timeout=60)
+    skipped = run_distributed(_persistent_refresh, world_size=2, args=(str(tmp_path), 0, True), timeout=60)
+    once = run_distributed(_persistent_refresh, world_size=2, args=(str(tmp_path), 1), timeout=60)
+    twice = run_distributed(_persistent_refresh, world_size=2, args=(str(tmp_path), 2), timeout=60)
+    for rank in range(2):
+        assert want[rank]["errors"] == once[rank]["errors"] == {}, once[rank]
+        # once: the retry before step 2's forward reads them; every batch applied, as without the failure
+        for a, b in zip(once[rank]["weights"], want[rank]["weights"]):
+            assert torch.equal(a, b), (a - b).abs().max()
+        # twice: step 2's forward refused on both ranks (its batch dropped), step 3's retry reads them
+        (phase, kind, msg), = twice[rank]["errors"].values()
+        assert 2 in twice[rank]["errors"] and phase == "forward", twice[rank]["errors"]
+        if rank == FAILING_RANK:
+            assert kind == "OffloadIOError" and "injected persistent read error" in msg, msg
+        else:
+            assert kind == "PeerReadError" and "rank 1 failed to read its persistent parameters" in msg, msg
+        for a, b in zip(twice[rank]["weights"], skipped[rank]["weights"]):
+            assert torch.equal(a, b), (a - b).abs().max()

@@ -113,6 +113,7 @@ class ParamCoordinator:
         self.anchors = BackwardAnchors()  # this training pass's unit outputs (anchors.py)
         self.reach_index: dict = {}  # trainable parameter -> position, for the ranks' reach (note: reductions wait)
         self.failures = ReadFailures(comm.rank, comm.world_size, groups)  # stage3_read_failures.py
+        self.before_pass = None  # called before each pass (stage3.py: a failed persistent refresh is retried)
 
     # -- pass boundaries ---------------------------------------------------------------------------
     def _begin_pass(self) -> None:
@@ -227,6 +228,8 @@ class ParamCoordinator:
             forward_in_heap(True)
         if self.held:
             return
+        if unit == 0 and self.before_pass is not None:
+            self.before_pass()
         if unit == 0:  # the root: a new pass (a previous one without backward ends here)
             self._begin_pass()
         self._pre(unit, "F")

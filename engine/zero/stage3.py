@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 
+from offload.aio import OffloadIOError, OffloadIOWarning
 from offload.chunk_file import SwappedChunk
 
 from ..comm import Communicator
@@ -34,13 +36,14 @@ from .arrivals import ArrivalLog
 from .grad_swap import swaps_gradients
 from .param_nvme import wants_param_nvme
 from .param_copy import copyable_when_partitioned
-from .partition import REDUCE_DEPTH, InFlight, RankMajorLayout
+from .partition import REDUCE_DEPTH, ChunkSpec, InFlight, RankMajorLayout
 from .prefetch import ParamCoordinator
 from .stage0 import reduction_settings
 from .stage2 import ZeroStage2Optimizer
 from .stage3_params import (GatherGroup, Stage3Partition, check_not_replaced, chunk_tensor, full_shape, gather_full,
                             local_chunk, padded_chunk, partition_numel, replaced_error, spec_of)
 from .stage3_frozen import FrozenChunks
+from .stage3_read_failures import PeerReadError
 from .stage3_units import discover_units, install_hooks, user_modules
 from .partition_store import GroupSources
 from .tier import copy_chunks
@@ -144,6 +147,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         for g in groups:
             g.release()
         self._persistent_layouts = self._persistent_runs()
+        self._stale: tuple | None = None  # a persistent refresh that failed on some rank (see _refresh_persistent)
+        self.coordinator.before_pass = self._retry_refresh
         self._trim = HostMemoryTrimmer(limit=sum(g.numel * g.fulls[0].element_size() for g in groups if g.fulls))
         for p in module.parameters():
             p._z3_owner = self  # GatheredParameters finds the stage through it
@@ -208,12 +213,15 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         p.data = gather_full(self.comm, spec, chunk, full_shape(p))
 
     def _persistent_runs(self) -> list[tuple[list, RankMajorLayout]]:
+        """One all-gather per dtype; with parameters on NVMe each rank's segment ends with a status element
+        (1: its read failed; `_refresh_persistent`)."""
         by_dtype: dict = {}
         for p in self.params:
             if p in self.persistent:
                 by_dtype.setdefault(p.dtype, []).append(p)
-        return [(ps, RankMajorLayout(ps, [self.partition.fragments[p].spec for p in ps], self.comm.world_size))
-                for ps in by_dtype.values()]
+        world, status = self.comm.world_size, self.partition.params_swapped
+        return [(ps, RankMajorLayout(ps + [None] * status, [self.partition.fragments[p].spec for p in ps]
+                                     + [ChunkSpec(world, 1, 1)] * status, world)) for ps in by_dtype.values()]
 
     # -- backward and step ------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
@@ -252,12 +260,53 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         """After the step: gathered copies are stale (released); persistent parameters are refreshed."""
         self.coordinator.release_all()
         self.partition.store.master_updated()  # a step or a load changed the in-memory master (NVMe: to its files)
+        self._refresh_persistent()
+
+    @torch.no_grad()
+    def _refresh_persistent(self) -> None:
+        """The persistent parameters from the master. [Note: a failed persistent read] With parameters on
+        NVMe a rank's read of its slots can fail alone (stage3_read_failures.py's note): it sends zeros
+        and status 1 instead of leaving the others in the all-gather. Every rank reads the statuses (one
+        host read per step, parameters on NVMe only), keeps the values from before (the step is applied:
+        the master has it) and tries again before the next pass (`_retry_refresh`): a failure that
+        passes costs nothing, one that stays is raised there, on every rank."""
+        self._stale = None
         for params, layout in self._persistent_layouts:
             send = self.comm.empty(layout.segment, dtype=params[0].dtype)
-            copy_chunks(layout.segment_slots(send), self.partition.store.persistent_slots(params))
+            slots, failed = layout.segment_slots(send), None
+            try:
+                status = [self.comm.zeros(1, dtype=send.dtype)] * (len(slots) - len(params))  # 0: read
+                copy_chunks(slots, self.partition.store.persistent_slots(params) + status)
+            except OffloadIOError as err:
+                if len(slots) == len(params):
+                    raise
+                send.zero_()
+                send[-1:].fill_(1)
+                failed = err
+                warnings.warn(f"ZeRO-3: reading the persistent parameters failed ({err}); every rank keeps them "
+                              "from before this step and reads them again before the next pass", OffloadIOWarning)
             out = self.comm.empty(layout.numel, dtype=send.dtype)
             self.comm.all_gather(out, send)
+            if len(slots) > len(params):
+                ranks = [r for r, bad in enumerate(out.view(self.comm.world_size, -1)[:, -1].tolist()) if bad]
+                if ranks:
+                    self._stale = self._stale or (failed, ranks[0])
+                    continue
             layout.unpack(out, [p.data for p in params])
+
+    def _retry_refresh(self) -> None:
+        """Before a pass (the coordinator's `before_pass`): refresh the persistent parameters a failed read
+        left from before the last step (note: a failed persistent read); raise where it fails again."""
+        if self._stale is None:
+            return
+        self._refresh_persistent()
+        if self._stale is not None:
+            mine, rank = self._stale
+            raise mine if mine is not None else PeerReadError(
+                f"ZeRO-3: rank {rank} failed to read its persistent parameters (zero_optimization."
+                "stage3_param_persistence_threshold) from its NVMe parameter files after the last step, and again "
+                f"now (rank {rank}'s own error names the file): the step was applied, but every rank keeps these "
+                "parameters from before it, so this forward did not run. Try again, or load a checkpoint")
 
     def release_gather_group(self) -> None:
         """`Engine.destroy`: the parameter all-gathers' own process group is destroyed; gathers (if any
