@@ -68,7 +68,8 @@ def free_port() -> int:
 # unpickling a test's function imports its module and so pytest. None of these imports starts a thread
 # or runs a torch op (checked: the forkserver keeps its thread count).
 _PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.profiler", "engine", "engine.dist",
-            "engine.build", "engine.pipe", "engine.checkpointing", "engine.monitors", "engine.teardown", "pytest"]
+            "engine.build", "engine.pipe", "engine.checkpointing", "engine.monitors", "engine.teardown", "pytest",
+            "tests.rank_preload"]  # transformers' model machinery: its notes
 
 
 def _context():
