@@ -6,6 +6,7 @@ import json
 import os
 
 from launcher_scripts.harness import REPO, free_port, run_dslaunch
+from tests.harness import run_distributed
 
 SCRIPT = os.path.join(REPO, "tests", "launcher_scripts", "train_resumable.py")
 
@@ -18,9 +19,27 @@ def _run(tmp_path, name: str, *extra: str, crash_at: int = 0):
     return result, (json.loads(out.read_text()) if out.exists() else None)
 
 
+def _uninterrupted(ckpt: str, out: str) -> None:
+    """The same script's main() in a 2-rank harness world (forks of a forkserver that imported torch and the
+    engine): the uninterrupted reference without a launch of its own. It ends by destroying the process
+    group, which the harness does after it here."""
+    import sys
+
+    import torch.distributed as dist
+
+    from launcher_scripts.train_resumable import main
+    sys.argv = [SCRIPT, "--ckpt", ckpt, "--out", out, "--steps", "8", "--crash_at", "0"]
+    destroy, dist.destroy_process_group = dist.destroy_process_group, lambda *args, **kwargs: None
+    try:
+        main()
+    finally:
+        dist.destroy_process_group = destroy
+
+
 def test_restart_resumes_from_checkpoint_and_matches_uninterrupted_run(tmp_path):
-    plain, reference = _run(tmp_path, "plain")
-    assert plain.returncode == 0, plain.stderr[-2000:]
+    run_distributed(_uninterrupted, 2, args=(str(tmp_path / "ckpt-plain"), str(tmp_path / "plain.json")), timeout=240)
+    reference = json.loads((tmp_path / "plain.json").read_text())
+    assert reference["restarts"] == "0"
     crashed, resumed = _run(tmp_path, "crashed", "--max_restarts", "1", crash_at=5)
     assert crashed.returncode == 0, crashed.stderr[-2000:]
     assert resumed["restarts"] == "1"  # the job really died once and came back
