@@ -68,15 +68,17 @@ def free_port() -> int:
 # unpickling a test's function imports its module and so pytest. None of these imports starts a thread
 # or runs a torch op (checked: the forkserver keeps its thread count).
 _PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.profiler", "engine", "engine.dist",
-            "engine.build", "engine.pipe", "engine.checkpointing", "engine.monitors", "engine.teardown", "pytest",
-            "tests.rank_preload"]  # transformers' model machinery: its notes
+            "engine.build", "engine.pipe", "engine.checkpointing", "engine.monitors", "engine.teardown", "pytest"]
+# transformers' model machinery (its notes), for the test suite's ranks only: the benchmarks that start
+# their ranks here (benchmarks/suite.py, gpu/run.py) run no Hugging Face model and report each rank's RSS
+_TEST_PRELOAD = ["tests.rank_preload"]
 
 
 def _context():
     if os.environ.get("DSTRAIN_TEST_START", "forkserver") == "spawn":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(_PRELOAD + (_TEST_PRELOAD if "_pytest" in sys.modules else []))
     return ctx
 
 

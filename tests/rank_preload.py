@@ -1,5 +1,6 @@
-"""Imported once by tests/harness.py's forkserver, so that its ranks find these modules loaded: what a
-fifth of the suite's ranks import and the forkserver's own preload list cannot hold as it is.
+"""Imported once by tests/harness.py's forkserver in a pytest session (not for the benchmarks that start
+ranks through the harness), so that its ranks find these modules loaded: what a fifth of the suite's
+ranks import. Found from the repository root, where the suite runs (elsewhere nothing is preloaded).
 
 transformers' model machinery (the package, `modeling_utils`, GPT-2's and Llama's modelling), about 2 s of
 CPU per rank on an idle machine, imported by every rank of the Hugging Face tests (AutoTP families,
