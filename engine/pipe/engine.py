@@ -332,8 +332,10 @@ class PipelineEngine(Engine):
         self.module.train()
         self._loss_factor = self.zero_optimizer.guard.scaler.loss_scale / m
         self.timers.start("forward")  # the schedule interleaves forward and backward: one timer
-        zero3.hold(self.zero_optimizer)  # ZeRO-3: gathered once for all m micro-batches (zero3.py's note)
+        held = zero3.hold(self.zero_optimizer)  # ZeRO-3: gathered once for all m micro-batches (zero3.py's note)
         _, losses = self._run(batch, training=True)
+        if held is not None:  # a persistent refresh failed again: this stage's failure (zero3.hold)
+            self._failure.keep(held)
         self.timers.stop("forward")
         try:
             return self._reduce_and_step(losses, m)
@@ -395,9 +397,11 @@ class PipelineEngine(Engine):
         batch = self._next_batch(data_iter, self.config.gradient_accumulation_steps)
         self.module.eval()
         self._loss_factor = 1.0 / self.config.gradient_accumulation_steps
-        zero3.hold(self.zero_optimizer)
+        held = zero3.hold(self.zero_optimizer)
         try:
             stages, losses = self._run(batch, training=False)
+            if held is not None:  # as train_batch's
+                self._failure.keep(held)
             agree_on_outcome(self._world_comm, self.groups, self._failure)
         finally:
             zero3.release(self.zero_optimizer)

@@ -21,17 +21,33 @@ checking each group's tags. Per step: one id all-gather plus one data all-gather
 """
 from __future__ import annotations
 
+from offload.aio import OffloadIOError
+
+from ..zero.stage3_read_failures import PeerReadError
+
 
 def _coordinator(zero_optimizer):
     return getattr(zero_optimizer, "coordinator", None)  # only stage 3 has one
 
 
-def hold(zero_optimizer) -> None:
-    """Gather this stage's parameters for the whole schedule run (module note); not stage 3: nothing."""
+def hold(zero_optimizer) -> BaseException | None:
+    """Gather this stage's parameters for the whole schedule run (module note); not stage 3: nothing.
+    Returns the error of a persistent parameters' refresh that failed after the last step and again now
+    (zero/stage3.py's note: a failed persistent read): the caller keeps it as its stage's failure, so
+    the schedule runs (on those parameters from before the step) and every rank drops the batch after
+    it (stage_failure.py's note), where raising here would leave the other stages in the schedule."""
     coordinator = _coordinator(zero_optimizer)
-    if coordinator is not None and not coordinator.held:
-        coordinator.gather_now(coordinator.groups[:1])  # with the id check (module note: one id check)
-        coordinator.hold_all(check=False)
+    if coordinator is None or coordinator.held:
+        return None
+    failed = None
+    if coordinator.before_pass is not None:  # the retry a pass's first hook makes: held hooks do nothing
+        try:
+            coordinator.before_pass()
+        except (OffloadIOError, PeerReadError) as err:  # every rank of the data group raised it
+            failed = err
+    coordinator.gather_now(coordinator.groups[:1])  # with the id check (module note: one id check)
+    coordinator.hold_all(check=False)
+    return failed
 
 
 def release(zero_optimizer) -> None:
