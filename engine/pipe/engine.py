@@ -334,7 +334,7 @@ class PipelineEngine(Engine):
         self.timers.start("forward")  # the schedule interleaves forward and backward: one timer
         held = zero3.hold(self.zero_optimizer)  # ZeRO-3: gathered once for all m micro-batches (zero3.py's note)
         _, losses = self._run(batch, training=True)
-        if held is not None:  # a persistent refresh failed again: this stage's failure (zero3.hold)
+        if held is not None:  # a parameter read failed: this stage's failure (zero3.hold)
             self._failure.keep(held)
         self.timers.stop("forward")
         try:

@@ -33,9 +33,10 @@ def _coordinator(zero_optimizer):
 def hold(zero_optimizer) -> BaseException | None:
     """Gather this stage's parameters for the whole schedule run (module note); not stage 3: nothing.
     Returns the error of a persistent parameters' refresh that failed after the last step and again now
-    (zero/stage3.py's note: a failed persistent read): the caller keeps it as its stage's failure, so
-    the schedule runs (on those parameters from before the step) and every rank drops the batch after
-    it (stage_failure.py's note), where raising here would leave the other stages in the schedule."""
+    (zero/stage3.py's note: a failed persistent read), or of a gather's read failing on a rank of the data
+    group: the caller keeps it as its stage's failure, so the schedule runs (on the persistent parameters
+    from before the step; on zeros for the groups not gathered) and every rank drops the batch after it
+    (stage_failure.py's note), where raising here would leave the other stages in the schedule."""
     coordinator = _coordinator(zero_optimizer)
     if coordinator is None or coordinator.held:
         return None
@@ -45,8 +46,15 @@ def hold(zero_optimizer) -> BaseException | None:
             coordinator.before_pass()
         except (OffloadIOError, PeerReadError) as err:  # every rank of the data group raised it
             failed = err
-    coordinator.gather_now(coordinator.groups[:1])  # with the id check (module note: one id check)
-    coordinator.hold_all(check=False)
+    try:
+        coordinator.gather_now(coordinator.groups[:1])  # with the id check (module note: one id check)
+        coordinator.hold_all(check=False)
+    except (OffloadIOError, PeerReadError) as err:  # a gather's read failed: every rank of the data group
+        for g in coordinator.groups:  # raised at it (stage3_read_failures.py); zeros stand in for the groups
+            if not g.gathered:  # not gathered, so the schedule runs on shapes it can send (the batch is
+                g.unpack(g.output_buffer().zero_())  # dropped after it)
+        coordinator.held = True
+        return err
     return failed
 
 
