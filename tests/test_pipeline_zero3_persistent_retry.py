@@ -18,24 +18,31 @@ from tests.harness import run_distributed
 STEPS, GAS = 4, 2
 
 
-def _train(tmp: str, fails: int, skip: bool = False) -> dict:
-    import warnings
-
+def pipeline_on_nvme(path: str, persistence: int):
+    """(engine, PipelineModule): 2 stages of the tied LM, ZeRO-3 with its parameters in swap files under
+    `path` (none resident, 2 pool buffers), `stage3_param_persistence_threshold` `persistence`."""
     import engine
     from engine.pipe import PipelineModule
-    from engine.utils import safe_get_full_fp32_param
-    from offload.aio import OffloadIOError
-    from tests.models import micro_batches
-    from tests.pipe_models import global_batches, lm_loss, tied_specs
+    from tests.pipe_models import lm_loss, tied_specs
     from tests.test_pipeline import _config
-    path = os.path.join(tmp, f"fails{fails}{skip}")
     os.makedirs(path, exist_ok=True)
     pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
     cfg = _config("1f1b", GAS, 3, {"zero_optimization": {
-        "stage": 3, "stage3_param_persistence_threshold": 64, "offload_optimizer": {"device": "cpu"},
+        "stage": 3, "stage3_param_persistence_threshold": persistence, "offload_optimizer": {"device": "cpu"},
         "offload_param": {"device": "nvme", "nvme_path": path, "max_in_cpu": 0, "buffer_count": 2}},
         "aio": {"block_size": 4096}})
-    eng, *_ = engine.initialize(model=pm, config=cfg)
+    return engine.initialize(model=pm, config=cfg)[0], pm
+
+
+def _train(tmp: str, fails: int, skip: bool = False) -> dict:
+    import warnings
+
+    from engine.utils import safe_get_full_fp32_param
+    from offload.aio import OffloadIOError
+    from tests.models import micro_batches
+    from tests.pipe_models import global_batches
+    path = os.path.join(tmp, f"fails{fails}{skip}")
+    eng, pm = pipeline_on_nvme(path, 64)
     zopt = eng.zero_optimizer
     assert zopt.persistent, "no persistent parameter on this stage"
     store, left = zopt.partition.store, [fails if torch.distributed.get_rank() == 1 else 0]

@@ -14,26 +14,18 @@ import os
 import torch
 
 from tests.harness import run_distributed
+from tests.test_pipeline_zero3_persistent_retry import GAS
 
-STEPS, GAS, FAILED_STEP = 4, 2, 1
+STEPS, FAILED_STEP = 4, 1
 
 
 def _train(tmp: str, fail: bool, skip: bool) -> dict:
-    import engine
-    from engine.pipe import PipelineModule
     from engine.utils import safe_get_full_fp32_param
     from tests.models import micro_batches
     from tests.offload_runs import evict_kept
-    from tests.pipe_models import global_batches, lm_loss, tied_specs
-    from tests.test_pipeline import _config
-    path = os.path.join(tmp, f"{fail}{skip}")
-    os.makedirs(path, exist_ok=True)
-    pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
-    cfg = _config("1f1b", GAS, 3, {"zero_optimization": {
-        "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
-        "offload_param": {"device": "nvme", "nvme_path": path, "max_in_cpu": 0, "buffer_count": 2}},
-        "aio": {"block_size": 4096}})
-    eng, *_ = engine.initialize(model=pm, config=cfg)
+    from tests.pipe_models import global_batches
+    from tests.test_pipeline_zero3_persistent_retry import pipeline_on_nvme
+    eng, pm = pipeline_on_nvme(os.path.join(tmp, f"{fail}{skip}"), 0)
     real = os.preadv
 
     def preadv(fd, buffers, at):
