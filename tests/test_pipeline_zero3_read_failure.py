@@ -5,7 +5,7 @@ and raises (the failing rank its OffloadIOError, the other stage StageFailed), a
 Before, the error left hold on the failing stage's ranks only (stage3_read_failures.py raises outside a
 pass at once) while the other stage waited in the schedule for its activations: 2 ranks, harness
 timeout with both running. 2 ranks: 2 stages of one data rank each; rank 0's parameter file reads fail
-(an EIO injected at os.preadv, the aio workers' read) during step 1's hold."""
+(an EIO injected at os.preadv, the aio workers' read) during step 1's hold, and during an eval_batch's."""
 from __future__ import annotations
 
 import errno
@@ -48,6 +48,17 @@ def _train(tmp: str, fail: bool, skip: bool) -> dict:
             os.preadv = real
     weights = {n: safe_get_full_fp32_param(p) for n, p in pm.named_parameters()}
     between = sum(p.numel() for p in pm.parameters())  # nothing stays gathered
+    if fail:  # eval_batch's hold: the same, on an evaluation
+        if torch.distributed.get_rank() == 0:
+            evict_kept(eng.zero_optimizer.partition.store.pool)
+            os.preadv = preadv
+        try:
+            eng.eval_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))
+        except Exception as err:  # noqa: BLE001 - recorded for the test
+            errors.append(("eval", type(err).__name__, str(err)))
+        finally:
+            os.preadv = real
+        between += sum(p.numel() for p in pm.parameters())
     eng.destroy()
     return {"weights": weights, "errors": errors, "between": between}
 
@@ -57,12 +68,12 @@ def test_a_read_failing_in_the_schedules_hold_drops_the_batch_on_every_stage(tmp
     got = run_distributed(_train, world_size=2, args=(str(tmp_path), True, False), timeout=120)
     for rank in range(2):
         assert want[rank]["errors"] == [], want[rank]["errors"]
-        (step, kind, msg), = got[rank]["errors"]
-        assert step == FAILED_STEP, got[rank]["errors"]
-        if rank == 0:
-            assert kind == "OffloadIOError" and ".param.swp" in msg, msg
-        else:
-            assert kind == "StageFailed" and "stage 0 (rank 0" in msg and "OffloadIOError" in msg, msg
+        assert [step for step, _, _ in got[rank]["errors"]] == [FAILED_STEP, "eval"], got[rank]["errors"]
+        for _, kind, msg in got[rank]["errors"]:
+            if rank == 0:
+                assert kind == "OffloadIOError" and ".param.swp" in msg, msg
+            else:
+                assert kind == "StageFailed" and "stage 0 (rank 0" in msg and "OffloadIOError" in msg, msg
         assert got[rank]["between"] == want[rank]["between"] == 0, got[rank]["between"]
         for name, w in want[rank]["weights"].items():
             assert torch.equal(got[rank]["weights"][name], w), f"rank {rank} {name}: {(got[rank]['weights'][name] - w).abs().max()}"
