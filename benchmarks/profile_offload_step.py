@@ -1,6 +1,6 @@
 """Where rank 0's step goes with offload on NVMe: wall time inside the swap path's functions, per step.
 
-    python benchmarks/profile_offload_step.py [--bf16] [--steps 8] [--params] [--max-in-cpu 0]
+    python benchmarks/profile_offload_step.py [--bf16] [--steps 8] [--params] [--max-in-cpu 0] [--param-buffers 5]
 
 Runs bench_offload.py's ZeRO-3 entry on 2 gloo ranks (the 25M benchmark GPT; `--params`: the parameters on
 NVMe too, as `dstrain-z3-nvme`), with the parameter store's gathers and write-backs, the swapped stepper,
@@ -66,9 +66,11 @@ def main(argv=None) -> int:
     p.add_argument("--params", action="store_true", help="the parameters on NVMe too")
     p.add_argument("--max-in-cpu", type=int, default=0)
     p.add_argument("--optimizer-buffers", type=int, default=12)
+    p.add_argument("--param-buffers", type=int, default=None, help="offload_param.buffer_count (bench_offload's default)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="profile-offload-") as d:
-        offload = bo._nvme_offload(d, args.params, optimizer_buffers=args.optimizer_buffers, max_in_cpu=args.max_in_cpu)
+        offload = bo._nvme_offload(d, args.params, optimizer_buffers=args.optimizer_buffers, max_in_cpu=args.max_in_cpu,
+                                   param_buffers=args.param_buffers or bo.PARAM_BUFFERS)
         precision = {"bf16": {"enabled": True}} if args.bf16 else {}
         rank0 = run_distributed(_entry, 2, args=(offload, args.steps, precision), timeout=1800)[0]
     phases = ", ".join(f"{k} {v:.0f}" for k, v in rank0["phases_ms"].items())
