@@ -53,10 +53,9 @@ class KeptBuffers:
         self._layouts.pop(slots, None)
         return kept[0]
 
-    def update(self, key, start: int, values: torch.Tensor, before_write: Callable[[torch.Tensor], None]) -> None:
-        """Write `values` (elements from `start` of flat `key`) into the kept buffers they cover;
-        `before_write(buf)` first (a device copy may still be reading it)."""
-        stop = start + values.numel()
+    def parts(self, key, start: int, stop: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(a, b, view, buffer): the elements [a, b) of flat `key` within [start, stop) a kept buffer holds."""
+        out = []
         for slots in list(self._layouts):
             buf = self.pool.kept(slots)
             if buf is None:  # handed out since: its bytes are someone else's
@@ -65,8 +64,30 @@ class KeptBuffers:
             for k, s, e, at in slots.runs:
                 a, b = max(s, start), min(e, stop)
                 if k == key and a < b:
-                    before_write(buf)
-                    buf[at + a - s:at + b - s].copy_(values[a - start:b - start])
+                    out.append((a, b, buf[at + a - s:at + b - s], buf))
+        return out
+
+    def update(self, key, start: int, values: torch.Tensor, before_write: Callable[[torch.Tensor], None]) -> None:
+        """Write `values` (elements from `start` of flat `key`) into the kept buffers they cover;
+        `before_write(buf)` first (a device copy may still be reading it)."""
+        for a, b, view, buf in self.parts(key, start, start + values.numel()):
+            before_write(buf)
+            view.copy_(values[a - start:b - start])
 
     def clear(self) -> None:
         self._layouts.clear()
+
+
+def assembled(parts: list, start: int, stop: int) -> torch.Tensor | None:
+    """Elements [start, stop) from (a, b, view) parts (host tensors), or None where they leave a gap."""
+    parts, at = sorted(parts, key=lambda part: part[0]), start
+    for a, b, _ in parts:
+        if a > at:
+            return None
+        at = max(at, b)
+    if at < stop or not parts:
+        return None
+    out = torch.empty(stop - start, dtype=parts[0][2].dtype, device=torch.device("cpu"))
+    for a, b, view in parts:
+        out[a - start:b - start].copy_(view)
+    return out

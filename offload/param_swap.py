@@ -75,7 +75,7 @@ from collections import deque
 
 from offload.aio import AsyncFileIO, OffloadIOError, staged_empty, started, wait_all
 from offload.chunk_file import SwappedChunk
-from offload.param_slots import KeptBuffers, Slots
+from offload.param_slots import KeptBuffers, Slots, assembled
 from offload.pool import SwapBufferPool
 from offload.swap_dir import SwapDir
 
@@ -232,6 +232,15 @@ class NvmeParamStore:
         self.master_in_memory = False
         for flat in self.partition.flat.values():
             flat.detach().untyped_storage().resize_(0)
+
+    def master_copy(self, key, start: int, stop: int) -> torch.Tensor | None:
+        """Flat `key`'s committed master [start, stop) from the resident copies and kept buffers where they
+        hold all of it, which with the master in the optimizer's files (module note: the master's file)
+        they do bit for bit; else None (the optimizer reads its file: swapped_partition.py's note)."""
+        if not self._master_file(key):
+            return None
+        parts = self._resident_parts(key, start, stop) + [p[:3] for p in self._kept.parts(key, start, stop)]
+        return assembled(parts, start, stop)
 
     def _master_file(self, key) -> bool:
         """Whether the gathers read flat `key` from the optimizer's master file (module note: the master's file)."""

@@ -49,7 +49,9 @@ The order changes no bit: each sub-group's update depends on its own elements al
 flats under a TierMasterStore: engine/zero/partition_store.py's note, master in the tier), `step`
 copies each sub-group's master from there instead of reading its file: a third of the step's reads
 (AdamW) become a memcpy. Only `step` does, one pass that reads each sub-group before `on_updated`
-changes the copy there; the files are written as before and stay the master of record.
+changes the copy there; the files are written as before and stay the master of record. The copy may
+answer None for a sub-group it does not hold whole (the NVMe parameter store's resident copies and
+kept buffers: offload/param_swap.py's note, the master's file): that one's file is read.
 """
 from __future__ import annotations
 
@@ -132,6 +134,7 @@ class SwappedPartition(PartitionStream):
         self._initial: Optional[Callable[[int, int], torch.Tensor]] = None  # deferred master (module note)
         self._scalars: list[dict] = [{} for _ in self.groups]
         self.sub_groups_kept = 0  # sub-groups a step took from the pool instead of reading (tests count them)
+        self.masters_copied = 0  # sub-groups whose master a step took from the caller's copy (note: master copy)
         self._writes: deque[tuple[list[IOHandle], list[torch.Tensor], list]] = deque()
         self._descending = False  # the next step's order (module note: kept sub-groups)
         self._kept: Optional[object] = None  # the token of the buffers that hold committed sub-groups
@@ -223,11 +226,11 @@ class SwappedPartition(PartitionStream):
             pairs = [((key, read[key]), buf) for key, buf in zip(keys, buffers) if key in read]
             # the current master never written (module note: deferred), or a host copy of it (note: master copy)
             source = self._initial if self._initial is not None else self._master_copy
-            if source is not None:
-                s, e = self.groups[k]
-                for (key, slot), buf in pairs:
-                    if key == MASTER and slot == self._slot:
-                        buf[:e - s].copy_(source(s, e))
+            master = [buf for (key, slot), buf in pairs if key == MASTER and slot == self._slot]
+            values = source(*self.groups[k]) if source is not None and master else None
+            if values is not None:
+                master[0][:values.numel()].copy_(values)
+                self.masters_copied += 1
                 pairs = [((key, slot), buf) for (key, slot), buf in pairs if not (key == MASTER and slot == self._slot)]
             return buffers, self._transfer(k, [f for f, _ in pairs], [b for _, b in pairs], write=False)
         except BaseException:

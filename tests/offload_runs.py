@@ -209,6 +209,7 @@ def _nvme_tier_summary(zopt, swap_dir) -> dict:
     swap = zopt.grad_swap
     return {"sub_groups": [part.groups for part in zopt.nvme.parts.values()],
             "state_in_memory": sum(len(s) for s in zopt.optimizer.state.values()),
+            "masters_copied": sum(part.masters_copied for part in zopt.nvme.parts.values()),
             "swap_files": len(list(swap_dir.glob("*.swp"))),
             "state_file_bytes": sum(os.path.getsize(f) for part in zopt.nvme.parts.values() for f in part.paths
                                     if os.path.exists(f)),

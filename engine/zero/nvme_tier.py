@@ -30,6 +30,7 @@ import ops
 import schemas
 from offload import (AsyncFileIO, OffloadIOError, SwapBufferPool, SwapDir, SwappedPartition,
                      sub_group_buffer_elements)
+from offload.param_swap import NvmeParamStore
 from ops.state_layout import StateLayoutError
 from .swappable import SWAPPABLE_NAMES, config_name, constructor_args, swap_problem
 
@@ -198,11 +199,13 @@ class NvmeOptimizerTier:
                   self._master_copy(key))
 
     def _master_copy(self, key: tuple):
-        """(start, stop) -> flat `key`'s host flat, where it is the committed master's exact copy: the fp32
-        flats of a TierMasterStore (partition_store.py's note: master in the tier; not the 16-bit image,
-        not the parameter files), which the stepper then reads instead of the master's file
-        (swapped_partition.py's note: master copy)."""
+        """(start, stop) -> flat `key`'s committed master from host memory, which the stepper then reads
+        instead of the master's file (swapped_partition.py's note: master copy): the fp32 flats of a
+        TierMasterStore (partition_store.py's note: master in the tier; not the 16-bit image), or what the
+        NVMe parameter store's resident copies and kept buffers hold of fp32 files (None elsewhere)."""
         store = self.partition.store
+        if isinstance(store, NvmeParamStore):  # what it holds in memory (offload/param_swap.py's master_copy)
+            return lambda s, e: store.master_copy(key, s, e)
         if type(store) is not TierMasterStore or self.partition.flat[key].dtype != torch.float32:
             return None
         return lambda s, e: store.read(key, s, e)
