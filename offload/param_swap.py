@@ -20,7 +20,9 @@ coordinator asks for reads of the next groups of its plan ahead of their gathers
 more than one buffer is free, so an on-demand read always finds one). Up to `max_in_cpu` elements of
 slots read once stay resident (a copy kept per group), so a model that fits is read from disk once.
 Resident parameter bytes are therefore at most `max_in_cpu * 4` plus the pool; `accounted_bytes()`
-keeps the count, `measured_bytes()` sums the storages that exist. A skipped step writes nothing.
+keeps the count, `measured_bytes()` sums the storages that exist. A skipped step writes nothing. A
+failed step whose image the optimizer tier could not put back leaves every read refused until a load
+(`_check_image`: engine/zero/partition_store.py's note, a refused image).
 [Note: kept buffers] A buffer given back after a gather keeps the group's slots (the pool's note: kept
 contents) until the pool hands it to another read, so a gather of the same group before then reads
 nothing: the backward's first groups are the forward's last, and where `buffer_count` buffers hold
@@ -132,6 +134,7 @@ class NvmeParamStore:
 
     # -- the partition-store interface (partition_store.py) ----------------------------------------
     def read(self, key, start: int, stop: int) -> torch.Tensor:
+        self._check_image([key])
         if self.master_in_memory:
             return self.partition.flat[key].detach()[start:stop]
         if self.master_source is not None:  # module note: 16-bit files
@@ -242,6 +245,12 @@ class NvmeParamStore:
         parts = self._resident_parts(key, start, stop) + [p[:3] for p in self._kept.parts(key, start, stop)]
         return assembled(parts, start, stop)
 
+    def _check_image(self, keys) -> None:
+        """Refuse to serve a send image a failed step left half-updated (engine/zero/partition_store.py's
+        note: a refused image): the optimizer tier's one error."""
+        if self.master_owner is not None and self.master_owner.unrestored:
+            self.master_owner.check_image(keys)
+
     def _master_file(self, key) -> bool:
         """Whether the gathers read flat `key` from the optimizer's master file (module note: the master's file)."""
         return self.dtype == torch.float32 and self.master_owner is not None and self.master_owner.holds_master(key)
@@ -250,6 +259,7 @@ class NvmeParamStore:
     def open_slots(self, params: list) -> list[torch.Tensor]:
         group = tuple(params)
         slots = self._layout(group)
+        self._check_image([run[0] for run in slots.runs])
         if group in self._cache:
             return slots.views(self._cache[group])
         buf, handles = self._ahead.pop(group, (None, None))
@@ -282,6 +292,7 @@ class NvmeParamStore:
         of them stays in memory: module note, write-back), else read from the files each time."""
         group = tuple(params)
         slots = self._layout(group)
+        self._check_image([run[0] for run in slots.runs])
         if group not in self._cache and self._cached + slots.numel <= self.max_in_cpu:
             self._keep(group, slots, None)
         if group in self._cache:
@@ -320,6 +331,8 @@ class NvmeParamStore:
     def read_ahead(self, params: list) -> bool:
         group = tuple(params)
         if group in self._cache or group in self._ahead or group in self._open or self.pool.free_count() <= 1:
+            return False
+        if self.master_owner is not None and self.master_owner.unrestored:  # its gather is refused anyway
             return False
         slots = self._layout(group)
         kept = self._kept.claim(slots)

@@ -11,12 +11,38 @@ flat from the loaded master) lets training go on, equal bit for bit to a run tha
 checkpoint loaded is one saved after the failure: its fp32 rows come from the committed master in the
 swap files, not from the half-updated flat (engine/checkpoint/nvme.py; before, training on from it differed
 from the run without the failure by up to 0.023 in a weight).
+
+At stage 3 the half-updated image is also what the forward, `GatheredParameters` and `safe_get_*` read
+(the host flats, or the NVMe parameter store's resident copies and kept buffers): each is refused with
+the same error until the load (engine/zero/partition_store.py's note: a refused image). Before, they
+served the half-updated weights while only the step refused.
 """
 from __future__ import annotations
 
 import torch
 
 from tests.harness import run_distributed
+
+
+def _fail_after_first_sub_group(tier, part) -> None:
+    """The step's gradient reads fail after its first sub-group, and the master's reads (the restore's)
+    fail: a half-step whose send image cannot be put back. `del tier.grad_reader, part.read_master`
+    brings the disk back."""
+    assert len(part.groups) > 2, part.groups  # a failure after the first sub-group leaves a half-step
+    reader = tier.grad_reader
+
+    def failing_reader(k):
+        read = reader(k)
+
+        def read_or_fail(s, e):
+            if s >= part.groups[1][0]:
+                raise RuntimeError("gradient read failed")
+            return read(s, e)
+        return read_or_fail
+
+    def failing_master(s, e):
+        raise OSError("master read failed")
+    tier.grad_reader, part.read_master = failing_reader, failing_master
 
 
 def _steps(nvme_path: str, ckpt: str) -> dict:
@@ -54,21 +80,7 @@ def _steps(nvme_path: str, ckpt: str) -> dict:
         train(eng, batch)
     tier = eng.zero_optimizer.nvme
     (key, part), = tier.parts.items()
-    assert len(part.groups) > 2, part.groups  # a failure after the first sub-group leaves a half-step
-    reader = tier.grad_reader
-
-    def failing_reader(k):
-        read = reader(k)
-
-        def read_or_fail(s, e):
-            if s >= part.groups[1][0]:
-                raise RuntimeError("gradient read failed")
-            return read(s, e)
-        return read_or_fail
-
-    def failing_master(s, e):
-        raise OSError("master read failed")
-    tier.grad_reader, part.read_master = failing_reader, failing_master
+    _fail_after_first_sub_group(tier, part)
     try:
         train(eng, batches[2])
     except RuntimeError as err:
@@ -94,9 +106,88 @@ def test_next_step_refused_until_a_load_then_equal_to_a_run_without_the_failure(
     ranks = run_distributed(_steps, 2, args=(str(tmp_path / "nvme"), str(tmp_path / "ckpt")), timeout=180)
     for rank, out in enumerate(ranks):
         assert "gradient read failed" in out.get("failed", ""), (rank, out)
-        refused = out.get("refused", "")
-        assert refused.startswith("OffloadIOError: zero_optimization.offload_optimizer.nvme_path: a failed "
-                                  "optimizer step left"), (rank, refused)
-        assert "master read failed" in refused and "load a checkpoint" in refused, (rank, refused)
-        assert "\n" not in refused
+        _assert_refusal(out.get("refused", ""), rank)
         assert all(out["equal"].values()), (rank, out["equal"], out["diff"])
+
+
+def _assert_refusal(error: str, where) -> None:
+    """The refusal: one line naming the key, the failed restore's error and the fix."""
+    assert error.startswith("OffloadIOError: zero_optimization.offload_optimizer.nvme_path: a failed "
+                            "optimizer step left"), (where, error)
+    assert "master read failed" in error and "load a checkpoint" in error and "\n" not in error, (where, error)
+
+
+def _refused(call) -> str:
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - what the test asserts
+        return f"{type(err).__name__}: {err}"
+    return "not refused"
+
+
+def _stage3_refusals(nvme_path: str, ckpt: str) -> dict:
+    """ZeRO-3, SGD, StackNet: the failed step whose restore fails too (as in `_steps`), with the optimizer on
+    NVMe and the parameters in host memory (TierMasterStore) or in fp32 NVMe files with a buffer for every
+    group (kept buffers, the master copied from them); then every read of the weights, a save and a load."""
+    import engine
+    from engine.utils import safe_get_full_fp32_param, safe_get_local_fp32_param
+    from tests.models import make_batches, micro_batches
+    from tests.offload_runs import BOTH_NVME_KEPT, GAS, MICRO, NVME, _build, config
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    batches = make_batches(3, MICRO * GAS * world)
+
+    def train(eng, batch):
+        for xm, ym in micro_batches(*batch, rank, world, GAS):
+            eng.backward(eng(xm, ym))
+            eng.step()
+
+    def weights(eng):
+        return {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}
+    out = {}
+    for name in ("none", NVME, BOTH_NVME_KEPT):
+        torch.manual_seed(0)
+        eng = _build(config(3, "sgd", {} if name == "none" else name, "fp32", nvme_path), False, False, "stack")
+        for batch in batches[:2]:
+            train(eng, batch)
+        if name == "none":
+            train(eng, batches[2])
+            out[name] = weights(eng)
+            eng.destroy()
+            continue
+        tier = eng.zero_optimizer.nvme
+        (key, part), = tier.parts.items()
+        _fail_after_first_sub_group(tier, part)
+        got = {"step": _refused(lambda: train(eng, batches[2]))}
+        del tier.grad_reader, part.read_master  # the disk is back: only a load puts the image right
+        xm, ym = next(micro_batches(*batches[2], rank, world, GAS))
+        layer = eng.module.layers[1].weight
+        got["forward"] = _refused(lambda: eng(xm, ym))
+
+        def gathered():
+            with engine.zero.GatheredParameters([layer]):
+                pass
+        got["gathered"] = _refused(gathered)
+        got["full"] = _refused(lambda: safe_get_full_fp32_param(layer))
+        got["local"] = _refused(lambda: safe_get_local_fp32_param(layer))
+        got["next step"] = _refused(lambda: train(eng, batches[2]))
+        eng.save_checkpoint(ckpt, tag=name)  # the committed master (checkpoint/nvme.py), then loaded back
+        eng.load_checkpoint(ckpt, tag=name)
+        train(eng, batches[2])
+        out[name] = {"refused": got, "weights": weights(eng), "copied": part.masters_copied}
+        eng.destroy()
+    return out
+
+
+def test_stage3_every_read_of_a_half_updated_image_is_refused_until_a_load(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    ranks = run_distributed(_stage3_refusals, 2, args=(str(tmp_path / "nvme"), str(tmp_path / "ckpt")), timeout=240)
+    for rank, out in enumerate(ranks):
+        for name in ("nvme", "both_nvme+kept"):
+            refused = out[name]["refused"]
+            assert "gradient read failed" in refused.pop("step"), (rank, name, refused)
+            for read, error in refused.items():  # each raised the step's refusal
+                _assert_refusal(error, (rank, name, read))
+            for n, want in out["none"].items():
+                got = out[name]["weights"][n]
+                assert torch.equal(got, want), (rank, name, n, float((got - want).abs().max()))
+        assert out["both_nvme+kept"]["copied"] > 0, "the master was never copied from the kept buffers"

@@ -152,11 +152,7 @@ class NvmeOptimizerTier:
         updated master weights for the all-gather. Refused while a failed step's send image could not be
         put back (`_restore_send_image`): the step would start from it (the master copy) and the weights
         the last forward used were half-updated."""
-        if self.unrestored:
-            key, why = next(iter(self.unrestored.items()))
-            raise OffloadIOError(f"{PATH_KEY}: a failed optimizer step left this rank's weights (param group "
-                                 f"{key[0]}) half-updated in host memory, and putting the committed master back "
-                                 f"failed too ({why}); load a checkpoint to go on")
+        self.check_image(self.unrestored)
         try:
             if self.per_tensor is not None:
                 self.per_tensor.step()
@@ -168,6 +164,17 @@ class NvmeOptimizerTier:
             raise
         finally:  # the last sub-group's write-back (offload/param_swap.py's note: write-behind)
             self.partition.store.flush()
+
+    def check_image(self, keys) -> None:
+        """Refuse to serve flat `keys`' send image while a failed step left it half-updated and putting the
+        committed master back failed too (`unrestored`): the step, and every read of the weights through
+        the partition store (gathers, `safe_get_*`, a state dict; partition_store.py's note: a refused
+        image) raise this one error until a load replaces the image (`load_chunks`)."""
+        key = next((key for key in keys if key in self.unrestored), None)
+        if key is not None:
+            raise OffloadIOError(f"{PATH_KEY}: a failed optimizer step left this rank's weights (param group "
+                                 f"{key[0]}) half-updated in host memory, and putting the committed master back "
+                                 f"failed too ({self.unrestored[key]}); load a checkpoint to go on")
 
     def _restore_send_image(self) -> None:
         """A step that failed halfway left the files' committed state as it was (two slots), but the
@@ -248,6 +255,17 @@ class NvmeOptimizerTier:
         they replace only the master and the state the files hold is kept, as a load with
         `load_optimizer_states=False` or `load_module_only` keeps the in-memory optimizer's."""
         store, part = self.partition.store, self.parts[key]
+        # the load reads what it replaces through the store (checkpoint/nvme.py), which refuses a
+        # half-updated image (check_image): not refused while loading, refused again if the load fails
+        why = self.unrestored.pop(key, None)
+        try:
+            self._load_chunks(key, store, part, chunks, keep_state)
+        except BaseException:
+            if why is not None:
+                self.unrestored[key] = why
+            raise
+
+    def _load_chunks(self, key: tuple, store, part: SwappedPartition, chunks, keep_state: bool) -> None:
         chunks = iter(chunks)
         first = next(chunks, None)
         chunks = itertools.chain([] if first is None else [first], chunks)
@@ -260,7 +278,6 @@ class NvmeOptimizerTier:
             part.load_master(through(chunks))
         else:
             part.load_chunks(through(chunks))
-        self.unrestored.pop(key, None)  # the send image is the loaded master now
 
     def close(self) -> None:
         """Delete the swap files and the job's swap directory (also done at exit by SwapDir)."""

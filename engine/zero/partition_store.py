@@ -18,6 +18,14 @@ optimizer changed the in-memory master (a step, a load), which the NVMe store co
 `open_slots` / `close_slots` / `read_ahead` serve the gathers: the slots of several parameters at once,
 through pool buffers for the NVMe store; `persistent_slots` the refresh of the persistent parameters
 after a step.
+[Note: a refused image] With the optimizer on NVMe a step that fails halfway has already written some
+updated sub-groups into what the gathers send; the tier puts the committed master back, and where that
+fails too (engine/zero/nvme_tier.py's `unrestored`) the image is half-updated. The stores that hold such
+an image (`TierMasterStore`, `NvmeParamStore`) then refuse every read of it, the gathers' (a forward, a
+`GatheredParameters` block) and `read`'s (`safe_get_*`, a state dict), with the tier's one error
+(`check_image`: load a checkpoint), as the next step is refused; a checkpoint save streams the committed
+master from the tier instead (checkpoint/nvme.py), and a load lifts the refusal (nvme_tier.py's
+`load_chunks`). Writes are not refused: they are how the image is put right.
 """
 from __future__ import annotations
 
@@ -38,7 +46,7 @@ class HostPartitionStore:
         return self.partition.flat[key].detach()[start:stop]
 
     def write(self, key, start: int, values: torch.Tensor) -> None:
-        dst = self.read(key, start, start + values.numel())
+        dst = HostPartitionStore.read(self, key, start, start + values.numel())  # the flat, never refused
         if dst.data_ptr() != values.data_ptr():  # a reader that filled the view in place wrote it already
             dst.copy_(values.reshape(-1))
 
@@ -94,6 +102,11 @@ class TierMasterStore(HostPartitionStore):
     def __init__(self, partition, master_source):
         super().__init__(partition)
         self.master_source = master_source
+
+    def read(self, key, start: int, stop: int) -> torch.Tensor:
+        if self.master_source.unrestored:  # module note: a refused image (slot, open_slots read here too)
+            self.master_source.check_image([key])
+        return super().read(key, start, stop)
 
     def write(self, key, start: int, values: torch.Tensor) -> None:
         if self.master_source.holds_master(key):
