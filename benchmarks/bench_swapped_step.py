@@ -16,7 +16,9 @@ note: master copy), as the engine does with the optimizer alone on NVMe. The fin
 must be equal bit for bit (the order of I/O changes no byte). `--ranks 2`: two processes step the same
 section at the same time, as bench_offload.py's two ranks share the disk (rank 0's figures). First, the disk itself at the step's two
 request patterns: raw O_DIRECT writes and reads of a 64 MiB file in 4 MiB requests one at a time and in
-1 MiB requests eight at a time (threads; no fdatasync, as the step has none), best of 3.
+1 MiB requests eight at a time (threads; no fdatasync, as the step has none), best of 3, from buffers on
+huge pages as the pools' are (offload/pool.py's note: huge pages; before 2026-12-07 every pool was on
+4 KiB pages and the first section allocated stepped 2-5x slower than the others, whatever its section).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from offload import AsyncFileIO, SwapBufferPool, SwapDir, SwappedPartition, sub_group_buffer_elements  # noqa: E402
-from offload.aio import IOHandle, aligned_empty  # noqa: E402
+from offload.aio import IOHandle  # noqa: E402
 from schemas.features import AioConfig  # noqa: E402
 from storage_io import io_counters  # noqa: E402
 
@@ -90,7 +92,8 @@ class _TimedRead(IOHandle):
 
 def raw_direct(path: str, request: int, in_flight: int, write: bool, nbytes: int = 64 << 20) -> float:
     """GB/s of O_DIRECT `request`-byte writes or reads of `nbytes` at `in_flight` threads, one at a time each."""
-    buffers = [memoryview(aligned_empty(request, torch.uint8).fill_(7).numpy()) for _ in range(in_flight)]
+    pool = SwapBufferPool(max(in_flight, -(-32 * 2**20 // request)), request, torch.uint8, pin_memory=False)
+    buffers = [memoryview(b.fill_(7).numpy()) for b in pool.buffers[:in_flight]]  # on huge pages, as the step's
     offsets = iter(range(0, nbytes, request))
     lock = threading.Lock()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)

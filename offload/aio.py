@@ -13,10 +13,10 @@ How each `aio` key is read here (DeepSpeed's meaning, mapped onto threads and ve
   `os.preadv`/`os.pwritev` at a time (both release the GIL, so a step on the training thread overlaps
   the transfer). [Note: in flight] One thread with one syscall at a time keeps one request on the
   device whatever its size (the block layer merges a vectored syscall's contiguous buffers; this host's
-  virtio disk takes 4 MiB per request). The swapped step of the 25M GPT's rank share, its 4 MiB transfers
-  one at a time against eight 1 MiB requests in flight, paired on a shared host: one process 1.5-2.8x
-  faster in 4 runs of 5 (0.65x in one at load 17), two processes at once 1.1-2.2x in 3 of 5, level in
-  one, 0.6x in one where the disk was saturated (docs/offload_measurements.md, 2026-12-07).
+  virtio disk takes 4 MiB per request). The 1.5-2.8x gains measured for this on 2026-12-07 were the
+  benchmark's order, not the requests: its first section's pool came out on scattered 4 KiB pages
+  (offload/pool.py's note: huge pages); with the pools on huge pages one request in flight and eight
+  step the 25M GPT's rank share alike (207 / 207 and 244 / 305 ms, docs/offload_measurements.md).
 - `single_submit`: false cuts an operation into up to that many runs of consecutive requests, one
   vectored syscall each (at most IOV_MAX buffers per call: DeepSpeed's batched `io_submit`, fewer
   syscalls for large transfers); true submits every request as a syscall of its own.
