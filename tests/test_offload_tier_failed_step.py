@@ -14,8 +14,9 @@ from the run without the failure by up to 0.023 in a weight).
 
 At stage 3 the half-updated image is also what the forward, `GatheredParameters` and `safe_get_*` read
 (the host flats, or the NVMe parameter store's resident copies and kept buffers): each is refused with
-the same error until the load (engine/zero/partition_store.py's note: a refused image). Before, they
-served the half-updated weights while only the step refused.
+the same error until the load (engine/zero/partition_store.py's note: a refused image), a checkpoint or
+a training state dict taken before the failure. Before, they served the half-updated weights while only
+the step refused.
 """
 from __future__ import annotations
 
@@ -154,6 +155,7 @@ def _stage3_refusals(nvme_path: str, ckpt: str) -> dict:
             out[name] = weights(eng)
             eng.destroy()
             continue
+        state = eng.training_state_dict()  # the committed weights, loaded back below instead of a checkpoint
         tier = eng.zero_optimizer.nvme
         (key, part), = tier.parts.items()
         _fail_after_first_sub_group(tier, part)
@@ -170,8 +172,11 @@ def _stage3_refusals(nvme_path: str, ckpt: str) -> dict:
         got["full"] = _refused(lambda: safe_get_full_fp32_param(layer))
         got["local"] = _refused(lambda: safe_get_local_fp32_param(layer))
         got["next step"] = _refused(lambda: train(eng, batches[2]))
-        eng.save_checkpoint(ckpt, tag=name)  # the committed master (checkpoint/nvme.py), then loaded back
-        eng.load_checkpoint(ckpt, tag=name)
+        eng.save_checkpoint(ckpt, tag=name)  # the committed master (checkpoint/nvme.py)
+        if name == NVME:
+            eng.load_checkpoint(ckpt, tag=name)
+        else:  # a state dict is a load too
+            eng.load_training_state_dict(state)
         train(eng, batches[2])
         out[name] = {"refused": got, "weights": weights(eng), "copied": part.masters_copied}
         eng.destroy()

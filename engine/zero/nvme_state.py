@@ -54,9 +54,14 @@ def install_state_dict_hooks(tier) -> list:
             per_element = tier.parts[key].state_keys  # the declared layout's (ops/state_layout.py), not shapes
             rows = {k: v.reshape(-1) for k, v in loaded.items() if k in per_element}
             scalars = {k: v for k, v in loaded.items() if k not in rows}
-            master = tier.partition.store.read(key, 0, flat.numel())  # load_state_dict wrote it there
-            tier.load_chunks(key, [{"start": 0, "end": flat.numel(), "master": master, "state": rows,
-                                    "scalars": scalars}])
+            tier.load_chunks(key, _one_chunk(tier, key, flat.numel(), rows, scalars))
 
     return [optimizer.register_state_dict_post_hook(with_swapped_state),
             optimizer.register_load_state_dict_post_hook(into_swap_files)]
+
+
+def _one_chunk(tier, key, numel: int, rows: dict, scalars: dict):
+    """The loaded partition as one chunk, its master read where load_state_dict wrote it (the store) once
+    `load_chunks` runs: a load reads an image a failed step left half-updated (nvme_tier.py's load_chunks)."""
+    yield {"start": 0, "end": numel, "master": tier.partition.store.read(key, 0, numel), "state": rows,
+           "scalars": scalars}
