@@ -16,7 +16,8 @@ At stage 3 the half-updated image is also what the forward, `GatheredParameters`
 (the host flats, or the NVMe parameter store's resident copies and kept buffers): each is refused with
 the same error until the load (engine/zero/partition_store.py's note: a refused image), a checkpoint or
 a training state dict taken before the failure. Before, they served the half-updated weights while only
-the step refused.
+the step refused. Where one rank alone refuses, each of those reads ends on every rank together
+(safe_get_full_fp32_param agrees first: before, the other ranks waited in its all-gather).
 """
 from __future__ import annotations
 
@@ -126,59 +127,77 @@ def _refused(call) -> str:
     return "not refused"
 
 
+def _stack(name: str, nvme_path: str):
+    """ZeRO-3 StackNet 5 deep, SGD, with tests/offload_runs.py's offload `name` ("none": without)."""
+    from tests.offload_runs import _build, config
+    torch.manual_seed(0)
+    return _build(config(3, "sgd", {} if name == "none" else name, "fp32", nvme_path), False, False, "stack")
+
+
+def _train(eng, batch) -> None:
+    from tests.models import micro_batches
+    from tests.offload_runs import GAS
+    for xm, ym in micro_batches(*batch, torch.distributed.get_rank(), torch.distributed.get_world_size(), GAS):
+        eng.backward(eng(xm, ym))
+        eng.step()
+
+
+def _weights(eng) -> dict:
+    from engine.utils import safe_get_full_fp32_param
+    return {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}
+
+
+def _reads(eng, batch) -> dict:
+    """Each collective read of the weights, as `_refused` reports it: a forward, a GatheredParameters block,
+    safe_get_full_fp32_param."""
+    import engine
+    from engine.utils import safe_get_full_fp32_param
+    from tests.models import micro_batches
+    from tests.offload_runs import GAS
+    xm, ym = next(micro_batches(*batch, torch.distributed.get_rank(), torch.distributed.get_world_size(), GAS))
+    layer = eng.module.layers[1].weight
+
+    def gathered():
+        with engine.zero.GatheredParameters([layer]):
+            pass
+    return {"forward": _refused(lambda: eng(xm, ym)), "gathered": _refused(gathered),
+            "full": _refused(lambda: safe_get_full_fp32_param(layer))}
+
+
 def _stage3_refusals(nvme_path: str, ckpt: str) -> dict:
     """ZeRO-3, SGD, StackNet: the failed step whose restore fails too (as in `_steps`), with the optimizer on
     NVMe and the parameters in host memory (TierMasterStore) or in fp32 NVMe files with a buffer for every
     group (kept buffers, the master copied from them); then every read of the weights, a save and a load."""
-    import engine
-    from engine.utils import safe_get_full_fp32_param, safe_get_local_fp32_param
-    from tests.models import make_batches, micro_batches
-    from tests.offload_runs import BOTH_NVME_KEPT, GAS, MICRO, NVME, _build, config
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    batches = make_batches(3, MICRO * GAS * world)
-
-    def train(eng, batch):
-        for xm, ym in micro_batches(*batch, rank, world, GAS):
-            eng.backward(eng(xm, ym))
-            eng.step()
-
-    def weights(eng):
-        return {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}
+    from engine.utils import safe_get_local_fp32_param
+    from tests.models import make_batches
+    from tests.offload_runs import BOTH_NVME_KEPT, GAS, MICRO, NVME
+    batches = make_batches(3, MICRO * GAS * torch.distributed.get_world_size())
     out = {}
     for name in ("none", NVME, BOTH_NVME_KEPT):
-        torch.manual_seed(0)
-        eng = _build(config(3, "sgd", {} if name == "none" else name, "fp32", nvme_path), False, False, "stack")
+        eng = _stack(name, nvme_path)
         for batch in batches[:2]:
-            train(eng, batch)
+            _train(eng, batch)
         if name == "none":
-            train(eng, batches[2])
-            out[name] = weights(eng)
+            _train(eng, batches[2])
+            out[name] = _weights(eng)
             eng.destroy()
             continue
         state = eng.training_state_dict()  # the committed weights, loaded back below instead of a checkpoint
         tier = eng.zero_optimizer.nvme
         (key, part), = tier.parts.items()
         _fail_after_first_sub_group(tier, part)
-        got = {"step": _refused(lambda: train(eng, batches[2]))}
+        got = {"step": _refused(lambda: _train(eng, batches[2]))}
         del tier.grad_reader, part.read_master  # the disk is back: only a load puts the image right
-        xm, ym = next(micro_batches(*batches[2], rank, world, GAS))
-        layer = eng.module.layers[1].weight
-        got["forward"] = _refused(lambda: eng(xm, ym))
-
-        def gathered():
-            with engine.zero.GatheredParameters([layer]):
-                pass
-        got["gathered"] = _refused(gathered)
-        got["full"] = _refused(lambda: safe_get_full_fp32_param(layer))
-        got["local"] = _refused(lambda: safe_get_local_fp32_param(layer))
-        got["next step"] = _refused(lambda: train(eng, batches[2]))
+        got.update(_reads(eng, batches[2]))
+        got["local"] = _refused(lambda: safe_get_local_fp32_param(eng.module.layers[1].weight))
+        got["next step"] = _refused(lambda: _train(eng, batches[2]))
         eng.save_checkpoint(ckpt, tag=name)  # the committed master (checkpoint/nvme.py)
         if name == NVME:
             eng.load_checkpoint(ckpt, tag=name)
         else:  # a state dict is a load too
             eng.load_training_state_dict(state)
-        train(eng, batches[2])
-        out[name] = {"refused": got, "weights": weights(eng), "copied": part.masters_copied}
+        _train(eng, batches[2])
+        out[name] = {"refused": got, "weights": _weights(eng), "copied": part.masters_copied}
         eng.destroy()
     return out
 
@@ -196,3 +215,40 @@ def test_stage3_every_read_of_a_half_updated_image_is_refused_until_a_load(tmp_p
                 got = out[name]["weights"][n]
                 assert torch.equal(got, want), (rank, name, n, float((got - want).abs().max()))
         assert out["both_nvme+kept"]["copied"] > 0, "the master was never copied from the kept buffers"
+
+
+def _one_rank_refuses(nvme_path: str, ckpt: str) -> dict:
+    """ZeRO-3, both tiers on NVMe (kept buffers), SGD: rank 1 alone holds a refused image (its `unrestored`
+    set by hand: a step another rank failed, whose revert's restore failed here), the other ranks a good
+    one. Each read of the weights must end on every rank together (no rank left in a collective), then a
+    checkpoint load from before lets training go on."""
+    from tests.models import make_batches
+    from tests.offload_runs import BOTH_NVME_KEPT, GAS, MICRO
+    batches = make_batches(3, MICRO * GAS * torch.distributed.get_world_size())
+    out = {}
+    for name in ("none", BOTH_NVME_KEPT):
+        eng = _stack(name, nvme_path)
+        for batch in batches[:2]:
+            _train(eng, batch)
+        if name != "none":
+            eng.save_checkpoint(ckpt, tag="before")
+            tier = eng.zero_optimizer.nvme
+            if torch.distributed.get_rank() == 1:
+                tier.unrestored[next(iter(tier.parts))] = "OSError: master read failed"
+            out["refused"] = _reads(eng, batches[2])
+            eng.load_checkpoint(ckpt, tag="before")
+        _train(eng, batches[2])
+        out[name] = _weights(eng)
+        eng.destroy()
+    return out
+
+
+def test_stage3_a_refused_image_on_one_rank_ends_each_read_on_every_rank(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    ranks = run_distributed(_one_rank_refuses, 2, args=(str(tmp_path / "nvme"), str(tmp_path / "ckpt")), timeout=120)
+    for read in ("forward", "gathered", "full"):
+        _assert_refusal(ranks[1]["refused"][read], (1, read))
+        assert ranks[0]["refused"][read] != "not refused" and "rank 1" in ranks[0]["refused"][read], ranks[0]
+    for rank, out in enumerate(ranks):
+        for n, want in out["none"].items():
+            assert torch.equal(out["both_nvme+kept"][n], want), (rank, n)

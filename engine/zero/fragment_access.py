@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from offload.aio import OffloadIOError
 from ops.state_layout import ELEMENTWISE, declared_layout
 
 from .nvme_state import state_value
@@ -34,7 +35,23 @@ class FragmentAccess:
         return param in self.partition.fragments
 
     def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
-        return self._gather_slot(param, self.partition.store.slot(param))
+        if self.nvme is None:
+            return self._gather_slot(param, self.partition.store.slot(param))
+        # With the optimizer on NVMe a rank's store can refuse its slot alone (partition_store.py's note: a
+        # refused image): the ranks agree first (one element), so none is left waiting in the gather
+        try:
+            slot, refused = self.partition.store.slot(param), None
+        except OffloadIOError as err:
+            slot, refused = None, err
+        flag = self.comm.zeros()
+        flag += 0 if refused is None else self.comm.rank + 1
+        self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if refused is not None:
+            raise refused
+        if float(flag):
+            raise OffloadIOError(f"rank {int(flag) - 1} refused to read its rows of this parameter (its own error "
+                                 "says why: zero_optimization.offload_optimizer.nvme_path); load a checkpoint to go on")
+        return self._gather_slot(param, slot)
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The reduced, averaged, unscaled gradient (valid between backward at the boundary and step)."""
