@@ -127,6 +127,7 @@ class SwappedPartition(PartitionStream):
         self._files = {(key, slot): swap_dir.file(f"{name}.{key}.{slot}.swp")
                        for key in [MASTER, *self.state_keys] for slot in range(slots)}
         self._slot = 0
+        self._generation = 0  # commits and in-place master writes so far (`mark`, `revert`)
         # slots=1: key -> [lo, hi), the span of the elements written in place since the last commit (module
         # note); the elements outside it are still committed
         self._overwritten: dict[str, tuple[int, int]] = {}
@@ -347,8 +348,30 @@ class SwappedPartition(PartitionStream):
     def commit(self, scalars: list[dict], has_state: bool = True) -> None:
         """Make the slot the last sweeps wrote current, with these per-sub-group scalars."""
         self._slot, self._has_state, self._scalars, self._initial = 1 - self._slot, has_state, scalars, None
+        self._generation += 1
         self._overwritten.clear()
         self._kept = None  # `step` names the buffers it kept after committing (module note: kept sub-groups)
+
+    def mark(self) -> tuple:
+        """The committed state as it is now, for `revert` after the next step."""
+        return self._generation, self._slot, self._has_state, self._scalars, self._initial
+
+    def revert(self, mark: tuple) -> bool:
+        """Undo the one step committed since `mark` (a step another rank, or another flat of this rank,
+        failed: engine/zero/nvme_tier.py's `revert_step`): with two slots the other slot still holds the
+        state `mark` names, bit for bit (a step writes only the slot it makes current). Not possible
+        written in place (slots=1), from the deferred master (its host copy is what the step updated) or
+        after anything else wrote the files: then False, the state left as it is. True with nothing to undo."""
+        generation, slot, has_state, scalars, initial = mark
+        if self._generation == generation:
+            return True
+        if self.slots == 1 or initial is not None or self._generation != generation + 1 or self._slot == slot:
+            return False
+        self._finish_writes()
+        self._slot, self._has_state, self._scalars, self._initial = slot, has_state, scalars, initial
+        self._generation += 1
+        self._kept = None  # the kept buffers hold the undone step's state (module note: kept sub-groups)
+        return True
 
     def step_order(self) -> list[int]:
         """The sub-groups the next `step` visits, in its order (module note: kept sub-groups)."""
@@ -466,6 +489,7 @@ class SwappedPartition(PartitionStream):
             raise RuntimeError("the master is still the caller's host copy (deferred initialisation): write it there")
         self._finish_writes()
         self._kept = None  # the kept buffers hold the master before this write (module note: kept sub-groups)
+        self._generation += 1  # the other slot no longer holds what `revert` would go back to
         self._master_transfer(self.aio.write, values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
                               .contiguous(), start)
 

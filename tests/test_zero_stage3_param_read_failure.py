@@ -216,23 +216,34 @@ def test_the_other_rank_returns_while_the_failing_rank_waits(tmp_path):
     assert got[1][:2] == ("forward", "OffloadIOError") and ".param.swp" in got[1][2], got[1]
 
 
-def _persistent_refresh(tmp: str, fails: int, skip: bool = False) -> dict:
+def _persistent_refresh(tmp: str, fails: int, skip: bool = False, split: bool = False) -> dict:
     """The persistent parameters (the biases: `stage3_param_persistence_threshold` 32) are read after each
     step; on rank 1 that read fails `fails` times from step 1's on (a shim on its store: the read that
     raises OffloadIOError). Old code: rank 1 raised out of the step, rank 0 waited in the refresh's
-    all-gather (the harness's timeout). `skip`: leave out batch 2 (the reference for fails=2)."""
+    all-gather (the harness's timeout). `skip`: leave out batch 2 (the reference for fails=2). `split`:
+    the biases gathered in two runs (as `_persistent_runs` builds one per dtype; engine.initialize casts
+    the model to one dtype, so made here by hand), rank 1's read failing in the first, rank 0's in the
+    second."""
+    from engine.zero.partition import ChunkSpec, RankMajorLayout
     from offload.aio import OffloadIOError
-    path = os.path.join(tmp, f"persistent{fails}{skip}")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    path = os.path.join(tmp, f"persistent{fails}{skip}{split}")
     os.makedirs(path, exist_ok=True)
     eng = _engine(path, bf16=False, persistent=32)
-    assert eng.zero_optimizer.persistent
-    store, data, out = eng.zero_optimizer.partition.store, _batches(torch.float32), {"errors": {}}
-    real, left = store.persistent_slots, [fails if torch.distributed.get_rank() == FAILING_RANK else 0]
+    zopt = eng.zero_optimizer
+    (failing,) = zopt.persistent_groups()
+    if split:
+        runs = [failing[:len(failing) // 2], failing[len(failing) // 2:]]
+        zopt._persistent_layouts = [(ps, RankMajorLayout(ps + [None], [zopt.partition.fragments[p].spec for p in ps]
+                                                         + [ChunkSpec(world, 1, 1)], world)) for ps in runs]
+        failing = runs[1 - rank]
+    store, data, out = zopt.partition.store, _batches(torch.float32), {"errors": {}}
+    real, left = store.persistent_slots, [fails if split or rank == FAILING_RANK else 0]
 
     def persistent_slots(params):
-        if left[0]:
+        if left[0] and list(map(id, params)) == list(map(id, failing)):
             left[0] -= 1
-            raise OffloadIOError(f"{path}: injected persistent read error")
+            raise OffloadIOError(f"{path}: rank {rank}'s injected persistent read error")
         return real(params)
     for i in range(4):
         if i == 1:
@@ -261,8 +272,26 @@ def test_a_failed_persistent_refresh_is_retried_before_the_next_pass(tmp_path):
         (phase, kind, msg), = twice[rank]["errors"].values()
         assert 2 in twice[rank]["errors"] and phase == "forward", twice[rank]["errors"]
         if rank == FAILING_RANK:
-            assert kind == "OffloadIOError" and "injected persistent read error" in msg, msg
+            assert kind == "OffloadIOError" and f"rank {rank}'s injected persistent read error" in msg, msg
         else:
             assert kind == "PeerReadError" and "rank 1 failed to read its persistent parameters" in msg, msg
         for a, b in zip(twice[rank]["weights"], skipped[rank]["weights"]):
             assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_each_rank_that_failed_a_persistent_run_raises_its_own_error(tmp_path):
+    # two runs failing on different ranks: each rank raises its own error (before, rank 0 raised
+    # PeerReadError naming rank 1, which had failed the first run, its own error lost)
+    want = run_distributed(_persistent_refresh, world_size=2, args=(str(tmp_path), 0, True, True), timeout=60)
+    got = run_distributed(_persistent_refresh, world_size=2, args=(str(tmp_path), 2, False, True), timeout=60)
+    for rank in range(2):
+        (phase, kind, msg), = got[rank]["errors"].values()
+        assert 2 in got[rank]["errors"] and phase == "forward", got[rank]["errors"]
+        assert kind == "OffloadIOError" and f"rank {rank}'s injected persistent read error" in msg, (rank, kind, msg)
+        for a, b in zip(got[rank]["weights"], want[rank]["weights"]):
+            assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_a_peer_error_names_every_rank_that_failed():
+    from engine.zero.stage3_read_failures import ranks_named
+    assert ranks_named([1]) == "rank 1" and ranks_named([0, 2, 3]) == "ranks 0, 2, 3"

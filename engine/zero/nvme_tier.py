@@ -119,6 +119,8 @@ class NvmeOptimizerTier:
         self.optimizer, self.partition = zopt.optimizer, partition
         self.grad_swap = None  # set by grad_swap.attach_grad_swap
         self.unrestored: dict[tuple, str] = {}  # flat key -> why its send image is not the master (step's note)
+        self.failed: BaseException | None = None  # the last step's error (revert_step)
+        self._marks: dict[tuple, tuple] = {}  # flat key -> its state before the last step (revert_step)
         try:
             self.swap = SwapDir.create(section.nvme_path, path_key=PATH_KEY)
         except OffloadIOError as bad_path:  # missing / unwritable nvme_path: a config mistake, said as one
@@ -151,19 +153,37 @@ class NvmeOptimizerTier:
         """The optimizer step over every partition, sub-group by sub-group; the host flats receive the
         updated master weights for the all-gather. Refused while a failed step's send image could not be
         put back (`_restore_send_image`): the step would start from it (the master copy) and the weights
-        the last forward used were half-updated."""
-        self.check_image(self.unrestored)
+        the last forward used were half-updated. A step that fails is undone on every flat (`revert_step`)
+        and its error kept in `failed`."""
+        self.failed, self._marks = None, {key: part.mark() for key, part in self.parts.items()}
         try:
-            if self.per_tensor is not None:
-                self.per_tensor.step()
-                return
-            for key, part in self.parts.items():
-                self.step_elementwise(key, part)
-        except BaseException:
-            self._restore_send_image()
+            self.check_image(self.unrestored)
+            try:
+                if self.per_tensor is not None:
+                    self.per_tensor.step()
+                    return
+                for key, part in self.parts.items():
+                    self.step_elementwise(key, part)
+            except BaseException:
+                self.revert_step()
+                raise
+            finally:  # the last sub-group's write-back (offload/param_swap.py's note: write-behind)
+                self.partition.store.flush()
+        except BaseException as err:
+            self.failed = err
             raise
-        finally:  # the last sub-group's write-back (offload/param_swap.py's note: write-behind)
-            self.partition.store.flush()
+
+    def revert_step(self) -> None:
+        """Undo the last step on every flat: another flat's step failed, or another rank's (ZeRO-3 agrees
+        on `failed`: stage3.py's note, a step failed on some rank). Each flat goes back to its state before
+        the step where its files still hold it (two slots: `SwappedPartition.revert`); one that cannot (in
+        place, or fast_init's first step) is `unrestored`, refused until a load. Then the send image gets
+        the committed master back (`_restore_send_image`)."""
+        for key, part in self.parts.items():
+            if key in self._marks and not part.revert(self._marks[key]):
+                self.unrestored[key] = ("the step, written in place (offload_optimizer.swap_slots 1) or by "
+                                        "fast_init's first step, cannot be undone")
+        self._restore_send_image()
 
     def check_image(self, keys) -> None:
         """Refuse to serve flat `keys`' send image while a failed step left it half-updated and putting the

@@ -8,7 +8,8 @@ gives the same 16-bit weights. Full parameters exist only while their unit is co
 reuse, `max_reuse_distance`, `max_live_parameters`).
 Communication per step (ZeRO paper §7): all-gather Ψ before forward, Ψ again before backward,
 reduce-scatter Ψ of gradients as backward produces them (3Ψ), plus one all-gather of the persistent
-parameters after the step and tiny all-reduces: one per micro-step's forward (whether a rank left
+parameters after the step (with NVMe offload carrying each rank's status, or only that where no parameter
+is persistent: notes, a failed persistent read and a step failed on some rank) and tiny all-reduces: one per micro-step's forward (whether a rank left
 the plan, whether the ranks' forwards reach the same parameters, whether a parameter read failed), one per micro-step at its end (whether to re-record the trace, with the pass's tag check:
 prefetch.py's notes) and one per step (the gradient norm); three per step without accumulation. With the defaults (`max_reuse_distance` 1e9, as in DeepSpeed) a model that fits is gathered
 once per pass and kept through backward: 2Ψ.
@@ -43,10 +44,13 @@ from .stage2 import ZeroStage2Optimizer
 from .stage3_params import (GatherGroup, Stage3Partition, check_not_replaced, chunk_tensor, full_shape, gather_full,
                             local_chunk, padded_chunk, partition_numel, replaced_error, spec_of)
 from .stage3_frozen import FrozenChunks
-from .stage3_read_failures import PeerReadError
+from .stage3_read_failures import PeerReadError, PeerStepError, ranks_named
 from .stage3_units import discover_units, install_hooks, user_modules
 from .partition_store import GroupSources
 from .tier import copy_chunks
+from .nvme_tier import wants_nvme
+
+READ_FAILED, STEP_FAILED = 1, 2  # a rank's status in the persistent refresh (notes: a failed persistent read, step)
 
 
 class HostMemoryTrimmer:
@@ -146,7 +150,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self._init_gradients(max(1, int(zero.reduce_bucket_size)), grad_accum_dtype)
         for g in groups:
             g.release()
-        self._persistent_layouts = self._persistent_runs()
+        self._statuses = wants_param_nvme(zero) or wants_nvme(zero)  # note: a failed persistent read
+        self._persistent_layouts = self._persistent_runs(self._statuses)
         self._stale: tuple | None = None  # a persistent refresh that failed on some rank (see _refresh_persistent)
         self.coordinator.before_pass = self._retry_refresh
         self._trim = HostMemoryTrimmer(limit=sum(g.numel * g.fulls[0].element_size() for g in groups if g.fulls))
@@ -212,16 +217,17 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         chunk = chunk_tensor(p._z3_chunk).to(device=self.comm.device, dtype=p.dtype)
         p.data = gather_full(self.comm, spec, chunk, full_shape(p))
 
-    def _persistent_runs(self) -> list[tuple[list, RankMajorLayout]]:
-        """One all-gather per dtype; with parameters on NVMe each rank's segment ends with a status element
-        (1: its read failed; `_refresh_persistent`)."""
+    def _persistent_runs(self, status: bool) -> list[tuple[list, RankMajorLayout]]:
+        """One all-gather per dtype; with parameters or the optimizer on NVMe each rank's segment ends with
+        a status element (`_refresh_persistent`, `step`), gathered alone where no parameter is persistent."""
         by_dtype: dict = {}
         for p in self.params:
             if p in self.persistent:
                 by_dtype.setdefault(p.dtype, []).append(p)
-        world, status = self.comm.world_size, self.partition.params_swapped
+        world = self.comm.world_size
         return [(ps, RankMajorLayout(ps + [None] * status, [self.partition.fragments[p].spec for p in ps]
-                                     + [ChunkSpec(world, 1, 1)] * status, world)) for ps in by_dtype.values()]
+                                     + [ChunkSpec(world, 1, 1)] * status, world))
+                for ps in list(by_dtype.values()) or [[]] * status]
 
     # -- backward and step ------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
@@ -262,37 +268,77 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         self.partition.store.master_updated()  # a step or a load changed the in-memory master (NVMe: to its files)
         self._refresh_persistent()
 
+    def step(self, step_number: int = 0) -> bool:
+        """[Note: a step failed on some rank] With the optimizer on NVMe one rank's step can fail alone (a
+        swap file's read or write). Raised right there, it left the other ranks in the persistent
+        refresh's all-gather after their step until the process group's timeout, their step applied and
+        the failing rank's not. So the failing rank joins that refresh anyway, sending zeros and status
+        STEP_FAILED (with no persistent parameter the statuses are all it gathers), every rank reads the
+        statuses (read anyway: `_refresh_persistent`), the ranks that applied the step undo it
+        (nvme_tier.py's `revert_step`: two slots go back bit for bit; in place, the next step is refused
+        until a load, as on the failing rank), and every rank raises from this step: the failing rank its
+        own error, the others PeerStepError naming it. Nothing stays gathered, and every rank drops the
+        window's gradients, as after a failed read (stage3_read_failures.py's note): training on equals a
+        run without the batch."""
+        try:
+            return super().step(step_number)
+        except BaseException as err:
+            failed_here = self.nvme is not None and err is self.nvme.failed
+            if not failed_here and not isinstance(err, PeerStepError):
+                raise
+            if failed_here:
+                self.coordinator.release_all()
+                self._refresh_persistent(step_failed=True)
+            self._drop_window()
+            raise
+
     @torch.no_grad()
-    def _refresh_persistent(self) -> None:
+    def _refresh_persistent(self, step_failed: bool = False) -> None:
         """The persistent parameters from the master. [Note: a failed persistent read] With parameters on
         NVMe a rank's read of its slots can fail alone (stage3_read_failures.py's note): it sends zeros
-        and status 1 instead of leaving the others in the all-gather. Every rank reads the statuses (one
-        host read per step, parameters on NVMe only), keeps the values from before (the step is applied:
-        the master has it) and tries again before the next pass (`_retry_refresh`): a failure that
-        passes costs nothing, one that stays is raised there, on every rank."""
-        self._stale = None
+        and status READ_FAILED instead of leaving the others in the all-gather. Every rank reads the
+        statuses (one host read per step, parameters or the optimizer on NVMe only), keeps the values of a
+        dtype some rank failed to read from before (the step is applied: the master has it) and tries
+        again before the next pass (`_retry_refresh`): a failure that passes costs nothing, one that
+        stays is raised there, on every rank, naming every rank that failed (a rank that failed raises its
+        own error). `step_failed`: this rank's step failed (note: a step failed on some rank)."""
+        outs, mine, world = [], None, self.comm.world_size
         for params, layout in self._persistent_layouts:
-            send = self.comm.empty(layout.segment, dtype=params[0].dtype)
-            slots, failed = layout.segment_slots(send), None
+            send = self.comm.empty(layout.segment, dtype=params[0].dtype if params else torch.float32)
+            slots, status = layout.segment_slots(send), STEP_FAILED if step_failed else 0
             try:
-                status = [self.comm.zeros(1, dtype=send.dtype)] * (len(slots) - len(params))  # 0: read
-                copy_chunks(slots, self.partition.store.persistent_slots(params) + status)
+                if not status:
+                    ok = [self.comm.zeros(1, dtype=send.dtype)] * self._statuses
+                    copy_chunks(slots, (self.partition.store.persistent_slots(params) if params else []) + ok)
             except OffloadIOError as err:
-                if len(slots) == len(params):
+                if not self._statuses:
                     raise
-                send.zero_()
-                send[-1:].fill_(1)
-                failed = err
+                status, mine = READ_FAILED, mine or err
                 warnings.warn(f"ZeRO-3: reading the persistent parameters failed ({err}); every rank keeps them "
                               "from before this step and reads them again before the next pass", OffloadIOWarning)
+            if status:
+                send.zero_()
+                send[-1:].fill_(status)
             out = self.comm.empty(layout.numel, dtype=send.dtype)
             self.comm.all_gather(out, send)
-            if len(slots) > len(params):
-                ranks = [r for r, bad in enumerate(out.view(self.comm.world_size, -1)[:, -1].tolist()) if bad]
-                if ranks:
-                    self._stale = self._stale or (failed, ranks[0])
-                    continue
-            layout.unpack(out, [p.data for p in params])
+            outs.append(out)
+        statuses = (torch.stack([o.view(world, -1)[:, -1].float() for o in outs]).tolist() if self._statuses
+                    else [[0] * world for _ in outs])
+        failed = sorted({r for row in statuses for r, s in enumerate(row) if s == STEP_FAILED})
+        if failed:
+            if not step_failed:
+                self.nvme.revert_step()
+                what = ("this rank's step, written in place (offload_optimizer.swap_slots 1), cannot be undone: load "
+                        "a checkpoint to go on" if self.nvme.unrestored else "every rank undid this step and dropped "
+                        "its gradients: train on without this batch, or load a checkpoint")
+                raise PeerStepError(f"ZeRO-3: {ranks_named(failed)}'s optimizer step failed (zero_optimization."
+                                    f"offload_optimizer.nvme_path; that rank's own error names the file); {what}")
+            return
+        for (params, layout), out, row in zip(self._persistent_layouts, outs, statuses):
+            if params and not any(row):
+                layout.unpack(out, [p.data for p in params])
+        failed = sorted({r for row in statuses for r, s in enumerate(row) if s == READ_FAILED})
+        self._stale = (mine, failed) if failed else None
 
     def _retry_refresh(self) -> None:
         """Before a pass (the coordinator's `before_pass`): refresh the persistent parameters a failed read
@@ -301,11 +347,11 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
             return
         self._refresh_persistent()
         if self._stale is not None:
-            mine, rank = self._stale
+            mine, ranks = self._stale
             raise mine if mine is not None else PeerReadError(
-                f"ZeRO-3: rank {rank} failed to read its persistent parameters (zero_optimization."
+                f"ZeRO-3: {ranks_named(ranks)} failed to read its persistent parameters (zero_optimization."
                 "stage3_param_persistence_threshold) from its NVMe parameter files after the last step, and again "
-                f"now (rank {rank}'s own error names the file): the step was applied, but every rank keeps these "
+                "now (that rank's own error names the file): the step was applied, but every rank keeps these "
                 "parameters from before it, so this forward did not run. Try again, or load a checkpoint")
 
     def release_gather_group(self) -> None:
@@ -337,7 +383,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
 
     def persistent_groups(self) -> list[list]:
         """The persistent parameters refreshed after each step, one list per all-gather."""
-        return [params for params, _ in self._persistent_layouts]
+        return [params for params, _ in self._persistent_layouts if params]
 
     def _slot_range(self, p: torch.nn.Parameter) -> tuple:
         """(flat key, start, stop) of `p`'s padded slot, for `partition.store`."""

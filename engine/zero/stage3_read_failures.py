@@ -32,6 +32,16 @@ class PeerReadError(RuntimeError):
     """Another rank failed to read its parameters from NVMe; every rank ended the pass (module note)."""
 
 
+class PeerStepError(RuntimeError):
+    """Another rank's optimizer step failed (its swap files); every rank undid its step (stage3.py's note:
+    a step failed on some rank)."""
+
+
+def ranks_named(ranks: list[int]) -> str:
+    """'rank 1', 'ranks 0, 2': every rank an error is about."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 def failed_tag(gid: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The tag a rank whose read failed sends in place of [gid // 256, gid % 256] (module note)."""
     return torch.tensor([-1 - gid // 256, gid % 256], dtype=dtype, device=device)

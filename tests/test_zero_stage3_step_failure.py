@@ -1,0 +1,147 @@
+"""ZeRO-3 with the optimizer on NVMe: a step that fails on ONE rank only (a write of its optimizer state
+raising OffloadIOError halfway through the step). Before, that rank raised out of the step while the
+other ranks went on into the persistent parameters' refresh all-gather after the step and waited there
+until the process group's timeout (stage3.py's note: a step failed on some rank). Now every rank raises
+from the same `engine.step()`: rank 1 its own OffloadIOError (naming the swap file and the key), rank 0
+`PeerStepError` naming rank 1; the step is applied on no rank (two slots: the ranks that committed it
+go back to the state before it, bit for bit), nothing stays gathered, and training on equals a run that
+never saw the batch. With `swap_slots: 1` (written in place, nothing to go back to) every rank refuses
+the next step until a checkpoint load, after which training equals that run too.
+
+Rank 1's writes of its `exp_avg` swap files fail past the first sub-group (an EIO injected at
+os.pwritev, the aio workers' write) in the step of batch FAILED only; parameters on NVMe too (fp32
+files, which then read the master from the optimizer's files) or in memory, with persistent parameters
+(the biases) or none (then the outcome rides an all-gather of its own)."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+
+import torch
+
+from tests.harness import run_distributed
+
+FAILING_RANK = 1
+STEPS, FAILED = 4, 2
+
+
+def _engine(path: str, persistent: int, slots: int, param_nvme: bool, groups: int):
+    import engine
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(32, 4))
+    params = list(model.parameters())  # `groups` param groups: a flat each, stepped one after the other
+    params = [{"params": [p for i, p in enumerate(params) if i // 2 % groups == k], "weight_decay": 0.01 * k}
+              for k in range(groups)]
+    zero = {"stage": 3, "stage3_param_persistence_threshold": persistent, "sub_group_size": 512,
+            "offload_optimizer": {"device": "nvme", "nvme_path": path, "swap_slots": slots}}
+    if param_nvme:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": 0}
+    return engine.initialize(model=model, model_parameters=params, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "aio": {"block_size": 4096}})[0]
+
+
+@contextlib.contextmanager
+def _state_writes_fail(armed: bool, groups: int):
+    """FAILING_RANK's writes of its exp_avg swap files past the first sub-group fail (EIO) while `armed`,
+    of the last param group's flat only (the others are stepped and committed first)."""
+    real = os.pwritev
+
+    def pwritev(fd, buffers, at):
+        if f"group{groups - 1}-float32.exp_avg." in os.readlink(f"/proc/self/fd/{fd}") and at > 0:
+            raise OSError(errno.EIO, "injected write error")
+        return real(fd, buffers, at)
+    if armed and torch.distributed.get_rank() == FAILING_RANK:
+        os.pwritev = pwritev
+    try:
+        yield
+    finally:
+        os.pwritev = real
+
+
+def _weights(eng) -> list[torch.Tensor]:
+    import engine
+    params = list(eng.module.parameters())
+    with engine.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def _train(eng, data, fail_at: int | None, errors: dict, batches, groups: int = 1) -> None:
+    for i in batches:
+        x, y = data[i]
+        try:
+            eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+            with _state_writes_fail(i == fail_at, groups):
+                eng.step()
+        except RuntimeError as err:
+            errors.setdefault(i, []).append((type(err).__name__, str(err)))
+
+
+def _run(tmp: str, persistent: int, slots: int, param_nvme: bool, groups: int) -> dict:
+    """The failing run and a reference without batch FAILED, one after the other on the same ranks."""
+    g = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
+    data = [(torch.randn(2, 32, generator=g), torch.randn(2, 4, generator=g)) for _ in range(STEPS)]
+    out = {"errors": {}}
+    for name in ("ref", "fail"):
+        path = os.path.join(tmp, name)
+        os.makedirs(path, exist_ok=True)
+        eng = _engine(path, persistent, slots, param_nvme, groups)
+        assert bool(eng.zero_optimizer.persistent) == bool(persistent)
+        assert len(eng.zero_optimizer.nvme.parts) == groups
+        if name == "ref":
+            _train(eng, data, None, out["errors"], [i for i in range(STEPS) if i != FAILED])
+        else:
+            eng.save_checkpoint(os.path.join(path, "ckpt"), tag="start")
+            _train(eng, data, FAILED, out["errors"], range(STEPS), groups)
+            coord = eng.zero_optimizer.coordinator
+            out["left"] = ([g.name for g in coord.groups if g.gathered], sorted(coord.pending), coord.in_pass)
+            if slots == 1:  # refused (batch 3 above) until a load; then the reference's batches
+                eng.load_checkpoint(os.path.join(path, "ckpt"), tag="start")
+                _train(eng, data, None, out["errors"], [i for i in range(STEPS) if i != FAILED])
+        out[name] = _weights(eng)
+        eng.destroy()
+    return out
+
+
+def _check(tmp_path, persistent: int = 32, slots: int = 2, param_nvme: bool = True, groups: int = 1) -> None:
+    ranks = run_distributed(_run, world_size=2, args=(str(tmp_path), persistent, slots, param_nvme, groups),
+                            timeout=60)
+    for rank, out in enumerate(ranks):
+        errors = out["errors"]
+        assert sorted(errors) == ([FAILED] if slots == 2 else [FAILED, FAILED + 1]), errors
+        (kind, msg), = errors[FAILED]
+        if rank == FAILING_RANK:  # its own error, naming the swap file and the key
+            assert kind == "OffloadIOError" and ".exp_avg." in msg and "offload_optimizer.nvme_path" in msg, msg
+        else:
+            assert kind == "PeerStepError" and f"rank {FAILING_RANK}'s optimizer step failed" in msg, msg
+            assert "\n" not in msg
+        if slots == 1:
+            (kind, msg), = errors[FAILED + 1]
+            assert kind == "OffloadIOError" and "load a checkpoint" in msg, (rank, msg)
+        assert out["left"] == ([], [], False), out["left"]
+        for a, b in zip(out["fail"], out["ref"]):
+            assert torch.equal(a, b), (rank, (a - b).abs().max())
+
+
+def test_one_rank_failing_its_step_fails_it_on_every_rank(tmp_path):
+    _check(tmp_path)
+
+
+def test_without_persistent_parameters(tmp_path):
+    _check(tmp_path, persistent=0)
+
+
+def test_parameters_in_memory(tmp_path):
+    _check(tmp_path, param_nvme=False)
+
+
+def test_the_failing_rank_undoes_the_flats_it_stepped_before_the_failure(tmp_path):
+    # two param groups: rank 1 commits the first flat's step, then fails in the second's
+    _check(tmp_path, groups=2)
+
+
+def test_in_place_slots_refuse_until_a_load(tmp_path):
+    _check(tmp_path, slots=1, param_nvme=False)
