@@ -67,15 +67,19 @@ def host_empty(numel: int, dtype: torch.dtype = torch.float32, pin_memory: bool 
     first byte 2 MiB-aligned; else from `torch.empty` (pinned when asked), its first byte `alignment`-
     aligned (O_DIRECT's 4096: offload/aio.py's `aligned_empty`; 2 MiB covers that too)."""
     nbytes = numel * dtype.itemsize
-    if eligible(nbytes, pin_memory):
-        # torch's allocator, so the storage behaves as any other (resize_(0) frees it: param_swap.py);
-        # at this size a fresh mapping (MIN_BYTES), advised before anything writes it
-        out = _aligned(nbytes, dtype, HUGE_PAGE, pin_memory=False)
-        _advise(out.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE)
-        return out
+    if eligible(nbytes, pin_memory):  # at this size a fresh mapping (MIN_BYTES), advised before anything writes it
+        return advised_empty(nbytes).view(dtype)
     if alignment <= 1:
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin_memory)
     return _aligned(nbytes, dtype, alignment, pin_memory)
+
+
+def advised_empty(nbytes: int) -> torch.Tensor:
+    """`nbytes` uninitialised host bytes (uint8), the first 2 MiB-aligned, its whole huge pages advised: from
+    torch's allocator, so the storage behaves as any other (resize_(0) frees it: param_swap.py)."""
+    out = _aligned(nbytes, torch.uint8, HUGE_PAGE, pin_memory=False)
+    _advise(out.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE)
+    return out
 
 
 def _aligned(nbytes: int, dtype: torch.dtype, alignment: int, pin_memory: bool) -> torch.Tensor:

@@ -75,10 +75,11 @@ import torch
 from bisect import bisect_right, insort
 from collections import deque
 
-from offload.aio import AsyncFileIO, OffloadIOError, staged_empty, started, wait_all
+from offload.aio import AsyncFileIO, OffloadIOError, started, wait_all
 from offload.chunk_file import SwappedChunk
 from offload.param_slots import KeptBuffers, Slots, assembled
 from offload.pool import SwapBufferPool
+from offload.staging import Staging
 from offload.swap_dir import SwapDir
 
 CPU = torch.device("cpu")
@@ -110,6 +111,7 @@ class NvmeParamStore:
         self._writes = 0  # _write_file calls: a buffer open across one is not kept
         self._events: dict[int, object] = {}  # buffer ptr -> event of the device copy still reading it
         self._behind: deque = deque()  # (handles, staging buffer) of writes in flight (module note: write-behind)
+        self._staging = Staging()
         self.bytes_read = self.bytes_written = 0
         self.writes_behind = 0  # writes left in flight when their call returned
         self.reads_ahead = 0  # groups read ahead of their gather (the prefetcher's requests that found a buffer)
@@ -453,12 +455,12 @@ class NvmeParamStore:
                                                     a * self.itemsize).wait()
             return
         lo, hi = gaps[0][0], gaps[-1][1]  # staged: only the run of elements bound for the file
-        base, staged = staged_empty(hi - lo, lo, self.dtype)
+        staged = self._staging.empty(hi - lo, lo, self.dtype)  # offload/staging.py's note: why reuse
         staged.copy_(values[lo - start:hi - start])
         while len(self._behind) >= WRITE_BEHIND:
             self._finish_oldest()
         self._behind.append(([self.io.write(self.files[key], staged[a - lo:b - lo], a * self.itemsize)
-                              for a, b in gaps], base))
+                              for a, b in gaps], staged))
         self.writes_behind += 1
 
     def _finish_oldest(self) -> None:

@@ -76,7 +76,8 @@ from collections import deque
 
 import torch
 
-from offload.aio import ALIGNMENT, OffloadIOError, aligned_empty, staged_empty
+from offload.aio import ALIGNMENT, OffloadIOError, aligned_empty
+from offload.staging import Staging
 
 from .param_nvme import host_memory_is_the_limit
 from .stage0 import clip_coefficient
@@ -113,14 +114,14 @@ class SwappedTargets:
     def land(self, slots: list[torch.Tensor], accumulate: bool) -> None:
         """Write (or add to) the slots: `slots[i]` is parameter i's reduced, scaled fp32 segment slot."""
         for key, start, numel, members in self.runs:
-            base, buf = staged_empty(numel, start)
+            buf = self.swap.staging.empty(numel, start)  # offload/staging.py's note: why reuse
             path = self.swap.file_of(key)
             if accumulate:
                 self.swap.bytes_read += self.swap.io.read(path, buf, start * FP32).wait()
             for i, at, n in members:
                 (buf[at:at + n].add_ if accumulate else buf[at:at + n].copy_)(slots[i])
             self.swap.fold_squares(key, start, buf)
-            self.swap.push(self.swap.io.write(path, buf, start * FP32), base)
+            self.swap.push(self.swap.io.write(path, buf, start * FP32), buf)
 
 
 class GradientSwap:
@@ -128,6 +129,7 @@ class GradientSwap:
 
     def __init__(self, partition, swap_dir, io, name: str, read_ahead: bool = False):
         self.partition, self.io = partition, io
+        self.staging = Staging()  # the reads' and landings' buffers (offload/staging.py)
         self.numel = {key: flat.numel() for key, flat in partition.flat.items()}
         self.files = {key: swap_dir.file(f"{name}.{i}.grad.swp") for i, key in enumerate(partition.flat)}
         self._pending: deque = deque()
@@ -213,7 +215,7 @@ class GradientSwap:
 
     def _start_read(self, key, start: int, stop: int) -> tuple:
         """(handle, buffer) of a read of [start, stop) into a buffer at the offset's block phase."""
-        _, out = staged_empty(stop - start, start)
+        out = self.staging.empty(stop - start, start)
         return self.io.read(self.file_of(key), out, start * FP32), out
 
     def _drop_ahead(self) -> None:
