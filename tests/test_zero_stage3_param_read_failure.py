@@ -10,7 +10,9 @@ Only rank 1's reads of its parameter files fail (an EIO injected at os.preadv, t
 in each kind of pass: the pass that records the order (request rounds, tags read at once: its forward
 and its backward), a plan pass's forward and backward (`stage3_max_reuse_distance` 0: backward gathers
 again), an evaluation forward, a GatheredParameters block; fp32 and bf16 parameter files, 2 ranks and
-a world of one."""
+a world of one. At gradient accumulation 2 a failed backward drops the whole window on every rank. The
+persistent parameters' refresh after a step: a read failing once, twice, and in two runs on different
+ranks."""
 from __future__ import annotations
 
 import contextlib
@@ -30,12 +32,13 @@ STEPS = 8
 FAILS = {0: "forward", 1: "backward", 3: "forward", 4: "backward"}  # 0, 1: the pass that records the order
 
 
-def _engine(nvme_path: str, bf16: bool, persistent: int = 0):
+def _engine(nvme_path: str, bf16: bool, persistent: int = 0, gas: int = 1):
     import engine
     torch.manual_seed(0)
     layers = [m for _ in range(LAYERS - 1) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(32, 4))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+           "zero_allow_untested_optimizer": True,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistent,
                                  "stage3_max_reuse_distance": 0,  # backward gathers again: its reads can fail
@@ -295,3 +298,54 @@ def test_each_rank_that_failed_a_persistent_run_raises_its_own_error(tmp_path):
 def test_a_peer_error_names_every_rank_that_failed():
     from engine.zero.stage3_read_failures import ranks_named
     assert ranks_named([1]) == "rank 1" and ranks_named([0, 2, 3]) == "ranks 0, 2, 3"
+
+
+def _window(tmp: str, fail: bool) -> dict:
+    """Gradient accumulation 2: the window's second backward fails on rank 1 (micro-batch 1); the window is
+    dropped on every rank, micro-batch 0 with it (docs/offload.md), so the next micro-batch (2) ends a
+    window of its own. The reference (fail=False) runs micro-batch 0 with its loss times 0 (zero
+    gradients) and then 2: the same window. Then both load the checkpoint saved at the start and train
+    two windows (3-6): an exact continuation."""
+    import engine  # noqa: F401 - the engine's import, as in every rank here
+    path = os.path.join(tmp, f"window{int(fail)}")
+    os.makedirs(path, exist_ok=True)
+    eng = _engine(path, bf16=False, gas=2)
+    data, out = _batches(torch.float32), {"errors": {}}
+    eng.save_checkpoint(os.path.join(path, "ckpt"), tag="start")
+    for i in (0, 1, 2) if fail else (0, 2):
+        x, y = data[i]
+        scale = 0.0 if i == 0 and not fail else 1.0
+        try:
+            loss = torch.nn.functional.mse_loss(eng(x), y) * scale
+            with _reads_fail(fail and i == 1):
+                eng.backward(loss)
+            eng.step()
+        except RuntimeError as err:
+            out["errors"][i] = _outcome(err, "backward")
+    out["window"] = _weights(eng)
+    coord = eng.zero_optimizer.coordinator
+    out["left"] = ([g.name for g in coord.groups if g.gathered], sorted(coord.pending), coord.in_pass,
+                   eng.zero_optimizer.partition.store.pool.free_count())
+    eng.load_checkpoint(os.path.join(path, "ckpt"), tag="start")
+    for i in range(3, 7):
+        assert _micro_step(eng, *data[i], None) is None
+    out["loaded"] = _weights(eng)
+    eng.destroy()
+    return out
+
+
+def test_a_failed_backward_drops_the_whole_accumulation_window_on_every_rank(tmp_path):
+    want = run_distributed(_window, world_size=2, args=(str(tmp_path), False), timeout=60)
+    got = run_distributed(_window, world_size=2, args=(str(tmp_path), True), timeout=60)
+    for rank in range(2):
+        assert want[rank]["errors"] == {}
+        (phase, kind, msg), = got[rank]["errors"].values()
+        assert 1 in got[rank]["errors"], got[rank]["errors"]
+        if rank == FAILING_RANK:
+            assert kind == "OffloadIOError" and ".param.swp" in msg, msg
+        else:
+            assert kind == "PeerReadError" and "dropped this accumulation window's gradients" in msg, msg
+        assert got[rank]["left"] == ([], [], False, BUFFERS), got[rank]["left"]
+        for key in ("window", "loaded"):
+            for a, b in zip(got[rank][key], want[rank][key]):
+                assert torch.equal(a, b), (key, (a - b).abs().max())
