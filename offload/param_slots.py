@@ -3,9 +3,38 @@ slots still in them (`KeptBuffers`): the NVMe parameter store's bookkeeping (off
 notes: bounded host memory, kept buffers)."""
 from __future__ import annotations
 
+from bisect import bisect_right, insort
 from typing import Callable
 
 import torch
+
+
+class ResidentSpans:
+    """Per flat, the element ranges the resident copies hold, sorted by start (param_swap.py's note:
+    write-back): a group's runs are added as it becomes resident, never removed until `clear`."""
+
+    def __init__(self) -> None:
+        self._spans: dict = {}  # flat key -> [(start, stop, resident view)]
+
+    def add(self, slots: "Slots", resident: torch.Tensor) -> None:
+        for key, start, stop, at in slots.runs:
+            insort(self._spans.setdefault(key, []), (start, stop, resident[at:at + stop - start]),
+                   key=lambda span: span[0])
+
+    def parts(self, key, start: int, stop: int) -> list[tuple[int, int, torch.Tensor]]:
+        """(a, b, view): the resident elements [a, b) of flat `key` within [start, stop), in order."""
+        spans = self._spans.get(key, ())
+        out = []
+        for s, e, view in spans[max(0, bisect_right(spans, start, key=lambda span: span[0]) - 1):]:
+            if s >= stop:
+                break
+            a, b = max(s, start), min(e, stop)
+            if a < b:
+                out.append((a, b, view[a - s:b - s]))
+        return out
+
+    def clear(self) -> None:
+        self._spans.clear()
 
 
 class Slots:

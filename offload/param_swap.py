@@ -72,12 +72,11 @@ import contextlib
 
 import torch
 
-from bisect import bisect_right, insort
 from collections import deque
 
 from offload.aio import AsyncFileIO, OffloadIOError, started, wait_all
 from offload.chunk_file import SwappedChunk
-from offload.param_slots import KeptBuffers, Slots, assembled
+from offload.param_slots import KeptBuffers, ResidentSpans, Slots, assembled
 from offload.pool import SwapBufferPool
 from offload.staging import Staging
 from offload.swap_dir import SwapDir
@@ -103,7 +102,7 @@ class NvmeParamStore:
         self.files = {key: swap.file(f"{name}.{i}.param.swp") for i, key in enumerate(partition.flat)}
         self._slots: dict[tuple, Slots] = {}
         self._cache: dict[tuple, torch.Tensor] = {}  # group -> its slots, resident (max_in_cpu)
-        self._spans: dict = {}  # flat key -> [(start, stop, resident view)], sorted (module note: write-back)
+        self._spans = ResidentSpans()  # module note: write-back
         self._cached = 0  # elements in _cache
         self._ahead: dict[tuple, tuple] = {}  # group -> (buffer, handles) of a read issued ahead
         self._open: dict[tuple, tuple] = {}  # group -> (the pool buffer its slots are in, self._writes then)
@@ -142,7 +141,7 @@ class NvmeParamStore:
         if self.master_source is not None:  # module note: 16-bit files
             return self.master_source.read_master(key, start, stop)
         out = torch.empty(stop - start, dtype=torch.float32, device=CPU)
-        parts = self._resident_parts(key, start, stop)
+        parts = self._spans.parts(key, start, stop)
         if sum(b - a for a, b, _ in parts) < stop - start and self._master_file(key):  # module note: the master's file
             out = self.master_owner.read_master(key, start, stop)
             self.bytes_read += out.numel() * 4
@@ -220,7 +219,7 @@ class NvmeParamStore:
                         dst[s:s + n].copy_(buf[:n])
                 finally:
                     self.pool.release(buf)
-            for a, b, view in self._resident_parts(key, 0, flat.numel()):  # module note: write-back
+            for a, b, view in self._spans.parts(key, 0, flat.numel()):  # module note: write-back
                 dst[a:b].copy_(view)
         self.master_in_memory = True
 
@@ -244,7 +243,7 @@ class NvmeParamStore:
         they do bit for bit; else None (the optimizer reads its file: swapped_partition.py's note)."""
         if not self._master_file(key):
             return None
-        parts = self._resident_parts(key, start, stop) + [p[:3] for p in self._kept.parts(key, start, stop)]
+        parts = self._spans.parts(key, start, stop) + [p[:3] for p in self._kept.parts(key, start, stop)]
         return assembled(parts, start, stop)
 
     def _check_image(self, keys) -> None:
@@ -313,9 +312,7 @@ class NvmeParamStore:
             self.bytes_read += wait_all(started(self._start_reads(slots, resident)))
         self._cache[group] = resident
         self._cached += slots.numel
-        for key, start, stop, at in slots.runs:
-            insort(self._spans.setdefault(key, []), (start, stop, resident[at:at + stop - start]),
-                   key=lambda span: span[0])
+        self._spans.add(slots, resident)
         self._note_peak()
 
     def close_slots(self, params: list) -> None:
@@ -435,7 +432,7 @@ class NvmeParamStore:
             values = values.to(device=CPU, dtype=self.dtype).contiguous()
         self._writes += 1
         stop, gaps, at = start + values.numel(), [], start
-        for a, b, view in self._resident_parts(key, start, stop):
+        for a, b, view in self._spans.parts(key, start, stop):
             view.copy_(values[a - start:b - start])
             if at < a:
                 gaps.append((at, a))
@@ -468,18 +465,6 @@ class NvmeParamStore:
         for handle in handles:
             self.bytes_written += handle.wait()
 
-    def _resident_parts(self, key, start: int, stop: int) -> list[tuple[int, int, torch.Tensor]]:
-        """(a, b, view): the resident elements [a, b) of flat `key` within [start, stop), in order."""
-        spans = self._spans.get(key, ())
-        out = []
-        for s, e, view in spans[max(0, bisect_right(spans, start, key=lambda span: span[0]) - 1):]:
-            if s >= stop:
-                break
-            a, b = max(s, start), min(e, stop)
-            if a < b:
-                out.append((a, b, view[a - s:b - s]))
-        return out
-
     def _copy_chunks(self, key, chunks: list) -> None:
         """The partition's chunks of flat `key` into its file, one parameter at a time: zero.Init's
         (`SwappedChunk`), or cut from parameters in memory as they are copied (`load()`)."""
@@ -495,7 +480,7 @@ class NvmeParamStore:
         try:
             for s in range(0, flat.numel(), buf.numel()):
                 n = min(buf.numel(), flat.numel() - s)
-                if sum(b - a for a, b, _ in self._resident_parts(key, s, s + n)) == n:
+                if sum(b - a for a, b, _ in self._spans.parts(key, s, s + n)) == n:
                     self._write_file(key, s, flat[s:s + n])
                     continue
                 part = buf[:n]
