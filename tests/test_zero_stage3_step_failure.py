@@ -11,7 +11,8 @@ the next step until a checkpoint load, after which training equals that run too.
 Rank 1's writes of its `exp_avg` swap files fail past the first sub-group (an EIO injected at
 os.pwritev, the aio workers' write) in the step of batch FAILED only; parameters on NVMe too (fp32
 files, which then read the master from the optimizer's files) or in memory, with persistent parameters
-(the biases) or none (then the outcome rides an all-gather of its own)."""
+(the biases) or none (then the outcome rides an all-gather of its own), two param groups (a flat each),
+and Lamb, whose first pass ends in an all-reduce of norms (before, rank 0 waited there)."""
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +27,7 @@ FAILING_RANK = 1
 STEPS, FAILED = 4, 2
 
 
-def _engine(path: str, persistent: int, slots: int, param_nvme: bool, groups: int):
+def _engine(path: str, persistent: int, slots: int, param_nvme: bool, groups: int, optimizer: str):
     import engine
     torch.manual_seed(0)
     layers = [m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
@@ -40,7 +41,7 @@ def _engine(path: str, persistent: int, slots: int, param_nvme: bool, groups: in
         zero["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": 0}
     return engine.initialize(model=model, model_parameters=params, config={
         "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "optimizer": {"type": optimizer, "params": {"lr": 0.01}},
         "aio": {"block_size": 4096}})[0]
 
 
@@ -80,7 +81,7 @@ def _train(eng, data, fail_at: int | None, errors: dict, batches, groups: int = 
             errors.setdefault(i, []).append((type(err).__name__, str(err)))
 
 
-def _run(tmp: str, persistent: int, slots: int, param_nvme: bool, groups: int) -> dict:
+def _run(tmp: str, persistent: int, slots: int, param_nvme: bool, groups: int, optimizer: str) -> dict:
     """The failing run and a reference without batch FAILED, one after the other on the same ranks."""
     g = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
     data = [(torch.randn(2, 32, generator=g), torch.randn(2, 4, generator=g)) for _ in range(STEPS)]
@@ -88,7 +89,7 @@ def _run(tmp: str, persistent: int, slots: int, param_nvme: bool, groups: int) -
     for name in ("ref", "fail"):
         path = os.path.join(tmp, name)
         os.makedirs(path, exist_ok=True)
-        eng = _engine(path, persistent, slots, param_nvme, groups)
+        eng = _engine(path, persistent, slots, param_nvme, groups, optimizer)
         assert bool(eng.zero_optimizer.persistent) == bool(persistent)
         assert len(eng.zero_optimizer.nvme.parts) == groups
         if name == "ref":
@@ -106,9 +107,10 @@ def _run(tmp: str, persistent: int, slots: int, param_nvme: bool, groups: int) -
     return out
 
 
-def _check(tmp_path, persistent: int = 32, slots: int = 2, param_nvme: bool = True, groups: int = 1) -> None:
-    ranks = run_distributed(_run, world_size=2, args=(str(tmp_path), persistent, slots, param_nvme, groups),
-                            timeout=60)
+def _check(tmp_path, persistent: int = 32, slots: int = 2, param_nvme: bool = True, groups: int = 1,
+           optimizer: str = "AdamW") -> None:
+    ranks = run_distributed(_run, world_size=2, args=(str(tmp_path), persistent, slots, param_nvme, groups,
+                                                      optimizer), timeout=60)
     for rank, out in enumerate(ranks):
         errors = out["errors"]
         assert sorted(errors) == ([FAILED] if slots == 2 else [FAILED, FAILED + 1]), errors
@@ -145,3 +147,8 @@ def test_the_failing_rank_undoes_the_flats_it_stepped_before_the_failure(tmp_pat
 
 def test_in_place_slots_refuse_until_a_load(tmp_path):
     _check(tmp_path, slots=1, param_nvme=False)
+
+
+def test_lamb_fails_in_its_first_pass_on_every_rank(tmp_path):
+    # Lamb's moments pass writes exp_avg, then every rank sums the norms: before, rank 0 waited in that sum
+    _check(tmp_path, optimizer="Lamb")

@@ -32,6 +32,7 @@ from ops.lamb import MOMENTS, advance_moments, advance_step, direction_from_mome
 
 from .nvme_muon import SwappedMuon
 from .per_tensor import all_reduce_sum, flat_runs
+from .stage3_read_failures import PeerStepError, ranks_named
 
 CPU = torch.device("cpu")
 
@@ -42,16 +43,32 @@ class SwappedLamb:
     def __init__(self, tier, zopt):
         self.tier, self.partition = tier, zopt.partition
         index = {p: i for i, p in enumerate(self.partition.params())}
-        self.count, self.reduce = len(index), all_reduce_sum(zopt.comm)
+        self.count, self.reduce, self.comm = len(index), all_reduce_sum(zopt.comm), zopt.comm
         # plans built per sub-group on demand (nothing held per flat element: memory note), on the host,
         # where the swapped sub-groups are stepped
         self.runs = {key: flat_runs(self.partition, key, index, cache=False, device=CPU) for key in tier.parts}
 
     def step(self) -> None:
-        partial = torch.zeros(2 * self.count, dtype=torch.float32, device=CPU)
-        steps = {key: self._moments_pass(key, part, partial) for key, part in self.tier.parts.items()}
+        """The summed vector ends with one element per rank, 1 where its pass 1 failed: every rank still
+        enters the sum (before, the others waited in it) and raises (ZeRO-3 agrees on the step's
+        outcome too: stage3.py's note, a step failed on some rank)."""
+        n, rank = 2 * self.count, self.comm.rank
+        partial = torch.zeros(n + self.comm.world_size, dtype=torch.float32, device=CPU)
+        failed = None
+        try:
+            steps = {key: self._moments_pass(key, part, partial) for key, part in self.tier.parts.items()}
+        except Exception as err:  # noqa: BLE001 - raised below, once every rank has summed
+            failed = err
+            partial.zero_()[n + rank] = 1
         total = self.reduce(partial)
-        w_norm, u_norm = total[:self.count].sqrt(), total[self.count:].sqrt()
+        if failed is not None:
+            raise failed
+        ranks = [r for r, bad in enumerate(total[n:].tolist()) if bad]
+        if ranks:
+            raise PeerStepError(f"ZeRO: {ranks_named(ranks)}'s optimizer step failed in Lamb's first pass (zero_"
+                                "optimization.offload_optimizer.nvme_path; that rank's own error names the file): "
+                                "no rank applied it")
+        w_norm, u_norm = total[:self.count].sqrt(), total[self.count:n].sqrt()
         for key, part in self.tier.parts.items():
             self._apply_pass(key, part, steps[key], w_norm, u_norm)
 
@@ -71,7 +88,7 @@ class SwappedLamb:
             update = direction_from_moments(views[MASTER], state, group, step)
             plan = runs.plan(s, e)  # the in-memory step's sums, addend for addend (ops.tensor_segments)
             plan.add_squares(partial[:self.count], views[MASTER])
-            plan.add_squares(partial[self.count:], update)
+            plan.add_squares(partial[self.count:2 * self.count], update)
         part.sweep(visit, read, write=MOMENTS)
         return scalars
 
