@@ -27,7 +27,7 @@ FAILING_RANK = 1
 STEPS, FAILED = 4, 2
 
 
-def _engine(path: str, persistent: int, slots: int, param_nvme: bool, groups: int, optimizer: str):
+def _engine(path: str, persistent: int, slots: int, param_nvme: bool, groups: int, optimizer: str, bf16: bool):
     import engine
     torch.manual_seed(0)
     layers = [m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
@@ -41,6 +41,7 @@ def _engine(path: str, persistent: int, slots: int, param_nvme: bool, groups: in
         zero["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": 0}
     return engine.initialize(model=model, model_parameters=params, config={
         "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
         "optimizer": {"type": optimizer, "params": {"lr": 0.01}},
         "aio": {"block_size": 4096}})[0]
 
@@ -52,7 +53,8 @@ def _state_writes_fail(armed: bool, groups: int):
     real = os.pwritev
 
     def pwritev(fd, buffers, at):
-        if f"group{groups - 1}-float32.exp_avg." in os.readlink(f"/proc/self/fd/{fd}") and at > 0:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if f"group{groups - 1}-" in name and ".exp_avg." in name and at > 0:
             raise OSError(errno.EIO, "injected write error")
         return real(fd, buffers, at)
     if armed and torch.distributed.get_rank() == FAILING_RANK:
@@ -74,14 +76,14 @@ def _train(eng, data, fail_at: int | None, errors: dict, batches, groups: int = 
     for i in batches:
         x, y = data[i]
         try:
-            eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+            eng.backward(torch.nn.functional.mse_loss(eng(x.to(eng.module[0].weight.dtype)).float(), y))
             with _state_writes_fail(i == fail_at, groups):
                 eng.step()
         except RuntimeError as err:
             errors.setdefault(i, []).append((type(err).__name__, str(err)))
 
 
-def _run(tmp: str, persistent: int, slots: int, param_nvme: bool, groups: int, optimizer: str) -> dict:
+def _run(tmp: str, persistent: int, slots: int, param_nvme: bool, groups: int, optimizer: str, bf16: bool) -> dict:
     """The failing run and a reference without batch FAILED, one after the other on the same ranks."""
     g = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
     data = [(torch.randn(2, 32, generator=g), torch.randn(2, 4, generator=g)) for _ in range(STEPS)]
@@ -89,7 +91,7 @@ def _run(tmp: str, persistent: int, slots: int, param_nvme: bool, groups: int, o
     for name in ("ref", "fail"):
         path = os.path.join(tmp, name)
         os.makedirs(path, exist_ok=True)
-        eng = _engine(path, persistent, slots, param_nvme, groups, optimizer)
+        eng = _engine(path, persistent, slots, param_nvme, groups, optimizer, bf16)
         assert bool(eng.zero_optimizer.persistent) == bool(persistent)
         assert len(eng.zero_optimizer.nvme.parts) == groups
         if name == "ref":
@@ -108,9 +110,9 @@ def _run(tmp: str, persistent: int, slots: int, param_nvme: bool, groups: int, o
 
 
 def _check(tmp_path, persistent: int = 32, slots: int = 2, param_nvme: bool = True, groups: int = 1,
-           optimizer: str = "AdamW") -> None:
+           optimizer: str = "AdamW", bf16: bool = False) -> None:
     ranks = run_distributed(_run, world_size=2, args=(str(tmp_path), persistent, slots, param_nvme, groups,
-                                                      optimizer), timeout=60)
+                                                      optimizer, bf16), timeout=60)
     for rank, out in enumerate(ranks):
         errors = out["errors"]
         assert sorted(errors) == ([FAILED] if slots == 2 else [FAILED, FAILED + 1]), errors
@@ -130,6 +132,11 @@ def _check(tmp_path, persistent: int = 32, slots: int = 2, param_nvme: bool = Tr
 
 def test_one_rank_failing_its_step_fails_it_on_every_rank(tmp_path):
     _check(tmp_path)
+
+
+def test_bf16_parameter_files(tmp_path):
+    # the step writes the 16-bit parameter files (their master is the optimizer's): undone there too
+    _check(tmp_path, bf16=True)
 
 
 def test_without_persistent_parameters(tmp_path):
