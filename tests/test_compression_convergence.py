@@ -3,7 +3,10 @@
 Claim (issue 8): after a few hundred steps the compressed optimizers' final loss is within 3% of the
 uncompressed one's. Warm-up is 20% of the steps, as DeepSpeed's tutorials suggest (15-25%); 0/1 Adam
 takes local steps (up to 4 between 1-bit synchronisations) for the last third. "Final loss" is the
-mean training loss of the last 40 steps over both ranks, which share one data order.
+mean training loss of the last 40 steps over both ranks, which share one data order. 200 steps (300
+before: a third of the test's time): final ratios 1.014 / 1.008 / 1.021 of the baselines (300 steps: 1.024 /
+1.012 / 0.990); with the error feedback dropped (ops/onebit.py's compress_ keeping no error) 1.23 / 1.08 /
+1.26, every one caught.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from examples.gpt import GPT, ByteCorpus, GPTConfig
 from tests.harness import run_distributed
 
 TINY_GPT = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64)
-STEPS, MICRO, TAIL = 300, 8, 40
+STEPS, MICRO, TAIL = 200, 8, 40
 WARMUP = STEPS // 4
 ADAM = {"lr": 3e-3, "weight_decay": 0.0}
 LAMB = {"lr": 1e-2, "weight_decay": 0.0}
