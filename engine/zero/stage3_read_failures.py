@@ -106,7 +106,8 @@ class ReadFailures:
             err = PeerReadError(
                 f"ZeRO-3: rank {rank} failed to read its parameters of module '{self.groups[gid].name}' from its NVMe "
                 f"parameter files (zero_optimization.offload_param.nvme_path; rank {rank}'s own error names the "
-                f"file); {what}. Train on (the gathers read the files again) or load a checkpoint")
+                f"file); {what}. Its error says how to go on: after a failed read train on (the gathers read the "
+                f"files again), after a failed step whose parameters it refuses load a checkpoint")
         self.clear()
         self.raised = err
         return err
