@@ -320,8 +320,8 @@ def test_adam_without_bias_correction_steps_swapped_equal_to_no_offload(tmp_path
 
 def _failed_step(nvme_path: str) -> dict:
     """2 AdamW steps, then a step whose third sub-group's gradient read raises (as a disk error would),
-    then 2 more steps, against the same 4 good steps without NVMe: the master reads between the failure
-    and the next step (checkpoints, safe_get_*) and the run after it."""
+    then 2 more steps, against the same 4 good steps without NVMe (the failed step's batch dropped): the
+    master reads between the failure and the next step (checkpoints, safe_get_*) and the run after it."""
     from engine.utils import safe_get_full_fp32_param
     from tests.models import OddMLP, make_batches, micro_batches
     import engine
@@ -337,6 +337,8 @@ def _failed_step(nvme_path: str) -> dict:
         params = lambda: {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters() if p.requires_grad}
         batches = make_batches(5, 4 * world)
         for i, (x, y) in enumerate(batches):
+            if name == "none" and i == 2:  # a failed step drops its window's gradients (partitioned.py's note)
+                continue
             (xm, ym), = micro_batches(x, y, rank, world, 1)
             loss = eng(xm, ym)
             eng.backward(loss)

@@ -29,12 +29,7 @@ STEPS, FAILED = 4, 2
 
 def _engine(path: str, persistent: int, slots: int, param_nvme: bool, groups: int, optimizer: str, bf16: bool):
     import engine
-    torch.manual_seed(0)
-    layers = [m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(32, 4))
-    params = list(model.parameters())  # `groups` param groups: a flat each, stepped one after the other
-    params = [{"params": [p for i, p in enumerate(params) if i // 2 % groups == k], "weight_decay": 0.01 * k}
-              for k in range(groups)]
+    model, params = model_and_groups(groups)
     zero = {"stage": 3, "stage3_param_persistence_threshold": persistent, "sub_group_size": 512,
             "offload_optimizer": {"device": "nvme", "nvme_path": path, "swap_slots": slots}}
     if param_nvme:
@@ -46,15 +41,26 @@ def _engine(path: str, persistent: int, slots: int, param_nvme: bool, groups: in
         "aio": {"block_size": 4096}})[0]
 
 
+def model_and_groups(groups: int) -> tuple[torch.nn.Module, list[dict]]:
+    """The test's model, seeded, and its parameters in `groups` param groups: a flat each, stepped one after
+    the other."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(32, 4))
+    params = list(model.parameters())
+    return model, [{"params": [p for i, p in enumerate(params) if i // 2 % groups == k], "weight_decay": 0.01 * k}
+                   for k in range(groups)]
+
+
 @contextlib.contextmanager
-def _state_writes_fail(armed: bool, groups: int):
-    """FAILING_RANK's writes of its exp_avg swap files past the first sub-group fail (EIO) while `armed`,
+def _state_writes_fail(armed: bool, groups: int, state: str = "exp_avg"):
+    """FAILING_RANK's writes of its `state` swap files past the first sub-group fail (EIO) while `armed`,
     of the last param group's flat only (the others are stepped and committed first)."""
     real = os.pwritev
 
     def pwritev(fd, buffers, at):
         name = os.readlink(f"/proc/self/fd/{fd}")
-        if f"group{groups - 1}-" in name and ".exp_avg." in name and at > 0:
+        if f"group{groups - 1}-" in name and f".{state}." in name and at > 0:
             raise OSError(errno.EIO, "injected write error")
         return real(fd, buffers, at)
     if armed and torch.distributed.get_rank() == FAILING_RANK:
@@ -113,19 +119,27 @@ def _check(tmp_path, persistent: int = 32, slots: int = 2, param_nvme: bool = Tr
            optimizer: str = "AdamW", bf16: bool = False) -> None:
     ranks = run_distributed(_run, world_size=2, args=(str(tmp_path), persistent, slots, param_nvme, groups,
                                                       optimizer, bf16), timeout=60)
+    check_ranks(ranks, slots, "exp_avg")
+    for out in ranks:
+        assert out["left"] == ([], [], False), out["left"]
+
+
+def check_ranks(ranks: list[dict], slots: int, state: str) -> None:
+    """Every rank raised at batch FAILED (FAILING_RANK its OffloadIOError naming its `state` file, the
+    others PeerStepError naming it), with one slot again at the next step, and ends bit for bit equal to
+    the reference run."""
     for rank, out in enumerate(ranks):
         errors = out["errors"]
         assert sorted(errors) == ([FAILED] if slots == 2 else [FAILED, FAILED + 1]), errors
         (kind, msg), = errors[FAILED]
         if rank == FAILING_RANK:  # its own error, naming the swap file and the key
-            assert kind == "OffloadIOError" and ".exp_avg." in msg and "offload_optimizer.nvme_path" in msg, msg
+            assert kind == "OffloadIOError" and f".{state}." in msg and "offload_optimizer.nvme_path" in msg, msg
         else:
             assert kind == "PeerStepError" and f"rank {FAILING_RANK}'s optimizer step failed" in msg, msg
             assert "\n" not in msg
         if slots == 1:
             (kind, msg), = errors[FAILED + 1]
             assert kind == "OffloadIOError" and "load a checkpoint" in msg, (rank, msg)
-        assert out["left"] == ([], [], False), out["left"]
         for a, b in zip(out["fail"], out["ref"]):
             assert torch.equal(a, b), (rank, (a - b).abs().max())
 

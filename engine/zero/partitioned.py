@@ -40,6 +40,7 @@ from .grad_swap import norm_ranges
 from .partition import REDUCE_DEPTH, InFlight, PartitionedParams, RankMajorLayout, land_slots, split_runs
 from .tier import HostGradients, PartitionTier
 from .stage0 import checked_step, reduction_settings
+from .stage3_read_failures import undo_for_peers
 
 
 # [Note: gather bucket cap] `allgather_bucket_size` bounds the elements gathered at a time; dstrain
@@ -373,11 +374,42 @@ class PartitionedZeroOptimizer(FragmentAccess):
         norm = self._global_norm(buffers)
         if self.grad_swap is not None:
             self.grad_swap.clip_to(norm, self.clip)
-        applied = checked_step(self, buffers, norm, step_number)
+        try:
+            applied = checked_step(self, buffers, norm, step_number)
+        except BaseException as err:
+            # stage 3 agrees in its persistent refresh instead (stage3.py's note: a step failed on some rank)
+            if self.stage == 3 or self.nvme is None or err is not self.nvme.failed:
+                raise
+            self._agree_on_step(failed=True)
+            raise
         if applied:
+            if self.nvme is not None and self.stage != 3:
+                self._agree_on_step(failed=False)
             self._gather_params()
         self.zero_grad()
         return applied
+
+    def _agree_on_step(self, failed: bool) -> None:
+        """[Note: a step failed on some rank] With the optimizer on NVMe one rank's step can fail alone (a
+        swap file's read or write; nvme_tier.py undoes it on that rank). Raised right there, it left the
+        other ranks in the parameter all-gather after their step until the process group's timeout. So
+        before that all-gather every rank gathers one status element (one tiny all-gather per step, NVMe
+        offload only: no existing collective comes after the step and before the gather): where some rank
+        failed, the ranks that applied the step undo it (nvme_tier.py's `revert_step`: two slots go back
+        bit for bit; in place, the next step is refused until a load), nobody gathers, every rank drops the
+        window's gradients and raises: the failing rank its own error, the others PeerStepError naming it.
+        Training on equals a run without the batch."""
+        send = self.comm.zeros(1, dtype=torch.int32)
+        send.fill_(int(failed))
+        out = self.comm.empty(self.comm.world_size, dtype=torch.int32)
+        self.comm.all_gather(out, send)
+        ranks = [r for r, bad in enumerate(out.tolist()) if bad]  # one host read per step (NVMe offload only)
+        if not ranks:
+            return
+        self.zero_grad()  # the window's gradients, on every rank
+        if failed:
+            return  # the caller raises this rank's own error
+        raise undo_for_peers(self.nvme, self.stage, ranks)
 
     @torch.no_grad()
     def _gather_params(self) -> None:

@@ -44,7 +44,7 @@ from .stage2 import ZeroStage2Optimizer
 from .stage3_params import (GatherGroup, Stage3Partition, check_not_replaced, chunk_tensor, full_shape, gather_full,
                             local_chunk, padded_chunk, partition_numel, replaced_error, spec_of)
 from .stage3_frozen import FrozenChunks
-from .stage3_read_failures import PeerReadError, PeerStepError, ranks_named
+from .stage3_read_failures import PeerReadError, PeerStepError, ranks_named, undo_for_peers
 from .stage3_units import discover_units, install_hooks, user_modules
 from .partition_store import GroupSources
 from .tier import copy_chunks
@@ -327,12 +327,7 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
         failed = sorted({r for row in statuses for r, s in enumerate(row) if s == STEP_FAILED})
         if failed:
             if not step_failed:
-                self.nvme.revert_step()
-                what = ("this rank's step, written in place (offload_optimizer.swap_slots 1), cannot be undone: load "
-                        "a checkpoint to go on" if self.nvme.unrestored else "every rank undid this step and dropped "
-                        "its gradients: train on without this batch, or load a checkpoint")
-                raise PeerStepError(f"ZeRO-3: {ranks_named(failed)}'s optimizer step failed (zero_optimization."
-                                    f"offload_optimizer.nvme_path; that rank's own error names the file); {what}")
+                raise undo_for_peers(self.nvme, 3, failed)
             return
         for (params, layout), out, row in zip(self._persistent_layouts, outs, statuses):
             if params and not any(row):
