@@ -408,16 +408,6 @@ def _byte_view(tensor: torch.Tensor, path: str) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def staged_empty(numel: int, offset_elements: int,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base, view): `view` has `numel` elements of `dtype` at an address congruent to the file offset of
-    `offset_elements` modulo the O_DIRECT block, so a transfer of it at that offset can go direct."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    phase = (offset_elements * itemsize % ALIGNMENT) // itemsize
-    base = aligned_empty(phase + numel, dtype)
-    return base, base[phase:phase + numel]
-
-
 def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
     """A host tensor of `numel` elements whose first byte is `ALIGNMENT`-aligned (O_DIRECT's rule); on
     huge pages where large enough (offload/huge_pages.py)."""
