@@ -50,16 +50,18 @@ with tempfile.TemporaryDirectory() as root:
     else:
         swap = SwapDir.create(root, path_key="zero_optimization.offload_optimizer.nvme_path")
     proc = psutil.Process()
-    rss0, mapped0 = proc.memory_info().rss, libc.mallinfo2().hblkhd
     big = torch.ones(4 << 20)
     del big
+    info0 = libc.mallinfo2()
+    rss0, mapped0, heap0, free0 = proc.memory_info().rss, info0.hblkhd, info0.arena, info0.fordblks
     blocks, small = [], []
     for _ in range(8):
         blocks.append(torch.ones(2 << 20))
         small.append(torch.ones(64))  # outlives its block: a heap block below it could not be trimmed
-    mapped = libc.mallinfo2().hblkhd - mapped0
+    info = libc.mallinfo2()
     del blocks
-    print(json.dumps({"mapped_mib": mapped / 2**20, "kept_mib": (proc.memory_info().rss - rss0) / 2**20}))
+    print(json.dumps({"mapped_mib": (info.hblkhd - mapped0) / 2**20, "heap_growth_mib": (info.arena - heap0) / 2**20,
+                      "free_before_mib": free0 / 2**20, "kept_mib": (proc.memory_info().rss - rss0) / 2**20}))
     swap.close()
 """
 
@@ -120,6 +122,12 @@ def _probes_in_forks(cases: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _heap_bounded(got: dict) -> bool:
+    """The eight 8 MiB blocks did not grow the heap: each was mapped, or served from a chunk that was
+    already free in it (how many such chunks a process holds depends on where small objects landed)."""
+    return got["heap_growth_mib"] < 8 and got["mapped_mib"] >= 64 - got["free_before_mib"]
+
+
 needs_glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                  reason="glibc's malloc is what the module tunes")
 
@@ -135,8 +143,8 @@ def forked() -> dict:
 @needs_glibc
 def test_the_parameter_tier_makes_large_blocks_mapped_and_returned_on_free(forked):
     got = forked["param"]
-    assert got["mapped_mib"] >= 64, got  # the eight 8 MiB blocks were mmapped, not carved from the heap
-    assert got["kept_mib"] < 8, got      # and freeing them gave the memory back
+    assert _heap_bounded(got), got  # the eight 8 MiB blocks were not carved from a grown heap
+    assert got["kept_mib"] < 8, got  # and freeing them gave the memory back
 
 
 @needs_glibc
@@ -144,7 +152,7 @@ def test_the_parameter_tier_makes_large_blocks_mapped_and_returned_on_free(forke
 def test_the_parameter_store_bounds_the_heap_only_where_its_partition_is_not_all_resident(forked, max_in_cpu,
                                                                                          bounded):
     got = forked[f"store:{max_in_cpu}"]
-    assert (got["mapped_mib"] >= 64) is bounded, got
+    assert _heap_bounded(got) is bounded, got
 
 
 @needs_glibc
@@ -184,11 +192,13 @@ with tempfile.TemporaryDirectory() as root:
     for _ in range(2):
         eng.backward(eng(torch.ones(2, 64)))
         eng.step()
-        rss0, mapped0 = proc.memory_info().rss, libc.mallinfo2().hblkhd
+        info0 = libc.mallinfo2()
+        rss0, mapped0, heap0, free0 = proc.memory_info().rss, info0.hblkhd, info0.arena, info0.fordblks
         blocks = [torch.ones(2 << 20) for _ in range(8)]
-        mapped = libc.mallinfo2().hblkhd - mapped0
+        info = libc.mallinfo2()
         del blocks
-        after = {"mapped_mib": mapped / 2**20, "kept_mib": (proc.memory_info().rss - rss0) / 2**20}
+        after = {"mapped_mib": (info.hblkhd - mapped0) / 2**20, "heap_growth_mib": (info.arena - heap0) / 2**20,
+                 "free_before_mib": free0 / 2**20, "kept_mib": (proc.memory_info().rss - rss0) / 2**20}
     print(json.dumps({"inside_mib": eng.module.mapped_inside, **after}))
     eng.destroy()
 """
@@ -198,5 +208,10 @@ with tempfile.TemporaryDirectory() as root:
 def test_the_forward_runs_in_the_heap_and_what_follows_is_bounded_again(forked):
     got = forked["forward"]
     assert got["inside_mib"] == [0, 0], got  # each forward's 8 MiB block came from the heap
-    assert got["mapped_mib"] >= 56, got      # after it, all but the one block's worth the forward freed is mapped
-    assert got["kept_mib"] < 8, got          # and handed back on free
+    # After it a block comes from a free heap chunk the forward left or from a mapping of its own, never
+    # from a grown heap. How many free chunks of 8 MiB the heap holds then (0-2 seen) depends on which
+    # small objects landed above the forward's blocks, so the count of mapped blocks is not fixed: those
+    # not mapped are bounded by what was free, and the heap does not grow (with glibc's threshold left
+    # at the forward's, it grows by every block not served from a free chunk).
+    assert _heap_bounded(got), got
+    assert got["kept_mib"] < 8, got  # and a mapped block is handed back on free
