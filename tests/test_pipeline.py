@@ -76,9 +76,9 @@ def _train_each(stages: int, cases: list):
 # (schedule, virtual stages per rank, accumulation steps = micro-batches, tied weights, layers)
 CASES = {
     2: [("1f1b", 1, 4, True, 6), ("gpipe", 1, 3, False, 8), ("interleaved_1f1b", 2, 4, True, 8),
-        ("zero_bubble", 2, 4, True, 8)],  # tied: its 3-d activations leave nn.Linear as views (engine.py)
+        ("zero_bubble", 2, 4, True, 8), ("eager_1f1b", 1, 5, True, 6)],  # tied: 3-d activations leave nn.Linear as views
     4: [("1f1b", 1, 4, True, 8), ("gpipe", 1, 2, True, 8), ("interleaved_1f1b", 2, 4, False, 16),
-        ("zero_bubble", 2, 4, False, 16)],
+        ("zero_bubble", 2, 4, False, 16), ("eager_1f1b", 1, 8, True, 8)],  # stage 0 runs 7 forwards first
 }
 
 
@@ -159,7 +159,7 @@ def test_every_schedule_matches_single_process(stages, request):
             directions = (rank > 0) + (rank < stages - 1)
             assert r[k][4] == ([STEPS * (gas - 1) * directions] if virtual == 1 else [None] * virtual), (schedule, rank)
     # Schedule accounting: the idle slots of the executed action lists, per stage, vs the formula.
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in ("1f1b", "eager_1f1b", "gpipe"):  # eager_1f1b.py's note: the extra forwards move idle time
         m = next(c[2] for c in CASES[stages] if c[0] == schedule)
         assert idle[schedule] == pytest.approx([formula_bubble(schedule, stages, m)] * stages, abs=1e-9)
     plain = formula_bubble("1f1b", stages, 4)
@@ -238,7 +238,7 @@ def _activation_peaks():
     from engine.checkpointing import SavedActivationProbe
     from engine.pipe import PipelineModule
     peaks = {}
-    for schedule, m, interval in (("1f1b", 1, 0), ("1f1b", 4, 0), ("gpipe", 4, 0), ("1f1b", 4, 2)):
+    for schedule, m, interval in (("1f1b", 1, 0), ("1f1b", 4, 0), ("gpipe", 4, 0), ("1f1b", 4, 2), ("eager_1f1b", 4, 0)):
         pm = PipelineModule(mlp_specs(8), num_stages=2, loss_fn=mse, seed_layers=True, partition_method="uniform",
                             activation_checkpoint_interval=interval)
         eng, *_ = engine.initialize(model=pm, config=_config(schedule, m))
@@ -252,12 +252,13 @@ def _activation_peaks():
     return peaks
 
 
-def test_1f1b_holds_at_most_p_micro_batches_gpipe_m_and_checkpointing_less(two_rank_results):
+def test_1f1b_holds_at_most_p_micro_batches_eager_2p_less_1_gpipe_m_and_checkpointing_less(two_rank_results):
     for stage, peaks in enumerate(r["peaks"] for r in two_rank_results):
         one = peaks[("1f1b", 1, 0)]
         assert one > 0
         assert peaks[("1f1b", 4, 0)] == min(2 - stage, 4) * one  # stage 0 holds p = 2, the last stage 1
         assert peaks[("gpipe", 4, 0)] == 4 * one
+        assert peaks[("eager_1f1b", 4, 0)] == (3 if stage == 0 else 1) * one  # 2(p − s) − 1 (eager_1f1b.py)
         # activation_checkpoint_interval=2: each [Linear, Tanh] pair keeps only its input. Stage 0 holds
         # two micro-batches of pairs: less. The last stage's loss keeps as much as the pairs saved: no more.
         if stage == 0:
@@ -459,3 +460,10 @@ def test_a_tied_module_s_untied_parameters_are_said(two_rank_results):
     first, second = (r["untied"] for r in two_rank_results)
     assert len(first[0]) == 1 and "bias not in tied_weight_attr" in first[0][0], first
     assert first[1] == [] and second == [[], []], (first, second)
+
+
+def test_eager_1f1b_is_refused_where_its_early_sends_could_deadlock():
+    from engine.pipe.schedule import schedule_class
+    assert schedule_class("eager_1f1b", 1, "gloo")[0].__name__ == "Eager1F1B"
+    with pytest.raises(ValueError, match=r'pipeline.schedule: "eager_1f1b" runs on gloo only.*use "1f1b"'):
+        schedule_class("eager_1f1b", 1, "nccl")

@@ -121,8 +121,8 @@ class PipelineEngine(Engine):
         self.is_first_stage = self.stage_id == 0
         self.is_last_stage = self.stage_id == self.num_stages - 1
         self.schedule_name = config.pipeline.schedule
-        self._schedule_cls, self._multi = schedule_class(self.schedule_name, module.virtual_stages)
         self._pipe_backend = dist.get_backend(groups.pipe_group) if dist.is_initialized() else None
+        self._schedule_cls, self._multi = schedule_class(self.schedule_name, module.virtual_stages, self._pipe_backend)
         self.tied = TiedGradients(module, groups, comm)
         self.loss_rider = LossRider()
         # pipeline.pipe_partitioned / grad_partitioned: slices over the model axis (partitioned_wire.py)

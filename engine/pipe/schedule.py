@@ -3,6 +3,7 @@
 | key | torch class | stages per rank | bubble (p stages, m micro-batches) |
 |---|---|---|---|
 | "1f1b" (default) | Schedule1F1B | 1 | (p−1)/(m+p−1); holds ≤ p micro-batches of activations |
+| "eager_1f1b" | eager_1f1b.py's Eager1F1B (gloo only) | 1 | (p−1)/(m+p−1), no round trip per micro-batch; holds ≤ 2(p−s)−1 on stage s |
 | "gpipe" | ScheduleGPipe | 1 | (p−1)/(m+p−1); holds m |
 | "interleaved_1f1b" | ScheduleInterleaved1F1B | V ≥ 2 | (p−1)/(V·m+p−1) |
 | "zero_bubble" | ScheduleInterleavedZeroBubble | V ≥ 2 | below interleaved: weight gradients fill the bubble |
@@ -20,21 +21,27 @@ from __future__ import annotations
 
 from torch.distributed import pipelining as tp
 
+from .eager_1f1b import Eager1F1B
 from .early_receive import EarlyReceives
 from .stage_failure import skipped_backward
 
 SCHEDULES = {
     "1f1b": (tp.Schedule1F1B, False),
+    "eager_1f1b": (Eager1F1B, False),
     "gpipe": (tp.ScheduleGPipe, False),
     "interleaved_1f1b": (tp.ScheduleInterleaved1F1B, True),
     "zero_bubble": (tp.ScheduleInterleavedZeroBubble, True),
 }
 
 
-def schedule_class(name: str, virtual_stages: int):
-    """The torch schedule for `pipeline.schedule: name`; a mismatch with the model is a one-line error."""
+def schedule_class(name: str, virtual_stages: int, backend: str | None):
+    """The torch schedule for `pipeline.schedule: name` on the pipe group's `backend`; a mismatch with the
+    model or the backend is a one-line error."""
     if name not in SCHEDULES:
         raise ValueError(f"pipeline.schedule: {name!r} is not a schedule; use one of {', '.join(SCHEDULES)}")
+    if name == "eager_1f1b" and backend not in (None, "gloo"):
+        raise ValueError(f"pipeline.schedule: \"eager_1f1b\" runs on gloo only (engine/pipe/eager_1f1b.py's note: "
+                         f"on {backend} its early sends would deadlock against the next stage's); use \"1f1b\"")
     cls, multi = SCHEDULES[name]
     if multi and virtual_stages < 2:
         raise ValueError(f"pipeline.schedule: {name!r} runs several stages per rank; build the model with "
@@ -47,7 +54,7 @@ def schedule_class(name: str, virtual_stages: int):
 
 def formula_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """The textbook bubble of `name` (the table above); zero-bubble's is bounded by interleaved's."""
-    if name in ("1f1b", "gpipe"):
+    if name in ("1f1b", "eager_1f1b", "gpipe"):
         return (p - 1) / (m + p - 1)
     return (p - 1) / (v * m + p - 1)
 
