@@ -16,8 +16,9 @@ batch's input signature reaches them in the batch's agreement (batch_agreement.p
 a stage's user code raised inside the schedule rides on the norm's all-reduce too (stage_failure.py's
 notes: every rank raises, none waits for the failed stage's sends; the outcome rides on the norm): per
 step a pipeline adds two small collectives to the schedule's own sends (three with several data-parallel
-replicas: their data axis agrees on the outcome first). `forward`/`backward`/`step` are errors here: the
-schedule owns them.
+replicas: their data axis agrees on the outcome first; with the optimizer on NVMe the step's status is
+gathered over the world: stage_failure.py's note, a step failing on one stage). `forward`/`backward`/`step`
+are errors here: the schedule owns them.
 """
 from __future__ import annotations
 
@@ -137,6 +138,8 @@ class PipelineEngine(Engine):
                                            "AdamW or SGD"])
             model_parallel = Communicator(groups.model_parallel_group)
             zero_optimizer.norm_reduce = WorldNorm(model_parallel, self.tied, self.loss_rider)
+            # a step failing on one rank fails on every stage (stage_failure.py's note: a step failing on one stage)
+            zero_optimizer.step_status_comm = self._world_comm
         self._built: dict[tuple, tuple] = {}
         self._fingerprints: dict[tuple, int] = {}  # input signature -> its broadcast key (first stage)
         self._data_iterator = None
@@ -375,12 +378,14 @@ class PipelineEngine(Engine):
         loss = self._stage_loss(losses)
         self.loss_rider.load(loss, contributes=self.is_last_stage and self.groups.coord.model == 0)
         previous, self._last_loss = self._last_loss, loss  # the step's log line reads it, once agreed
+        steps = self.global_steps
         try:
             self.micro_steps += m - 1
             self._boundary_step()
-        except BatchFailed:  # raised in the norm's all-reduce, before the step moved anything but these
-            self.micro_steps -= m - 1
-            self._last_loss = previous
+        except Exception:
+            if self.global_steps == steps:  # the step raised (BatchFailed in the norm's all-reduce, or a step
+                self.micro_steps -= m - 1  # failed on some rank: stage_failure.py's notes): it moved only these
+                self._last_loss = previous
             raise
         self.micro_steps += 1
         if self.loss_rider.loss is not None:  # the optimizer reduced no norm: send the loss on its own

@@ -64,6 +64,18 @@ next steps (1e-3 on an 8x8 weight, tests/test_pipeline_stage_failure.py); so whe
 `reductions_keep_state` says so, the outcome is voted over the world before the reductions
 (`agree_on_outcome`, as eval_batch does).
 
+[Note: a step failing on one stage] With the optimizer on NVMe a rank's step itself can fail (a swap
+file's read or write), after the norm's all-reduce that carried the vote above. Without a pipeline the
+data group agrees on it before the parameters' gather (zero/partitioned.py's and zero/stage3.py's notes:
+a step failed on some rank): the ranks that applied the step undo it and every rank raises. Under a
+pipeline the other stages never heard of it: they applied the batch and trained on while the failing
+stage had undone its own. No collective crosses the stages between the step and the parameters' gather,
+so the step's status all-gather is made over the world instead (`step_status_comm`, set by the pipeline
+engine): every rank of every stage learns which ranks failed, the others undo and raise PeerStepError,
+the failing ones their own error, and the engine moves no counter. At ZeRO-1/2 that gather replaces the
+data group's (one int32 per rank of the world instead of the data group); at ZeRO-3, whose data group
+agrees in the persistent refresh, it is one tiny all-gather more per step (optimizer on NVMe only).
+
 Cost: per train_batch nothing on one data-parallel replica (the vote is a float in an all-reduce
 the step makes anyway), one all-reduce over the data axis with several (over the world under
 PowerSGD); per eval_batch the world's all-reduce; the schedule's micro-batches add nothing (a try around user code).

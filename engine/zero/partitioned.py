@@ -74,6 +74,7 @@ class PartitionedZeroOptimizer(FragmentAccess):
     stage = -1
     reduce_every_micro_step = True
     norm_reduce = None  # a pipeline's: this stage's norm² → the world's (engine/pipe/reduction.py)
+    step_status_comm = None  # a pipeline's world: every stage hears of a failed step (engine/pipe/stage_failure.py)
     counted_elsewhere = ()  # parameters another model-parallel rank counts in the norm (tensor_parallel/norm.py)
     reductions_keep_state = False  # exact reductions: nothing of a dropped batch outlives it (stage0.py's property)
 
@@ -377,17 +378,22 @@ class PartitionedZeroOptimizer(FragmentAccess):
         try:
             applied = checked_step(self, buffers, norm, step_number)
         except BaseException as err:
-            # stage 3 agrees in its persistent refresh instead (stage3.py's note: a step failed on some rank)
-            if self.stage == 3 or self.nvme is None or err is not self.nvme.failed:
+            if not self._agrees_after_step() or err is not self.nvme.failed:
                 raise
             self._agree_on_step(failed=True)
             raise
         if applied:
-            if self.nvme is not None and self.stage != 3:
+            if self._agrees_after_step():
                 self._agree_on_step(failed=False)
             self._gather_params()
         self.zero_grad()
         return applied
+
+    def _agrees_after_step(self) -> bool:
+        """Whether the ranks agree on the step's outcome right after it (note: a step failed on some rank):
+        stage 3 agrees in its persistent refresh instead (stage3.py's note), over its data group, unless a
+        pipeline's other stages must hear of it too (`step_status_comm`)."""
+        return self.nvme is not None and (self.stage != 3 or self.step_status_comm is not None)
 
     def _agree_on_step(self, failed: bool) -> None:
         """[Note: a step failed on some rank] With the optimizer on NVMe one rank's step can fail alone (a
@@ -398,11 +404,13 @@ class PartitionedZeroOptimizer(FragmentAccess):
         failed, the ranks that applied the step undo it (nvme_tier.py's `revert_step`: two slots go back
         bit for bit; in place, the next step is refused until a load), nobody gathers, every rank drops the
         window's gradients and raises: the failing rank its own error, the others PeerStepError naming it.
-        Training on equals a run without the batch."""
-        send = self.comm.zeros(1, dtype=torch.int32)
+        Training on equals a run without the batch. Under a pipeline the status is gathered over the world
+        (`step_status_comm`: engine/pipe/stage_failure.py's note, a step failing on one stage)."""
+        comm = self.comm if self.step_status_comm is None else self.step_status_comm
+        send = comm.zeros(1, dtype=torch.int32)
         send.fill_(int(failed))
-        out = self.comm.empty(self.comm.world_size, dtype=torch.int32)
-        self.comm.all_gather(out, send)
+        out = comm.empty(comm.world_size, dtype=torch.int32)
+        comm.all_gather(out, send)
         ranks = [r for r, bad in enumerate(out.tolist()) if bad]  # one host read per step (NVMe offload only)
         if not ranks:
             return

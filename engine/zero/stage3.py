@@ -288,7 +288,8 @@ class ZeroStage3Optimizer(ZeroStage2Optimizer):
                 raise
             if failed_here:
                 self.coordinator.release_all()
-                self._refresh_persistent(step_failed=True)
+                if self.step_status_comm is None:  # else agreed already (partitioned.py's _agrees_after_step)
+                    self._refresh_persistent(step_failed=True)
             self._drop_window()
             raise
 
