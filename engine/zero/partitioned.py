@@ -40,7 +40,7 @@ from .grad_swap import norm_ranges
 from .partition import REDUCE_DEPTH, InFlight, PartitionedParams, RankMajorLayout, land_slots, split_runs
 from .tier import HostGradients, PartitionTier
 from .stage0 import checked_step, reduction_settings
-from .stage3_read_failures import undo_for_peers
+from .stage3_read_failures import PeerStepError, undo_for_peers
 
 
 # [Note: gather bucket cap] `allgather_bucket_size` bounds the elements gathered at a time; dstrain
@@ -380,11 +380,11 @@ class PartitionedZeroOptimizer(FragmentAccess):
         except BaseException as err:
             if not self._agrees_after_step() or err is not self.nvme.failed:
                 raise
-            self._agree_on_step(failed=True)
+            self._agree_on_step(failed=2 if isinstance(err, PeerStepError) else 1)  # 2: a peer's (Lamb's pass 1)
             raise
         if applied:
             if self._agrees_after_step():
-                self._agree_on_step(failed=False)
+                self._agree_on_step(failed=0)
             self._gather_params()
         self.zero_grad()
         return applied
@@ -395,7 +395,7 @@ class PartitionedZeroOptimizer(FragmentAccess):
         pipeline's other stages must hear of it too (`step_status_comm`)."""
         return self.nvme is not None and (self.stage != 3 or self.step_status_comm is not None)
 
-    def _agree_on_step(self, failed: bool) -> None:
+    def _agree_on_step(self, failed: int) -> None:
         """[Note: a step failed on some rank] With the optimizer on NVMe one rank's step can fail alone (a
         swap file's read or write; nvme_tier.py undoes it on that rank). Raised right there, it left the
         other ranks in the parameter all-gather after their step until the process group's timeout. So
@@ -405,18 +405,21 @@ class PartitionedZeroOptimizer(FragmentAccess):
         bit for bit; in place, the next step is refused until a load), nobody gathers, every rank drops the
         window's gradients and raises: the failing rank its own error, the others PeerStepError naming it.
         Training on equals a run without the batch. Under a pipeline the status is gathered over the world
-        (`step_status_comm`: engine/pipe/stage_failure.py's note, a step failing on one stage)."""
+        (`step_status_comm`: engine/pipe/stage_failure.py's note, a step failing on one stage), where the
+        ranks that only heard of a failure inside the step (Lamb's first pass: nvme_per_tensor.py) send 2,
+        so that the other stages name the rank that failed (`failed`: 0, 1 this rank's own, 2 a peer's)."""
         comm = self.comm if self.step_status_comm is None else self.step_status_comm
         send = comm.zeros(1, dtype=torch.int32)
-        send.fill_(int(failed))
+        send.fill_(failed)
         out = comm.empty(comm.world_size, dtype=torch.int32)
         comm.all_gather(out, send)
-        ranks = [r for r, bad in enumerate(out.tolist()) if bad]  # one host read per step (NVMe offload only)
-        if not ranks:
+        statuses = out.tolist()  # one host read per step (NVMe offload only)
+        if not any(statuses):
             return
         self.zero_grad()  # the window's gradients, on every rank
         if failed:
             return  # the caller raises this rank's own error
+        ranks = [r for r, s in enumerate(statuses) if s == 1] or [r for r, s in enumerate(statuses) if s]
         raise undo_for_peers(self.nvme, self.stage, ranks)
 
     @torch.no_grad()
