@@ -53,22 +53,28 @@ def model_and_groups(groups: int) -> tuple[torch.nn.Module, list[dict]]:
 
 
 @contextlib.contextmanager
-def _state_writes_fail(armed: bool, groups: int, state: str = "exp_avg"):
-    """FAILING_RANK's writes of its `state` swap files past the first sub-group fail (EIO) while `armed`,
-    of the last param group's flat only (the others are stepped and committed first)."""
-    real = os.pwritev
+def swap_io_fails(armed: bool, call: str, fails):
+    """FAILING_RANK's `os.<call>` ("preadv" or "pwritev": the aio workers' reads and writes) raises EIO
+    where `fails(file name, byte offset)`, while `armed`."""
+    real = getattr(os, call)
 
-    def pwritev(fd, buffers, at):
-        name = os.readlink(f"/proc/self/fd/{fd}")
-        if f"group{groups - 1}-" in name and f".{state}." in name and at > 0:
-            raise OSError(errno.EIO, "injected write error")
+    def failing(fd, buffers, at):
+        if fails(os.readlink(f"/proc/self/fd/{fd}"), at):
+            raise OSError(errno.EIO, f"injected {'read' if call == 'preadv' else 'write'} error")
         return real(fd, buffers, at)
     if armed and torch.distributed.get_rank() == FAILING_RANK:
-        os.pwritev = pwritev
+        setattr(os, call, failing)
     try:
         yield
     finally:
-        os.pwritev = real
+        setattr(os, call, real)
+
+
+def _state_writes_fail(armed: bool, groups: int, state: str = "exp_avg"):
+    """FAILING_RANK's writes of its `state` swap files past the first sub-group fail (EIO) while `armed`,
+    of the last param group's flat only (the others are stepped and committed first)."""
+    return swap_io_fails(armed, "pwritev",
+                         lambda name, at: f"group{groups - 1}-" in name and f".{state}." in name and at > 0)
 
 
 def _weights(eng) -> list[torch.Tensor]:

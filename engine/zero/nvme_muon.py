@@ -99,16 +99,40 @@ class SwappedMuon:
         return rounds
 
     def step(self) -> None:
+        """Both passes over the matrix flats, then the AdamW half. A rank whose step fails still enters
+        every round it has not entered before it raises (`_enter_with_zeros`' note)."""
         groups = self.optimizer.param_groups
-        for key in self.matrix_keys:
-            self._momentum_pass(key, self.tier.parts[key], groups[key[0]])
-        pending = list(self.rounds)
-        ready = {key: [] for key in self.matrix_keys}  # key -> [(start, end, orthogonalised update)]
-        for key in self.matrix_keys:
-            self._apply_pass(key, self.tier.parts[key], groups[key[0]], pending, ready)
+        pending = list(self.rounds)  # the rounds this rank has not entered yet
+        try:
+            for key in self.matrix_keys:
+                self._momentum_pass(key, self.tier.parts[key], groups[key[0]])
+            ready = {key: [] for key in self.matrix_keys}  # key -> [(start, end, orthogonalised update)]
+            for key in self.matrix_keys:
+                self._apply_pass(key, self.tier.parts[key], groups[key[0]], pending, ready)
+        except Exception:  # noqa: BLE001 - raised once this rank has entered every round
+            self._enter_with_zeros(pending)
+            raise
         for key, part in self.tier.parts.items():
             if key not in self.matrix_keys:
                 self.tier.step_elementwise(key, part)
+
+    def join_as_failed(self) -> None:
+        """This rank refused its step before it began (nvme_tier.py's `check_image`): enter every round."""
+        self._enter_with_zeros(self.rounds)
+
+    def _enter_with_zeros(self, rounds: list[_Round]) -> None:
+        """[Note: a rank whose step fails] A rank whose swap read or write fails (or which refuses its
+        step) does not reach the rounds after the failure, while the other ranks wait in their all-to-alls;
+        so it still enters each of them, sending zeros for its fragments. The other ranks apply a step from
+        those, which the stage's agreement after the step undoes on every rank, as any step that failed on
+        one rank (partitioned.py's and stage3.py's notes: a step failed on some rank): every rank raises,
+        the failing one its own error, the others PeerStepError. Nothing is added to a step that does not
+        fail: no collective, no host read. A failure after the last round owes nothing."""
+        for round_ in rounds:
+            keys = list(round_.ranges)
+            zeros = [torch.zeros(b - a, dtype=torch.float32, device=CPU) for a, b in round_.ranges.values()]
+            round_.orthogonalizer([self.partition.flat[key] for key in keys], zeros,
+                                  starts=[round_.ranges[key][0] for key in keys])
 
     def _momentum_pass(self, key, part, group: dict) -> None:
         grad, beta = self.tier.grad_reader(key), group["momentum"]  # from the swap file (grad_swap.py)
@@ -125,7 +149,7 @@ class SwappedMuon:
         def visit(k: int, views: dict) -> None:
             s, e = part.groups[k]
             while pending and (not windows or windows[-1][1] < e):
-                self._run_round(pending.pop(0), ready)
+                self._run_round(pending, ready)
             pieces = [u[max(s, a) - a:min(e, b) - a] for a, b, u in windows if a < e and b > s]
             apply_muon_update(views[MASTER], pieces[0] if len(pieces) == 1 else torch.cat(pieces), group)
             store.write_behind(key, s, views[MASTER])
@@ -134,11 +158,13 @@ class SwappedMuon:
         part.sweep(visit, {MASTER: part.source_slot}, write=[MASTER])
         part.commit([{} for _ in part.groups])
 
-    def _run_round(self, round_: _Round, ready: dict) -> None:
-        """The round's orthogonalised updates, appended to `ready`: U from the momentum pass 1 wrote,
-        orthogonalised through the owners."""
-        keys = list(round_.ranges)
+    def _run_round(self, pending: list[_Round], ready: dict) -> None:
+        """The first pending round's orthogonalised updates, appended to `ready`: U from the momentum pass
+        1 wrote, orthogonalised through the owners. The round leaves `pending` once its reads are done:
+        one that fails leaves it owed (note: a rank whose step fails)."""
+        round_, keys = pending[0], list(pending[0].ranges)
         updates = [self._nesterov(key, *round_.ranges[key]) for key in keys]
+        pending.pop(0)
         round_.orthogonalizer([self.partition.flat[key] for key in keys], updates,
                               starts=[round_.ranges[key][0] for key in keys])
         for key, update in zip(keys, updates):

@@ -52,25 +52,37 @@ class SwappedLamb:
         """The summed vector ends with one element per rank, 1 where its pass 1 failed: every rank still
         enters the sum (before, the others waited in it) and raises (ZeRO-3 agrees on the step's
         outcome too: stage3.py's note, a step failed on some rank)."""
-        n, rank = 2 * self.count, self.comm.rank
-        partial = torch.zeros(n + self.comm.world_size, dtype=torch.float32, device=CPU)
-        failed = None
+        partial, failed = self._partial_sums(), None
         try:
             steps = {key: self._moments_pass(key, part, partial) for key, part in self.tier.parts.items()}
         except Exception as err:  # noqa: BLE001 - raised below, once every rank has summed
             failed = err
-            partial.zero_()[n + rank] = 1
+            self._mark_failed(partial)
         total = self.reduce(partial)
         if failed is not None:
             raise failed
+        n = 2 * self.count
         ranks = [r for r, bad in enumerate(total[n:].tolist()) if bad]
         if ranks:
-            raise PeerStepError(f"ZeRO: {ranks_named(ranks)}'s optimizer step failed in Lamb's first pass (zero_"
+            raise PeerStepError(f"ZeRO: {ranks_named(ranks)}'s optimizer step failed before Lamb's second pass (zero_"
                                 "optimization.offload_optimizer.nvme_path; that rank's own error names the file): "
                                 "no rank applied it")
         w_norm, u_norm = total[:self.count].sqrt(), total[self.count:n].sqrt()
         for key, part in self.tier.parts.items():
             self._apply_pass(key, part, steps[key], w_norm, u_norm)
+
+    def join_as_failed(self) -> None:
+        """This rank refused its step before it began (nvme_tier.py's `check_image`): enter the sum, flagged."""
+        partial = self._partial_sums()
+        self._mark_failed(partial)
+        self.reduce(partial)
+
+    def _partial_sums(self) -> torch.Tensor:
+        """Per parameter the partial x² and u² sums, then one failure flag per rank (`step`)."""
+        return torch.zeros(2 * self.count + self.comm.world_size, dtype=torch.float32, device=CPU)
+
+    def _mark_failed(self, partial: torch.Tensor) -> None:
+        partial.zero_()[2 * self.count + self.comm.rank] = 1
 
     def _group(self, key) -> dict:
         return self.tier.optimizer.param_groups[key[0]]

@@ -157,7 +157,7 @@ class NvmeOptimizerTier:
         and its error kept in `failed`."""
         self.failed, self._marks = None, {key: part.mark() for key, part in self.parts.items()}
         try:
-            self.check_image(self.unrestored)
+            self._check_image_for_step()
             try:
                 if self.per_tensor is not None:
                     self.per_tensor.step()
@@ -171,6 +171,16 @@ class NvmeOptimizerTier:
                 self.partition.store.flush()
         except BaseException as err:
             self.failed = err
+            raise
+
+    def _check_image_for_step(self) -> None:
+        """`check_image` before the step; a rank refusing a two-pass step still enters its collectives,
+        as a rank failing inside it does, so the other ranks' step pairs up (nvme_per_tensor.py)."""
+        try:
+            self.check_image(self.unrestored)
+        except OffloadIOError:
+            if self.per_tensor is not None:
+                self.per_tensor.join_as_failed()
             raise
 
     def revert_step(self) -> None:

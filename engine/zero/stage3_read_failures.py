@@ -46,8 +46,8 @@ def undo_for_peers(nvme, stage: int, ranks: list[int]) -> PeerStepError:
     """Undo this rank's applied step because `ranks`' failed (nvme_tier.py's `revert_step`; stage3.py's and
     partitioned.py's notes: a step failed on some rank); the error every such rank raises."""
     nvme.revert_step()
-    what = ("this rank's step, written in place (offload_optimizer.swap_slots 1), cannot be undone: load a "
-            "checkpoint to go on" if nvme.unrestored else "every rank undid this step and dropped its gradients: "
+    what = ("this rank's step, written in place (offload_optimizer.swap_slots 1) or fast_init's first step, "
+            "cannot be undone: load a checkpoint to go on" if nvme.unrestored else "every rank undid this step and dropped its gradients: "
             "train on without this batch, or load a checkpoint")
     return PeerStepError(f"ZeRO-{stage}: {ranks_named(ranks)}'s optimizer step failed (zero_optimization."
                          f"offload_optimizer.nvme_path; that rank's own error names the file); {what}")
