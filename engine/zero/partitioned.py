@@ -359,6 +359,21 @@ class PartitionedZeroOptimizer(FragmentAccess):
 
     def step(self, step_number: int = 0) -> bool:
         """Unscale, check, clip, step this rank's partition, all-gather. Returns whether applied."""
+        if self.nvme is None:
+            return self._step(step_number)
+        # The loss-scale check counts the step as clean before it runs (fp16: with loss_scale_window n the
+        # scale grew a step early after a failure); a step undone on every rank (note: a step failed on
+        # some rank) leaves the guard, the scaler and the reported norm as before it. A few scalars.
+        guard, norm = self.guard.state_dict(), self.last_grad_norm
+        try:
+            return self._step(step_number)
+        except BaseException as err:
+            if err is self.nvme.failed or isinstance(err, PeerStepError):
+                self.guard.load_state_dict(guard)
+                self.last_grad_norm = norm
+            raise
+
+    def _step(self, step_number: int) -> bool:
         self.arrivals.check_unused(self.params, self.ignore_unused)
         buffers = self._grad_buffers()
         if not self._reduced_since_step:  # a step without a reducing backward: no gradient
