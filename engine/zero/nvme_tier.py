@@ -127,7 +127,10 @@ class NvmeOptimizerTier:
             raise schemas.ConfigError([str(bad_path)]) from None
         self.io = AsyncFileIO(aio, path_key=PATH_KEY)
         sub_group = -(-max(1, int(zero.sub_group_size)) // LANES) * LANES  # the lanes note
-        elements = max(sub_group_buffer_elements(f.numel(), sub_group) for f in partition.flat.values())
+        # a pipeline stage of parameter-free layers has no flat: its tier steps nothing, but the rank still
+        # joins every step's status all-gather (partitioned.py's note: a step failed on some rank)
+        elements = max((sub_group_buffer_elements(f.numel(), sub_group) for f in partition.flat.values()),
+                       default=LANES)
         self.parts: dict[tuple, SwappedPartition] = {}
         try:  # whatever fails from here on, the swap directory made above goes with it (close)
             self.pool = SwapBufferPool(section.buffer_count, elements, pin_memory=section.pin_memory)
