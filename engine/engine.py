@@ -114,16 +114,35 @@ class Engine(torch.nn.Module):
         if self._in_no_sync:
             raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first")
         if self.is_gradient_accumulation_boundary():
-            self._boundary_step()
+            try:
+                self._boundary_step()
+            except BaseException:
+                self._drop_window()
+                raise
         self._micro_steps += 1
         self._boundary_override = None
+
+    def _drop_window(self) -> None:
+        """A boundary step that raised (a client optimizer's check, a swap file that failed on some rank)
+        drops its window, so that training on is a run without that batch: the window's gradients go and
+        the next micro-step starts a new window (before, it ended the window the failed step had ended,
+        stepping on one micro-batch's gradient added to the failed window's)."""
+        self._micro_steps -= self.micro_steps_in_window()
+        self._boundary_override = None
+        self.zero_optimizer.zero_grad()
 
     def _boundary_step(self) -> None:
         """The optimizer step at an accumulation boundary, the LR schedule, counters, log, saving."""
         self._check_still_frozen()
         self.timers.start("step")
-        self._step_applied = self.zero_optimizer.step(self.global_steps + 1)
-        self.timers.stop("step")
+        try:
+            self._step_applied = self.zero_optimizer.step(self.global_steps + 1)
+        except BaseException:  # nothing counted: the window's losses and times go with it
+            self.metrics.drop_window()
+            self.timers.step_totals_and_reset()
+            raise
+        finally:
+            self.timers.stop("step")
         if self._step_applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()

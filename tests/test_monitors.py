@@ -238,3 +238,53 @@ def test_a_resumed_run_logs_the_rate_of_its_own_steps_and_counts_flops(tmp_path)
     assert "TFLOPS" in line and "MFU" in line
     _, tflops = _csv(tmp_path / "csv" / "job" / "Train_Samples_TFLOPS.csv")
     assert [s for s, _ in tflops] == [2 * step for step in range(9, 13)]
+
+
+class _StepFailsOnce(torch.optim.SGD):
+    """A client optimizer whose second step raises (a user check, a failed swap: the caller trains on)."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=LR)
+        self.calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("step refused")
+        return super().step(closure)
+
+
+def test_a_step_that_raised_leaves_its_losses_out_of_the_next_steps_train_loss(tmp_path):
+    import engine
+    torch.manual_seed(0)
+    model = OddMLP()
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+           "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}}
+    eng, *_ = engine.initialize(model=model, optimizer=_StepFailsOnce(model.parameters()), config=cfg)
+    windows = make_batches(3, 2 * MICRO)
+    reported, means = [], []
+    for x, y in windows:
+        losses = []
+        try:
+            for xm, ym in micro_batches(x, y, 0, 1, 2):
+                losses.append(float(eng.backward(eng(xm, ym))))
+                eng.step()
+        except RuntimeError as err:
+            assert "step refused" in str(err)
+            continue
+        reported.append(eng.metrics.train_loss)
+        means.append(sum(losses) / len(losses))
+    eng.destroy()
+    # the failed window is dropped whole: its gradients, and the next micro-step starts a window (engine.py)
+    torch.manual_seed(0)
+    reference = OddMLP()
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for x, y in (windows[0], windows[2]):
+        for xm, ym in micro_batches(x, y, 0, 1, 2):
+            (reference(xm, ym) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name], p, rtol=1e-6, atol=1e-7, msg=name)
+    assert len(reported) == 2, reported
+    assert reported == pytest.approx(means, rel=1e-6), (reported, means)  # the failed window's losses dropped

@@ -96,6 +96,11 @@ class TrainingMetrics:
             self._loss_sum = loss.clone() if self._loss_sum is None else self._loss_sum + loss
             self._loss_count += 1
 
+    def drop_window(self) -> None:
+        """A step that raised: its window's losses are not the next step's (training on must report what
+        a run without that batch reports)."""
+        self._loss_sum, self._loss_count = None, 0
+
     def _step_train_loss(self) -> float | None:
         """`Train/Samples/train_loss`: the mean micro-batch loss of this step over every data-parallel
         rank (one scalar all-reduce per step, only while a monitor is configured)."""
