@@ -128,7 +128,8 @@ def settings(cfg: dict) -> EstimateSettings:
                             swap_gradients=opt.get("swap_gradients"),
                             param_buffer_count=param.get("buffer_count", EstimateSettings.param_buffer_count),
                             param_buffer_size=param.get("buffer_size", EstimateSettings.param_buffer_size),
-                            max_in_cpu=param.get("max_in_cpu", EstimateSettings.max_in_cpu))
+                            max_in_cpu=param.get("max_in_cpu", EstimateSettings.max_in_cpu),
+                            pipeline_read=opt.get("pipeline_read", EstimateSettings.pipeline_read))
 
 
 def _rank(model_cfg: GPTConfig, cfg: dict, steps: int, dump: str | None = None, gradients: str = "swap") -> dict:

@@ -37,7 +37,7 @@ def _settings(args: argparse.Namespace):
                             max_live_parameters=zero.max_live_parameters, sub_group_size=zero.sub_group_size,
                             **({"optimizer_buffer_count": optimizer.buffer_count,
                                 "swap_slots": optimizer.swap_slots, "swap_gradients": optimizer.swap_gradients,
-                                "fast_init": optimizer.fast_init}
+                                "fast_init": optimizer.fast_init, "pipeline_read": optimizer.pipeline_read}
                                if optimizer else {}),
                             **({"param_buffer_count": param.buffer_count, "param_buffer_size": param.buffer_size,
                                 "max_in_cpu": param.max_in_cpu} if param else {}))

@@ -57,6 +57,7 @@ class EstimateSettings:
     param_buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
     fast_init: bool = False  # offload_optimizer.fast_init: fp32 parameter files in 16-bit training (stage-3 note)
+    pipeline_read: bool = False  # offload_optimizer.pipeline_read: a swapped gradient's next range read ahead
 
 
 def estimate_memory(params: int, nodes: int = 1, gpus_per_node: int = 1,
@@ -102,7 +103,8 @@ def _estimate(stage: int, offload: str, psi: int, n: int, s: EstimateSettings,
         send_image = _image_bytes(half, "nvme", s) * psi // n if stage < 3 else 0
         swapped = s.swap_gradients if s.swap_gradients is not None else (offload.startswith("nvme params")
                                                                           and psi // n > s.max_in_cpu)
-        host += (_swapped_gradient_staging(psi, n, s) if swapped else partition_grad) + _optimizer_pool(psi // n, s)
+        staging = _swapped_gradient_staging(psi, n, s, stage == 3 and offload.startswith("nvme params"))
+        host += (staging if swapped else partition_grad) + _optimizer_pool(psi // n, s)
         host += send_image
         nvme += s.swap_slots * (4 * psi // shard + moments) + (partition_grad if swapped else 0)
     if stage == 3 and offload != "none":
@@ -169,12 +171,21 @@ def _buckets(stage: int, psi: int, s: EstimateSettings, wbytes: int) -> int:
     return wbytes * min(psi, REDUCE_DEPTH * s.reduce_bucket_size)  # never more in flight than the model
 
 
-def _swapped_gradient_staging(psi: int, n: int, s: EstimateSettings) -> int:
+def _swapped_gradient_staging(psi: int, n: int, s: EstimateSettings, nvme_params: bool = False) -> int:
     """[Note: swapped gradient] With the optimizer on NVMe the partition gradient is in swap files
-    (engine/zero/grad_swap.py); the host holds the landings in flight (DEPTH bucket segments) and one
-    range being read (a sub-group, or a norm chunk), whatever the optimizer (Lamb and Muon too)."""
+    (engine/zero/grad_swap.py); the host holds the landings in flight (DEPTH bucket segments) and the
+    range being read (a sub-group, or a norm chunk; two with `pipeline_read`: the next one read ahead),
+    whatever the optimizer (Lamb and Muon too), in the staging buffers (offload/staging.py), which keep
+    a phase's buffers until the next phase asks for other sizes. A bucket holds at least one whole
+    parameter, so a parameter larger than `reduce_bucket_size` lands whole: at stage 3 with the
+    parameters on NVMe its share is bounded by `offload_param.buffer_size` (a gather group's share must
+    fit one buffer); elsewhere the estimate does not know the largest parameter and takes the bucket."""
     from engine.zero.grad_swap import DEPTH, NORM_CHUNK
-    return 4 * (DEPTH * min(s.reduce_bucket_size, psi) // n + min(max(s.sub_group_size, NORM_CHUNK), psi // n))
+    landing = min(s.reduce_bucket_size, psi) // n
+    if nvme_params:
+        landing = max(landing, min(s.param_buffer_size, psi // n))
+    reads = 2 if s.pipeline_read else 1
+    return 4 * (DEPTH * landing + reads * min(max(s.sub_group_size, NORM_CHUNK), psi // n))
 
 
 def _optimizer_pool(partition: int, s: EstimateSettings) -> int:
