@@ -10,6 +10,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -216,6 +217,10 @@ def stop_ranks(ranks: list[RankProcess], grace_s: float, pump, hurried=lambda: F
         if all(proc.returncode is not None for proc in ranks):
             break
         pump(0.05)
+    stubborn = [proc.rank for proc in ranks if proc.returncode is None]
+    if stubborn and not hurried():  # what the user's ranks did with SIGTERM, and what the grace was
+        print(f"dslaunch: rank(s) {', '.join(map(str, stubborn))} still running {grace_s:g} s after SIGTERM "
+              "(--term_grace): SIGKILL", file=sys.stderr, flush=True)
     signal_rank_groups(ranks, signal.SIGKILL)
     for proc in ranks:
         proc.popen.wait()

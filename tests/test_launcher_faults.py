@@ -183,8 +183,9 @@ def test_a_launcher_killed_outright_takes_the_ranks_children_with_it(tmp_path, v
 
 
 def test_term_grace_sets_the_time_from_sigterm_to_sigkill(tmp_path):
-    """`dslaunch --term_grace S`: ranks that ignore SIGTERM are SIGKILLed about S seconds after the
-    stop, not after the default 5 s (the bounds leave seconds of slack on a loaded machine)."""
+    """`dslaunch --term_grace S`: ranks that ignore SIGTERM are SIGKILLed S seconds after the stop, not
+    after the default 5 s: no sooner (the deadline), and the agent says it waited S (an upper bound on
+    wall time would be a timing assertion: under load the launcher's own exit can take seconds)."""
     out = str(tmp_path / "out")
     os.makedirs(out)
     grace = 0.5
@@ -200,8 +201,8 @@ def test_term_grace_sets_the_time_from_sigterm_to_sigkill(tmp_path):
         took = time.monotonic() - signalled_at
         assert launcher.returncode == 128 + signal.SIGTERM, stderr
         assert not any(live(pid) for pid in ranks)
-        # at least the grace (the agent's SIGTERM follows ours); well under the default 5 s
-        assert grace <= took < 4.0, f"dslaunch took {took:.2f} s to stop ranks that ignore SIGTERM"
+        assert took >= grace, f"dslaunch took {took:.2f} s to stop ranks that ignore SIGTERM"  # the agent's SIGTERM follows ours
+        assert "rank(s) 0, 1 still running 0.5 s after SIGTERM (--term_grace): SIGKILL" in stderr, stderr
     finally:
         if launcher.poll() is None:
             launcher.kill()
