@@ -82,10 +82,7 @@ def _run(nvme_path: str, ckpt: str, variant: str, offloaded: bool) -> dict:
                     eng.step()
             except RuntimeError as err:
                 out["events"].append(str(err))
-            del tier.grad_reader
-            # the raised boundary step left the micro-step count where it was (engine.step, as DeepSpeed's):
-            # move it on so the batch is trained again in the window the reference trains it in
-            eng._micro_steps += 1
+            del tier.grad_reader  # the raised boundary step dropped its window (engine.step): the batch trains again
             out["weights_after_failure"] = {n: safe_get_full_fp32_param(p) for n, p in eng.module.named_parameters()}
         for k, (xm, ym) in enumerate(micro_batches(x.to(cast), y.to(cast), rank, world, GAS)):
             loss = eng(xm, ym)
