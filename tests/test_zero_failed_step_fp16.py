@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.test_zero_stage3_step_failure import FAILED, _state_writes_fail, _weights, check_ranks, model_and_groups
+from tests.test_zero_stage3_step_failure import (FAILED, _state_writes_fail, _weights, check_ranks, model_and_groups,
+                                                 rank_batches)
 
 BATCHES, OVERFLOW = 7, 4  # growth every 2 clean steps: at batch 1, then 4 clean steps after the failure
 
@@ -49,8 +50,7 @@ def _train(eng, data, fail_at: int | None, errors: dict) -> None:
 
 
 def _run(tmp: str, stage: int) -> dict:
-    g = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
-    data = [(torch.randn(2, 32, generator=g), torch.randn(2, 4, generator=g)) for _ in range(BATCHES)]
+    data = rank_batches(BATCHES)
     data[OVERFLOW][0][0, 0] = float("inf")  # Inf/NaN gradients: an fp16 overflow, skipped
     out = {"errors": {}}
     for name in ("ref", "fail"):

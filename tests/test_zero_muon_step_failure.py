@@ -24,7 +24,7 @@ import torch
 
 from tests.harness import run_distributed
 from tests.test_zero_stage3_step_failure import (FAILED, FAILING_RANK, STEPS, _state_writes_fail, _weights,
-                                                 check_ranks, model_and_groups, swap_io_fails)
+                                                 check_ranks, model_and_groups, rank_batches, swap_io_fails)
 
 MUON_FLAT = "group0-"  # the Muon half of the one user group (engine/optimizers.py's _build_muon)
 SUB_GROUP = 512
@@ -87,8 +87,7 @@ def _train(eng, data, fail_at: int | None, errors: dict, batches, failure: str) 
 
 def _run(tmp: str, stage: int, slots: int, failure: str, optimizer: str, fast_init: bool = False) -> dict:
     """The failing run and a reference without batch FAILED, one after the other on the same ranks."""
-    g = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
-    data = [(torch.randn(2, 32, generator=g), torch.randn(2, 4, generator=g)) for _ in range(STEPS)]
+    data = rank_batches(STEPS)
     out = {"errors": {}}
     failed = 0 if fast_init else FAILED  # fast_init: its first step, which no rank can undo
     kept = [i for i in range(STEPS) if i != failed]

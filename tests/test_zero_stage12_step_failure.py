@@ -18,7 +18,8 @@ import os
 import torch
 
 from tests.harness import run_distributed
-from tests.test_zero_stage3_step_failure import FAILED, STEPS, _state_writes_fail, check_ranks, model_and_groups
+from tests.test_zero_stage3_step_failure import (FAILED, STEPS, _state_writes_fail, check_ranks, model_and_groups,
+                                                 rank_batches)
 
 
 def _engine(path: str, stage: int, slots: int, groups: int):
@@ -46,8 +47,7 @@ def _train(eng, data, fail_at: int | None, errors: dict, batches, groups: int) -
 
 def _run(tmp: str, stage: int, slots: int, groups: int) -> dict:
     """The failing run and a reference without batch FAILED, one after the other on the same ranks."""
-    g = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
-    data = [(torch.randn(2, 32, generator=g), torch.randn(2, 4, generator=g)) for _ in range(STEPS)]
+    data = rank_batches(STEPS)
     out = {"errors": {}}
     for name in ("ref", "fail"):
         path = os.path.join(tmp, name)

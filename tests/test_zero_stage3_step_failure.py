@@ -95,10 +95,15 @@ def _train(eng, data, fail_at: int | None, errors: dict, batches, groups: int = 
             errors.setdefault(i, []).append((type(err).__name__, str(err)))
 
 
+def rank_batches(n: int) -> list:
+    """`n` (input, target) batches of this rank's own: ranks draw different data, as data parallelism does."""
+    g = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
+    return [(torch.randn(2, 32, generator=g), torch.randn(2, 4, generator=g)) for _ in range(n)]
+
+
 def _run(tmp: str, persistent: int, slots: int, param_nvme: bool, groups: int, optimizer: str, bf16: bool) -> dict:
     """The failing run and a reference without batch FAILED, one after the other on the same ranks."""
-    g = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
-    data = [(torch.randn(2, 32, generator=g), torch.randn(2, 4, generator=g)) for _ in range(STEPS)]
+    data = rank_batches(STEPS)
     out = {"errors": {}}
     for name in ("ref", "fail"):
         path = os.path.join(tmp, name)
