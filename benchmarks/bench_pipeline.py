@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import pipe_workload as wl  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
-SCHEDULES = ("1f1b", "eager_1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("1f1b", "eager_1f1b", "zb_h1", "gpipe", "interleaved_1f1b", "zero_bubble")
 
 
 def measured(times: list[float]) -> float:

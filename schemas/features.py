@@ -101,11 +101,13 @@ class PipelineConfig(StrictModel):
     stages: Union[int, Literal["auto"]] = "auto"
     """Pipeline stages; "auto" takes them from the model (`PipelineModule(num_stages=)`); a number must
     equal the model's."""
-    schedule: Literal["1f1b", "eager_1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    schedule: Literal["1f1b", "eager_1f1b", "zb_h1", "gpipe", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     """dstrain's: the pipeline schedule (docs/parallelism.md). "interleaved_1f1b" and "zero_bubble" need
     `PipelineModule(virtual_stages=2)` or more; "eager_1f1b" (1F1B with each stage one micro-batch further
     ahead: no round trip per micro-batch, up to 2(p − s) − 1 micro-batches of activations on stage s)
-    runs on gloo only."""
+    runs on gloo only; "zb_h1" (1F1B with each backward split into its input and weight gradients, the
+    weight gradients deferred into the drain: a third of 1F1B's bubble) holds up to p micro-batches of
+    activations on every stage."""
     partition: str = "best"
     """How layers are assigned to stages."""
     seed_layers: bool = False

@@ -76,9 +76,11 @@ def _train_each(stages: int, cases: list):
 # (schedule, virtual stages per rank, accumulation steps = micro-batches, tied weights, layers)
 CASES = {
     2: [("1f1b", 1, 4, True, 6), ("gpipe", 1, 3, False, 8), ("interleaved_1f1b", 2, 4, True, 8),
-        ("zero_bubble", 2, 4, True, 8), ("eager_1f1b", 1, 5, True, 6)],  # tied: 3-d activations leave nn.Linear as views
+        ("zero_bubble", 2, 4, True, 8), ("eager_1f1b", 1, 5, True, 6), ("zb_h1", 1, 5, True, 6),
+        ("zb_h1", 1, 1, False, 6)],  # tied: 3-d activations leave nn.Linear as views
     4: [("1f1b", 1, 4, True, 8), ("gpipe", 1, 2, True, 8), ("interleaved_1f1b", 2, 4, False, 16),
-        ("zero_bubble", 2, 4, False, 16), ("eager_1f1b", 1, 8, True, 8)],  # stage 0 runs 7 forwards first
+        ("zero_bubble", 2, 4, False, 16), ("eager_1f1b", 1, 8, True, 8), ("zb_h1", 1, 6, True, 8),
+        ("zb_h1", 1, 3, False, 8)],  # eager: stage 0 runs 7 forwards first; zb_h1 at m ≥ p and m < p
 }
 
 
@@ -86,7 +88,33 @@ def _two_rank_checks():
     """Every 2-rank check of this file in one spawn (each spawn costs a torch import and rendezvous per rank)."""
     return {"schedules": _train_each(2, CASES[2]), "peaks": _activation_peaks(), "dicts": _dicts_and_lengths(),
             "batchnorm": _batchnorm_statistics(), "epochs": _training_data_epochs(), "demo": _pipeline_demo(),
-            "untied": _untied_warnings()}
+            "untied": _untied_warnings(), "checkpointed": _checkpointed_split_backward()}
+
+
+def _checkpointed_split_backward() -> dict:
+    """zb_h1 with activation_checkpoint_interval=2: the last stage's backward runs in two autograd passes
+    (input gradient, then weights) over checkpointed regions; 3 steps of 4 micro-batches, the losses and
+    this stage's parameters."""
+    import engine
+    from engine.pipe import PipelineModule
+    pm = PipelineModule(mlp_specs(8), num_stages=2, loss_fn=mse, seed_layers=True, partition_method="uniform",
+                        activation_checkpoint_interval=2)
+    eng, *_ = engine.initialize(model=pm, config=_config("zb_h1", 4))
+    losses = [float(eng.train_batch(iter(list(micro_batches(x, y, 0, 1, 4)))))
+              for x, y in global_batches(3, MICRO * 4, False)]
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in pm.named_parameters()}}
+
+
+def test_zb_h1_with_activation_checkpointing_matches_single_process(two_rank_results):
+    ref, ref_losses = reference_sgd(mlp_specs(8), global_batches(3, MICRO * 4, False), mse, LR, 3)
+    want = reference_params(ref)
+    seen = set()
+    for r in (res["checkpointed"] for res in two_rank_results):
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=name)
+            seen.add(name)
+    assert seen == set(want)
 
 
 def _untied_warnings() -> list:
@@ -142,7 +170,7 @@ def test_every_schedule_matches_single_process(stages, request):
     idle = {}
     for k, (schedule, _, gas, tied, n_layers) in enumerate(CASES[stages]):
         _check_against_reference([r[k] for r in per_rank], tied, gas, dp=1, n_layers=n_layers)
-        idle[schedule] = [r[k][2] for r in per_rank]
+        idle[schedule, gas] = [r[k][2] for r in per_rank]
     # the wall-clock bubble's values are the benchmark's (no timing assertions); here its bookkeeping: each
     # action timed, and each stage's fraction taken over the pipeline's span (the union of the stages' runs,
     # stage_clock.py's note), not its own, so never below the own-span one
@@ -159,12 +187,13 @@ def test_every_schedule_matches_single_process(stages, request):
             directions = (rank > 0) + (rank < stages - 1)
             assert r[k][4] == ([STEPS * (gas - 1) * directions] if virtual == 1 else [None] * virtual), (schedule, rank)
     # Schedule accounting: the idle slots of the executed action lists, per stage, vs the formula.
-    for schedule in ("1f1b", "eager_1f1b", "gpipe"):  # eager_1f1b.py's note: the extra forwards move idle time
-        m = next(c[2] for c in CASES[stages] if c[0] == schedule)
-        assert idle[schedule] == pytest.approx([formula_bubble(schedule, stages, m)] * stages, abs=1e-9)
+    for (schedule, m), fractions in idle.items():  # eager_1f1b.py's note: the extra forwards move idle time
+        if schedule in ("1f1b", "eager_1f1b", "gpipe", "zb_h1"):
+            assert fractions == pytest.approx([formula_bubble(schedule, stages, m)] * stages, abs=1e-9), schedule
     plain = formula_bubble("1f1b", stages, 4)
-    assert max(idle["interleaved_1f1b"]) < plain
-    assert max(idle["zero_bubble"]) < max(idle["interleaved_1f1b"])
+    assert max(idle["interleaved_1f1b", 4]) < plain
+    assert max(idle["zero_bubble", 4]) < max(idle["interleaved_1f1b", 4])
+    assert formula_bubble("zb_h1", stages, 4) < plain  # a third of 1F1B's at m ≥ p (zb_h1.py's note)
 
 
 EPOCH_ROWS, EPOCH_STEPS = 8, 5  # 2 batches of 2 micro-batches an epoch: 5 steps end 2 epochs and start a third
@@ -238,7 +267,8 @@ def _activation_peaks():
     from engine.checkpointing import SavedActivationProbe
     from engine.pipe import PipelineModule
     peaks = {}
-    for schedule, m, interval in (("1f1b", 1, 0), ("1f1b", 4, 0), ("gpipe", 4, 0), ("1f1b", 4, 2), ("eager_1f1b", 4, 0)):
+    for schedule, m, interval in (("1f1b", 1, 0), ("1f1b", 4, 0), ("gpipe", 4, 0), ("1f1b", 4, 2), ("eager_1f1b", 4, 0),
+                                     ("zb_h1", 4, 0)):
         pm = PipelineModule(mlp_specs(8), num_stages=2, loss_fn=mse, seed_layers=True, partition_method="uniform",
                             activation_checkpoint_interval=interval)
         eng, *_ = engine.initialize(model=pm, config=_config(schedule, m))
@@ -252,13 +282,14 @@ def _activation_peaks():
     return peaks
 
 
-def test_1f1b_holds_at_most_p_micro_batches_eager_2p_less_1_gpipe_m_and_checkpointing_less(two_rank_results):
+def test_1f1b_holds_at_most_p_micro_batches_eager_2p_less_1_zb_h1_p_gpipe_m_and_checkpointing_less(two_rank_results):
     for stage, peaks in enumerate(r["peaks"] for r in two_rank_results):
         one = peaks[("1f1b", 1, 0)]
         assert one > 0
         assert peaks[("1f1b", 4, 0)] == min(2 - stage, 4) * one  # stage 0 holds p = 2, the last stage 1
         assert peaks[("gpipe", 4, 0)] == 4 * one
         assert peaks[("eager_1f1b", 4, 0)] == (3 if stage == 0 else 1) * one  # 2(p − s) − 1 (eager_1f1b.py)
+        assert peaks[("zb_h1", 4, 0)] == 2 * one  # p on every stage: a micro-batch waits for its W (zb_h1.py)
         # activation_checkpoint_interval=2: each [Linear, Tanh] pair keeps only its input. Stage 0 holds
         # two micro-batches of pairs: less. The last stage's loss keeps as much as the pairs saved: no more.
         if stage == 0:

@@ -13,7 +13,7 @@ from tests.models import micro_batches
 from tests.pipe_models import global_batches, mlp_specs, mse, reference_params, reference_sgd
 
 LR, MICRO, STEPS = 0.1, 2, 3
-CASES = (("1f1b", 1, 6), ("gpipe", 1, 3), ("zero_bubble", 2, 4))  # (schedule, chunks per rank, micro-batches)
+CASES = (("1f1b", 1, 6), ("gpipe", 1, 3), ("zero_bubble", 2, 4), ("zb_h1", 1, 4))  # (schedule, chunks per rank, micro-batches)
 
 
 def _held(eng) -> dict:

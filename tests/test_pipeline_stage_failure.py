@@ -103,8 +103,8 @@ def _engine(stages: int, zero: int, schedule: str, tied: bool = False, compresse
     specs = mlp_specs(4) + [Checker(), LayerSpec(HookedLinear, D, D)] + mlp_specs(4)[1:]
     if tied:
         specs = [TiedLayerSpec("ends", nn.Linear, D, D), *specs, TiedLayerSpec("ends", nn.Linear, D, D)]
-    pm = PipelineModule(specs, num_stages=stages, loss_fn=raising_mse,
-                        seed_layers=True, partition_method="uniform", virtual_stages=1 if schedule == "1f1b" else 2)
+    pm = PipelineModule(specs, num_stages=stages, loss_fn=raising_mse, seed_layers=True, partition_method="uniform",
+                        virtual_stages=2 if schedule == "zero_bubble" else 1)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
               "gradient_clipping": 0.0, "zero_optimization": {"stage": zero}, "pipeline": {"schedule": schedule},
@@ -165,10 +165,12 @@ ONE_REPLICA = [("loss", 1, "train", {1}), ("forward", 0, "train", {0}), ("probe"
                ("backward", 0, "train", {1}), ("weight", 1, "train", {0})]
 TIED = [("loss", 1, "train", None), ("forward", 0, "train", None), ("weight", 0, "train", None)]
 # 2 stages of 2 chunks each under zero_bubble (its input-gradient step sends what autograd.grad gives),
-# and under 1f1b, with a weight tied between them at ZeRO-1; 3 stages; 2 stages × 2 replicas at ZeRO-3,
+# and under 1f1b, with a weight tied between them at ZeRO-1; 3 stages (and under zb_h1, whose input- and
+# weight-gradient steps are its own loop's, engine/pipe/zb_h1.py); 2 stages × 2 replicas at ZeRO-3,
 # and at stage 0 with PowerSGD, whose error feedback a data group that did not know of the failure fed
 # with the dropped batch's gradient before the norm's all-reduce told it (the outcome is voted first there)
-LAYOUTS = {2: [(2, 0, ALL, "zero_bubble"), (2, 0, BACKWARD), (2, 1, TIED, "1f1b", True)], 3: [(3, 0, ALL)],
+LAYOUTS = {2: [(2, 0, ALL, "zero_bubble"), (2, 0, BACKWARD), (2, 1, TIED, "1f1b", True)],
+           3: [(3, 0, ALL), (3, 0, BACKWARD, "zb_h1")],
            4: [(2, 3, ONE_REPLICA), (2, 0, ONE_REPLICA[:2], "1f1b", False, True)]}
 
 

@@ -23,7 +23,9 @@ Schedule1F1B does.
 """
 from __future__ import annotations
 
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batch_p2p, _wait_batch_p2p
+from torch.distributed.pipelining.schedules import _batch_p2p, _wait_batch_p2p
+
+from .stage_loop import StageLoop
 
 
 def eager_lead(stage_index: int, num_stages: int, m: int) -> int:
@@ -31,14 +33,10 @@ def eager_lead(stage_index: int, num_stages: int, m: int) -> int:
     return min(m, 2 * (num_stages - stage_index) - 1)
 
 
-class Eager1F1B(PipelineScheduleSingle):
+class Eager1F1B(StageLoop):
     """One stage per rank; torch's stage does the computing and the messages, this orders them."""
 
-    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
-                           return_outputs=True, loss_kwargs=None):
-        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
-        self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
-                               loss_kwargs)
+    def _loop(self) -> None:
         stage, m = self._stage, self._n_microbatches
         sends: list = []
 
@@ -48,14 +46,11 @@ class Eager1F1B(PipelineScheduleSingle):
 
         def forward(k: int) -> None:
             _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(k)))
-            output = stage.forward_one_chunk(k, arg_mbs[k], kwarg_mbs[k], save_forward_output=return_outputs)
-            post(stage.get_fwd_send_ops(k))
-            self._maybe_compute_loss(stage, output, target_mbs, k, loss_kwargs)
+            post(self._forward(k))
 
         def backward(k: int) -> None:
             _wait_batch_p2p(_batch_p2p(stage.get_bwd_recv_ops(k)))
-            stage.backward_one_chunk(k, loss=self._maybe_get_loss(stage, k), last_backward=k == m - 1)
-            post(stage.get_bwd_send_ops(k))
+            post(self._backward(k))
 
         lead = eager_lead(stage.stage_index, self._num_stages, m)
         for k in range(lead):
@@ -66,6 +61,3 @@ class Eager1F1B(PipelineScheduleSingle):
             if k + lead < m:
                 forward(k + lead)
         _wait_batch_p2p(sends)
-        self._update_losses(stage, losses)
-        if self._has_backward:
-            stage.perform_reduce_grad(m if self.scale_grads else 1)

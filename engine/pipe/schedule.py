@@ -4,6 +4,7 @@
 |---|---|---|---|
 | "1f1b" (default) | Schedule1F1B | 1 | (p−1)/(m+p−1); holds ≤ p micro-batches of activations |
 | "eager_1f1b" | eager_1f1b.py's Eager1F1B (gloo only) | 1 | (p−1)/(m+p−1), no round trip per micro-batch; holds ≤ 2(p−s)−1 on stage s |
+| "zb_h1" | zb_h1.py's ZeroBubbleH1 | 1 | (p−1)/(3m+p−1) for m ≥ p (zb_h1.py: weight gradients fill the drain); holds ≤ p |
 | "gpipe" | ScheduleGPipe | 1 | (p−1)/(m+p−1); holds m |
 | "interleaved_1f1b" | ScheduleInterleaved1F1B | V ≥ 2 | (p−1)/(V·m+p−1) |
 | "zero_bubble" | ScheduleInterleavedZeroBubble | V ≥ 2 | below interleaved: weight gradients fill the bubble |
@@ -24,10 +25,12 @@ from torch.distributed import pipelining as tp
 from .eager_1f1b import Eager1F1B
 from .early_receive import EarlyReceives
 from .stage_failure import skipped_backward
+from .zb_h1 import ZeroBubbleH1, zb_h1_bubble
 
 SCHEDULES = {
     "1f1b": (tp.Schedule1F1B, False),
     "eager_1f1b": (Eager1F1B, False),
+    "zb_h1": (ZeroBubbleH1, False),
     "gpipe": (tp.ScheduleGPipe, False),
     "interleaved_1f1b": (tp.ScheduleInterleaved1F1B, True),
     "zero_bubble": (tp.ScheduleInterleavedZeroBubble, True),
@@ -56,6 +59,8 @@ def formula_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """The textbook bubble of `name` (the table above); zero-bubble's is bounded by interleaved's."""
     if name in ("1f1b", "eager_1f1b", "gpipe"):
         return (p - 1) / (m + p - 1)
+    if name == "zb_h1":
+        return zb_h1_bubble(p, m)
     return (p - 1) / (v * m + p - 1)
 
 
