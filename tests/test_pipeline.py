@@ -143,17 +143,19 @@ def four_rank_results():
     return run_distributed(_four_rank_checks, world_size=4, timeout=300)
 
 
-def _pipeline_demo() -> int:
-    """examples/train_gpt_pipe.py's main() from sample_configs/pipe2.json, in this spawn (a launch of
-    its own costs two more torch imports), on a small GPT; it raises SystemExit if the loss does not fall."""
+def _pipeline_demo() -> list:
+    """examples/train_gpt_pipe.py's main() from sample_configs/pipe2.json and pipe2_zb_h1.json, in this
+    spawn (a launch of its own costs two more torch imports), on a small GPT; it raises SystemExit if the
+    loss does not fall."""
     from examples import train_gpt_pipe
-    config = str(train_gpt_pipe.DEFAULT_CONFIG)  # sample_configs/pipe2.json
-    return train_gpt_pipe.main(["--deepspeed_config", config, "--steps", "10", "--layers", "2",
-                                "--d-model", "64", "--seq-len", "32", "--threads", "1"])
+    default = train_gpt_pipe.DEFAULT_CONFIG  # sample_configs/pipe2.json
+    return [train_gpt_pipe.main(["--deepspeed_config", str(config), "--steps", "10", "--layers", "2",
+                                 "--d-model", "64", "--seq-len", "32", "--threads", "1"])
+            for config in (default, default.with_name("pipe2_zb_h1.json"))]
 
 
 def test_the_pipeline_demo_trains_from_its_sample_config(two_rank_results):
-    assert [r["demo"] for r in two_rank_results] == [0, 0]
+    assert [r["demo"] for r in two_rank_results] == [[0, 0], [0, 0]]
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,9 @@ counts measured (2 and 4) and m = 1-8; this deferral was the best or within 0.3%
 
 [Note: the messages] The posts and waits are torch's Schedule1F1B's, in its order and with its
 pairs fused (the send of a forward's activation with the receive of a backward's gradient, and the
-reverse), so what reaches each peer, and when, is 1F1B's on any backend; a W runs between posting a
-pair and waiting for it, so a gradient leaves before the weight work that follows its I.
+reverse), so each peer sees 1F1B's messages in 1F1B's order on any backend (at m < p, which torch's
+class refuses, the same loop with the warm-up cut to m forwards); a W runs between posting a pair and
+waiting for it, so a gradient leaves before the weight work that follows its I. Not run on NCCL here.
 """
 from __future__ import annotations
 
