@@ -16,7 +16,11 @@ as the optimizer state ZeRO-1 partitions, over the same data axis). fp16 (dynami
 overflow on one tensor rank) and bf16 on 2 pipe × 2 model and on the 8-rank grid against the
 same-precision engine in one process; fp16 with clipping active at every step (the pipeline's norm,
 agreed over the model-parallel world and unscaled before clipping, equals the reference's, and the first
-step's equals the fp32 reference's). All in one spawn of 8 processes: the 8-rank runs, then ranks 0-3
+step's equals the fp32 reference's). Under "zb_h1" (engine/pipe/zb_h1.py: each backward split into input
+and weight gradients, the weight gradients deferred) Megatron layers at ZeRO-1, AutoTP at ZeRO-2 and fp16
+with an overflow on one tensor rank train bit for bit as under "1f1b" on 2 pipe × 2 model (the tensor
+collectives of a backward run in its input-gradient half, and the same on both tensor ranks; a weight
+gradient is the same computation later). All in one spawn of 8 processes: the 8-rank runs, then ranks 0-3
 as a world of 4, then rank 0 alone (tests/worlds.py).
 """
 from __future__ import annotations
@@ -49,10 +53,11 @@ def _dense_name(name: str) -> str:
     return name.replace(".attn.", ".").replace(".mlp.", ".")
 
 
-def _train_3d(route: str, zero: int, steps: int, inf_at: int | None = None, precision: dict | None = None) -> dict:
+def _train_3d(route: str, zero: int, steps: int, inf_at: int | None = None, precision: dict | None = None,
+              schedule: str = "1f1b") -> dict:
     """One run on this world as pipe 2 × data × model 2; `route` "layers" or "autotp" ("dense": no model
     axis, pipe 2 × data); `precision` an fp16/bf16 config section (the result then holds the fp32 master
-    weights and the loss scale)."""
+    weights and the loss scale); `schedule` the `pipeline.schedule`."""
     import torch.distributed as dist
 
     import engine
@@ -68,6 +73,8 @@ def _train_3d(route: str, zero: int, steps: int, inf_at: int | None = None, prec
               **(precision or {})}
     if route == "autotp":
         config["tensor_parallel"] = {"autotp_size": 2}
+    if schedule != "1f1b":
+        config["pipeline"] = {"schedule": schedule}
     if zero == 3:  # every parameter partitioned over the data axis (engine/pipe/zero3.py)
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     eng, *_ = engine.initialize(model=pm, config=config)
@@ -183,6 +190,9 @@ CASES_4 = {"layers-zero1": ("layers", 1, None, None), "autotp-zero2": ("autotp",
            "fp16-inf": ("layers", 1, INF_STEP, FP16), "bf16": ("autotp", 2, None, BF16),
            "fp16-dense-inf": ("dense", 2, INF_STEP, FP16),  # 2 pipe × 2 data
            "fp16-clip": ("autotp", 2, None, FP16_CLIP)}
+# under "zb_h1", each against the "1f1b" case of the same config (CASES_4)
+ZB_H1_CASES_4 = {"layers-zero1": ("layers", 1, None, None), "autotp-zero2": ("autotp", 2, None, None),
+                 "fp16-inf": ("layers", 1, INF_STEP, FP16)}
 # 2 pipe × 2 data × 2 model, ZeRO-2 (data 2: the reduce-scatter of gradients is real)
 CASES_8 = {"autotp-zero2": ("autotp", 2, None, None), "fp16-clip-inf": ("layers", 2, INF_STEP, FP16_CLIP),
            "bf16": ("autotp", 2, None, BF16), "layers-zero3": ("layers", 3, None, None)}
@@ -203,6 +213,8 @@ def _every_world(root: str):
     new_world(f"{root}/world_of_four", rank, 4)
     out["four"] = {name: _train_3d(route, zero, STEPS_4, inf_at, precision)
                    for name, (route, zero, inf_at, precision) in CASES_4.items()}
+    out["zb_h1"] = {name: _train_3d(route, zero, STEPS_4, inf_at, precision, schedule="zb_h1")
+                    for name, (route, zero, inf_at, precision) in ZB_H1_CASES_4.items()}
     new_world(None, 0, 1)
     if rank == 0:
         out["four"]["references"] = {name: _precision_reference(zero, STEPS_4, precision, inf_at,
@@ -230,6 +242,26 @@ def test_pipe2_x_tp2_equals_the_dense_model(four_rank_results, case):
 
 def test_an_inf_on_one_tensor_rank_of_one_stage_skips_the_step_everywhere(four_rank_results):
     _check([r["inf-zero2"] for r in four_rank_results], STEPS_4, dp=1, skip=frozenset({INF_STEP}))
+
+
+@pytest.mark.parametrize("case", list(ZB_H1_CASES_4))
+def test_zb_h1_on_pipe2_x_tp2_trains_as_1f1b_bit_for_bit(every_world, case):
+    """Every rank's weights (fp16: its fp32 master weights), losses, norms, skips and loss scale under
+    "zb_h1" equal the same case's under "1f1b" exactly; that one equals the dense model (the tests above)."""
+    for r in every_world[:4]:
+        zb, plain = r["zb_h1"][case], r["four"][case]
+        assert zb["coord"] == plain["coord"] and zb["sharded"] == plain["sharded"] > 0
+        assert (zb["losses"], zb["skipped"]) == (plain["losses"], plain["skipped"]), zb["coord"]
+        torch.testing.assert_close(torch.tensor(zb["norms"]), torch.tensor(plain["norms"]), rtol=0, atol=0,
+                                   equal_nan=True)  # the skipped step's norm is NaN in both
+        assert zb["skipped"] == (CASES_4[case][2] is not None), zb["coord"]
+        assert zb.get("scale") == plain.get("scale"), zb["coord"]
+        for name, (p, dim, parts) in plain["params"].items():
+            assert torch.equal(zb["params"][name][0], p), (zb["coord"], name)
+        for name, master in plain.get("masters", {}).items():
+            assert torch.equal(zb["masters"][name], master), (zb["coord"], name)
+    if case == "layers-zero1":  # with the dense reference too, should the 1f1b case change
+        _check([r["zb_h1"][case] for r in every_world[:4]], STEPS_4, dp=1)
 
 
 @pytest.mark.parametrize("case", ["autotp-zero2", "layers-zero3"])

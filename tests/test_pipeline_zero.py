@@ -7,7 +7,9 @@ interleaved and zero-bubble schedules, and with optimizer and parameters offload
 its update is within 5% of the fp32 reference's, as ZeRO-1's. In fp16 an overflow on one stage skips the
 step on every rank with the loss scale halved everywhere and nothing stepped, ZeRO-3 bit for bit as
 ZeRO-1; the NVMe tiers (optimizer at ZeRO-2; optimizer and parameters at ZeRO-3) train bit for bit as
-the same runs in memory. All in one 4-rank spawn."""
+the same runs in memory. Under "zb_h1" (weight gradients deferred, engine/pipe/zb_h1.py) ZeRO-1 with 4
+micro-batches, ZeRO-2 and ZeRO-3 with 2 equal the same reference, the last two bit for bit as "1f1b".
+All in one 4-rank spawn."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 from tests.harness import run_distributed
 from tests.models import micro_batches
 from tests.pipe_models import Reference, global_batches, lm_loss, reference_params, reference_sgd, tied_specs
-from tests.test_pipeline import LR, MICRO, STEPS, _check_against_reference, _config, _train
+from tests.test_pipeline import LR, MICRO, STEPS, _check_against_reference, _config
 
 GAS, INF_STEP, CLIP = 2, 2, 0.05
 FP16, MOMENTUM = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, 0.9
@@ -32,20 +34,21 @@ def _poison_stage_one(eng, pm, inf_at: int | None) -> list:
     return poison
 
 
-def _train_with(zero: int, clip: float = 0.0, inf_at: int | None = None, extra: dict | None = None):
+def _train_with(zero: int, clip: float = 0.0, inf_at: int | None = None, extra: dict | None = None,
+                schedule: str = "1f1b", gas: int = GAS):
     import engine
     from engine.pipe import PipelineModule
     from engine.utils import safe_get_full_fp32_param
     pm = PipelineModule(tied_specs(4), num_stages=2, loss_fn=lm_loss, seed_layers=True, partition_method="uniform")
-    eng, *_ = engine.initialize(model=pm, config=_config("1f1b", GAS, zero, {"gradient_clipping": clip, **(extra or {})}))
+    eng, *_ = engine.initialize(model=pm, config=_config(schedule, gas, zero, {"gradient_clipping": clip, **(extra or {})}))
     dp, dp_rank = eng.comm.world_size, eng.comm.rank
     poison = _poison_stage_one(eng, pm, inf_at)
     low = extra is not None and "bf16" in extra
     start = {n: safe_get_full_fp32_param(p) for n, p in pm.named_parameters()} if low else None
     losses, norms = [], []
-    for step, (x, y) in enumerate(global_batches(STEPS, MICRO * GAS * dp, True)):
+    for step, (x, y) in enumerate(global_batches(STEPS, MICRO * gas * dp, True)):
         poison[:] = [True] if step == inf_at else []
-        losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, GAS))))))
+        losses.append(float(eng.train_batch(iter(list(micro_batches(x, y, dp_rank, dp, gas))))))
         norms.append(eng.get_global_grad_norm())
     if low:  # the fp32 master weights' total update (they start from the rounded weights)
         return ({n: safe_get_full_fp32_param(p) - start[n] for n, p in pm.named_parameters()}, losses, norms,
@@ -66,7 +69,10 @@ def _all_cases():
                                                                  "offload_param": {"device": "cpu"}}}),
             # fp16 with an overflow on one stage, with and without ZeRO-3; the NVMe tiers at stages 2 and 3
             "fp16_zero1": _fp16(1), "fp16_zero3": _fp16(3),
-            "zero2_nvme": _offloaded_to_nvme(2), "zero3_nvme": _offloaded_to_nvme(3)}
+            "zero2_nvme": _offloaded_to_nvme(2), "zero3_nvme": _offloaded_to_nvme(3),
+            # zb_h1: 4 micro-batches on 2 stages (a steady state with deferred weight gradients), and 2
+            "zb_h1_zero1": _train_with(1, schedule="zb_h1", gas=4), "zb_h1_zero2": _train_with(2, schedule="zb_h1"),
+            "zb_h1_zero3": _zero3(schedule="zb_h1")}
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +163,24 @@ def test_two_stages_by_two_data_ranks(per_rank):
         assert finite == pytest.approx([n for s, n in enumerate(ref_norms) if s != INF_STEP], rel=1e-5)
         for name, p in params.items():
             torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=f"ZeRO-3 clipped, {name}")
+
+
+def test_zb_h1_with_zero_equals_the_reference(per_rank):
+    """"zb_h1" at ZeRO-1 (4 micro-batches: weight gradients deferred in the steady state too), ZeRO-2 and
+    ZeRO-3 (2): the single-process reference; at ZeRO-2 and ZeRO-3 also bit for bit the "1f1b" runs of
+    the same config (each micro-batch's weight gradient is the same autograd computation, only later),
+    ZeRO-3 gathering once per step and holding nothing between steps as under "1f1b"."""
+    _check_against_reference([r["zb_h1_zero1"][:3] for r in per_rank], tied=True, gas=4, dp=2, n_layers=6)
+    _check_against_reference([r["zb_h1_zero2"][:3] for r in per_rank], tied=True, gas=GAS, dp=2, n_layers=6)
+    _check_against_reference([r["zb_h1_zero3"]["run"][:3] for r in per_rank], tied=True, gas=GAS, dp=2, n_layers=6)
+    for rank, r in enumerate(per_rank):
+        for zb, plain in ((r["zb_h1_zero2"], r["zero2"]), (r["zb_h1_zero3"]["run"], r["zero3"]["run"])):
+            assert zb[1] == plain[1] and zb[2] == plain[2] and zb[3] == plain[3] == 0, (rank, zb[1:], plain[1:])
+            for name, p in zb[0].items():
+                assert torch.equal(p, plain[0][name]), f"rank {rank}: zb_h1 against 1f1b, {name}"
+        z3 = r["zb_h1_zero3"]
+        assert z3["between"] == [0] * STEPS and z3["at_step"] == [0] * STEPS, z3
+        assert all(calls.get("all_gather", 0) == z3["groups"] + 1 for calls in z3["calls"]), z3["calls"]
 
 
 def test_fp16_overflow_on_one_stage_skips_everywhere_with_and_without_zero3(per_rank):
