@@ -20,9 +20,14 @@ counts measured (2 and 4) and m = 1-8; this deferral was the best or within 0.3%
 
 [Note: the messages] The posts and waits are torch's Schedule1F1B's, in its order and with its
 pairs fused (the send of a forward's activation with the receive of a backward's gradient, and the
-reverse), so each peer sees 1F1B's messages in 1F1B's order on any backend (at m < p, which torch's
-class refuses, the same loop with the warm-up cut to m forwards); a W runs between posting a pair and
-waiting for it, so a gradient leaves before the weight work that follows its I. Not run on NCCL here.
+reverse), so each peer sees 1F1B's messages in 1F1B's order on any backend; a W runs between posting a
+pair and waiting for it, so a gradient leaves before the weight work that follows its I. NCCL also needs
+each message posted alike on both sides, in a batch on both or alone on both (a lazily initialised
+ProcessGroupNCCL runs batched operations on the group's communicator and a lone send or receive on a
+two-rank one of its own, which never meet): at m < p − s, which torch's class refuses, the next stage
+receives all m activations in its warm-up, alone, so stage s sends its last one alone too
+(tests/test_pipeline_zb_h1_compose.py checks every message's two sides for 2-4 stages and m = 1-6).
+Not run on NCCL here.
 """
 from __future__ import annotations
 
@@ -61,13 +66,18 @@ class ZeroBubbleH1(StageLoop):
             return self._backward(k, full=not split)
 
         lead = min(m, self._num_stages - stage.stage_index)
+        # the last warm-up activation goes out with the first gradient's receive where the next stage takes
+        # it in its steady state, batched with a gradient's send; where m is so small that the next stage
+        # takes every activation in its warm-up, one by one, it goes alone (the module's third note)
+        fused = m >= self._num_stages - stage.stage_index
         defer = stage.stage_index
         sends, posted = [], []
-        for k in range(lead):  # warm-up: the last forward's send goes out with the first gradient's receive
+        for k in range(lead):
             _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(k)))
             ops = self._forward(k)
             _wait_batch_p2p(posted)
-            sends, posted = ops, (_batch_p2p(ops) if k < lead - 1 else [])
+            sends, posted = (ops, []) if fused and k == lead - 1 else ([], _batch_p2p(ops))
+        _wait_batch_p2p(posted)
         f = lead
         for b in range(m):
             _wait_batch_p2p(_batch_p2p(sends + stage.get_bwd_recv_ops(b)))
