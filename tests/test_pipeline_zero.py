@@ -178,8 +178,9 @@ def test_zb_h1_with_zero_equals_the_reference(per_rank):
             assert zb[1] == plain[1] and zb[2] == plain[2] and zb[3] == plain[3] == 0, (rank, zb[1:], plain[1:])
             for name, p in zb[0].items():
                 assert torch.equal(p, plain[0][name]), f"rank {rank}: zb_h1 against 1f1b, {name}"
-        z3 = r["zb_h1_zero3"]
-        assert z3["between"] == [0] * STEPS and z3["at_step"] == [0] * STEPS, z3
+        z3 = r["zb_h1_zero3"]  # eval_batch (zb_h1's forward-only loop) first: the loss train_batch then reports
+        assert z3["between"] == [0] * STEPS and z3["at_step"] == [0] * STEPS and z3["after_eval"] == 0, z3
+        assert z3["evaluated"] == pytest.approx(z3["run"][1][0], rel=1e-6), z3
         assert all(calls.get("all_gather", 0) == z3["groups"] + 1 for calls in z3["calls"]), z3["calls"]
 
 
