@@ -24,6 +24,9 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
         "device": "nvme", "nvme_path": "NVME_DIR"}}}, 2),
     "dstrain-pipe2": ({"pipeline": {"stages": 2, "schedule": "1f1b"}, "train_micro_batch_size_per_gpu": 4,
                        "gradient_accumulation_steps": 4}, 0),
+    # the same under ZB-H1 (engine/pipe/zb_h1.py); DeepSpeed's peer is its PipelineEngine's 1F1B, as above
+    "dstrain-pipe2-zb-h1": ({"pipeline": {"stages": 2, "schedule": "zb_h1"}, "train_micro_batch_size_per_gpu": 4,
+                             "gradient_accumulation_steps": 4}, 0),
     "dstrain-tp2": ({"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1, **_ZERO},
                      "gradient_accumulation_steps": 2}, 1),
     # sample_configs/zero3_nvme.json's tiers: the optimizer and the parameters on NVMe (ZeRO-Infinity)
@@ -91,7 +94,8 @@ DEEPSPEED_KNOWN_ERRORS = {"dstrain-z3-offload-nvme": [
      "gradient) for 3 sub-groups at once with pipeline_read and pipeline_write: 12 > offload_optimizer.buffer_count 9"),
 ]}
 # Peers without the strategy's kind of parallelism: their ratio column says so instead of a figure.
-NO_TORCH_EQUIVALENT = {"dstrain-pipe2": "pipeline stages", "dstrain-tp2": "tensor parallelism",
+NO_TORCH_EQUIVALENT = {"dstrain-pipe2": "pipeline stages", "dstrain-pipe2-zb-h1": "pipeline stages",
+                       "dstrain-tp2": "tensor parallelism",
                        "dstrain-pipe2-tp2": "pipeline stages x tensor parallelism",
                        "dstrain-tp2-z3": "tensor parallelism", "dstrain-pipe2-z3": "pipeline stages",
                        "dstrain-pipe2-dp2-z3": "pipeline stages"}
