@@ -20,7 +20,6 @@ what the formula describes. The same fraction measured in wall-clock time is sta
 """
 from __future__ import annotations
 
-from torch.autograd.graph import get_gradient_edge
 from torch.distributed import pipelining as tp
 
 from .eager_1f1b import Eager1F1B
@@ -177,26 +176,27 @@ class LoggedStage(tp.PipelineStage):
         if self.has_backward:
             self.action_log.append(("W", self.stage_index, bwd_chunk_id))
         state = self.backward_state.get(bwd_chunk_id) if self.stage_index != 0 else None
-        nodes = {node for group in (state[1] or ()) for node in group["params"]} if state is not None else set()
+        nodes = list(dict.fromkeys(node for group in (state[1] or ()) for node in group["params"])) \
+            if state is not None else []  # each parameter once, in torch's order
         with self.clock.busy():
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-            _after_accumulation(self.submod, nodes)
+            _after_accumulation(nodes)
 
 
-def _after_accumulation(module, nodes: set) -> None:
+def _after_accumulation(nodes: list) -> None:
     """[Note: the weight half's hooks] torch's weight-gradient half (`stage_backward_weight`, the split
     backward of "zb_h1" and "zero_bubble") computes the gradients with autograd.grad and assigns `.grad`
     itself, so the parameters' post-accumulate-grad hooks never run there, and the engine's are where it
     takes a gradient: into an fp32 accumulation buffer (`data_types.grad_accum_dtype`: the update was
     lost), into ZeRO's partitions, and into the arrival log (`ignore_unused_parameters: false` said the
     parameters got no gradient). They run here, once per parameter whose AccumulateGrad node was in the
-    micro-batch's weight groups (`nodes`), as AccumulateGrad would have run them. Stage index 0 is
-    skipped by the caller: torch runs a whole backward there, through AccumulateGrad. The hooks' registry
-    is a private attribute of torch 2.13's Tensor; `tests/test_pipeline_zb_h1_compose.py` fails if it moves."""
-    if not nodes:
-        return
-    for p in module.parameters():
-        if p.grad is not None and get_gradient_edge(p).node in nodes:
+    micro-batch's weight groups (`nodes`: each node's `variable` is its parameter), as AccumulateGrad
+    would have run them. Stage index 0 is skipped by the caller: torch runs a whole backward there,
+    through AccumulateGrad. The hooks' registry is a private attribute of torch 2.13's Tensor;
+    `tests/test_pipeline_zb_h1_compose.py` fails if it moves."""
+    for node in nodes:
+        p = node.variable
+        if p.grad is not None:
             for hook in tuple((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
                 hook(p)
 
