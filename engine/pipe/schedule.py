@@ -192,8 +192,9 @@ def _after_accumulation(nodes: list) -> None:
     parameters got no gradient). They run here, once per parameter whose AccumulateGrad node was in the
     micro-batch's weight groups (`nodes`: each node's `variable` is its parameter), as AccumulateGrad
     would have run them. Stage index 0 is skipped by the caller: torch runs a whole backward there,
-    through AccumulateGrad. The hooks' registry is a private attribute of torch 2.13's Tensor;
-    `tests/test_pipeline_zb_h1_compose.py` fails if it moves."""
+    through AccumulateGrad. The hooks' registry (a Tensor attribute) and the weight groups' place in the
+    stage's `backward_state` are private to torch 2.13; `tests/test_pipeline_zb_h1_compose.py` fails if
+    either moves (no hook would run)."""
     for node in nodes:
         p = node.variable
         if p.grad is not None:
