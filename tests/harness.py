@@ -26,7 +26,6 @@ import faulthandler
 import gc
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import time
@@ -35,6 +34,8 @@ from multiprocessing import reduction
 from pathlib import Path
 
 import torch.multiprocessing as mp
+
+from tests.launcher_scripts.harness import free_port  # noqa: F401 - the tests' one port chooser, imported from here too
 
 
 class RankFailed(RuntimeError):
@@ -54,12 +55,6 @@ class _Fd:
     @staticmethod
     def _detach(dup) -> int:
         return dup.detach()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # What (almost) every rank imports, so that it is imported once per test session, not once per rank:
@@ -120,7 +115,7 @@ def _rank_main(call, rank, world_size, port, outdir, env, parent_env, cwd, stdou
 def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
                     timeout: float = 90.0, env: dict | None = None) -> list:
     ctx = _context()
-    port = free_port()
+    port = free_port(hold=False)  # nothing binds it: the ranks meet through a file store
     # Plain pickle, by value: multiprocessing's own pickler would share tensors as file descriptors, and
     # the forkserver refuses more than a few hundred of them.
     call = pickle.dumps((fn, args, kwargs or {}))

@@ -1,6 +1,7 @@
 """dslaunch on one machine: the environment each rank sees, output, per-rank logs, restarts."""
 import json
 import os
+import socket
 
 import pytest
 
@@ -11,6 +12,9 @@ def test_each_rank_sees_the_launch_environment(tmp_path):
     # 4 ranks only: a 2-rank run checked nothing this one does not (and the other tests here launch 2)
     nproc = 4
     out, port = str(tmp_path / "out"), free_port()
+    for address in ("127.0.0.1", "0.0.0.0"):  # what another process (or its bind to port 0) would do meanwhile
+        with socket.socket() as other, pytest.raises(OSError, match="in use"):
+            other.bind((address, port))
     nasty = ["; touch pwned #", "$(touch pwned2)", "a b"]
     result = run_dslaunch("--nproc_per_node", str(nproc), "--master_port", str(port), WORKER, "--out", out,
                           "--steps", "2", "--echo", *nasty, timeout=90,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,10 +16,39 @@ WORKER = os.path.join(REPO, "tests", "launcher_scripts", "train_worker.py")
 RANK_WITH_CHILD = os.path.join(REPO, "tests", "launcher_scripts", "rank_with_child.py")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+# Ports free_port() handed out, bound for the rest of the test process: a released port can be taken.
+_HELD_PORTS: list[socket.socket] = []
+
+
+def free_port(hold: bool = True) -> int:
+    """A port on 127.0.0.1 for a job's rendezvous that no other process can take before rank 0 binds it.
+
+    A port found by binding port 0 and closing the socket is free only until someone else binds it (a
+    test that bound it first made rank 0's TCPStore fail with EADDRINUSE), and the kernel hands that
+    range to every bind(0) on the machine (gloo's listeners, dslaunch's control port, other test runs)
+    and to outgoing connections. So the port is drawn outside ip_local_port_range, where the kernel
+    hands nothing out in any network namespace, and above torch's default 29500. With `hold` it stays
+    bound: first without SO_REUSEADDR (that bind fails while anyone has the port, another run's hold
+    included), then with it, so that the job's store (libuv and c10d both set SO_REUSEADDR) can bind
+    beside it while a bind without SO_REUSEADDR fails. `hold=False` is for a port that nothing binds."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+        low, high = (int(bound) for bound in handle.read().split())
+    candidates = [port for port in range(30000, 65536) if not low <= port <= high]
+    for port in random.Random().sample(candidates, min(len(candidates), 100)):  # not the tests' seeded draws
+        held = socket.socket()
+        try:
+            held.bind(("127.0.0.1", port))
+        except OSError:
+            held.close()
+            continue
+        if not hold:
+            held.close()
+            return port
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _HELD_PORTS.append(held)
+        return port
+    raise RuntimeError(f"no free port in 30000-65535 outside ip_local_port_range {low}-{high}: widen the gap "
+                       "(sysctl net.ipv4.ip_local_port_range) or end the processes that hold them")
 
 
 def launch_env(**extra: str) -> dict[str, str]:
