@@ -6,7 +6,7 @@ PipelineStage + schedule on the same layers, and (with --deepspeed-venv) DeepSpe
     python benchmarks/bench_pipeline.py --stages 2 --micro-batches 4 --tensor-parallel 2   # 3D rows
 
 Workload: benchmarks/pipe_workload.py (16 layers: 8 × Linear(512, 512) + GELU, micro-batch 16 or `--micro-size`, MSE,
-SGD), one rank per stage, 1 thread each, gloo over loopback, fp32. Per row: the median train_batch
+SGD; `--width D` makes them Linear(D, D)), one rank per stage, 1 thread each, gloo over loopback, fp32. Per row: the median train_batch
 time of the last min(15, N - 1) of N steps (the first builds the stages; the next warm up), the slowest
 rank's, over `--rounds` interleaved rounds (in each, for every m, dstrain's schedules and torch's run
 in one set of processes and DeepSpeed's right after, or right before in every other round), with the
@@ -423,6 +423,8 @@ def _parse_args() -> argparse.Namespace:
                    help="only a per-rank timeline of 2 dstrain-1f1b steps after --steps warm-up ones")
     p.add_argument("--micro-size", type=int, default=None,
                    help=f"rows per micro-batch (default {wl.MICRO}); set for every rank and DeepSpeed's peer")
+    p.add_argument("--width", type=int, default=None,
+                   help=f"the layers' width (default {wl.D}); set for every rank and DeepSpeed's peer")
     p.add_argument("--systems", default=",".join((*SCHEDULES, "torch")),
                    help="dstrain's schedules to run, and 'torch' for torch's bare schedule (default: all)")
     p.add_argument("--separate", action="store_true",
@@ -457,7 +459,10 @@ def main() -> int:
     if args.micro_size is not None:  # before the first spawn: the ranks and the peer import the workload anew
         os.environ["DSTRAIN_PIPE_MICRO"] = str(args.micro_size)
         wl.MICRO = args.micro_size
-    print(f"micro-batch rows: {wl.MICRO}")
+    if args.width is not None:
+        os.environ["DSTRAIN_PIPE_WIDTH"] = str(args.width)
+        wl.D = args.width
+    print(f"micro-batch rows: {wl.MICRO}, width: {wl.D}")
     print(f"load before: {os.getloadavg()}")
     if _single_mode(args):
         print(f"load after: {os.getloadavg()}")

@@ -10,7 +10,10 @@ import torch.nn as nn
 # DSTRAIN_PIPE_MICRO (bench_pipeline's --micro-size) sets the rows per micro-batch for every process
 # that imports this, dstrain's ranks and DeepSpeed's alike: larger micro-batches make compute dominate
 # the per-message latency, which is how a bubble close to the schedule's formula can be seen here.
-D, LAYERS, MICRO = 512, 16, int(os.environ.get("DSTRAIN_PIPE_MICRO", "16"))
+# DSTRAIN_PIPE_WIDTH (--width) sets the layers' width D: a stage computes rows·D² per layer and sends
+# rows·D across a boundary, so a wider layer makes compute dominate the transfer's copying as well.
+D = int(os.environ.get("DSTRAIN_PIPE_WIDTH", "512"))
+LAYERS, MICRO = 16, int(os.environ.get("DSTRAIN_PIPE_MICRO", "16"))
 
 
 def layers() -> list[nn.Module]:
