@@ -5,6 +5,7 @@ import socket
 
 import pytest
 
+from launcher_scripts import harness
 from launcher_scripts.harness import WORKER, free_port, launch_env, rank_record, run_dslaunch
 
 
@@ -31,6 +32,21 @@ def test_each_rank_sees_the_launch_environment(tmp_path):
     assert not any(name.startswith("pwned") for name in os.listdir(tmp_path))
     for rank in range(nproc):
         assert f"[rank{rank}]: step 1 loss" in result.stdout
+
+
+@pytest.mark.parametrize("ephemeral", ["32768 60999", "1024 65535"], ids=["linux-default", "all-ports"])
+def test_a_rendezvous_port_is_found_and_held_whatever_the_ephemeral_range(tmp_path, monkeypatch, ephemeral):
+    """A box whose ip_local_port_range covers all of 30000-65535 (1024-65535 is a common container and CI
+    setting) still gets a held port: there, none is outside the range, and every test that asks for one
+    (run_distributed's too) would fail."""
+    (tmp_path / "range").write_text(ephemeral + "\n")
+    monkeypatch.setattr(harness, "EPHEMERAL_PORT_RANGE", str(tmp_path / "range"))
+    low, high = (int(bound) for bound in ephemeral.split())
+    port = free_port()
+    assert 30000 <= port <= 65535 and (high == 65535 or not low <= port <= high), port
+    with socket.socket() as other, pytest.raises(OSError, match="in use"):
+        other.bind(("127.0.0.1", port))
+    assert 30000 <= free_port(hold=False) <= 65535
 
 
 def test_per_rank_logs_bound_cores_and_module_mode(tmp_path):

@@ -16,6 +16,8 @@ WORKER = os.path.join(REPO, "tests", "launcher_scripts", "train_worker.py")
 RANK_WITH_CHILD = os.path.join(REPO, "tests", "launcher_scripts", "rank_with_child.py")
 
 
+# The kernel's range for bind(0) and outgoing connections, per network namespace.
+EPHEMERAL_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 # Ports free_port() handed out, bound for the rest of the test process: a released port can be taken.
 _HELD_PORTS: list[socket.socket] = []
 
@@ -26,14 +28,17 @@ def free_port(hold: bool = True) -> int:
     A port found by binding port 0 and closing the socket is free only until someone else binds it (a
     test that bound it first made rank 0's TCPStore fail with EADDRINUSE), and the kernel hands that
     range to every bind(0) on the machine (gloo's listeners, dslaunch's control port, other test runs)
-    and to outgoing connections. So the port is drawn outside ip_local_port_range, where the kernel
-    hands nothing out in any network namespace, and above torch's default 29500. With `hold` it stays
-    bound: first without SO_REUSEADDR (that bind fails while anyone has the port, another run's hold
-    included), then with it, so that the job's store (libuv and c10d both set SO_REUSEADDR) can bind
-    beside it while a bind without SO_REUSEADDR fails. `hold=False` is for a port that nothing binds."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+    and to outgoing connections. So the port is drawn above torch's default 29500 and outside
+    ip_local_port_range, where the kernel hands nothing out; where that range covers all of 30000-65535
+    (1024-65535, as some CI boxes set it), from inside it: a held port is safe there too (bind(0), with
+    or without SO_REUSEADDR, and connect() skipped it, checked with the range exhausted), and one that
+    is not held is as exposed as before. With `hold` it stays bound: first without SO_REUSEADDR (that
+    bind fails while anyone has the port, another run's hold included), then with it, so that the job's
+    store (libuv and c10d both set SO_REUSEADDR) can bind beside it while a bind without SO_REUSEADDR
+    fails. `hold=False` is for a port that nothing binds."""
+    with open(EPHEMERAL_PORT_RANGE) as handle:
         low, high = (int(bound) for bound in handle.read().split())
-    candidates = [port for port in range(30000, 65536) if not low <= port <= high]
+    candidates = [port for port in range(30000, 65536) if not low <= port <= high] or list(range(30000, 65536))
     for port in random.Random().sample(candidates, min(len(candidates), 100)):  # not the tests' seeded draws
         held = socket.socket()
         try:
@@ -47,8 +52,8 @@ def free_port(hold: bool = True) -> int:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         _HELD_PORTS.append(held)
         return port
-    raise RuntimeError(f"no free port in 30000-65535 outside ip_local_port_range {low}-{high}: widen the gap "
-                       "(sysctl net.ipv4.ip_local_port_range) or end the processes that hold them")
+    raise RuntimeError(f"no free port on 127.0.0.1 in 100 tries of 30000-65535 (ip_local_port_range {low}-{high}): "
+                       "end the processes that hold them, or narrow net.ipv4.ip_local_port_range")
 
 
 def launch_env(**extra: str) -> dict[str, str]:
