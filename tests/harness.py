@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from tests.launcher_scripts.harness import free_port  # noqa: F401 - the tests' one port chooser, imported from here too
+from tests.launcher_scripts.harness import free_port, release_port  # the tests' one port chooser, imported from here too
 
 
 class RankFailed(RuntimeError):
@@ -115,7 +115,9 @@ def _rank_main(call, rank, world_size, port, outdir, env, parent_env, cwd, stdou
 def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
                     timeout: float = 90.0, env: dict | None = None) -> list:
     ctx = _context()
-    port = free_port(hold=False)  # nothing binds it: the ranks meet through a file store
+    # The ranks meet through a file store, but a rank that re-initialises from the environment binds
+    # MASTER_PORT (test_initialize_arguments): held for the run, as the launcher tests hold theirs.
+    port = free_port()
     # Plain pickle, by value: multiprocessing's own pickler would share tensors as file descriptors, and
     # the forkserver refuses more than a few hundred of them.
     call = pickle.dumps((fn, args, kwargs or {}))
@@ -148,6 +150,7 @@ def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None =
                     p.kill()
             for p in procs:
                 p.join(timeout=5)
+            release_port(port)
 
 
 def _failure_text(outdir, ranks, procs) -> str:

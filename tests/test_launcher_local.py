@@ -49,6 +49,26 @@ def test_a_rendezvous_port_is_found_and_held_whatever_the_ephemeral_range(tmp_pa
     assert 30000 <= free_port(hold=False) <= 65535
 
 
+def _master_port_taken() -> bool:
+    with socket.socket() as other:
+        try:
+            other.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+        except OSError:
+            return True
+    return False
+
+
+def test_run_distributed_holds_its_master_port_while_its_ranks_run():
+    """tests/harness.py's ranks meet through a file store, but a rank that re-initialises from the
+    environment (test_initialize_arguments: `engine.init_distributed()`) binds MASTER_PORT: released,
+    another process's port could take it (provoked: a listener there failed that test with EADDRINUSE)."""
+    from tests.harness import run_distributed
+    from tests.launcher_scripts.harness import _HELD_PORTS  # the module tests/harness.py imports
+    held_before = list(_HELD_PORTS)
+    assert run_distributed(_master_port_taken, 1) == [True]
+    assert _HELD_PORTS == held_before  # and released after: hundreds of runs hold nothing
+
+
 def test_per_rank_logs_bound_cores_and_module_mode(tmp_path):
     out, logs = str(tmp_path / "out"), str(tmp_path / "logs")
     result = run_dslaunch("--nproc_per_node", "2", "--master_port", str(free_port()), "--enable_each_rank_log",

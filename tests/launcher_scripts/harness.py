@@ -35,7 +35,7 @@ def free_port(hold: bool = True) -> int:
     is not held is as exposed as before. With `hold` it stays bound: first without SO_REUSEADDR (that
     bind fails while anyone has the port, another run's hold included), then with it, so that the job's
     store (libuv and c10d both set SO_REUSEADDR) can bind beside it while a bind without SO_REUSEADDR
-    fails. `hold=False` is for a port that nothing binds."""
+    fails. `hold=False` is for a port that nothing binds; `release_port` ends a hold early."""
     with open(EPHEMERAL_PORT_RANGE) as handle:
         low, high = (int(bound) for bound in handle.read().split())
     candidates = [port for port in range(30000, 65536) if not low <= port <= high] or list(range(30000, 65536))
@@ -54,6 +54,14 @@ def free_port(hold: bool = True) -> int:
         return port
     raise RuntimeError(f"no free port on 127.0.0.1 in 100 tries of 30000-65535 (ip_local_port_range {low}-{high}): "
                        "end the processes that hold them, or narrow net.ipv4.ip_local_port_range")
+
+
+def release_port(port: int) -> None:
+    """Closes free_port's hold on `port`, for a caller that runs many jobs (run_distributed): its ports
+    would otherwise stay bound for the whole test session, hundreds of them."""
+    for held in [held for held in _HELD_PORTS if held.getsockname()[1] == port]:
+        _HELD_PORTS.remove(held)
+        held.close()
 
 
 def launch_env(**extra: str) -> dict[str, str]:
