@@ -39,7 +39,10 @@ def zombie_under(pid: int, parent: int) -> bool:
 
 
 def gone(pid: int) -> bool:
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_DEAD
+    try:  # not pid_exists() first: the orphan can be reaped between the two looks (NoSuchProcess, seen)
+        return psutil.Process(pid).status() == psutil.STATUS_DEAD
+    except psutil.NoSuchProcess:
+        return True
 
 
 def kill_switch(agent: int) -> None:
