@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,12 +23,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "launcher_scripts", "train_worker.py")
+sys.path.insert(0, REPO)
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+# the tests' port chooser: a port bound with port 0 and closed could be taken before rank 0 binds it
+from tests.launcher_scripts.harness import free_port  # noqa: E402
 
 
 def launcher_argv(name: str, nproc: int) -> list[str]:

@@ -462,7 +462,8 @@ def main() -> int:
     if args.width is not None:
         os.environ["DSTRAIN_PIPE_WIDTH"] = str(args.width)
         wl.D = args.width
-    print(f"micro-batch rows: {wl.MICRO}, width: {wl.D}")
+    print(f"micro-batch rows: {wl.MICRO}, width: {wl.D}" +
+          (" (the --tensor-parallel rows' GPT takes neither)" if args.tensor_parallel > 1 else ""))
     print(f"load before: {os.getloadavg()}")
     if _single_mode(args):
         print(f"load after: {os.getloadavg()}")
