@@ -46,7 +46,6 @@ def test_a_rendezvous_port_is_found_and_held_whatever_the_ephemeral_range(tmp_pa
     assert 30000 <= port <= 65535 and (high == 65535 or not low <= port <= high), port
     with socket.socket() as other, pytest.raises(OSError, match="in use"):
         other.bind(("127.0.0.1", port))
-    assert 30000 <= free_port(hold=False) <= 65535
 
 
 def _master_port_taken() -> bool:

@@ -22,7 +22,7 @@ EPHEMERAL_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _HELD_PORTS: list[socket.socket] = []
 
 
-def free_port(hold: bool = True) -> int:
+def free_port() -> int:
     """A port on 127.0.0.1 for a job's rendezvous that no other process can take before rank 0 binds it.
 
     A port found by binding port 0 and closing the socket is free only until someone else binds it (a
@@ -31,11 +31,10 @@ def free_port(hold: bool = True) -> int:
     and to outgoing connections. So the port is drawn above torch's default 29500 and outside
     ip_local_port_range, where the kernel hands nothing out; where that range covers all of 30000-65535
     (1024-65535, as some CI boxes set it), from inside it: a held port is safe there too (bind(0), with
-    or without SO_REUSEADDR, and connect() skipped it, checked with the range exhausted), and one that
-    is not held is as exposed as before. With `hold` it stays bound: first without SO_REUSEADDR (that
-    bind fails while anyone has the port, another run's hold included), then with it, so that the job's
-    store (libuv and c10d both set SO_REUSEADDR) can bind beside it while a bind without SO_REUSEADDR
-    fails. `hold=False` is for a port that nothing binds; `release_port` ends a hold early."""
+    or without SO_REUSEADDR, and connect() skipped it, checked with the range exhausted). It stays
+    bound: first without SO_REUSEADDR (that bind fails while anyone has the port, another run's hold
+    included), then with it, so that the job's store (libuv and c10d both set SO_REUSEADDR) can bind
+    beside it while a bind without SO_REUSEADDR fails; `release_port` ends the hold early."""
     with open(EPHEMERAL_PORT_RANGE) as handle:
         low, high = (int(bound) for bound in handle.read().split())
     candidates = [port for port in range(30000, 65536) if not low <= port <= high] or list(range(30000, 65536))
@@ -46,9 +45,6 @@ def free_port(hold: bool = True) -> int:
         except OSError:
             held.close()
             continue
-        if not hold:
-            held.close()
-            return port
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         _HELD_PORTS.append(held)
         return port
